@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make run` (the demo gateway) and `make test` (every test).
+# Each installs what it needs, once; running them again only does what changed.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+# pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
+QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
+
+.PHONY: run test unit e2e e2e-setup venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
+	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai'
+	touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(VENV)/bin/llm-gateway demo
+
+e2e-setup:
+	scripts/setup_e2e.sh
+
+test: venv
+	$(VENV)/bin/pytest -q
+
+unit: venv
+	$(VENV)/bin/pytest -q tests/unit tests/integration
+
+clean:
+	rm -rf $(VENV) .venv-vllm .cache

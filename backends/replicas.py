@@ -1,0 +1,118 @@
+"""The owned replicas of every model and what the gateway knows about their health.
+
+A replica is `unknown` until its first health check or request, `up` after a success and `down` after
+`failure_threshold` consecutive failures (connect errors, 5xx). A down replica gets no traffic; it is probed
+again after a backoff that doubles with every failed probe, and one successful probe brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.config import Health, Policy, backend_name
+
+log = logging.getLogger("gateway.health")
+
+UNKNOWN, UP, DOWN = "unknown", "up", "down"
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    model: str  # the public model name
+    url: str
+    served_name: str
+    in_flight: int = 0
+    state: str = UNKNOWN
+    failures: int = 0
+    probe_at: float = 0.0  # monotonic time of the next health probe while down
+
+    @property
+    def routable(self) -> bool:
+        return self.state != DOWN
+
+
+class ReplicaSet:
+    """All replicas, by public model name, plus the passive and active health bookkeeping."""
+
+    def __init__(self, policy: Policy, on_change=None) -> None:
+        self.health = policy.health
+        self.by_model: dict[str, list[Replica]] = {}
+        for model in policy.models:
+            self.by_model[model.name] = [
+                Replica(
+                    name=backend_name(model, i),
+                    model=model.name,
+                    url=backend.url,
+                    served_name=backend.served_name or model.served_name or model.name,
+                )
+                for i, backend in enumerate(model.backends)
+            ]
+        self._on_change = on_change or (lambda replica: None)
+
+    def __iter__(self):
+        for replicas in self.by_model.values():
+            yield from replicas
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+        if replica.state != UP:
+            if replica.state == DOWN:
+                log.info("backend %s (%s) is up again", replica.name, replica.url)
+            replica.state = UP
+            self._on_change(replica)
+
+    def failed(self, replica: Replica, reason: str) -> None:
+        replica.failures += 1
+        if replica.failures < self.health.failure_threshold and replica.state != DOWN:
+            return
+        if replica.state != DOWN:
+            log.warning("backend %s (%s) is down: %s", replica.name, replica.url, reason)
+        replica.state = DOWN
+        replica.probe_at = time.monotonic() + backoff(self.health, replica.failures)
+        self._on_change(replica)
+
+    def ready(self) -> dict[str, bool]:
+        """Per model: has at least one replica answered its health check."""
+        return {model: any(r.state == UP for r in replicas) for model, replicas in self.by_model.items()}
+
+    async def check(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> bool:
+        try:
+            response = await client.get(f"{replica.url}/health", timeout=timeout)
+            ok = response.status_code == 200
+            reason = f"health check returned {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"health check failed: {type(exc).__name__}"
+        if ok:
+            self.succeeded(replica)
+        else:
+            self.failed(replica, reason)
+        return ok
+
+    async def check_due(self, client: httpx.AsyncClient, timeout: float) -> None:
+        """One round: every replica that is not down, and every down one whose backoff has passed."""
+        now = time.monotonic()
+        due = [r for r in self if r.state != DOWN or r.probe_at <= now]
+        await asyncio.gather(*(self.check(client, r, timeout) for r in due))
+
+    async def run_checks(self, client: httpx.AsyncClient, timeout: float) -> None:
+        """The active health loop; wakes often enough to honour short backoffs."""
+        last_full = 0.0
+        while True:
+            now = time.monotonic()
+            if now - last_full >= self.health.interval:
+                last_full = now
+                await self.check_due(client, timeout)
+            else:
+                down_due = [r for r in self if r.state == DOWN and r.probe_at <= now]
+                await asyncio.gather(*(self.check(client, r, timeout) for r in down_due))
+            await asyncio.sleep(min(self.health.interval, 0.5))
+
+
+def backoff(health: Health, failures: int) -> float:
+    return min(health.backoff_max, health.backoff_initial * 2 ** max(0, failures - 1))

@@ -1,0 +1,4 @@
+from gateway.cli import main
+import sys
+
+sys.exit(main())

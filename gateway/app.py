@@ -1,0 +1,137 @@
+"""The app factory: one `Gateway` holds a process's state; `create_app` wires it to HTTP.
+
+/v1/* is served by the lean OpenAI routes; health, readiness and metrics (and later the admin API) by Litestar,
+which also owns the lifespan that opens the shared upstream client and runs the health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from litestar import Litestar, MediaType, Request, Response, get
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backends.replicas import DOWN, Replica, ReplicaSet
+from backends.upstream import new_client
+from gateway.config import Policy
+from gateway.errors import GatewayError, InternalError, MethodNotAllowed, NotFound
+from gateway.metrics import GatewayMetrics
+from gateway.openai_routes import OpenAIRoutes
+from gateway.pipeline import Pipeline
+from gateway.proxy import Proxy
+from policies.models import ResolveModel
+from policies.routing import Profile
+
+log = logging.getLogger("gateway")
+
+
+class Gateway:
+    """Everything one gateway process holds for its lifetime."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.metrics = GatewayMetrics()
+        self.replicas = ReplicaSet(policy, on_change=self._replica_changed)
+        for replica in self.replicas:
+            self._replica_changed(replica)
+        self.profile = Profile.from_config(policy.routing.scorers)
+        self.pipeline = Pipeline([ResolveModel(policy)])
+        self.proxy: Proxy | None = None
+        created = int(time.time())
+        self._models = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": m.name, "object": "model", "created": created, "owned_by": "llm-gateway"}
+                    for m in policy.models
+                ],
+            }
+        )
+
+    def models_listing(self) -> bytes:
+        return self._models
+
+    def _replica_changed(self, replica: Replica) -> None:
+        self.metrics.backend_up.labels(replica.model, replica.name).set(0 if replica.state == DOWN else 1)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
+        t = self.policy.timeouts
+        client = new_client(t.connect, t.read, t.write)
+        self.proxy = Proxy(self.replicas, self.profile, self.pipeline, self.metrics, client)
+        checks = asyncio.create_task(self.replicas.run_checks(client, t.health_check))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            await client.aclose()
+
+
+def openai_error(exc: GatewayError) -> Response:
+    return Response(exc.body(), status_code=exc.status, media_type=MediaType.JSON, headers=exc.headers)
+
+
+def on_http_exception(_request: Request, exc: HTTPException) -> Response:
+    if isinstance(exc, NotFoundException):
+        return openai_error(NotFound("unknown path", code="unknown_url"))
+    if isinstance(exc, MethodNotAllowedException):
+        return openai_error(MethodNotAllowed("method not allowed on this path"))
+    if isinstance(exc, GatewayError):
+        return openai_error(exc)
+    error = GatewayError(str(exc.detail))
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return openai_error(error)
+
+
+def on_gateway_error(_request: Request, exc: GatewayError) -> Response:
+    return openai_error(exc)
+
+
+def on_unexpected(_request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in the ops/admin app", exc_info=exc)
+    return openai_error(InternalError("the gateway failed to handle the request"))
+
+
+def create_app(policy: Policy):
+    gateway = Gateway(policy)
+
+    @get("/health", media_type=MediaType.JSON, include_in_schema=True, sync_to_thread=False)
+    def health() -> dict[str, str]:
+        """Liveness: the process is serving."""
+        return {"status": "ok"}
+
+    @get("/ready", sync_to_thread=False)
+    def ready() -> Response:
+        """Readiness: every model has at least one backend that answered its health check."""
+        models = gateway.replicas.ready()
+        ok = all(models.values())
+        body = {"status": "ready" if ok else "not_ready", "models": models}
+        return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
+
+    @get("/metrics", sync_to_thread=False)
+    def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    ops = Litestar(
+        route_handlers=[health, ready, metrics],
+        lifespan=[gateway.lifespan],
+        exception_handlers={
+            GatewayError: on_gateway_error,
+            HTTPException: on_http_exception,
+            Exception: on_unexpected,
+        },
+        request_max_body_size=policy.server.max_body_bytes,
+        logging_config=None,  # logging is the process's business (gateway/cli.py), not the framework's
+    )
+    app = OpenAIRoutes(gateway, ops)
+    app.state = gateway  # handy for tests and the CLI
+    return app

@@ -1,0 +1,80 @@
+"""`llm-gateway`: serve a policy file, check one, or run the self-contained demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.config import PolicyError, load_policy
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway with a policy file")
+    serve.add_argument("--config", "-c", required=True, help="the policy file (YAML)")
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument("--log-level", default="info")
+
+    check = sub.add_parser("check", help="validate a policy file and explain what is wrong")
+    check.add_argument("file")
+
+    demo = sub.add_parser("demo", help="simulated vLLM backends for two models and a gateway in front")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8080)
+    demo.add_argument("--log-level", default="info")
+
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        return run_check(args.file)
+    if args.command == "serve":
+        return run_serve(args)
+    from gateway.demo import run_demo
+
+    return run_demo(args.host, args.port, args.log_level)
+
+
+def run_check(path: str) -> int:
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    backends = sum(len(m.backends) for m in policy.models)
+    print(f"{path}: ok ({len(policy.models)} models, {backends} backends)")
+    return 0
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # httpx logs every upstream URL at INFO; the gateway's own access line already says what happened.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    try:
+        policy = load_policy(args.config)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    configure_logging(args.log_level)
+    uvicorn.run(
+        create_app(policy),
+        host=args.host or policy.listen.host,
+        port=args.port or policy.listen.port,
+        log_level=args.log_level,
+        access_log=False,  # the gateway logs each request itself, with its id and never its headers
+        lifespan="on",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The policy file: one YAML document that says which models exist and where they are served.
+
+Validated by pydantic with unknown keys rejected, so a typo is an error at load time rather than a setting
+that silently does nothing. `load_policy` turns every problem into one `PolicyError` whose lines name the
+offending field (`models[0].backends[1].url: ...`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
+Seconds = Annotated[float, Field(gt=0, le=86400)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+
+
+class Timeouts(Strict):
+    connect: Seconds = 5.0
+    read: Seconds = 600.0
+    write: Seconds = 30.0
+    health_check: Seconds = 2.0
+
+
+class Health(Strict):
+    interval: Seconds = 5.0
+    failure_threshold: int = Field(1, ge=1, le=100)
+    backoff_initial: Seconds = 1.0
+    backoff_max: Seconds = 60.0
+
+
+class Server(Strict):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
+
+
+class ScorerRef(Strict):
+    name: str
+    weight: float = Field(1.0, gt=0)
+
+
+class Routing(Strict):
+    scorers: list[ScorerRef] = [ScorerRef(name="least-in-flight")]
+
+    @field_validator("scorers")
+    @classmethod
+    def known_scorers(cls, scorers: list[ScorerRef]) -> list[ScorerRef]:
+        from policies.routing import SCORERS
+
+        for ref in scorers:
+            if ref.name not in SCORERS:
+                raise ValueError(f"unknown scorer {ref.name!r}; known: {', '.join(sorted(SCORERS))}")
+        return scorers
+
+
+class Backend(Strict):
+    url: str
+    name: str | None = Field(None, pattern=NAME)
+    served_name: str | None = Field(None, pattern=NAME)
+
+    @field_validator("url")
+    @classmethod
+    def http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError("must not carry a query, fragment or credentials")
+        return url.rstrip("/")
+
+
+class Model(Strict):
+    name: str = Field(pattern=NAME)
+    aliases: list[Annotated[str, Field(pattern=NAME)]] = []
+    served_name: str | None = Field(None, pattern=NAME)
+    backends: list[Backend] = Field(min_length=1)
+
+
+class Policy(Strict):
+    listen: Listen = Listen()
+    server: Server = Server()
+    timeouts: Timeouts = Timeouts()
+    health: Health = Health()
+    routing: Routing = Routing()
+    models: list[Model] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def unique_names(self) -> Policy:
+        seen: dict[str, str] = {}
+        for model in self.models:
+            for public in (model.name, *model.aliases):
+                if public in seen:
+                    raise ValueError(f"model name or alias {public!r} is used twice ({seen[public]} and {model.name})")
+                seen[public] = model.name
+        backend_names: set[str] = set()
+        for model in self.models:
+            for i, backend in enumerate(model.backends):
+                name = backend_name(model, i)
+                if name in backend_names:
+                    raise ValueError(f"backend name {name!r} is used twice")
+                backend_names.add(name)
+        return self
+
+
+def backend_name(model: Model, index: int) -> str:
+    return model.backends[index].name or f"{model.name}-{index}"
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be used; the message names every bad field and why."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in keys:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: the policy file must be a mapping with at least `models:`")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(f"{source}: invalid policy\n" + format_errors(exc, data)) from None
+
+
+def load_policy(path: str | Path) -> Policy:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_policy(text, str(path))
+
+
+def format_errors(exc: ValidationError, data: Any) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = _location(err["loc"], data)
+        if err["type"] == "extra_forbidden":
+            message = "unknown field (not part of the policy schema)"
+        elif err["type"] == "missing":
+            message = "required field is missing"
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err['input']!r:.80})"
+        lines.append(f"  {where}: {message}{got}")
+    return "\n".join(lines)
+
+
+def _location(loc: tuple[Any, ...], data: Any) -> str:
+    """models.0.backends.1.url -> models[0](name=chat).backends[1].url, so the reader finds it in the file."""
+    out = ""
+    node = data
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+            if isinstance(node, dict) and isinstance(node.get("name"), str):
+                out += f"(name={node['name']})"
+        else:
+            out += f".{part}" if out else str(part)
+            node = node.get(part) if isinstance(node, dict) else None
+    return out or "<root>"
+

@@ -1,0 +1,135 @@
+"""Every way a request can fail, and the one OpenAI error object each becomes.
+
+The openai SDK picks its exception class from the HTTP status, so the status is the contract:
+
+    GatewayError                      any failure the client sees; renders {"error": {message, type, param, code}}
+     +-- BadRequest             400   malformed JSON, missing/invalid fields       -> openai.BadRequestError
+     +-- AuthenticationFailed   401   missing/unknown/expired/revoked API key      -> openai.AuthenticationError
+     +-- PermissionDenied       403   key may not use this model / network         -> openai.PermissionDeniedError
+     +-- NotFound               404   unknown model or path                        -> openai.NotFoundError
+     +-- MethodNotAllowed       405   wrong HTTP method on a known path
+     +-- PayloadTooLarge        413   body over the configured limit
+     +-- RateLimited            429   a limit or queue refused it (Retry-After)    -> openai.RateLimitError
+     +-- UpstreamStatus         4xx   a backend's own 4xx, its body passed through unchanged
+     +-- InternalError          500   a bug in the gateway; never carries details
+     +-- UpstreamFailed         502   the backend broke (5xx, reset, bad stream)   -> openai.APIStatusError
+     +-- NoBackendAvailable     503   no healthy replica for the model             -> openai.APIStatusError
+     +-- UpstreamTimeout        504   the backend did not answer in time
+
+Messages never contain secrets: callers pass only what is safe to show (never a key, token or header value).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        )
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class InternalError(GatewayError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class NoBackendAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_backend_available"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+class UpstreamStatus(GatewayError):
+    """A backend refused the request itself (4xx): its OpenAI error body reaches the client unchanged."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, raw_body: bytes) -> None:
+        super().__init__("upstream rejected the request")
+        self.status = status
+        self.raw_body = raw_body
+
+    def body(self) -> bytes:
+        try:
+            parsed = orjson.loads(self.raw_body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return self.raw_body
+        # Not an OpenAI error object: wrap the text so the SDK still gets the shape it expects.
+        text = self.raw_body.decode("utf-8", "replace")[:2000]
+        return orjson.dumps({"error": {"message": text, "type": self.type, "param": None, "code": self.status}})

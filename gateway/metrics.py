@@ -1,0 +1,59 @@
+"""The gateway's Prometheus metrics, on a registry of its own so several gateways can live in one process.
+
+Labels carry only model and backend names, statuses and error kinds: never keys, tokens or client data.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "llm_gateway_requests", "Requests answered, by public model, backend and HTTP status.",
+            ["model", "backend", "status"], registry=r,
+        )
+        self.request_duration = Histogram(
+            "llm_gateway_request_duration_seconds", "End-to-end request latency as the client sees it.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "llm_gateway_time_to_first_token_seconds", "Time from request arrival to the first streamed chunk.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.overhead = Histogram(
+            "llm_gateway_overhead_seconds",
+            "Time the gateway itself adds: before the upstream request is sent plus handling of the upstream"
+            " response, excluding time spent waiting on the backend.",
+            ["model"], buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "llm_gateway_prompt_tokens", "Prompt tokens reported by backends.", ["model", "backend"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "llm_gateway_completion_tokens", "Completion tokens reported by backends.", ["model", "backend"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "llm_gateway_backend_in_flight_requests", "Requests the gateway has in flight to each backend.",
+            ["model", "backend"], registry=r,
+        )
+        self.upstream_errors = Counter(
+            "llm_gateway_upstream_errors", "Failures talking to a backend, by kind.",
+            ["model", "backend", "kind"], registry=r,
+        )
+        self.backend_up = Gauge(
+            "llm_gateway_backend_up", "1 when the backend is routable (up or not yet checked), 0 when down.",
+            ["model", "backend"], registry=r,
+        )
+        self.retries = Counter(
+            "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
+            registry=r,
+        )

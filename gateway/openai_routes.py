@@ -1,0 +1,155 @@
+"""The OpenAI surface (/v1/...) as a lean ASGI app: read the body, run the proxy, send the reply.
+
+Plain ASGI rather than framework handlers because this is the hot path and because it must own two things
+precisely: the body size limit while reading, and noticing a client that hangs up (http.disconnect), which
+cancels the work in flight so the upstream request is aborted at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+
+from gateway.errors import BadRequest, GatewayError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.pipeline import Call
+from gateway.proxy import Proxy, Reply, request_id_from
+
+log = logging.getLogger("gateway.http")
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat/completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+def header_map(scope) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for key, value in scope["headers"]:
+        headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
+    return headers
+
+
+async def read_body(receive, headers: dict[str, str], limit: int) -> bytes:
+    declared = headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest("invalid Content-Length header")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the request body is larger than the {limit} bytes this gateway accepts")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is larger than the {limit} bytes this gateway accepts")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_bytes(send, status: int, headers: dict[str, str], body: bytes) -> None:
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send, error: GatewayError, request_id: str | None = None) -> None:
+    headers = {"content-type": "application/json", **error.headers}
+    if request_id:
+        headers["x-request-id"] = request_id
+    await send_bytes(send, error.status, headers, error.body())
+
+
+async def send_stream(send, reply: Reply) -> None:
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
+    raw += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+    await send({"type": "http.response.start", "status": reply.status, "headers": raw})
+    async for chunk in reply.stream:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class OpenAIRoutes:
+    """Serves /v1/*; hands every other request (and lifespan) to `fallback`, the ops/admin app."""
+
+    def __init__(self, gateway, fallback) -> None:
+        self.gateway = gateway
+        self.fallback = fallback
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.fallback(scope, receive, send)
+            return
+        endpoint = ENDPOINTS.get(path)
+        method = scope["method"]
+        headers = header_map(scope)
+        if endpoint is not None and method == "POST":
+            await self.serve(endpoint, headers, scope, receive, send)
+        elif path == "/v1/models" and method == "GET":
+            await send_bytes(send, 200, {"content-type": "application/json"}, self.gateway.models_listing())
+        elif endpoint is not None or path == "/v1/models":
+            await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}"), request_id_from(headers))
+        else:
+            await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"), request_id_from(headers))
+
+    async def serve(self, endpoint: str, headers: dict[str, str], scope, receive, send) -> None:
+        proxy: Proxy = self.gateway.proxy
+        client = scope.get("client")
+        call = Call(
+            request_id=request_id_from(headers),
+            endpoint=endpoint,
+            headers=headers,
+            client_host=client[0] if client else "",
+            arrived=time.perf_counter(),
+        )
+        try:
+            raw = await read_body(receive, headers, self.gateway.policy.server.max_body_bytes)
+        except ClientGone:
+            return
+        except GatewayError as exc:
+            await send_error(send, exc, call.request_id)
+            return
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
+            reply: Reply | None = None
+            error: BaseException | None = None
+            try:
+                reply = await proxy.handle(call, raw)
+                if reply.stream is None:
+                    await send_bytes(send, reply.status, reply.headers, reply.body)
+                else:
+                    await send_stream(send, reply)
+            except GatewayError as exc:
+                await send_error(send, exc, call.request_id)
+            except Exception as exc:
+                error = exc
+                log.exception("request %s failed inside the gateway", call.request_id)
+                await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                if reply is not None and reply.close is not None:
+                    await reply.close(error)
+                tasks.cancel_scope.cancel()
+
+
+async def _cancel_on_disconnect(receive, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

@@ -1,0 +1,65 @@
+"""One request moving through the gateway, and the ordered steps it passes before reaching a backend.
+
+Like a filter chain: each step may stop the request by raising a GatewayError. Steps that entered get their
+`leave` called exactly once when the response is finished, however it ended (done, error, client gone), so a
+step that takes something (a concurrency slot, a token reservation) always gives it back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backends.replicas import Replica
+
+log = logging.getLogger("gateway.pipeline")
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    request_id: str
+    endpoint: str  # "chat/completions", "completions" or "embeddings"
+    headers: Any  # the client's request headers (case-insensitive mapping)
+    client_host: str
+    arrived: float  # perf_counter() when the request arrived
+    body: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # the public model name, after alias resolution
+    stream: bool = False
+    wants_usage: bool = False  # the client asked for the usage chunk in its stream
+    replica: Replica | None = None
+    holds_replica: bool = False  # counted in replica.in_flight right now
+    status: int = 0
+    usage: dict[str, Any] | None = None
+    overhead: float = 0.0  # seconds the gateway itself spent on this call
+    error: BaseException | None = None  # why a started stream ended badly, if it did
+    finished: bool = False
+    entered: list[Step] = field(default_factory=list)
+
+
+class Step(Protocol):
+    name: str
+
+    async def enter(self, call: Call) -> None:
+        """Check or prepare the call; raise a GatewayError to refuse it."""
+
+    async def leave(self, call: Call) -> None:
+        """Release whatever `enter` took; runs once the response is over."""
+
+
+class Pipeline:
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+
+    async def enter(self, call: Call) -> None:
+        for step in self.steps:
+            await step.enter(call)
+            call.entered.append(step)
+
+    async def leave(self, call: Call) -> None:
+        while call.entered:
+            step = call.entered.pop()
+            try:
+                await step.leave(call)
+            except Exception:  # one step's bug must not stop the others from releasing
+                log.exception("pipeline step %s failed to leave request %s", step.name, call.request_id)

@@ -1,0 +1,276 @@
+"""The request path, top to bottom: parse -> pipeline steps -> pick a replica -> forward -> relay -> account.
+
+Framework-free on purpose: the HTTP layer (gateway/openai_routes.py) hands over the body and gets a `Reply`
+back, so the path can be read, tested and measured on its own. A streamed Reply must be closed by the HTTP
+layer (`Reply.close`), however the stream ended: that closes the upstream connection (so vLLM aborts the
+request) and accounts for the call exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+
+from backends.replicas import Replica, ReplicaSet
+from backends.upstream import CONNECT, TIMEOUT, Upstream, classify
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NoBackendAvailable,
+    UpstreamFailed,
+    UpstreamStatus,
+    UpstreamTimeout,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Call, Pipeline
+from gateway.relay import SSERelay, model_rename
+from policies.routing import Profile
+
+log = logging.getLogger("gateway.access")
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    close: Callable[[BaseException | None], Awaitable[None]] | None = None
+
+
+def request_id_from(headers: Any) -> str:
+    given = headers.get("x-request-id")
+    if given and REQUEST_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class Proxy:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        profile: Profile,
+        pipeline: Pipeline,
+        metrics: GatewayMetrics,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.replicas = replicas
+        self.profile = profile
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.upstreams = {r: Upstream(client, r.url) for r in replicas}
+        self.renames = {r: model_rename(r.served_name, r.model) for r in replicas}
+
+    async def handle(self, call: Call, raw_body: bytes) -> Reply:
+        """Serve one OpenAI request; raises GatewayError for anything the client must see as an error."""
+        try:
+            call.body = parse_body(raw_body)
+            await self.pipeline.enter(call)
+            call.stream = call.body.get("stream") is True
+            response = await self.forward(call)
+            if call.stream and response.status_code == 200:
+                return Reply(
+                    200,
+                    self.reply_headers(call, response),
+                    stream=self.relay(call, response),
+                    close=partial(self.close_stream, call, response),
+                )
+            reply = await self.read_whole(call, response)
+        except BaseException as exc:
+            await self.finish(call, exc)
+            raise
+        await self.finish(call, None)
+        return reply
+
+    async def forward(self, call: Call) -> httpx.Response:
+        """Send to the best replica; when the connection cannot be made, once more to another one."""
+        body = self.upstream_body(call)
+        candidates = self.replicas.by_model[call.model]
+        tried: list[Replica] = []
+        call.overhead += time.perf_counter() - call.arrived
+        for _ in range(MAX_ATTEMPTS):
+            replica = self.profile.pick(candidates, exclude=tried)
+            if replica is None:
+                break
+            tried.append(replica)
+            self.take(call, replica)
+            try:
+                response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
+            except httpx.HTTPError as exc:
+                kind = classify(exc)
+                self.upstream_failed(replica, kind, type(exc).__name__)
+                self.release(call)
+                if kind == CONNECT:
+                    self.metrics.retries.labels(call.model).inc()
+                    continue
+                if kind == TIMEOUT:
+                    raise UpstreamTimeout(f"the backend for model {call.model} did not answer in time") from None
+                raise UpstreamFailed(f"the backend for model {call.model} failed: {type(exc).__name__}") from None
+            if response.status_code >= 500:
+                self.upstream_failed(replica, "status_5xx", f"HTTP {response.status_code}")
+            else:
+                self.replicas.succeeded(replica)
+            return response
+        raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
+
+    def upstream_body(self, call: Call) -> bytes:
+        """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
+        body = call.body
+        body["model"] = self.replicas.by_model[call.model][0].served_name
+        if call.stream:
+            options = body.get("stream_options")
+            options = dict(options) if isinstance(options, dict) else {}
+            call.wants_usage = options.get("include_usage") is True
+            options["include_usage"] = True
+            body["stream_options"] = options
+        return orjson.dumps(body)
+
+    async def read_whole(self, call: Call, response: httpx.Response) -> Reply:
+        try:
+            raw = await response.aread()
+        except httpx.HTTPError as exc:
+            kind = classify(exc)
+            self.upstream_failed(call.replica, kind, type(exc).__name__)
+            error = UpstreamTimeout if kind == TIMEOUT else UpstreamFailed
+            raise error(f"the backend for model {call.model} broke off the response") from None
+        finally:
+            await response.aclose()
+        received = time.perf_counter()
+        status = response.status_code
+        if status >= 500:
+            raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_message(raw)}")
+        if status >= 400:
+            raise UpstreamStatus(status, raw)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
+        if isinstance(data, dict):
+            call.usage = data.get("usage")
+            if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
+                data["model"] = call.model
+                raw = orjson.dumps(data)
+        call.overhead += time.perf_counter() - received
+        return Reply(status, self.reply_headers(call, response), body=raw)
+
+    async def relay(self, call: Call, response: httpx.Response) -> AsyncIterator[bytes]:
+        """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
+        relay = SSERelay(strip_usage=not call.wants_usage, rename=self.renames[call.replica])
+        first = True
+        try:
+            async for chunk in response.aiter_raw():
+                if first:
+                    first = False
+                    self.metrics.time_to_first_token.labels(call.model).observe(time.perf_counter() - call.arrived)
+                out = relay.feed(chunk)
+                if out:
+                    yield out
+            tail = relay.flush()
+            if tail:
+                yield tail
+        except httpx.HTTPError as exc:
+            kind = classify(exc)
+            self.upstream_failed(call.replica, kind, type(exc).__name__)
+            call.error = (UpstreamTimeout if kind == TIMEOUT else UpstreamFailed)(
+                f"the backend for model {call.model} broke off the stream"
+            )
+            yield b"data: " + call.error.body() + b"\n\n"
+        finally:
+            call.usage = relay.usage
+
+    async def close_stream(self, call: Call, response: httpx.Response, error: BaseException | None) -> None:
+        with anyio.CancelScope(shield=True):
+            await response.aclose()  # an unfinished stream drops the connection, and vLLM aborts the request
+            await self.finish(call, error or call.error)
+
+    def take(self, call: Call, replica: Replica) -> None:
+        call.replica = replica
+        call.holds_replica = True
+        replica.in_flight += 1
+        self.metrics.in_flight.labels(replica.model, replica.name).inc()
+
+    def release(self, call: Call) -> None:
+        replica = call.replica
+        if replica is not None and call.holds_replica:
+            call.holds_replica = False
+            replica.in_flight -= 1
+            self.metrics.in_flight.labels(replica.model, replica.name).dec()
+
+    def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
+        if replica is None:
+            return
+        self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
+        if kind != TIMEOUT:
+            self.replicas.failed(replica, reason)
+
+    async def finish(self, call: Call, error: BaseException | None) -> None:
+        """Account for a call exactly once: release the replica, leave the pipeline, record metrics and log."""
+        if call.finished:
+            return
+        call.finished = True
+        self.release(call)
+        await self.pipeline.leave(call)
+        if isinstance(error, GatewayError):
+            call.status = error.status
+        elif error is not None:
+            cancelled = isinstance(error, (anyio.get_cancelled_exc_class(), GeneratorExit))
+            call.status = 499 if cancelled else 500  # 499: the client closed the request
+        elif not call.status:
+            call.status = 200
+        elapsed = time.perf_counter() - call.arrived
+        model = call.model or "unknown"
+        backend = call.replica.name if call.replica else "none"
+        m = self.metrics
+        m.requests.labels(model, backend, str(call.status)).inc()
+        if call.model:
+            m.request_duration.labels(model).observe(elapsed)
+            m.overhead.labels(model).observe(call.overhead)
+            usage = call.usage
+            if isinstance(usage, dict):
+                m.prompt_tokens.labels(model, backend).inc(_count(usage.get("prompt_tokens")))
+                m.completion_tokens.labels(model, backend).inc(_count(usage.get("completion_tokens")))
+        log.info(
+            "request_id=%s endpoint=%s model=%s backend=%s status=%s stream=%s duration_ms=%.1f",
+            call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed * 1000,
+        )
+
+    def reply_headers(self, call: Call, response: httpx.Response) -> dict[str, str]:
+        headers = {"x-request-id": call.request_id}
+        content_type = response.headers.get("content-type")
+        if content_type:
+            headers["content-type"] = content_type
+        return headers
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc.msg}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def upstream_message(raw: bytes) -> str:
+    try:
+        return str(orjson.loads(raw)["error"]["message"])[:500]
+    except Exception:
+        return raw[:200].decode("utf-8", "replace")
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and value > 0 else 0

@@ -1,0 +1,42 @@
+"""Run ASGI apps on real loopback sockets inside a test's event loop.
+
+Tests talk to real servers over TCP (never through in-process transports) so that streaming, disconnects
+and timeouts behave as they do in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app, port: int | None = None, **uvicorn_kwargs) -> AsyncIterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 and yield its base URL; stop it on exit."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_kwargs)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    else:
+        raise TimeoutError("server did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -1,0 +1,59 @@
+import random
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.relay import SSERelay, model_rename
+
+SAMPLES = Path(__file__).resolve().parents[3] / "shared/data/vllm-0.32-cpu-samples"
+CHAT = (SAMPLES / "chat_stream.sse").read_bytes()
+COMPLETIONS = (SAMPLES / "completions_stream.sse").read_bytes()
+
+
+def events(data: bytes) -> list[bytes]:
+    return [e for e in data.split(b"\n\n") if e.strip()]
+
+
+def run(relay: SSERelay, data: bytes, rng: random.Random) -> bytes:
+    out, i = [], 0
+    while i < len(data):
+        step = rng.randint(1, 200)
+        out.append(relay.feed(data[i : i + step]))
+        i += step
+    out.append(relay.flush())
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("sample", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("seed", range(5))
+def test_strips_usage_chunk_but_records_it(sample, seed):
+    relay = SSERelay(strip_usage=True)
+    out = run(relay, sample, random.Random(seed))
+    usage_events = [e for e in events(sample) if b'"choices":[]' in e]
+    assert len(usage_events) == 1
+    assert events(out) == [e for e in events(sample) if e not in usage_events]
+    assert relay.usage == orjson.loads(usage_events[0][6:])["usage"]
+    assert events(out)[-1] == b"data: [DONE]"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keeps_stream_byte_identical_when_usage_wanted(seed):
+    relay = SSERelay(strip_usage=False)
+    assert run(relay, CHAT, random.Random(seed)) == CHAT
+    assert relay.usage["completion_tokens"] == 8
+
+
+def test_output_only_at_event_boundaries():
+    relay = SSERelay(strip_usage=False)
+    first = CHAT.index(b"\n\n") + 2
+    assert relay.feed(CHAT[: first - 1]) == b""
+    assert relay.feed(CHAT[first - 1 : first + 5]) == CHAT[:first]
+
+
+def test_rename_rewrites_model_field_in_every_chunk():
+    relay = SSERelay(strip_usage=False, rename=model_rename("tiny", "public/Model-1"))
+    out = relay.feed(CHAT) + relay.flush()
+    assert b'"model":"tiny"' not in out
+    assert out.count(b'"model":"public/Model-1"') == CHAT.count(b'"model":"tiny"')
+    assert model_rename("same", "same") is None
