@@ -6,7 +6,7 @@ import pytest
 
 from gateway.relay import SSERelay, model_rename
 
-SAMPLES = Path(__file__).resolve().parents[3] / "shared/data/vllm-0.32-cpu-samples"
+SAMPLES = Path(__file__).resolve().parents[1] / "fixtures/vllm-0.32-cpu"
 CHAT = (SAMPLES / "chat_stream.sse").read_bytes()
 COMPLETIONS = (SAMPLES / "completions_stream.sse").read_bytes()
 
