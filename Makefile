@@ -28,7 +28,7 @@ e2e-setup:
 test: venv
 	$(VENV)/bin/pytest -q
 
-unit: venv
+unit: venv  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/integration
 
 clean:

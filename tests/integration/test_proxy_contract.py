@@ -1,0 +1,201 @@
+"""What the gateway forwards and how it reports failures, against a recording upstream on a real socket."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.support.gateway import one_model, running_gateway
+from tests.support.recorder import Recorder
+from tests.support.servers import free_port, serve_app
+
+
+@pytest.fixture
+async def http():
+    # async only: the servers under test run in this same event loop
+    async with httpx.AsyncClient(timeout=10) as client:
+        yield client
+
+
+async def chunks(piece: bytes, count: int):
+    for _ in range(count):
+        yield piece
+
+
+def sdk(gw, **kw):
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+async def test_body_forwarded_untouched_except_model(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        body = {
+            "model": "m-alias",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "response_format": {"type": "json_object"},
+            "logprobs": True, "top_logprobs": 2, "n": 2, "stop": ["\n", "END"],
+            "ignore_eos": True, "guided_json": {"type": "object"}, "temperature": 0.25, "seed": 7,
+        }
+        r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
+        assert r.status_code == 200
+        sent = rec.requests[0]
+        assert sent["path"] == "/v1/chat/completions"
+        assert sent["body"] == {**body, "model": "served-m"}
+        # the response names the public model, not the backend's served name
+        assert r.json()["model"] == "m" and r.json()["served_by"] == "recorder"
+        assert "authorization" not in sent["headers"]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "embeddings"])
+async def test_other_endpoints_reach_their_upstream_path(http, endpoint):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        r = await http.post(f"{gw.url}/v1/{endpoint}", json={"model": "m", "input": "x", "prompt": "y"})
+        assert r.status_code == 200
+        assert rec.requests[0]["path"] == f"/v1/{endpoint}"
+
+
+async def test_stream_asks_upstream_for_usage_and_strips_it_unless_requested(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        client = sdk(gw)
+        chunks = [c async for c in await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True)]
+        assert rec.requests[-1]["body"]["stream_options"] == {"include_usage": True}
+        assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "abc"
+        assert {c.model for c in chunks} == {"m"}
+
+        chunks = [c async for c in await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], stream=True,
+            stream_options={"include_usage": True})]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+        assert await gw.metric("llm_gateway_completion_tokens_total", model="m") == 6
+        assert await gw.metric("llm_gateway_prompt_tokens_total", model="m") == 14
+
+
+async def test_request_id_accepted_generated_and_forwarded(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers={"x-request-id": "abc-123"})
+        assert r.headers["x-request-id"] == "abc-123"
+        assert rec.requests[-1]["headers"]["x-request-id"] == "abc-123"
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers={"x-request-id": "bad id with spaces"})
+        generated = r.headers["x-request-id"]
+        assert generated != "bad id with spaces" and len(generated) == 32
+        assert rec.requests[-1]["headers"]["x-request-id"] == generated
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "nope"})
+        assert r.status_code == 404 and len(r.headers["x-request-id"]) == 32
+
+
+async def test_client_errors_are_openai_errors(http):
+    rec = Recorder()
+    policy = one_model("http://127.0.0.1:9", server={"max_body_bytes": 2048})
+    async with serve_app(rec), running_gateway(policy) as gw:
+        url = f"{gw.url}/v1/chat/completions"
+        cases = [
+            (await http.post(url, content=b"{nope"), 400, "invalid_json"),
+            (await http.post(url, content=b"[1,2]"), 400, "invalid_json"),
+            (await http.post(url, json={"messages": []}), 400, "missing_model"),
+            (await http.post(url, json={"model": "x" * 5000}), 413, "request_too_large"),
+            (await http.post(url, content=chunks(b"x" * 3000, 2)), 413, "request_too_large"),  # chunked
+            (await http.post(url, json={"model": "gpt-99"}), 404, "model_not_found"),
+            (await http.get(url), 405, "method_not_allowed"),
+            (await http.get(f"{gw.url}/v1/nothing"), 404, "unknown_url"),
+            (await http.get(f"{gw.url}/nothing"), 404, "unknown_url"),
+        ]
+        for response, status, code in cases:
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert error["code"] == code and error["message"] and "type" in error and "param" in error
+        assert rec.requests == []
+        with pytest.raises(openai.NotFoundError, match="gpt-99"):
+            await sdk(gw).chat.completions.create(model="gpt-99", messages=[])
+
+
+async def test_upstream_4xx_passes_through_and_5xx_becomes_502(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        rec.mode = "status:400"
+        with pytest.raises(openai.BadRequestError, match="scripted failure 400"):
+            await sdk(gw).chat.completions.create(model="m", messages=[])
+        with pytest.raises(openai.BadRequestError, match="scripted failure 400"):
+            await sdk(gw).chat.completions.create(model="m", messages=[], stream=True)
+        rec.mode = "status:500"
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk(gw).chat.completions.create(model="m", messages=[])
+        assert info.value.status_code == 502 and "scripted failure 500" in info.value.message
+        assert await gw.metric("llm_gateway_upstream_errors_total", kind="status_5xx") == 1
+        assert await gw.metric("llm_gateway_requests_total", model="m", status="502") == 1
+        assert await gw.metric("llm_gateway_requests_total", model="m", status="400") == 2
+
+
+async def test_connect_failure_retries_once_on_another_replica(http):
+    rec, doomed = Recorder("alive"), Recorder("doomed")
+    async with serve_app(rec) as up:
+        async with serve_app(doomed) as doomed_url:
+            policy = one_model(doomed_url, up)
+            policy["health"]["interval"] = 60  # only the request path may notice the death
+            gateway = running_gateway(policy)
+            gw = await gateway.__aenter__()
+        try:
+            # doomed is gone now; requests picking it must be retried on the live replica, invisibly
+            for sent in range(1, 51):
+                r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+                assert r.status_code == 200 and r.json()["served_by"] == "alive"
+                if await gw.metric("llm_gateway_retries_total") > 0:
+                    break
+            assert len(rec.requests) == sent and doomed.requests == []
+            assert await gw.metric("llm_gateway_upstream_errors_total", backend="m-0", kind="connect") == 1
+            assert await gw.metric("llm_gateway_backend_up", backend="m-0") == 0
+            assert await gw.metric("llm_gateway_backend_up", backend="m-1") == 1
+            assert await gw.metric("llm_gateway_backend_in_flight_requests") == 0
+        finally:
+            await gateway.__aexit__(None, None, None)
+
+
+async def test_no_reachable_backend_is_503(http):
+    policy = one_model(f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+    async with running_gateway(policy) as gw:
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk(gw).chat.completions.create(model="m", messages=[])
+        assert info.value.status_code == 503
+        assert info.value.body["code"] == "no_backend_available"
+        r = await http.get(f"{gw.url}/ready")
+        assert r.status_code == 503 and r.json()["models"] == {"m": False}
+
+
+async def test_stream_broken_mid_way_ends_with_an_error_event(http):
+    rec = Recorder()
+    rec.mode = "break"
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        stream = await sdk(gw).chat.completions.create(model="m", messages=[], stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="broke off the stream"):
+            async for chunk in stream:
+                got.append(chunk)
+        assert got  # the first chunks arrived before the failure
+        await asyncio.sleep(0.05)
+        assert await gw.metric("llm_gateway_requests_total", model="m", status="502") == 1
+        assert await gw.metric("llm_gateway_backend_in_flight_requests") == 0
+
+
+async def test_down_replica_returns_after_health_check_passes(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
+        rec.mode = "status:503"
+        rec.health = 503
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 502
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 503  # taken out: the only replica is down
+        rec.mode, rec.health = "ok", 200
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if (await http.get(f"{gw.url}/ready")).status_code == 200:
+                break
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 200
+
