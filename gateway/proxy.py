@@ -97,16 +97,17 @@ class Proxy:
 
     async def forward(self, call: Call) -> httpx.Response:
         """Send to the best replica; when the connection cannot be made, once more to another one."""
-        body = self.upstream_body(call)
         candidates = self.replicas.by_model[call.model]
         tried: list[Replica] = []
-        call.overhead += time.perf_counter() - call.arrived
         for _ in range(MAX_ATTEMPTS):
             replica = self.profile.pick(candidates, exclude=tried)
             if replica is None:
                 break
             tried.append(replica)
+            body = self.upstream_body(call, replica.served_name)
             self.take(call, replica)
+            if len(tried) == 1:
+                call.overhead += time.perf_counter() - call.arrived
             try:
                 response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
             except httpx.HTTPError as exc:
@@ -126,10 +127,10 @@ class Proxy:
             return response
         raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
 
-    def upstream_body(self, call: Call) -> bytes:
+    def upstream_body(self, call: Call, served_name: str) -> bytes:
         """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
         body = call.body
-        body["model"] = self.replicas.by_model[call.model][0].served_name
+        body["model"] = served_name
         if call.stream:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}

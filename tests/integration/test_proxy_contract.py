@@ -199,3 +199,18 @@ async def test_down_replica_returns_after_health_check_passes(http):
         r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
         assert r.status_code == 200
 
+
+
+async def test_each_backend_gets_its_own_served_name(http):
+    one, two = Recorder("one"), Recorder("two")
+    async with serve_app(one) as u1, serve_app(two) as u2:
+        policy = one_model(u1, u2)
+        policy["models"][0]["backends"] = [{"url": u1, "served_name": "name-one"}, {"url": u2}]
+        async with running_gateway(policy) as gw:
+            for _ in range(40):
+                r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+                assert r.json()["model"] == "m"
+                if one.requests and two.requests:
+                    break
+        assert {r["body"]["model"] for r in one.requests} == {"name-one"}
+        assert {r["body"]["model"] for r in two.requests} == {"served-m"}

@@ -1,0 +1,45 @@
+"""Run one simulated vLLM server: python -m backends.simulator --port 8001 --model NAME [--preset reference-gpu]."""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from .app import create_app
+from .config import SimConfig
+
+PRESETS = {"default": SimConfig, "reference-gpu": SimConfig.reference_gpu}
+# Flags that map one-to-one onto SimConfig fields (vLLM's own names where vLLM has the setting).
+FIELD_FLAGS = ("max_model_len", "max_num_seqs", "step_base_ms", "step_ms_per_seq", "prefill_base_ms",
+               "prefill_ms_per_token", "default_max_tokens", "natural_output_tokens", "kv_cache_tokens",
+               "block_size", "seed", "embedding_dim")
+
+
+def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="python -m backends.simulator", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--model", "--served-model-name", dest="model", help="served model name")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        default=None)
+    parser.add_argument("--log-level", default="info")
+    defaults = SimConfig.model_fields
+    for name in FIELD_FLAGS:
+        kind = defaults[name].annotation
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=float if kind is float else int,
+                            help=defaults[name].description)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k in ("model", "enable_prefix_caching", *FIELD_FLAGS) if (v := getattr(args, k)) is not None}
+    base = PRESETS[args.preset]().model_dump()
+    return SimConfig(**{**base, **overrides}), args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = build_config(argv)
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""`llm-gateway demo` (what `make run` starts): the embedded default, with nothing to install or configure.
+
+Three simulated vLLM servers run as child processes (two replicas of one model, one of another) and the gateway
+serves them on 127.0.0.1:8080. Ctrl-C stops all of it. The simulators stand in for GPUs here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from gateway.config import Policy
+
+DEMO_MODELS = [
+    # public name, aliases, served name, replicas
+    ("qwen3-4b", ["qwen"], "Qwen/Qwen3-4B", 2),
+    ("llama-3.1-8b", ["llama"], "meta-llama/Llama-3.1-8B-Instruct", 1),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_simulators() -> tuple[list[subprocess.Popen], list[dict]]:
+    procs, models = [], []
+    for name, aliases, served, replicas in DEMO_MODELS:
+        backends = []
+        for i in range(replicas):
+            port = free_port()
+            cmd = [sys.executable, "-m", "backends.simulator", "--host", "127.0.0.1", "--port", str(port),
+                   "--model", served, "--log-level", "warning"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+            backends.append({"name": f"{name}-sim-{i}", "url": f"http://127.0.0.1:{port}"})
+        models.append({"name": name, "aliases": aliases, "served_name": served, "backends": backends})
+    return procs, models
+
+
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(urls)
+    while pending:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"simulated backends did not start: {sorted(pending)}")
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a simulated backend exited during start-up")
+        for url in list(pending):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    pending.discard(url)
+        time.sleep(0.1)
+
+
+def banner(base: str) -> str:
+    return f"""
+llm-gateway demo: simulated vLLM backends behind the gateway at {base}
+  models: {", ".join(f"{m[0]} ({m[3]} replica{'s' if m[3] > 1 else ''})" for m in DEMO_MODELS)}
+
+  curl {base}/v1/models
+  curl {base}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model": "qwen3-4b", "messages": [{{"role": "user", "content": "Hello"}}], "stream": true}}'
+
+  python -c 'from openai import OpenAI
+  c = OpenAI(base_url="{base}/v1", api_key="unused")
+  print(c.chat.completions.create(model="qwen3-4b", messages=[{{"role": "user", "content": "Hello"}}]))'
+
+  metrics: {base}/metrics   readiness: {base}/ready   Ctrl-C stops everything.
+"""
+
+
+def run_demo(host: str, port: int, log_level: str) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.cli import configure_logging
+
+    configure_logging(log_level)
+    procs, models = start_simulators()
+    try:
+        wait_healthy([b["url"] for m in models for b in m["backends"]], procs)
+        policy = Policy.model_validate(
+            {"listen": {"host": host, "port": port}, "health": {"interval": 2}, "models": models}
+        )
+        config = uvicorn.Config(create_app(policy), host=host, port=port, log_level=log_level, access_log=False)
+        server = uvicorn.Server(config)
+        print(banner(f"http://{host}:{port}"), flush=True)
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C is how the demo is meant to end
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(run_demo("127.0.0.1", 8080, "info"))

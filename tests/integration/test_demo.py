@@ -1,0 +1,63 @@
+"""`llm-gateway demo` (what `make run` starts) serves the openai SDK and Ctrl-C stops every process it started."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.support.servers import free_port
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def test_demo_serves_and_ctrl_c_stops_everything():
+    port = free_port()
+    cli = Path(sys.executable).with_name("llm-gateway")
+    proc = subprocess.Popen([str(cli), "demo", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "demo did not become ready"
+            time.sleep(0.2)
+        simulators = children_of(proc.pid)
+        assert len(simulators) == 3  # two replicas of one model, one of the other
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        assert {m.id for m in client.models.list()} == {"qwen3-4b", "llama-3.1-8b"}
+        reply = client.chat.completions.create(model="qwen3-4b", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5)
+        assert reply.model == "qwen3-4b" and reply.usage.completion_tokens == 5
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True))
+        assert text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, output
+    assert "curl" in output and "OpenAI(base_url" in output
+    for pid in simulators:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -1,0 +1,41 @@
+import time
+
+from backends.replicas import DOWN, UNKNOWN, UP, ReplicaSet, backoff
+from gateway.config import Health, Policy
+
+
+def replica_set(threshold=1):
+    policy = Policy.model_validate({
+        "health": {"failure_threshold": threshold, "backoff_initial": 1, "backoff_max": 8},
+        "models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}, {"url": "http://10.0.0.2:8000"}]}],
+    })
+    changes = []
+    return ReplicaSet(policy, on_change=changes.append), changes
+
+
+def test_backoff_doubles_up_to_the_cap():
+    h = Health(backoff_initial=1, backoff_max=8)
+    assert [backoff(h, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
+
+
+def test_failure_threshold_and_recovery():
+    rs, changes = replica_set(threshold=2)
+    r = rs.by_model["m"][0]
+    assert r.state == UNKNOWN and r.routable
+    rs.failed(r, "boom")
+    assert r.state == UNKNOWN and not changes  # one failure is below the threshold
+    rs.failed(r, "boom")
+    assert r.state == DOWN and not r.routable and changes == [r]
+    assert 0.5 < r.probe_at - time.monotonic() <= 2.0  # second failure: 2 s backoff
+    rs.succeeded(r)
+    assert r.state == UP and r.failures == 0
+    assert rs.ready() == {"m": True}
+
+
+def test_ready_needs_one_checked_replica_per_model():
+    rs, _ = replica_set()
+    assert rs.ready() == {"m": False}
+    rs.failed(rs.by_model["m"][0], "x")
+    assert rs.ready() == {"m": False}
+    rs.succeeded(rs.by_model["m"][1])
+    assert rs.ready() == {"m": True}
