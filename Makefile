@@ -25,7 +25,7 @@ run: venv
 e2e-setup:
 	scripts/setup_e2e.sh
 
-test: venv
+test: venv e2e-setup
 	$(VENV)/bin/pytest -q
 
 unit: venv  # the fast part of the suite: no vLLM needed

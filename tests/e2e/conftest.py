@@ -1,0 +1,111 @@
+"""Two real `vllm serve` processes (CPU, tiny model) and a real gateway process in front, once per session.
+
+  alpha -> vLLM A (served as tiny-a)        beta -> vLLM B (served as tiny-b)
+  duo   -> both A and B: two replicas of one public model (each backend names its own served model)
+
+Needs `scripts/setup_e2e.sh` (run by `make test`). Without the vLLM venv or the model the tests fail loudly:
+a skipped end-to-end test is not a passing one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, free_port, start_many, stop_all
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory, request):
+    venv, model = default_vllm_venv(), default_model_dir()
+    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
+        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    servers = {
+        "a": VLLMServer(model, "tiny-a", core=0, log_dir=logs),
+        "b": VLLMServer(model, "tiny-b", core=1, log_dir=logs),
+    }
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
+        start_many(servers.values())
+    yield servers
+    stop_all(servers.values())
+
+
+def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:
+    a, b = servers["a"], servers["b"]
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
+        "timeouts": {"connect": 2, "read": 120},
+        "models": [
+            {"name": "alpha", "served_name": "tiny-a", "backends": [{"url": a.base_url, "name": "vllm-a"}]},
+            {"name": "beta", "served_name": "tiny-b", "backends": [{"url": b.base_url, "name": "vllm-b"}]},
+            {"name": "duo", "backends": [
+                {"url": a.base_url, "name": "duo-a", "served_name": "tiny-a"},
+                {"url": b.base_url, "name": "duo-b", "served_name": "tiny-b"},
+            ]},
+        ],
+    }
+
+
+class GatewayProcess:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url, self.proc, self.log = url, proc, log
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        total = 0.0
+        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    total += sample.value
+        return total
+
+
+@pytest.fixture(scope="session")
+def gateway(vllm_servers, tmp_path_factory):
+    """The gateway as users run it: `llm-gateway serve --config FILE`, in its own process."""
+    work = tmp_path_factory.mktemp("gateway")
+    port = free_port()
+    config = work / "policy.yaml"
+    config.write_text(yaml.safe_dump(e2e_policy(vllm_servers, port)))
+    log = work / "gateway.log"
+    cli = Path(sys.executable).with_name("llm-gateway")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(cli), "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the gateway did not become ready:\n" + log.read_text()[-3000:])
+        time.sleep(0.1)
+    yield GatewayProcess(url, proc, log)
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
