@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from tests.support.probes import metric_sum, wait_http_ok
 from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, free_port, start_many, stop_all
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,14 +69,7 @@ class GatewayProcess:
         self.url, self.proc, self.log = url, proc, log
 
     def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        total = 0.0
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics").text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+        return metric_sum(httpx.get(f"{self.url}/metrics").text, name, **labels)
 
 
 @pytest.fixture(scope="session")
@@ -92,17 +85,11 @@ def gateway(vllm_servers, tmp_path_factory):
         proc = subprocess.Popen([str(cli), "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the gateway did not become ready:\n" + log.read_text()[-3000:])
-        time.sleep(0.1)
+    try:
+        wait_http_ok(f"{url}/ready", proc, 30, "the gateway")
+    except AssertionError as exc:
+        proc.kill()
+        pytest.fail(f"{exc}:\n" + log.read_text()[-3000:])
     yield GatewayProcess(url, proc, log)
     proc.terminate()
     try:

@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 
+from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port
 
 
@@ -34,15 +33,7 @@ def test_demo_serves_and_ctrl_c_stops_everything():
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "demo did not become ready"
-            time.sleep(0.2)
+        wait_http_ok(f"{base}/ready", proc, 30, "the demo")
         simulators = children_of(proc.pid)
         assert len(simulators) == 3  # two replicas of one model, one of the other
 

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway, create_app
 from gateway.config import Policy
+from tests.support.probes import metric_sum
 from tests.support.servers import serve_app
 
 
@@ -22,13 +22,7 @@ class RunningGateway:
     async def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0 when there are none), from /metrics."""
         async with httpx.AsyncClient() as client:
-            text = (await client.get(f"{self.url}/metrics")).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+            return metric_sum((await client.get(f"{self.url}/metrics")).text, name, **labels)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,35 @@
+"""Small probes the tests share: wait for a process's HTTP endpoint, read one metric from a Prometheus text."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when there are none)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Poll `url` until it answers 200; fail early if `proc` exits, and after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with status {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} was not ready after {timeout} s")
+        time.sleep(0.1)
