@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit e2e e2e-setup venv clean
+.PHONY: run test unit e2e e2e-setup redis-setup venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -25,11 +25,14 @@ run: venv
 e2e-setup:
 	scripts/setup_e2e.sh
 
-test: venv e2e-setup
+redis-setup:
+	scripts/setup_redis.sh
+
+test: venv redis-setup e2e-setup
 	$(VENV)/bin/pytest -q
 
-unit: venv  # the fast part of the suite: no vLLM needed
-	$(VENV)/bin/pytest -q tests/unit tests/integration
+unit: venv redis-setup  # the fast part of the suite: no vLLM needed
+	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
 
 clean:
 	rm -rf $(VENV) .venv-vllm .cache

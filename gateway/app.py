@@ -19,14 +19,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.replicas import DOWN, Replica, ReplicaSet
 from backends.upstream import new_client
+from gateway.admin_auth import AdminAuth
+from gateway.admin_routes import admin_router
+from gateway.background import Background
 from gateway.config import Policy
 from gateway.errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from gateway.metrics import GatewayMetrics
 from gateway.openai_routes import OpenAIRoutes
 from gateway.pipeline import Pipeline
 from gateway.proxy import Proxy
+from policies.accounting import RecordUsage
+from policies.auth import Authenticate, Authorize
+from policies.keys import KeyRecord
 from policies.models import ResolveModel
 from policies.routing import Profile
+from policies.store import open_store
 
 log = logging.getLogger("gateway")
 
@@ -41,21 +48,36 @@ class Gateway:
         for replica in self.replicas:
             self._replica_changed(replica)
         self.profile = Profile.from_config(policy.routing.scorers)
-        self.pipeline = Pipeline([ResolveModel(policy)])
+        store = policy.store
+        options = {"prefix": store.prefix} if store.kind == "redis" else {}
+        self.store = open_store(store.kind, path=store.path, url=store.url, **options)
+        self.background = Background()
+        self.admin_auth = AdminAuth(policy.admin)
+        self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
+        self.pipeline = Pipeline([
+            self.authenticate,
+            ResolveModel(policy),
+            Authorize(),
+            RecordUsage(self.store, self.background.run),
+        ])
         self.proxy: Proxy | None = None
-        created = int(time.time())
-        self._models = orjson.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": m.name, "object": "model", "created": created, "owned_by": "llm-gateway"}
-                    for m in policy.models
-                ],
-            }
-        )
+        self._created = int(time.time())
 
-    def models_listing(self) -> bytes:
-        return self._models
+    def models_listing(self, key: KeyRecord) -> bytes:
+        """/v1/models: only the models this key may use."""
+        allowed = key.models
+        return orjson.dumps({
+            "object": "list",
+            "data": [
+                {"id": m.name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
+                for m in self.policy.models
+                if allowed is None or m.name in allowed
+            ],
+        })
+
+    def forget_key(self, key_id: str) -> None:
+        """Drop a changed key from this process's cache at once (other replicas follow within the bound)."""
+        self.authenticate.cache.drop(key_id)
 
     def _replica_changed(self, replica: Replica) -> None:
         self.metrics.backend_up.labels(replica.model, replica.name).set(0 if replica.state == DOWN else 1)
@@ -72,7 +94,9 @@ class Gateway:
             checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checks
+            await self.background.drain(timeout=5)
             await client.aclose()
+            await self.store.close()
 
 
 def openai_error(exc: GatewayError) -> Response:
@@ -122,7 +146,7 @@ def create_app(policy: Policy):
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     ops = Litestar(
-        route_handlers=[health, ready, metrics],
+        route_handlers=[health, ready, metrics, admin_router(gateway)],
         lifespan=[gateway.lifespan],
         exception_handlers={
             GatewayError: on_gateway_error,

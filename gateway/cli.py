@@ -27,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
+    from gateway import keys_cli
+
+    keys_cli.add_commands(sub)
+
     args = parser.parse_args(argv)
+    if args.command == "admin-token":
+        return keys_cli.run_admin_token(args)
+    if args.command == "keys":
+        return keys_cli.run_keys(args)
     if args.command == "check":
         return run_check(args.file)
     if args.command == "serve":

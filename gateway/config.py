@@ -8,7 +8,7 @@ offending field (`models[0].backends[1].url: ...`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -64,6 +64,32 @@ class Routing(Strict):
         return scorers
 
 
+class Store(Strict):
+    kind: Literal["sqlite", "redis"] = "sqlite"
+    path: str = "llm-gateway.db"  # sqlite: the database file
+    url: str = "redis://127.0.0.1:6379/0"  # redis
+    prefix: str = Field("llmgw:", min_length=1, max_length=64)  # redis: namespace of every key
+
+
+class Auth(Strict):
+    cache_seconds: float = Field(5.0, ge=0, le=300)  # verified keys are cached this long; revocation bound
+
+
+class Admin(Strict):
+    jwt_algorithm: Literal["HS256", "RS256", "ES256"] = "HS256"
+    jwt_secret_env: str = "LLM_GATEWAY_ADMIN_SECRET"  # HS256: the env var holding the shared secret
+    jwt_public_key_file: str | None = None  # RS256/ES256: PEM public key that verifies tokens
+    issuer: str = "llm-gateway"
+    audience: str = "llm-gateway-admin"
+    leeway_seconds: float = Field(5.0, ge=0, le=300)
+
+    @model_validator(mode="after")
+    def key_for_algorithm(self) -> Admin:
+        if self.jwt_algorithm != "HS256" and not self.jwt_public_key_file:
+            raise ValueError(f"jwt_public_key_file is required with {self.jwt_algorithm}")
+        return self
+
+
 class Backend(Strict):
     url: str
     name: str | None = Field(None, pattern=NAME)
@@ -93,6 +119,9 @@ class Policy(Strict):
     timeouts: Timeouts = Timeouts()
     health: Health = Health()
     routing: Routing = Routing()
+    store: Store = Store()
+    auth: Auth = Auth()
+    admin: Admin = Admin()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -6,12 +6,15 @@ serves them on 127.0.0.1:8080. Ctrl-C stops all of it. The simulators stand in f
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -60,20 +63,44 @@ def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float 
         time.sleep(0.1)
 
 
-def banner(base: str) -> str:
+DEMO_LIMITS = {"requests_per_minute": 600, "tokens_per_minute": 200_000, "max_concurrent": 16}
+
+
+async def issue_demo_key(store_path: str) -> str:
+    """A key for the demo, written straight into the demo's store before the gateway opens it."""
+    from policies.keys import KeyLimits, KeyRecord, hash_key, new_key, new_key_id
+    from policies.store import open_store
+
+    store = open_store("sqlite", path=store_path)
+    key_id = new_key_id()
+    key = new_key(key_id)
+    try:
+        await store.create_key(KeyRecord(id=key_id, name="demo", owner="make run", created_at=time.time(),
+                                         hash=hash_key(key), limits=KeyLimits(**DEMO_LIMITS)))
+    finally:
+        await store.close()
+    return key
+
+
+def banner(base: str, key: str, admin_token: str) -> str:
     return f"""
 llm-gateway demo: simulated vLLM backends behind the gateway at {base}
   models: {", ".join(f"{m[0]} ({m[3]} replica{'s' if m[3] > 1 else ''})" for m in DEMO_MODELS)}
 
-  curl {base}/v1/models
-  curl {base}/v1/chat/completions -H 'content-type: application/json' \\
+  API key: {key}
+  admin token (1 h, for /admin and `llm-gateway keys`): {admin_token}
+
+  export OPENAI_API_KEY={key}
+  curl {base}/v1/models -H "Authorization: Bearer $OPENAI_API_KEY"
+  curl {base}/v1/chat/completions -H "Authorization: Bearer $OPENAI_API_KEY" -H 'content-type: application/json' \\
        -d '{{"model": "qwen3-4b", "messages": [{{"role": "user", "content": "Hello"}}], "stream": true}}'
 
   python -c 'from openai import OpenAI
-  c = OpenAI(base_url="{base}/v1", api_key="unused")
+  c = OpenAI(base_url="{base}/v1")  # reads OPENAI_API_KEY
   print(c.chat.completions.create(model="qwen3-4b", messages=[{{"role": "user", "content": "Hello"}}]))'
 
-  metrics: {base}/metrics   readiness: {base}/ready   Ctrl-C stops everything.
+  LLM_GATEWAY_ADMIN_TOKEN=<admin token> llm-gateway keys --url {base} list
+  metrics: {base}/metrics   readiness: {base}/ready   API schema: {base}/schema   Ctrl-C stops everything.
 """
 
 
@@ -83,16 +110,26 @@ def run_demo(host: str, port: int, log_level: str) -> int:
     from gateway.app import create_app
     from gateway.cli import configure_logging
 
+    from gateway.admin_auth import mint_token
+
     configure_logging(log_level)
+    # The demo's admin secret lives only in this process unless the caller set one.
+    os.environ.setdefault("LLM_GATEWAY_ADMIN_SECRET", secrets.token_urlsafe(32))
+    state = tempfile.TemporaryDirectory(prefix="llm-gateway-demo-")
     procs, models = start_simulators()
     try:
         wait_healthy([b["url"] for m in models for b in m["backends"]], procs)
-        policy = Policy.model_validate(
-            {"listen": {"host": host, "port": port}, "health": {"interval": 2}, "models": models}
-        )
+        policy = Policy.model_validate({
+            "listen": {"host": host, "port": port},
+            "health": {"interval": 2},
+            "store": {"kind": "sqlite", "path": f"{state.name}/keys.db"},
+            "models": models,
+        })
+        key = asyncio.run(issue_demo_key(policy.store.path))
+        admin_token = mint_token(policy.admin, 3600)
         config = uvicorn.Config(create_app(policy), host=host, port=port, log_level=log_level, access_log=False)
         server = uvicorn.Server(config)
-        print(banner(f"http://{host}:{port}"), flush=True)
+        print(banner(f"http://{host}:{port}", key, admin_token), flush=True)
         server.run()
     except KeyboardInterrupt:  # Ctrl-C is how the demo is meant to end
         pass
@@ -105,6 +142,7 @@ def run_demo(host: str, port: int, log_level: str) -> int:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        state.cleanup()
     return 0
 
 

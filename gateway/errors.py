@@ -14,6 +14,7 @@ The openai SDK picks its exception class from the HTTP status, so the status is 
      +-- InternalError          500   a bug in the gateway; never carries details
      +-- UpstreamFailed         502   the backend broke (5xx, reset, bad stream)   -> openai.APIStatusError
      +-- NoBackendAvailable     503   no healthy replica for the model             -> openai.APIStatusError
+     +-- StateUnavailable       503   the key/limit store (Redis) cannot be reached
      +-- UpstreamTimeout        504   the backend did not answer in time
 
 Messages never contain secrets: callers pass only what is safe to show (never a key, token or header value).
@@ -105,6 +106,12 @@ class NoBackendAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_backend_available"
+
+
+class StateUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "store_unavailable"
 
 
 class UpstreamTimeout(GatewayError):

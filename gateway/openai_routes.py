@@ -98,11 +98,21 @@ class OpenAIRoutes:
         if endpoint is not None and method == "POST":
             await self.serve(endpoint, headers, scope, receive, send)
         elif path == "/v1/models" and method == "GET":
-            await send_bytes(send, 200, {"content-type": "application/json"}, self.gateway.models_listing())
+            await self.list_models(headers, send)
         elif endpoint is not None or path == "/v1/models":
             await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}"), request_id_from(headers))
         else:
             await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"), request_id_from(headers))
+
+    async def list_models(self, headers: dict[str, str], send) -> None:
+        request_id = request_id_from(headers)
+        try:
+            key = await self.gateway.authenticate.verify(headers.get("authorization"))
+        except GatewayError as exc:
+            await send_error(send, exc, request_id)
+            return
+        listing = self.gateway.models_listing(key)
+        await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, listing)
 
     async def serve(self, endpoint: str, headers: dict[str, str], scope, receive, send) -> None:
         proxy: Proxy = self.gateway.proxy

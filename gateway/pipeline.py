@@ -24,6 +24,7 @@ class Call:
     client_host: str
     arrived: float  # perf_counter() when the request arrived
     body: dict[str, Any] = field(default_factory=dict)
+    key: Any = None  # the caller's KeyRecord, once authenticated
     model: str = ""  # the public model name, after alias resolution
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream

@@ -222,8 +222,6 @@ class Proxy:
         if call.finished:
             return
         call.finished = True
-        self.release(call)
-        await self.pipeline.leave(call)
         if isinstance(error, GatewayError):
             call.status = error.status
         elif error is not None:
@@ -231,6 +229,8 @@ class Proxy:
             call.status = 499 if cancelled else 500  # 499: the client closed the request
         elif not call.status:
             call.status = 200
+        self.release(call)
+        await self.pipeline.leave(call)
         elapsed = time.perf_counter() - call.arrived
         model = call.model or "unknown"
         backend = call.replica.name if call.replica else "none"

@@ -9,7 +9,9 @@ a skipped end-to-end test is not a passing one.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +67,8 @@ def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:
 
 
 class GatewayProcess:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
-        self.url, self.proc, self.log = url, proc, log
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path, key: str) -> None:
+        self.url, self.proc, self.log, self.key = url, proc, log, key
 
     def metric(self, name: str, **labels: str) -> float:
         return metric_sum(httpx.get(f"{self.url}/metrics").text, name, **labels)
@@ -80,17 +82,23 @@ def gateway(vllm_servers, tmp_path_factory):
     config = work / "policy.yaml"
     config.write_text(yaml.safe_dump(e2e_policy(vllm_servers, port)))
     log = work / "gateway.log"
-    cli = Path(sys.executable).with_name("llm-gateway")
+    cli = str(Path(sys.executable).with_name("llm-gateway"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_GATEWAY_ADMIN_SECRET": secrets.token_urlsafe(32)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(cli), "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen([cli, "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=work, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/ready", proc, 30, "the gateway")
     except AssertionError as exc:
         proc.kill()
         pytest.fail(f"{exc}:\n" + log.read_text()[-3000:])
-    yield GatewayProcess(url, proc, log)
+    # an app's key, issued the way an admin does it: a token from the CLI, then `keys create`
+    token = subprocess.run([cli, "admin-token", "--config", str(config), "--ttl", "1h"], env=env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    created = subprocess.run([cli, "keys", "--url", url, "--token", token, "--json", "create", "--name", "e2e"],
+                             check=True, capture_output=True, text=True)
+    yield GatewayProcess(url, proc, log, json.loads(created.stdout)["key"])
     proc.terminate()
     try:
         proc.wait(10)

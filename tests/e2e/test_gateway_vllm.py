@@ -13,7 +13,7 @@ HELLO = [{"role": "user", "content": "Tell me about the weather in the mountains
 
 @pytest.fixture(scope="module")
 def client(gateway):
-    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key, max_retries=0, timeout=60) as c:
         yield c
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port
@@ -32,12 +33,20 @@ def test_demo_serves_and_ctrl_c_stops_everything():
     proc = subprocess.Popen([str(cli), "demo", "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
+    seen = []
     try:
+        for line in proc.stdout:  # the banner comes before the gateway starts serving
+            seen.append(line)
+            if line.strip().startswith("API key: "):
+                key = line.split("API key: ")[1].strip()
+                break
+        else:
+            raise AssertionError("the demo printed no API key:\n" + "".join(seen))
         wait_http_ok(f"{base}/ready", proc, 30, "the demo")
         simulators = children_of(proc.pid)
         assert len(simulators) == 3  # two replicas of one model, one of the other
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
         assert {m.id for m in client.models.list()} == {"qwen3-4b", "llama-3.1-8b"}
         reply = client.chat.completions.create(model="qwen3-4b", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=5)
@@ -45,10 +54,15 @@ def test_demo_serves_and_ctrl_c_stops_everything():
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True))
         assert text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0).models.list()
     finally:
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=20)
+        proc.wait(timeout=20)
+        output = proc.stdout.read()  # not communicate(): it would skip what the line reader buffered
     assert proc.returncode == 0, output
-    assert "curl" in output and "OpenAI(base_url" in output
+    output = "".join(seen) + output
+    for expected in ("curl", "OpenAI(base_url", "admin token"):
+        assert expected in output, output
     for pid in simulators:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

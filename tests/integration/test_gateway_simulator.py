@@ -9,7 +9,7 @@ import asyncio
 import httpx
 
 from backends.simulator import SimConfig, create_app
-from tests.support.gateway import one_model, running_gateway
+from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.probes import metric_sum
 from tests.support.servers import serve_app
 
@@ -30,7 +30,7 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
 
 async def test_disconnect_aborts_upstream_for_streams_and_plain_requests():
     async with serve_app(create_app(SLOW)) as sim, running_gateway(one_model(sim)) as gw, \
-            httpx.AsyncClient(timeout=10) as http:
+            httpx.AsyncClient(timeout=10, headers=AUTH) as http:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True}
 
         async with http.stream("POST", f"{gw.url}/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -57,7 +57,7 @@ async def sim_metric_running(http, sim) -> bool:
 
 async def test_concurrent_load_spreads_over_replicas_and_leaves_nothing_in_flight():
     async with serve_app(create_app(SLOW)) as s1, serve_app(create_app(SLOW)) as s2, \
-            running_gateway(one_model(s1, s2)) as gw, httpx.AsyncClient(timeout=30) as http:
+            running_gateway(one_model(s1, s2)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
         body = {"model": "m", "prompt": "x", "max_tokens": 10, "ignore_eos": True, "stream": True}
 
         async def one():

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateway import one_model, running_gateway
+from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.recorder import Recorder
 from tests.support.servers import free_port, serve_app
 
@@ -14,7 +14,7 @@ from tests.support.servers import free_port, serve_app
 @pytest.fixture
 async def http():
     # async only: the servers under test run in this same event loop
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with httpx.AsyncClient(timeout=10, headers=AUTH) as client:
         yield client
 
 
@@ -24,7 +24,7 @@ async def chunks(piece: bytes, count: int):
 
 
 def sdk(gw, **kw):
-    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, **kw)
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, **kw)
 
 
 async def test_body_forwarded_untouched_except_model(http):

@@ -1,0 +1,48 @@
+"""Fire-and-forget work off the request path (usage and last-used writes), kept referenced and bounded.
+
+A failing write is logged once per kind of failure, not per request; pending writes get a bounded drain at
+shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("gateway.background")
+
+MAX_PENDING = 10_000
+
+
+class Background:
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        self.reported: set[str] = set()
+        self.dropped = 0
+
+    def run(self, coro) -> None:
+        if len(self.tasks) >= MAX_PENDING:
+            coro.close()
+            self.dropped += 1
+            self._report("backlog", f"background backlog over {MAX_PENDING}: dropping writes")
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self._report(type(exc).__name__, f"background write failed: {type(exc).__name__}")
+        elif self.reported:
+            self.reported.clear()  # recovered: report the next failure again
+
+    def _report(self, kind: str, message: str) -> None:
+        if kind not in self.reported:
+            self.reported.add(kind)
+            log.warning(message)
+
+    async def drain(self, timeout: float) -> None:
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout)

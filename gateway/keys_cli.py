@@ -1,0 +1,167 @@
+"""`llm-gateway keys ...` and `llm-gateway admin-token`: the admin API from a terminal.
+
+Talks to a running gateway's /admin API (URL and token from flags or LLM_GATEWAY_URL / LLM_GATEWAY_ADMIN_TOKEN).
+Prints tables for people and `--json` for scripts. A created or rotated key is printed once, never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+
+import httpx
+
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def seconds(text: str) -> float:
+    """'90', '90s', '15m', '1h', '30d' -> seconds."""
+    match = DURATION.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 15m, 1h, 30d)")
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+def add_commands(sub) -> None:
+    token = sub.add_parser("admin-token", help="mint an admin JWT from the configured secret")
+    token.add_argument("--config", "-c", help="the policy file (for algorithm, issuer, audience)")
+    token.add_argument("--ttl", type=seconds, default=3600.0, help="lifetime, e.g. 1h (default 1h)")
+    token.add_argument("--role", choices=["admin", "viewer"], default="admin")
+    token.add_argument("--subject", default="admin")
+    token.add_argument("--private-key-file", help="PEM private key, for RS256/ES256")
+
+    keys = sub.add_parser("keys", help="manage API keys on a running gateway")
+    keys.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
+    keys.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
+                      help="admin JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    keys.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    actions = keys.add_subparsers(dest="action", required=True)
+
+    create = actions.add_parser("create", help="issue a key; its secret is printed once")
+    create.add_argument("--name", required=True)
+    add_settings(create)
+    update = actions.add_parser("update", help="change a key's settings")
+    update.add_argument("id")
+    update.add_argument("--name")
+    add_settings(update)
+    actions.add_parser("list", help="list keys")
+    for action in ("show", "revoke", "usage"):
+        actions.add_parser(action, help=f"{action} one key").add_argument("id")
+    rotate = actions.add_parser("rotate", help="new secret; the old one keeps working during --grace")
+    rotate.add_argument("id")
+    rotate.add_argument("--grace", type=seconds, default=3600.0, help="e.g. 10m (default 1h)")
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--owner")
+    parser.add_argument("--models", help="comma-separated models the key may use (default: all)")
+    parser.add_argument("--expires-in", type=seconds, help="e.g. 30d")
+    parser.add_argument("--data-policy", choices=["private_only", "allow_rented"])
+    parser.add_argument("--allowed-cidrs", help="comma-separated client networks, e.g. 10.0.0.0/8")
+    parser.add_argument("--rpm", type=int, help="requests per minute")
+    parser.add_argument("--tpm", type=int, help="tokens per minute")
+    parser.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+
+
+def settings(args: argparse.Namespace) -> dict:
+    body: dict = {}
+    for field in ("name", "owner", "data_policy"):
+        if getattr(args, field, None) is not None:
+            body[field] = getattr(args, field)
+    if args.models is not None:
+        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.allowed_cidrs is not None:
+        body["allowed_cidrs"] = [c.strip() for c in args.allowed_cidrs.split(",") if c.strip()]
+    limits = {k: v for k, v in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm),
+                                ("max_concurrent", args.max_concurrent)) if v is not None}
+    if limits:
+        body["limits"] = limits
+    return body
+
+
+def run_admin_token(args: argparse.Namespace) -> int:
+    from gateway.admin_auth import mint_token
+    from gateway.config import Admin, PolicyError, load_policy
+
+    try:
+        config = load_policy(args.config).admin if args.config else Admin()
+        private = open(args.private_key_file, "rb").read() if args.private_key_file else None
+        print(mint_token(config, args.ttl, role=args.role, subject=args.subject, private_key=private))
+    except (PolicyError, ValueError, OSError) as exc:
+        print(f"admin-token: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    if not args.token:
+        print("keys: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
+              "(mint one with `llm-gateway admin-token`)", file=sys.stderr)
+        return 2
+    base = args.url.rstrip("/") + "/admin/keys"
+    requests = {
+        "create": lambda: ("POST", base, {**settings(args), "expires_in": args.expires_in}),
+        "update": lambda: ("PATCH", f"{base}/{args.id}", settings(args)),
+        "list": lambda: ("GET", base, None),
+        "show": lambda: ("GET", f"{base}/{args.id}", None),
+        "usage": lambda: ("GET", f"{base}/{args.id}/usage", None),
+        "revoke": lambda: ("POST", f"{base}/{args.id}/revoke", None),
+        "rotate": lambda: ("POST", f"{base}/{args.id}/rotate", {"grace_seconds": args.grace}),
+    }
+    method, url, body = requests[args.action]()
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if v is not None}
+    try:
+        response = httpx.request(method, url, json=body, headers={"authorization": f"Bearer {args.token}"},
+                                 timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    data = response.json() if response.content else {}
+    if response.status_code >= 400:
+        message = data.get("error", {}).get("message") if isinstance(data, dict) else None
+        print(f"keys {args.action}: HTTP {response.status_code}: {message or response.text[:300]}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2) if args.json else render(args.action, data))
+    return 0
+
+
+def when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def key_row(k: dict) -> list[str]:
+    state = "revoked" if k["revoked"] else "active"
+    return [k["id"], k["name"], state, ",".join(k["models"]) if k["models"] is not None else "*",
+            k["data_policy"], when(k["expires_at"]), when(k["last_used_at"])]
+
+
+KEY_HEADER = ["ID", "NAME", "STATE", "MODELS", "DATA POLICY", "EXPIRES", "LAST USED"]
+
+
+def render(action: str, data) -> str:
+    if action == "list":
+        return table([key_row(k) for k in data], KEY_HEADER)
+    if action == "usage":
+        rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
+                for m, c in sorted(data["models"].items())]
+        return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
+    if action in ("create", "rotate"):
+        record = data["record"]
+        note = "" if action == "create" else f"\nthe previous secret works until {when(record['previous_valid_until'])}"
+        return (f"{table([key_row(record)], KEY_HEADER)}\n\nAPI key (shown once, store it now):\n{data['key']}"
+                f"{note}")
+    return table([key_row(data)], KEY_HEADER)

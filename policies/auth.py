@@ -1,0 +1,120 @@
+"""Pipeline steps: who is calling (Authenticate) and what that key may use (Authorize).
+
+Every failure to authenticate gets the same 401, whatever was wrong (missing, malformed, unknown, expired,
+revoked, wrong secret), and never echoes the key. Verified records are cached per process for
+`auth.cache_seconds`: that is the bound within which a revocation reaches every gateway replica.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import OrderedDict
+
+from gateway.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
+from gateway.pipeline import Call
+from policies.keys import KeyRecord, key_id_of
+from policies.store import Store, StoreUnavailable
+
+INVALID = "Incorrect or missing API key. Pass a valid key as `Authorization: Bearer sk-...`."
+MAX_HEADER = 512
+CACHE_ENTRIES = 10_000
+TOUCH_EVERY = 60.0  # seconds between last_used_at writes for one key, per process
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    if not authorization or len(authorization) > MAX_HEADER:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
+class KeyCache:
+    """key id -> (record, fetched at): a small LRU with a time bound."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.entries: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()
+
+    def get(self, key_id: str, now: float) -> KeyRecord | None:
+        entry = self.entries.get(key_id)
+        if entry is None or now - entry[1] >= self.ttl:
+            return None
+        self.entries.move_to_end(key_id)
+        return entry[0]
+
+    def put(self, record: KeyRecord, now: float) -> None:
+        if self.ttl <= 0:
+            return
+        self.entries[record.id] = (record, now)
+        self.entries.move_to_end(record.id)
+        while len(self.entries) > CACHE_ENTRIES:
+            self.entries.popitem(last=False)
+
+    def drop(self, key_id: str) -> None:
+        self.entries.pop(key_id, None)
+
+
+class Authenticate:
+    name = "authenticate"
+
+    def __init__(self, store: Store, cache_seconds: float, background) -> None:
+        self.store = store
+        self.cache = KeyCache(cache_seconds)
+        self.background = background  # schedules store writes off the request path
+        self.touched: dict[str, float] = {}
+
+    async def enter(self, call: Call) -> None:
+        call.key = await self.verify(call.headers.get("authorization"))
+
+    async def verify(self, authorization: str | None) -> KeyRecord:
+        key = bearer_key(authorization)
+        key_id = key_id_of(key) if key else None
+        if key_id is None:
+            raise AuthenticationFailed(INVALID)
+        now = time.time()
+        mono = time.monotonic()
+        record = self.cache.get(key_id, mono)
+        if record is None:
+            try:
+                record = await self.store.get_key(key_id)
+            except StoreUnavailable:
+                raise StateUnavailable("the key store is unavailable; try again shortly") from None
+            if record is not None:
+                self.cache.put(record, mono)
+        if record is None or not record.matches(key, now) or not record.usable(now):
+            raise AuthenticationFailed(INVALID)
+        if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:
+            self.touched[key_id] = mono
+            self.background(self.store.touch_key(key_id, now))
+        return record
+
+    async def leave(self, call: Call) -> None:
+        pass
+
+
+class Authorize:
+    """The key may use this model, from this client address."""
+
+    name = "authorize"
+
+    async def enter(self, call: Call) -> None:
+        key = call.key
+        if key.models is not None and call.model not in key.models:
+            raise PermissionDenied(f"this API key may not use model {call.model}", param="model",
+                                   code="model_not_allowed")
+        if key.allowed_cidrs and not client_allowed(call.client_host, key.allowed_cidrs):
+            raise PermissionDenied("this API key may not be used from this network", code="source_not_allowed")
+
+    async def leave(self, call: Call) -> None:
+        pass
+
+
+def client_allowed(host: str, cidrs: list[str]) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in ipaddress.ip_network(c) for c in cidrs)

@@ -1,0 +1,98 @@
+"""API keys: their format, how they are minted and hashed, and the record the store keeps for each.
+
+A key reads `sk-<id>-<secret>`: `id` (16 hex characters) names the record and is safe to show; `secret`
+(43 base62 characters, ~256 bits from `secrets`) is shown once at creation and never stored. The store keeps
+SHA-256 of the whole key, which for a key of this entropy needs no salt or slow hash, and compares in constant
+time. A rotated key keeps its previous hash until `previous_valid_until`, the grace period the admin chose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+import secrets
+import string
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PREFIX = "sk-"
+ID_LENGTH = 16
+SECRET_LENGTH = 43
+ALPHABET = string.ascii_letters + string.digits
+KEY_PATTERN = re.compile(rf"^sk-([0-9a-f]{{{ID_LENGTH}}})-([A-Za-z0-9]{{{SECRET_LENGTH}}})$")
+
+DataPolicy = Literal["private_only", "allow_rented"]
+
+
+class KeyLimits(BaseModel):
+    """Per-key limits, enforced by the rate-limit step; None means unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+
+
+class KeyRecord(BaseModel):
+    """What the store keeps for one key. Never holds the key itself, only hashes of it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(pattern=rf"^[0-9a-f]{{{ID_LENGTH}}}$")
+    name: str = Field(min_length=1, max_length=200)
+    owner: str | None = Field(None, max_length=200)
+    models: list[str] | None = None  # None: every model
+    expires_at: float | None = None  # unix seconds
+    revoked: bool = False
+    data_policy: DataPolicy = "private_only"
+    allowed_cidrs: list[str] | None = None
+    limits: KeyLimits = KeyLimits()
+    created_at: float
+    last_used_at: float | None = None
+    hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    previous_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    previous_valid_until: float | None = None
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def valid_cidrs(cls, cidrs: list[str] | None) -> list[str] | None:
+        if cidrs is None:
+            return None
+        return [str(ipaddress.ip_network(c, strict=False)) for c in cidrs]
+
+    def matches(self, key: str, now: float) -> bool:
+        """Whether `key` is this record's current key, or its previous one still within the grace period."""
+        digest = hash_key(key)
+        if hmac.compare_digest(digest, self.hash):
+            return True
+        if self.previous_hash and self.previous_valid_until and now < self.previous_valid_until:
+            return hmac.compare_digest(digest, self.previous_hash)
+        return False
+
+    def usable(self, now: float) -> bool:
+        return not self.revoked and (self.expires_at is None or now < self.expires_at)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key_id() -> str:
+    return secrets.token_hex(ID_LENGTH // 2)
+
+
+def new_key(key_id: str) -> str:
+    return f"{PREFIX}{key_id}-{''.join(secrets.choice(ALPHABET) for _ in range(SECRET_LENGTH))}"
+
+
+def key_id_of(key: str) -> str | None:
+    """The record id inside a well-formed key, or None for anything that is not one."""
+    match = KEY_PATTERN.match(key)
+    return match.group(1) if match else None
+
+
+def now() -> float:
+    return time.time()

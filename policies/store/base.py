@@ -1,0 +1,113 @@
+"""The one interface every store implements, and the errors it may raise.
+
+The gateway keeps its shared state behind `Store` so one process can run on an embedded SQLite file and N
+replicas can share Redis without any caller knowing which. Today it holds API-key records and the usage
+ledger; rate-limit state will join as further methods on the same interface (SQLite's side keeps limits in
+memory, Redis enforces them with Lua), so callers keep passing around one object.
+
+Errors (every failure a caller sees is one of these, never a driver's own exception):
+
+    StoreError             anything the store could not do
+    ├── StoreUnavailable   the backing server or file cannot be reached right now: the gateway answers 503
+    ├── KeyExists          create_key with an id that is already taken
+    └── KeyNotFound        put_key for an id that has no record
+
+Messages name the operation, never a stored value.
+
+Usage is all-time totals per (key, model). `requests`, `prompt_tokens` and `completion_tokens` count every
+request; the `rented_*` counters count the subset that overflowed to a rented provider, so owned traffic is
+the difference. Every model row carries all of USAGE_FIELDS, zeros included.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from policies.keys import KeyRecord
+
+USAGE_FIELDS = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "rented_requests",
+    "rented_prompt_tokens",
+    "rented_completion_tokens",
+)
+
+
+class StoreError(Exception):
+    """The store could not do what was asked."""
+
+
+class StoreUnavailable(StoreError):
+    """The backing server (or database file) cannot be reached; retrying later may work."""
+
+
+class KeyExists(StoreError):
+    """A record with this id already exists."""
+
+
+class KeyNotFound(StoreError):
+    """No record has this id."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Keys and usage, shared by everything that serves or administers the gateway."""
+
+    async def create_key(self, record: KeyRecord) -> None:
+        """Store a new record; raise KeyExists if its id is taken."""
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        """The record with this id, or None. last_used_at is the latest of the record's and touch_key's."""
+
+    async def list_keys(self) -> list[KeyRecord]:
+        """Every record, oldest created_at first (ties by id)."""
+
+    async def put_key(self, record: KeyRecord) -> None:
+        """Replace an existing record (update, revoke, rotate); raise KeyNotFound if there is none."""
+
+    async def touch_key(self, key_id: str, when: float) -> None:
+        """Note that the key was used at `when`; keeps the latest time. A missing id is ignored."""
+
+    async def add_usage(
+        self,
+        key_id: str,
+        model: str,
+        *,
+        requests: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        rented: bool = False,
+    ) -> None:
+        """Add to the key's totals for `model`; when `rented`, also to its rented_* counters."""
+
+    async def usage(self, key_id: str) -> dict[str, dict[str, int]]:
+        """{model: {field: total}} for every model the key has used, each with all of USAGE_FIELDS."""
+
+    async def ping(self) -> None:
+        """Return if the store is reachable; raise StoreUnavailable if not."""
+
+    async def close(self) -> None:
+        """Release connections and threads; calling it twice is harmless."""
+
+
+def usage_increments(requests: int, prompt_tokens: int, completion_tokens: int, rented: bool) -> dict[str, int]:
+    """The counters one add_usage call moves, validated: the ledger only grows."""
+    if min(requests, prompt_tokens, completion_tokens) < 0:
+        raise ValueError("usage increments must not be negative")
+    deltas = {"requests": requests, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    if rented:
+        deltas |= {f"rented_{name}": value for name, value in list(deltas.items())}
+    return deltas
+
+
+def empty_usage() -> dict[str, int]:
+    return dict.fromkeys(USAGE_FIELDS, 0)
+
+
+def with_last_used(record: KeyRecord, touched: float | None) -> KeyRecord:
+    """The record with last_used_at raised to `touched` (kept apart from the record so touching is cheap)."""
+    if touched is None or (record.last_used_at is not None and record.last_used_at >= touched):
+        return record
+    return record.model_copy(update={"last_used_at": touched})

@@ -1,0 +1,203 @@
+"""The shared store: Redis, so every gateway replica sees the same keys and usage.
+
+Layout, every name under `prefix` (default "llmgw:"):
+
+    {prefix}key:{id}        string   the KeyRecord as JSON
+    {prefix}keys            zset     id -> created_at: the index list_keys walks, already in order
+    {prefix}last_used       zset     id -> latest touch_key time (ZADD GT), kept apart so a touch is one command
+    {prefix}usage:{id}      hash     "{model}:{field}" -> count, field one of USAGE_FIELDS (model names may
+                                     hold ':'; the field is what follows the last one)
+
+Writes that must move together (record + index) run as small Lua scripts, usage as one MULTI of HINCRBYs.
+A dead or hung server must cost a request a bounded wait, not a stuck worker: sockets have connect and read
+timeouts, a failed command is retried once on a fresh connection (which is also how the pool heals after
+Redis restarts), and an overall deadline caps each call. Any of that failing is StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from redis import exceptions as redis_errors
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from policies.keys import KeyRecord
+from policies.store.base import (
+    KeyExists,
+    KeyNotFound,
+    StoreError,
+    StoreUnavailable,
+    empty_usage,
+    usage_increments,
+    with_last_used,
+)
+
+DEFAULT_PREFIX = "llmgw:"
+
+# KEYS: record, index. ARGV: json, id, created_at. 1 if created, 0 if the id is taken.
+CREATE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+# Same arguments. 1 if replaced, 0 if there was no record.
+PUT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'XX') then
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+# KEYS: record, last_used. ARGV: when, id. Touching a missing key leaves nothing behind.
+TOUCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('ZADD', KEYS[2], 'GT', ARGV[1], ARGV[2])
+end
+return 0
+"""
+
+UNREACHABLE = (
+    redis_errors.ConnectionError,  # refused, reset, LOADING, pool exhausted
+    redis_errors.TimeoutError,
+    redis_errors.ReadOnlyError,  # a replica mid-failover
+    TimeoutError,  # our own deadline
+    OSError,
+)
+
+
+class RedisStore:
+    """Store on a Redis server (standalone; every key of one store lives under one prefix)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout: float = 1.0,
+        deadline: float = 2.5,
+        max_connections: int = 64,
+    ) -> None:
+        self.prefix = prefix
+        self._deadline = deadline
+        self._closed = False
+        pool = BlockingConnectionPool.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            max_connections=max_connections,
+            timeout=deadline,  # waiting for a free connection counts against the same budget
+        )
+        self._redis = Redis.from_pool(pool)
+        self._create = self._redis.register_script(CREATE)
+        self._put = self._redis.register_script(PUT)
+        self._touch = self._redis.register_script(TOUCH)
+
+    def _key(self, key_id: str) -> str:
+        return f"{self.prefix}key:{key_id}"
+
+    @property
+    def _index(self) -> str:
+        return f"{self.prefix}keys"
+
+    @property
+    def _last_used(self) -> str:
+        return f"{self.prefix}last_used"
+
+    def _usage(self, key_id: str) -> str:
+        return f"{self.prefix}usage:{key_id}"
+
+    @contextlib.asynccontextmanager
+    async def _call(self, op: str) -> AsyncIterator[None]:
+        """Bound the call by the deadline and turn every redis failure into a store error that echoes nothing."""
+        if self._closed:
+            raise StoreError(f"redis {op}: the store is closed")
+        try:
+            async with asyncio.timeout(self._deadline):
+                yield
+        except UNREACHABLE as exc:
+            raise StoreUnavailable(f"redis {op}: server unreachable ({type(exc).__name__})") from exc
+        except redis_errors.RedisError as exc:
+            raise StoreError(f"redis {op} failed ({type(exc).__name__})") from exc
+
+    async def create_key(self, record: KeyRecord) -> None:
+        async with self._call("create_key"):
+            created = await self._create(
+                keys=[self._key(record.id), self._index],
+                args=[record.model_dump_json(), record.id, repr(record.created_at)],
+            )
+        if not created:
+            raise KeyExists(f"key {record.id} already exists")
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        async with self._call("get_key"), self._redis.pipeline(transaction=False) as pipe:
+            raw, touched = await pipe.get(self._key(key_id)).zscore(self._last_used, key_id).execute()
+        return None if raw is None else with_last_used(KeyRecord.model_validate_json(raw), touched)
+
+    async def list_keys(self) -> list[KeyRecord]:
+        async with self._call("list_keys"):
+            ids = await self._redis.zrange(self._index, 0, -1)
+            if not ids:
+                return []
+            async with self._redis.pipeline(transaction=False) as pipe:
+                raws, touched = await pipe.mget([self._key(i) for i in ids]).zmscore(self._last_used, ids).execute()
+        return [
+            with_last_used(KeyRecord.model_validate_json(raw), when)
+            for raw, when in zip(raws, touched)
+            if raw is not None  # deleted by hand between the two reads
+        ]
+
+    async def put_key(self, record: KeyRecord) -> None:
+        async with self._call("put_key"):
+            replaced = await self._put(
+                keys=[self._key(record.id), self._index],
+                args=[record.model_dump_json(), record.id, repr(record.created_at)],
+            )
+        if not replaced:
+            raise KeyNotFound(f"key {record.id} not found")
+
+    async def touch_key(self, key_id: str, when: float) -> None:
+        async with self._call("touch_key"):
+            await self._touch(keys=[self._key(key_id), self._last_used], args=[repr(when), key_id])
+
+    async def add_usage(
+        self,
+        key_id: str,
+        model: str,
+        *,
+        requests: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        rented: bool = False,
+    ) -> None:
+        deltas = usage_increments(requests, prompt_tokens, completion_tokens, rented)
+        name = self._usage(key_id)
+        async with self._call("add_usage"), self._redis.pipeline(transaction=True) as pipe:
+            for field, value in deltas.items():
+                pipe.hincrby(name, f"{model}:{field}", value)
+            await pipe.execute()
+
+    async def usage(self, key_id: str) -> dict[str, dict[str, int]]:
+        async with self._call("usage"):
+            counters = await self._redis.hgetall(self._usage(key_id))
+        totals: dict[str, dict[str, int]] = {}
+        for name, value in counters.items():
+            model, _, field = name.rpartition(":")
+            totals.setdefault(model, empty_usage())[field] = int(value)
+        return dict(sorted(totals.items()))
+
+    async def ping(self) -> None:
+        async with self._call("ping"):
+            await self._redis.ping()
+
+    async def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
