@@ -11,10 +11,10 @@ import time
 
 from litestar import Request, Router, get, patch, post
 from litestar.params import JSONBody, Parameter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.errors import NotFound, StateUnavailable
-from policies.keys import DataPolicy, KeyLimits, KeyRecord, hash_key, new_key, new_key_id
+from gateway.errors import BadRequest, NotFound, StateUnavailable
+from policies.keys import DataPolicy, KeyLimits, KeyRecord, hash_key, new_key, new_key_id, normalize_cidrs
 from policies.store import KeyNotFound, StoreUnavailable
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
@@ -29,6 +29,11 @@ class KeyChanges(BaseModel):
     data_policy: DataPolicy | None = None
     allowed_cidrs: list[str] | None = None
     limits: KeyLimits | None = None
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def valid_cidrs(cls, cidrs: list[str] | None) -> list[str] | None:
+        return normalize_cidrs(cidrs)
 
 
 class NewKey(KeyChanges):
@@ -154,9 +159,16 @@ def admin_router(gateway) -> Router:
 
         return openai_error(StateUnavailable("the key store is unavailable; try again shortly"))
 
+    async def invalid(_request: Request, exc: ValidationError):
+        from gateway.app import openai_error
+
+        first = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return openai_error(BadRequest(f"{where}: {first['msg']}", param=where or None))
+
     return Router(
         path="/admin",
         route_handlers=[create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage],
-        exception_handlers={StoreUnavailable: store_down},
+        exception_handlers={StoreUnavailable: store_down, ValidationError: invalid},
         tags=["admin"],
     )

@@ -110,7 +110,11 @@ def on_http_exception(_request: Request, exc: HTTPException) -> Response:
         return openai_error(MethodNotAllowed("method not allowed on this path"))
     if isinstance(exc, GatewayError):
         return openai_error(exc)
-    error = GatewayError(str(exc.detail))
+    detail = str(exc.detail)
+    if isinstance(exc.extra, list):  # validation failures: say which field and why
+        problems = [f"{e.get('key')}: {e.get('message')}" for e in exc.extra if isinstance(e, dict)]
+        detail = f"{detail}: {'; '.join(problems)}" if problems else detail
+    error = GatewayError(detail)
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return openai_error(error)

@@ -59,9 +59,7 @@ class KeyRecord(BaseModel):
     @field_validator("allowed_cidrs")
     @classmethod
     def valid_cidrs(cls, cidrs: list[str] | None) -> list[str] | None:
-        if cidrs is None:
-            return None
-        return [str(ipaddress.ip_network(c, strict=False)) for c in cidrs]
+        return normalize_cidrs(cidrs)
 
     def matches(self, key: str, now: float) -> bool:
         """Whether `key` is this record's current key, or its previous one still within the grace period."""
@@ -74,6 +72,19 @@ class KeyRecord(BaseModel):
 
     def usable(self, now: float) -> bool:
         return not self.revoked and (self.expires_at is None or now < self.expires_at)
+
+
+def normalize_cidrs(cidrs: list[str] | None) -> list[str] | None:
+    """Client networks in canonical form (10.1.2.3/8 -> 10.0.0.0/8); ValueError names the bad one."""
+    if cidrs is None:
+        return None
+    out = []
+    for cidr in cidrs:
+        try:
+            out.append(str(ipaddress.ip_network(cidr, strict=False)))
+        except ValueError:
+            raise ValueError(f"not a network in CIDR form: {cidr!r:.60}") from None
+    return out
 
 
 def hash_key(key: str) -> str:

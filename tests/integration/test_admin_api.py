@@ -1,0 +1,222 @@
+"""Keys end to end on the embedded store: the admin API issues them, the request path enforces them."""
+
+import asyncio
+import time
+
+import httpx
+import jwt
+import openai
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from gateway.admin_auth import mint_token
+from gateway.config import Admin
+from policies.keys import KEY_PATTERN
+from tests.support.gateway import one_model, running_gateway
+from tests.support.recorder import Recorder
+from tests.support.servers import serve_app
+
+SECRET = "s" * 40
+ADMIN = Admin()
+
+
+def token(role="admin", **overrides) -> str:
+    now = int(time.time())
+    claims = {"iss": "llm-gateway", "aud": "llm-gateway-admin", "sub": "t", "role": role, "iat": now,
+              "nbf": now, "exp": now + 600, **overrides}
+    return jwt.encode({k: v for k, v in claims.items() if v is not None}, SECRET, algorithm="HS256")
+
+
+def bearer(value: str) -> dict:
+    return {"authorization": f"Bearer {value}"}
+
+
+@pytest.fixture
+async def env(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    rec = Recorder()
+    policy = {
+        "models": [{"name": "m", "backends": [{"url": "U"}]}, {"name": "other", "backends": [{"url": "U"}]}],
+        "auth": {"cache_seconds": 30},  # this process drops a changed key from its cache at once
+    }
+    async with serve_app(rec) as up:
+        for model in policy["models"]:
+            model["backends"][0]["url"] = up
+        async with running_gateway(policy, issue_test_key=False) as gw, httpx.AsyncClient(timeout=10) as http:
+            admin = bearer(token())
+
+            async def call(method, path, **kw):
+                return await http.request(method, f"{gw.url}/admin{path}", headers=kw.pop("headers", admin), **kw)
+
+            yield gw, http, call
+
+
+def sdk(gw, key):
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+
+
+async def test_key_lifecycle(env):
+    gw, http, call = env
+    r = await call("POST", "/keys", json={"name": "app-1", "owner": "team-a", "limits": {"requests_per_minute": 5}})
+    assert r.status_code == 201, r.text
+    key, record = r.json()["key"], r.json()["record"]
+    assert KEY_PATTERN.match(key) and record["name"] == "app-1" and record["data_policy"] == "private_only"
+    assert record["limits"]["requests_per_minute"] == 5 and "hash" not in record
+
+    listing = (await call("GET", "/keys")).text
+    shown = (await call("GET", f"/keys/{record['id']}")).json()
+    assert key not in listing and key.split("-")[2] not in listing and "hash" not in listing
+    assert shown["id"] == record["id"] and shown["last_used_at"] is None
+
+    client = sdk(gw, key)
+    reply = await client.chat.completions.create(model="m", messages=[])
+    assert reply.usage.completion_tokens == 3
+    assert {m.id async for m in client.models.list()} == {"m", "other"}
+
+    r = await call("PATCH", f"/keys/{record['id']}", json={"models": ["m"]})
+    assert r.status_code == 200 and r.json()["models"] == ["m"]
+    assert [m.id async for m in client.models.list()] == ["m"]
+    with pytest.raises(openai.PermissionDeniedError, match="may not use model other"):
+        await client.chat.completions.create(model="other", messages=[])
+
+    for _ in range(50):  # usage is written off the request path
+        usage = (await call("GET", f"/keys/{record['id']}/usage")).json()
+        if usage["total"].get("requests") == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert usage["models"]["m"]["prompt_tokens"] == 7 and usage["models"]["m"]["completion_tokens"] == 3
+    assert usage["total"]["requests"] == 1  # the 403 never reached a backend
+    assert (await call("GET", f"/keys/{record['id']}")).json()["last_used_at"] is not None
+
+    r = await call("POST", f"/keys/{record['id']}/revoke")
+    assert r.status_code == 200 and r.json()["revoked"] is True
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(model="m", messages=[])
+
+
+async def test_rotation_keeps_the_old_secret_for_the_grace_period(env):
+    gw, http, call = env
+    old = (await call("POST", "/keys", json={"name": "rotating"})).json()
+    r = await call("POST", f"/keys/{old['record']['id']}/rotate", json={"grace_seconds": 1.0})
+    assert r.status_code == 200
+    new = r.json()["key"]
+    assert new != old["key"] and r.json()["record"]["id"] == old["record"]["id"]
+    for key in (old["key"], new):
+        assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
+    await asyncio.sleep(1.1)
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(gw, old["key"]).chat.completions.create(model="m", messages=[])
+    assert (await sdk(gw, new).chat.completions.create(model="m", messages=[])).choices
+
+
+async def test_expiry(env):
+    gw, http, call = env
+    key = (await call("POST", "/keys", json={"name": "short", "expires_in": 0.5})).json()["key"]
+    assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
+    await asyncio.sleep(0.6)
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(gw, key).chat.completions.create(model="m", messages=[])
+
+
+async def test_every_bad_api_key_is_the_same_401(env):
+    gw, http, call = env
+    key = (await call("POST", "/keys", json={"name": "real"})).json()["key"]
+    key_id = key.split("-")[1]
+    forged = f"sk-{key_id}-{'A' * 43}"
+    unknown = f"sk-{'0' * 16}-{'A' * 43}"
+    headers = [{}, {"authorization": "Basic abc"}, {"authorization": "Bearer"}, bearer("sk-short"), bearer(forged), bearer(unknown),
+               bearer(key + "x"), {"authorization": "Bearer " + "A" * 20000}, bearer(key.upper())]
+    bodies = set()
+    for h in headers:
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers=h)
+        assert r.status_code == 401, (h, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_api_key"
+        bodies.add(error["message"])
+        assert key_id not in r.text and "AAAA" not in r.text
+        r = await http.get(f"{gw.url}/v1/models", headers=h)
+        assert r.status_code == 401
+    assert len(bodies) == 1  # nothing tells which part was wrong
+    r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers=bearer(key))
+    assert r.status_code == 200
+
+
+async def test_bad_admin_tokens_are_401_never_500(env):
+    gw, http, call = env
+    none_alg = jwt.encode({"iss": "llm-gateway", "aud": "llm-gateway-admin", "role": "admin",
+                           "exp": int(time.time()) + 60}, None, algorithm="none")
+    wrong_key = jwt.encode({"iss": "llm-gateway", "aud": "llm-gateway-admin", "role": "admin",
+                            "exp": int(time.time()) + 60}, "x" * 40, algorithm="HS256")
+    bad = [
+        None, "Bearer", "Basic Zm9vOmJhcg==", "Bearer not.a.jwt", "Bearer " + "a" * 9000, f"Bearer {none_alg}",
+        f"Bearer {wrong_key}", f"Bearer {token(exp=int(time.time()) - 120)}", f"Bearer {token(nbf=int(time.time()) + 600)}",
+        f"Bearer {token(aud='someone-else')}", f"Bearer {token(iss='elsewhere')}", f"Bearer {token(role='root')}",
+        f"Bearer {token(exp=None)}", f"Bearer {token()[:-4]}", "Bearer \u00e9\u00e9",
+    ]
+    for value in bad:
+        headers = {} if value is None else {"authorization": value.encode("utf-8")}
+        r = await call("GET", "/keys", headers=headers)
+        assert r.status_code == 401, (value, r.text)
+        assert r.json()["error"]["code"] == "invalid_admin_token"
+    viewer = bearer(token(role="viewer"))
+    assert (await call("GET", "/keys", headers=viewer)).status_code == 200
+    r = await call("POST", "/keys", headers=viewer, json={"name": "x"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "read_only_token"
+    assert (await call("POST", "/keys", headers=bearer(mint_token(ADMIN, 60)), json={"name": "y"})).status_code == 201
+
+
+async def test_admin_input_errors_are_openai_errors(env):
+    gw, http, call = env
+    for body in ({}, {"name": ""}, {"name": "x", "surprise": 1}, {"name": "x", "data_policy": "public"},
+                 {"name": "x", "allowed_cidrs": ["10.0.0.0/33"]}):
+        r = await call("POST", "/keys", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+    assert (await call("GET", "/keys/0123456789abcdef")).status_code == 404
+    assert (await call("GET", "/keys/not-an-id")).status_code in (400, 404)
+    assert (await call("POST", "/keys/0123456789abcdef/revoke")).status_code == 404
+    schema = (await http.get(f"{gw.url}/schema/openapi.json")).json()
+    assert "/admin/keys/{key_id}/rotate" in schema["paths"]
+
+
+async def test_key_restricted_to_client_networks(env):
+    gw, http, call = env
+    inside = (await call("POST", "/keys", json={"name": "lan", "allowed_cidrs": ["127.0.0.0/8"]})).json()["key"]
+    outside = (await call("POST", "/keys", json={"name": "far", "allowed_cidrs": ["10.9.0.0/16"]})).json()["key"]
+    assert (await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers=bearer(inside))).status_code == 200
+    r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"}, headers=bearer(outside))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "source_not_allowed"
+
+
+@pytest.mark.parametrize("algorithm", ["RS256", "ES256"])
+async def test_asymmetric_admin_tokens_and_no_algorithm_switching(tmp_path, algorithm):
+    private = rsa.generate_private_key(65537, 2048) if algorithm == "RS256" else ec.generate_private_key(ec.SECP256R1())
+    pem_private = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption())
+    pem_public = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "pub.pem").write_bytes(pem_public)
+    admin = {"jwt_algorithm": algorithm, "jwt_public_key_file": str(tmp_path / "pub.pem")}
+    async with running_gateway({**one_model("http://127.0.0.1:9"), "admin": admin}) as gw, \
+            httpx.AsyncClient() as http:
+        good = mint_token(Admin(**admin), 60, private_key=pem_private)
+        assert (await http.get(f"{gw.url}/admin/keys", headers=bearer(good))).status_code == 200
+        claims = jwt.decode(good, options={"verify_signature": False})
+        # the classic confusion attack: an HS256 token whose HMAC secret is the public key
+        forged = jwt.api_jws.PyJWS().encode(jwt.utils.force_bytes(__import__("json").dumps(claims)),
+                                            b"x" * 40, algorithm="HS256")
+        assert (await http.get(f"{gw.url}/admin/keys", headers=bearer(forged))).status_code == 401
+
+
+async def test_admin_api_disabled_without_a_secret(monkeypatch):
+    monkeypatch.delenv("LLM_GATEWAY_ADMIN_SECRET", raising=False)
+    async with running_gateway(one_model("http://127.0.0.1:9")) as gw, httpx.AsyncClient() as http:
+        r = await http.get(f"{gw.url}/admin/keys", headers=bearer(token()))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "admin_not_configured"
+
+
+async def test_validation_errors_name_the_field(env):
+    gw, http, call = env
+    r = await call("POST", "/keys", json={"name": "x", "data_policy": "public"})
+    assert r.status_code == 400 and "data_policy" in r.json()["error"]["message"]
