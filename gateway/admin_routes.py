@@ -11,11 +11,11 @@ import time
 
 from litestar import Request, Router, get, patch, post
 from litestar.params import JSONBody, Parameter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.errors import BadRequest, NotFound, StateUnavailable
+from gateway.errors import NotFound
 from policies.keys import DataPolicy, KeyLimits, KeyRecord, hash_key, new_key, new_key_id, normalize_cidrs
-from policies.store import KeyNotFound, StoreUnavailable
+from policies.store import KeyNotFound
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
 
@@ -154,21 +154,8 @@ def admin_router(gateway) -> Router:
                 total[name] = total.get(name, 0) + value
         return Usage(id=key_id, models=models, total=total)
 
-    async def store_down(_request: Request, _exc: StoreUnavailable):
-        from gateway.app import openai_error
-
-        return openai_error(StateUnavailable("the key store is unavailable; try again shortly"))
-
-    async def invalid(_request: Request, exc: ValidationError):
-        from gateway.app import openai_error
-
-        first = exc.errors(include_url=False, include_input=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        return openai_error(BadRequest(f"{where}: {first['msg']}", param=where or None))
-
     return Router(
         path="/admin",
         route_handlers=[create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage],
-        exception_handlers={StoreUnavailable: store_down, ValidationError: invalid},
         tags=["admin"],
     )

@@ -16,6 +16,7 @@ import orjson
 from litestar import Litestar, MediaType, Request, Response, get
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from backends.replicas import DOWN, Replica, ReplicaSet
 from backends.upstream import new_client
@@ -23,7 +24,7 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.background import Background
 from gateway.config import Policy
-from gateway.errors import GatewayError, InternalError, MethodNotAllowed, NotFound
+from gateway.errors import BadRequest, GatewayError, InternalError, MethodNotAllowed, NotFound, StateUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.openai_routes import OpenAIRoutes
 from gateway.pipeline import Pipeline
@@ -33,7 +34,7 @@ from policies.auth import Authenticate, Authorize
 from policies.keys import KeyRecord
 from policies.models import ResolveModel
 from policies.routing import Profile
-from policies.store import open_store
+from policies.store import StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
 
@@ -124,6 +125,17 @@ def on_gateway_error(_request: Request, exc: GatewayError) -> Response:
     return openai_error(exc)
 
 
+def on_store_down(_request: Request, _exc: StoreUnavailable) -> Response:
+    return openai_error(StateUnavailable("the key store is unavailable; try again shortly"))
+
+
+def on_invalid(_request: Request, exc: ValidationError) -> Response:
+    """A record that fails validation after merging an admin's changes: a 400 naming the field."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return openai_error(BadRequest(f"{where}: {first['msg']}", param=where or None))
+
+
 def on_unexpected(_request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in the ops/admin app", exc_info=exc)
     return openai_error(InternalError("the gateway failed to handle the request"))
@@ -154,6 +166,8 @@ def create_app(policy: Policy):
         lifespan=[gateway.lifespan],
         exception_handlers={
             GatewayError: on_gateway_error,
+            StoreUnavailable: on_store_down,
+            ValidationError: on_invalid,
             HTTPException: on_http_exception,
             Exception: on_unexpected,
         },

@@ -122,7 +122,10 @@ def run_keys(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
         return 1
-    data = response.json() if response.content else {}
+    try:
+        data = response.json() if response.content else {}
+    except ValueError:
+        data = {}
     if response.status_code >= 400:
         message = data.get("error", {}).get("message") if isinstance(data, dict) else None
         print(f"keys {args.action}: HTTP {response.status_code}: {message or response.text[:300]}", file=sys.stderr)
