@@ -220,3 +220,16 @@ async def test_validation_errors_name_the_field(env):
     gw, http, call = env
     r = await call("POST", "/keys", json={"name": "x", "data_policy": "public"})
     assert r.status_code == 400 and "data_policy" in r.json()["error"]["message"]
+
+
+async def test_keys_survive_a_gateway_restart_on_sqlite(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    rec = Recorder()
+    async with serve_app(rec) as up:
+        policy = {**one_model(up), "store": {"kind": "sqlite", "path": str(tmp_path / "keys.db")}}
+        async with running_gateway(policy, issue_test_key=False) as gw, httpx.AsyncClient() as http:
+            r = await http.post(f"{gw.url}/admin/keys", headers=bearer(token()), json={"name": "kept"})
+            key = r.json()["key"]
+            assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
+        async with running_gateway(policy, issue_test_key=False) as gw:
+            assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
