@@ -94,6 +94,7 @@ class Backend(Strict):
     url: str
     name: str | None = Field(None, pattern=NAME)
     served_name: str | None = Field(None, pattern=NAME)
+    cap: int | None = Field(None, ge=1, le=100_000)  # most requests in flight to it: its measured knee
 
     @field_validator("url")
     @classmethod
