@@ -33,6 +33,8 @@ from policies.accounting import RecordUsage
 from policies.auth import Authenticate, Authorize
 from policies.keys import KeyRecord
 from policies.models import ResolveModel
+from policies.ratelimit import MemoryLimiter
+from policies.ratelimit.step import RateLimit
 from policies.routing import Profile
 from policies.store import StoreUnavailable, open_store
 
@@ -55,10 +57,12 @@ class Gateway:
         self.background = Background()
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
+        self.limiter = open_limiter(self.store)
         self.pipeline = Pipeline([
             self.authenticate,
             ResolveModel(policy),
             Authorize(),
+            RateLimit(policy, self.limiter, self.background.run, self.metrics),
             RecordUsage(self.store, self.background.run),
         ])
         self.proxy: Proxy | None = None
@@ -98,6 +102,17 @@ class Gateway:
             await self.background.drain(timeout=5)
             await client.aclose()
             await self.store.close()
+
+
+def open_limiter(store):
+    """Limits live beside the keys: in Redis when keys are shared, in this process with the embedded store."""
+    from policies.store.redis import RedisStore
+
+    if isinstance(store, RedisStore):
+        from policies.ratelimit.redis import RedisLimiter
+
+        return RedisLimiter(store)
+    return MemoryLimiter()
 
 
 def openai_error(exc: GatewayError) -> Response:

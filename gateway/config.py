@@ -90,6 +90,29 @@ class Admin(Strict):
         return self
 
 
+FailureMode = Literal["fail_open", "fail_closed"]
+
+
+class LimitValues(Strict):
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+
+
+class OnStoreFailure(Strict):
+    """Per limit kind, what happens while the shared store (Redis) is unreachable."""
+
+    requests: FailureMode = "fail_open"
+    tokens: FailureMode = "fail_open"
+    concurrency: FailureMode = "fail_closed"
+
+
+class RateLimits(Strict):
+    default_max_tokens: int = Field(1024, ge=1)  # reserved when a request sets no max_tokens
+    lease_seconds: Seconds = 3600.0  # a concurrency slot not released by then is presumed lost
+    on_store_failure: OnStoreFailure = OnStoreFailure()
+
+
 class Backend(Strict):
     url: str
     name: str | None = Field(None, pattern=NAME)
@@ -111,6 +134,7 @@ class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
     served_name: str | None = Field(None, pattern=NAME)
+    limits: LimitValues | None = None  # the model's totals across every key
     backends: list[Backend] = Field(min_length=1)
 
 
@@ -123,6 +147,7 @@ class Policy(Strict):
     store: Store = Store()
     auth: Auth = Auth()
     admin: Admin = Admin()
+    rate_limits: RateLimits = RateLimits()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")

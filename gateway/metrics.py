@@ -53,6 +53,10 @@ class GatewayMetrics:
             "llm_gateway_backend_up", "1 when the backend is routable (up or not yet checked), 0 when down.",
             ["model", "backend"], registry=r,
         )
+        self.rate_limited = Counter(
+            "llm_gateway_rate_limited", "Requests refused by a rate limit, by model, scope type and limit kind.",
+            ["model", "scope", "kind"], registry=r,
+        )
         self.retries = Counter(
             "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
             registry=r,

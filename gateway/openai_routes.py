@@ -64,8 +64,8 @@ async def send_bytes(send, status: int, headers: dict[str, str], body: bytes) ->
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send, error: GatewayError, request_id: str | None = None) -> None:
-    headers = {"content-type": "application/json", **error.headers}
+async def send_error(send, error: GatewayError, request_id: str | None = None, extra: dict | None = None) -> None:
+    headers = {"content-type": "application/json", **(extra or {}), **error.headers}
     if request_id:
         headers["x-request-id"] = request_id
     await send_bytes(send, error.status, headers, error.body())
@@ -143,7 +143,7 @@ class OpenAIRoutes:
                 else:
                     await send_stream(send, reply)
             except GatewayError as exc:
-                await send_error(send, exc, call.request_id)
+                await send_error(send, exc, call.request_id, call.response_headers)
             except Exception as exc:
                 error = exc
                 log.exception("request %s failed inside the gateway", call.request_id)

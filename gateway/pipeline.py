@@ -25,6 +25,10 @@ class Call:
     arrived: float  # perf_counter() when the request arrived
     body: dict[str, Any] = field(default_factory=dict)
     key: Any = None  # the caller's KeyRecord, once authenticated
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
+    ticket: Any = None  # what the rate limiter took, to give back
+    prompt_estimate: int = 0
+    streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream

@@ -191,6 +191,7 @@ class Proxy:
             yield b"data: " + call.error.body() + b"\n\n"
         finally:
             call.usage = relay.usage
+            call.streamed_events = relay.events
 
     async def close_stream(self, call: Call, response: httpx.Response, error: BaseException | None) -> None:
         with anyio.CancelScope(shield=True):
@@ -249,7 +250,7 @@ class Proxy:
         )
 
     def reply_headers(self, call: Call, response: httpx.Response) -> dict[str, str]:
-        headers = {"x-request-id": call.request_id}
+        headers = {"x-request-id": call.request_id, **call.response_headers}
         content_type = response.headers.get("content-type")
         if content_type:
             headers["content-type"] = content_type

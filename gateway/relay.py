@@ -22,6 +22,7 @@ class SSERelay:
         self.rename = rename
         self.usage: dict[str, Any] | None = None
         self.pending = b""
+        self.events = 0  # events passed on: a stand-in for tokens when a stream ends without usage
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
@@ -40,6 +41,7 @@ class SSERelay:
         return self._process(rest) if rest else b""
 
     def _process(self, events: bytes) -> bytes:
+        self.events += events.count(SEP)
         if USAGE_MARK in events:
             events = self._take_usage(events)
         if self.rename is not None:

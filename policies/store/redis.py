@@ -100,6 +100,11 @@ class RedisStore:
         self._put = self._redis.register_script(PUT)
         self._touch = self._redis.register_script(TOUCH)
 
+    @property
+    def client(self) -> Redis:
+        """The connection pool, for other shared state (rate limits) kept beside the keys."""
+        return self._redis
+
     def _key(self, key_id: str) -> str:
         return f"{self.prefix}key:{key_id}"
 
@@ -115,7 +120,7 @@ class RedisStore:
         return f"{self.prefix}usage:{key_id}"
 
     @contextlib.asynccontextmanager
-    async def _call(self, op: str) -> AsyncIterator[None]:
+    async def guard(self, op: str) -> AsyncIterator[None]:
         """Bound the call by the deadline and turn every redis failure into a store error that echoes nothing."""
         if self._closed:
             raise StoreError(f"redis {op}: the store is closed")
@@ -128,7 +133,7 @@ class RedisStore:
             raise StoreError(f"redis {op} failed ({type(exc).__name__})") from exc
 
     async def create_key(self, record: KeyRecord) -> None:
-        async with self._call("create_key"):
+        async with self.guard("create_key"):
             created = await self._create(
                 keys=[self._key(record.id), self._index],
                 args=[record.model_dump_json(), record.id, repr(record.created_at)],
@@ -137,12 +142,12 @@ class RedisStore:
             raise KeyExists(f"key {record.id} already exists")
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
-        async with self._call("get_key"), self._redis.pipeline(transaction=False) as pipe:
+        async with self.guard("get_key"), self._redis.pipeline(transaction=False) as pipe:
             raw, touched = await pipe.get(self._key(key_id)).zscore(self._last_used, key_id).execute()
         return None if raw is None else with_last_used(KeyRecord.model_validate_json(raw), touched)
 
     async def list_keys(self) -> list[KeyRecord]:
-        async with self._call("list_keys"):
+        async with self.guard("list_keys"):
             ids = await self._redis.zrange(self._index, 0, -1)
             if not ids:
                 return []
@@ -155,7 +160,7 @@ class RedisStore:
         ]
 
     async def put_key(self, record: KeyRecord) -> None:
-        async with self._call("put_key"):
+        async with self.guard("put_key"):
             replaced = await self._put(
                 keys=[self._key(record.id), self._index],
                 args=[record.model_dump_json(), record.id, repr(record.created_at)],
@@ -164,7 +169,7 @@ class RedisStore:
             raise KeyNotFound(f"key {record.id} not found")
 
     async def touch_key(self, key_id: str, when: float) -> None:
-        async with self._call("touch_key"):
+        async with self.guard("touch_key"):
             await self._touch(keys=[self._key(key_id), self._last_used], args=[repr(when), key_id])
 
     async def add_usage(
@@ -179,13 +184,13 @@ class RedisStore:
     ) -> None:
         deltas = usage_increments(requests, prompt_tokens, completion_tokens, rented)
         name = self._usage(key_id)
-        async with self._call("add_usage"), self._redis.pipeline(transaction=True) as pipe:
+        async with self.guard("add_usage"), self._redis.pipeline(transaction=True) as pipe:
             for field, value in deltas.items():
                 pipe.hincrby(name, f"{model}:{field}", value)
             await pipe.execute()
 
     async def usage(self, key_id: str) -> dict[str, dict[str, int]]:
-        async with self._call("usage"):
+        async with self.guard("usage"):
             counters = await self._redis.hgetall(self._usage(key_id))
         totals: dict[str, dict[str, int]] = {}
         for name, value in counters.items():
@@ -194,7 +199,7 @@ class RedisStore:
         return dict(sorted(totals.items()))
 
     async def ping(self) -> None:
-        async with self._call("ping"):
+        async with self.guard("ping"):
             await self._redis.ping()
 
     async def close(self) -> None:

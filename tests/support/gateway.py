@@ -35,7 +35,7 @@ class RunningGateway:
             return metric_sum((await client.get(f"{self.url}/metrics")).text, name, **labels)
 
 
-def test_key_record(**fields) -> KeyRecord:
+def default_key_record(**fields) -> KeyRecord:
     return KeyRecord(id=key_id_of(TEST_KEY), name="tests", created_at=time.time(), hash=hash_key(TEST_KEY),
                      **fields)
 
@@ -47,7 +47,7 @@ async def running_gateway(policy: dict, issue_test_key: bool = True) -> AsyncIte
         app = create_app(Policy.model_validate(policy))
         async with serve_app(app) as url:
             if issue_test_key:
-                await app.state.store.create_key(test_key_record())
+                await app.state.store.create_key(default_key_record())
             yield RunningGateway(url, app.state)
 
 

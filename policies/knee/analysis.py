@@ -1,0 +1,123 @@
+"""Where to cap a backend: the knee of its throughput-vs-concurrency curve, bounded by a TTFT SLO.
+
+A vLLM server's output tokens/s rise with concurrency until its batch (or the host) saturates; past that
+point more requests in flight only queue and time to first token explodes. The cap we recommend is:
+
+1. The usable curve. Levels are sorted by concurrency and cut at the first level with any error (a server
+   that failed at c is not trusted at c or above), then at the highest throughput (going past the peak never
+   helps; the H200 table falls from 10.5k to 7.8k tok/s after 128).
+2. The knee: the Kneedle point (Satopaa et al., 2011) of that curve. x = log2(concurrency) and y =
+   throughput are both scaled to [0, 1]; the knee is the level where y - x is largest, i.e. the point
+   furthest above the chord from the first level to the peak. log2 on x because sweeps double the
+   concurrency: every step then weighs the same, while on a linear x the largest level dominates the scale and
+   squeezes all small levels onto x = 0. If no point bulges above the chord by MIN_BULGE (the curve is still
+   rising steeply in log space, as on the H200 up to 128), there is no knee before the peak and the peak is it.
+3. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
+4. The recommendation is the smaller of 2 and 3.
+
+Degenerate curves are decided without Kneedle, deterministically: fewer than 3 usable levels -> the best
+throughput level (the smaller one on a tie); a flat curve (max within FLAT of min) -> the smallest level,
+since concurrency buys nothing; no usable level -> no recommendation, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+MIN_BULGE = 0.05  # a knee must rise this far above the chord (in normalized units); noise stays below it
+FLAT = 0.05  # a curve whose throughput varies less than this fraction of its peak is flat
+
+METHOD = ("kneedle on (log2 concurrency, output tok/s), cut at the first error level and at peak throughput; "
+          "recommended = min(knee, largest level whose TTFT p99 and all below meet the SLO)")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured level, as far as the knee cares."""
+
+    concurrency: int
+    throughput: float  # output tokens per second
+    ttft_p99: float | None = None  # seconds
+    errors: int = 0
+
+
+@dataclass
+class Knee:
+    knee: int | None  # from the throughput curve alone
+    slo_level: int | None  # largest level meeting the SLO (None: no SLO given, or none meets it)
+    recommended: int | None  # the cap to set
+    reason: str
+    slo_ttft_p99: float | None = None
+    scores: dict[int, float] = field(default_factory=dict)  # Kneedle's y - x per level, for the report
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["scores"] = {str(c): round(s, 4) for c, s in self.scores.items()}
+        out["method"] = METHOD
+        return out
+
+
+def find_knee(points: list[Point], slo_ttft_p99: float | None = None) -> Knee:
+    """The recommended concurrency cap for one backend; pure, so it is tested on synthetic curves."""
+    usable, cut = _usable(points)
+    if not usable:
+        return Knee(None, None, None, cut or "no measured level", slo_ttft_p99)
+    knee, scores, why = _kneedle(usable)
+    slo_level = None
+    if slo_ttft_p99 is not None:
+        for p in usable:
+            if p.ttft_p99 is None or p.ttft_p99 > slo_ttft_p99:
+                break
+            slo_level = p.concurrency
+    if slo_ttft_p99 is not None and slo_level is None:
+        reason = f"{why}; but TTFT p99 misses the {slo_ttft_p99 * 1000:.0f} ms SLO even at c={usable[0].concurrency}"
+        return Knee(knee, None, None, _join(reason, cut), slo_ttft_p99, scores)
+    recommended = knee if slo_level is None else min(knee, slo_level)
+    if slo_level is not None and slo_level < knee:
+        why += f"; capped at c={slo_level}, the largest level within the {slo_ttft_p99 * 1000:.0f} ms TTFT p99 SLO"
+    return Knee(knee, slo_level, recommended, _join(why, cut), slo_ttft_p99, scores)
+
+
+def _join(reason: str, cut: str) -> str:
+    return f"{reason} ({cut})" if cut else reason
+
+
+def _usable(points: list[Point]) -> tuple[list[Point], str]:
+    """Sorted levels before the first error level; a note on what was cut."""
+    by_level: dict[int, Point] = {}
+    for p in points:
+        if p.concurrency >= 1 and math.isfinite(p.throughput):
+            by_level[p.concurrency] = p
+    usable = []
+    for c in sorted(by_level):
+        p = by_level[c]
+        if p.errors:
+            return usable, f"levels from c={c} up are excluded: c={c} had {p.errors} errors"
+        if p.throughput > 0:
+            usable.append(p)
+    return usable, ""
+
+
+def _kneedle(usable: list[Point]) -> tuple[int, dict[int, float], str]:
+    """(knee level, scores, why) for a non-empty, sorted, error-free curve."""
+    best = max(usable, key=lambda p: (p.throughput, -p.concurrency))
+    if len(usable) < 3:
+        return best.concurrency, {}, f"fewer than 3 usable levels: the best throughput level c={best.concurrency}"
+    lo, hi = min(p.throughput for p in usable), best.throughput
+    if hi - lo <= FLAT * hi:
+        c = usable[0].concurrency
+        return c, {}, f"flat curve (within {FLAT:.0%}): concurrency buys nothing, smallest level c={c}"
+    curve = usable[: usable.index(best) + 1]
+    if len(curve) < 3:
+        return best.concurrency, {}, f"throughput peaks at c={best.concurrency}, before any knee"
+    x0, x1 = math.log2(curve[0].concurrency), math.log2(curve[-1].concurrency)
+    y0, y1 = curve[0].throughput, curve[-1].throughput
+    scores = {p.concurrency: (p.throughput - y0) / (y1 - y0) - (math.log2(p.concurrency) - x0) / (x1 - x0)
+              for p in curve}
+    # The first max wins ties, so the smaller (safer) cap is chosen.
+    knee = max(curve[1:], key=lambda p: (scores[p.concurrency], -p.concurrency))
+    if scores[knee.concurrency] < MIN_BULGE:
+        return best.concurrency, scores, f"no knee before the throughput peak: the peak c={best.concurrency}"
+    return knee.concurrency, scores, (f"kneedle knee at c={knee.concurrency} "
+                                      f"({knee.throughput:.0f} tok/s, {knee.throughput / hi:.0%} of the peak)")

@@ -1,0 +1,94 @@
+"""One contract, both limiters: in-process (embedded default) and Redis (shared by replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from policies.ratelimit import MemoryLimiter, Scope, Ticket
+from policies.ratelimit.redis import RedisLimiter
+from policies.store import open_store
+from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter(request):
+    if request.param == "memory":
+        yield MemoryLimiter()
+        return
+    store = open_store("redis", url=request.getfixturevalue("redis_server").url,
+                       prefix=request.getfixturevalue("redis_prefix"))
+    yield RedisLimiter(store)
+    await store.close()
+
+
+async def take(limiter, scopes, cost=1, member="m", lease=60.0):
+    decision = await limiter.acquire(tuple(scopes), cost, member, lease)
+    return decision, Ticket(tuple(scopes), member, cost, limiter=limiter)
+
+
+async def test_requests_per_minute_admits_exactly_the_limit(limiter):
+    key = Scope("key:a", requests_per_minute=5)
+    results = [(await take(limiter, [key], member=f"r{i}"))[0] for i in range(8)]
+    assert [d.allowed for d in results] == [True] * 5 + [False] * 3
+    assert [d.remaining_requests for d in results[:5]] == [4, 3, 2, 1, 0]
+    refused = results[5]
+    assert refused.kind == "requests" and refused.scope == "key:a"
+    assert 11.0 < refused.retry_after <= 12.0  # one request refills in 60/5 s
+    assert 59.0 < results[4].reset_requests <= 60.0  # empty bucket: a minute to full
+
+
+async def test_tokens_are_reserved_and_settled(limiter):
+    key = Scope("key:t", tokens_per_minute=1000)
+    first, ticket = await take(limiter, [key], cost=600, member="a")
+    assert first.allowed and first.remaining_tokens == 400
+    refused, _ = await take(limiter, [key], cost=600, member="b")
+    assert not refused.allowed and refused.kind == "tokens"
+    assert 11.0 < refused.retry_after <= 12.1  # 200 tokens at 1000/60 per second
+    await limiter.release(ticket, used=100)  # the response used far less: 500 come back
+    again, _ = await take(limiter, [key], cost=600, member="c")
+    assert again.allowed and again.remaining_tokens <= 300
+
+
+async def test_overrun_is_charged(limiter):
+    key = Scope("key:o", tokens_per_minute=1000)
+    _, ticket = await take(limiter, [key], cost=100, member="a")
+    await limiter.release(ticket, used=1500)  # used more than reserved: the bucket goes into debt
+    refused, _ = await take(limiter, [key], cost=10, member="b")
+    assert not refused.allowed and refused.retry_after > 20
+
+
+async def test_concurrency_slots(limiter):
+    key = Scope("key:c", max_concurrent=2)
+    (d1, t1), (d2, t2), (d3, _) = [await take(limiter, [key], member=f"s{i}") for i in range(3)]
+    assert d1.allowed and d2.allowed and not d3.allowed and d3.kind == "concurrency"
+    assert await limiter.slots("key:c") == 2
+    await limiter.release(t1, used=0)
+    assert await limiter.slots("key:c") == 1
+    assert (await take(limiter, [key], member="s9"))[0].allowed
+
+
+async def test_expired_leases_free_their_slots(limiter):
+    key = Scope("key:l", max_concurrent=1)
+    assert (await take(limiter, [key], member="lost", lease=0.2))[0].allowed
+    assert not (await take(limiter, [key], member="next"))[0].allowed
+    await asyncio.sleep(0.3)
+    assert (await take(limiter, [key], member="next"))[0].allowed
+
+
+async def test_all_or_nothing_across_scopes(limiter):
+    key = Scope("key:x", requests_per_minute=10, tokens_per_minute=10_000)
+    model = Scope("model:m", requests_per_minute=1)
+    assert (await take(limiter, [key, model], member="1"))[0].allowed
+    refused, _ = await take(limiter, [key, model], cost=500, member="2")
+    assert not refused.allowed and refused.scope == "model:m"
+    # the key's own buckets were not charged for the refused request
+    ok, _ = await take(limiter, [key], cost=1, member="3")
+    assert ok.remaining_requests == 8 and ok.remaining_tokens == 10_000 - 2
+
+
+async def test_concurrent_burst_is_exact(limiter):
+    key = Scope("key:burst", requests_per_minute=25, max_concurrent=1000)
+    decisions = await asyncio.gather(*(limiter.acquire((key,), 1, f"b{i}", 60.0) for i in range(200)))
+    assert sum(d.allowed for d in decisions) == 25
