@@ -68,12 +68,12 @@ def verification_key(config: Admin) -> str | bytes | None:
 
 
 def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: str = "admin",
-               private_key: bytes | None = None) -> str:
-    """A token this gateway accepts: HS256 from the configured secret env var, else with `private_key`."""
+               private_key: bytes | None = None, secret: str | None = None) -> str:
+    """A token this gateway accepts: HS256 with `secret` (default: the configured env var), else `private_key`."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
     if config.jwt_algorithm == "HS256":
-        key: str | bytes | None = os.environ.get(config.jwt_secret_env, "")
+        key: str | bytes | None = secret if secret is not None else os.environ.get(config.jwt_secret_env, "")
         if len(key.encode()) < MIN_SECRET:
             raise ValueError(f"set {config.jwt_secret_env} to the admin secret (at least {MIN_SECRET} characters)")
     else:

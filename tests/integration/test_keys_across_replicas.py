@@ -7,29 +7,15 @@ Everything runs as separate processes, as in production: redis-server, a simulat
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.support.probes import wait_http_ok
-from tests.support.redis_server import RedisServer
-from tests.support.servers import free_port
-
-CLI = str(Path(sys.executable).with_name("llm-gateway"))
+from tests.support.cluster import cluster
 CACHE_SECONDS = 1.0
 HELLO = [{"role": "user", "content": "hi"}]
-
-
-def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=30)
 
 
 def works(url: str, key: str) -> bool:
@@ -50,70 +36,37 @@ def wait(predicate, timeout: float) -> float:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    procs: list[subprocess.Popen] = []
-    env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secrets.token_urlsafe(32), "PYTHONUNBUFFERED": "1"}
-    with RedisServer() as redis:
-        sim_port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
-                                       "--model", "m", "--log-level", "warning"]))
-        policy = {
-            "store": {"kind": "redis", "url": redis.url},
-            "auth": {"cache_seconds": CACHE_SECONDS},
-            "health": {"interval": 0.5},
-            "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{sim_port}"}]}],
-        }
-        config = tmp_path / "policy.yaml"
-        config.write_text(yaml.safe_dump(policy))
-        urls = []
-        try:
-            for i in range(2):
-                port = free_port()
-                log = open(tmp_path / f"gateway-{i}.log", "wb")
-                procs.append(subprocess.Popen([CLI, "serve", "--config", str(config), "--port", str(port)],
-                                              env=env, stdout=log, stderr=subprocess.STDOUT))
-                urls.append(f"http://127.0.0.1:{port}")
-            for url, proc in zip(urls, procs[1:]):
-                wait_http_ok(f"{url}/ready", proc, 30, "a gateway replica")
-            token = cli("admin-token", "--config", str(config), "--ttl", "10m", env=env).stdout.strip()
-            yield urls, redis, {**env, "LLM_GATEWAY_ADMIN_TOKEN": token}, tmp_path
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+def pair(tmp_path):
+    with cluster(tmp_path, replicas=2, auth={"cache_seconds": CACHE_SECONDS}) as c:
+        yield c
 
 
-def test_cli_keys_work_on_every_replica_and_revocation_reaches_all(cluster):
-    (one, two), redis, env, _ = cluster
-    created = cli("keys", "--url", one, "--json", "create", "--name", "svc", "--models", "m", env=env)
+def test_cli_keys_work_on_every_replica_and_revocation_reaches_all(pair):
+    (one, two), cli = pair.urls, pair.cli
+    created = cli("keys", "--url", one, "--json", "create", "--name", "svc", "--models", "m")
     assert created.returncode == 0, created.stderr
     key, key_id = json.loads(created.stdout)["key"], json.loads(created.stdout)["record"]["id"]
     assert works(one, key) and works(two, key)  # issued on one replica, valid on the other at once
 
-    listing = cli("keys", "--url", two, "list", env=env)
+    listing = cli("keys", "--url", two, "list")
     assert listing.returncode == 0 and "svc" in listing.stdout and key_id in listing.stdout
     assert key not in listing.stdout and key.split("-")[2] not in listing.stdout
-    shown = cli("keys", "--url", two, "--json", "show", key_id, env=env)
+    shown = cli("keys", "--url", two, "--json", "show", key_id)
     assert json.loads(shown.stdout)["models"] == ["m"]
 
-    revoked = cli("keys", "--url", one, "revoke", key_id, env=env)
+    revoked = cli("keys", "--url", one, "revoke", key_id)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     took = wait(lambda: not works(two, key), CACHE_SECONDS + 2)  # two had it cached; the bound holds
     assert not works(one, key)
     assert took <= CACHE_SECONDS + 1
-    for log in cluster[3].glob("gateway-*.log"):
-        text = log.read_text()
-        assert "request_id=" in text and key not in text and env["LLM_GATEWAY_ADMIN_TOKEN"] not in text
+    logs = pair.log_text()
+    assert "request_id=" in logs and key not in logs and pair.admin_token not in logs
 
 
-def test_rotation_grace_across_replicas(cluster):
-    (one, two), redis, env, _ = cluster
-    old = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "rot", env=env).stdout)
-    rotated = cli("keys", "--url", two, "--json", "rotate", old["record"]["id"], "--grace", "3s", env=env)
+def test_rotation_grace_across_replicas(pair):
+    (one, two), cli = pair.urls, pair.cli
+    old = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "rot").stdout)
+    rotated = cli("keys", "--url", two, "--json", "rotate", old["record"]["id"], "--grace", "3s")
     new = json.loads(rotated.stdout)["key"]
     assert works(one, new) and works(two, new) and works(one, old["key"]) and works(two, old["key"])
     time.sleep(3.1)
@@ -121,9 +74,9 @@ def test_rotation_grace_across_replicas(cluster):
     assert works(two, new)
 
 
-def test_keys_survive_a_redis_restart_and_an_outage_is_a_clear_503(cluster):
-    (one, two), redis, env, tmp_path = cluster
-    key = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "durable", env=env).stdout)["key"]
+def test_keys_survive_a_redis_restart_and_an_outage_is_a_clear_503(pair):
+    (one, two), cli, redis = pair.urls, pair.cli, pair.redis
+    key = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "durable").stdout)["key"]
     redis.restart()  # append-only file: the key comes back with the server
     time.sleep(CACHE_SECONDS)
     assert works(one, key) and works(two, key)
@@ -134,10 +87,9 @@ def test_keys_survive_a_redis_restart_and_an_outage_is_a_clear_503(cluster):
                    headers={"authorization": f"Bearer {key}"}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
     assert httpx.get(f"{one}/health").status_code == 200
-    admin = cli("keys", "--url", one, "list", env=env)
+    admin = cli("keys", "--url", one, "list")
     assert admin.returncode == 1 and "503" in admin.stderr
 
     redis.start()
     wait(lambda: works(one, key) and works(two, key), 10)
-    for log in tmp_path.glob("gateway-*.log"):
-        assert "Traceback" not in log.read_text()
+    assert "Traceback" not in pair.log_text()

@@ -1,0 +1,73 @@
+"""Three gateway processes on one real Redis enforce ONE limit, exactly; a Redis outage follows the policy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.support.cluster import cluster
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "ignore_eos": True}
+
+
+async def burst(urls: list[str], key: str, count: int, body: dict = BODY) -> list[int]:
+    """`count` requests at once, spread round-robin over the replicas; their status codes."""
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {key}"}, timeout=30,
+                                 limits=httpx.Limits(max_connections=count)) as http:
+        replies = await asyncio.gather(*(http.post(f"{urls[i % len(urls)]}/v1/chat/completions", json=body)
+                                         for i in range(count)))
+    return [r.status_code for r in replies]
+
+
+@pytest.fixture
+def three(tmp_path):
+    # slow backend: each request takes ~2 s, so nothing is released while a burst is being admitted
+    with cluster(tmp_path, replicas=3, slow=True, auth={"cache_seconds": 30}) as c:
+        yield c
+
+
+def test_request_token_and_concurrency_limits_are_global_and_exact(three):
+    rpm_key = three.issue_key(limits={"requests_per_minute": 10})
+    codes = asyncio.run(burst(three.urls, rpm_key, 30))
+    assert codes.count(200) == 10 and codes.count(429) == 20
+
+    # each request reserves 100 output + 5 prompt tokens: 1,000 tokens admit 9 (945), not a 10th (1,050)
+    tpm_key = three.issue_key(limits={"tokens_per_minute": 1000})
+    codes = asyncio.run(burst(three.urls, tpm_key, 24))
+    assert codes.count(200) == 9 and codes.count(429) == 15
+
+    conc_key = three.issue_key(limits={"max_concurrent": 4})
+    codes = asyncio.run(burst(three.urls, conc_key, 12))
+    assert codes.count(200) == 4 and codes.count(429) == 8
+    assert asyncio.run(burst(three.urls, conc_key, 4)) == [200] * 4  # and the slots came back
+
+
+@pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
+def test_redis_outage_follows_the_configured_mode(tmp_path, mode):
+    modes = {"requests": mode, "tokens": mode, "concurrency": mode}
+    with cluster(tmp_path, replicas=2, auth={"cache_seconds": 60},
+                 rate_limits={"on_store_failure": modes}) as c:
+        key = c.issue_key(limits={"requests_per_minute": 1000, "max_concurrent": 50})
+        assert asyncio.run(burst(c.urls, key, 4)) == [200] * 4  # also puts the key in both replicas' caches
+        c.redis.stop()
+        codes = asyncio.run(burst(c.urls, key, 6))
+        if mode == "fail_open":
+            assert codes == [200] * 6
+        else:
+            assert codes == [503] * 6
+            r = httpx.post(f"{c.urls[0]}/v1/chat/completions", json=BODY,
+                           headers={"authorization": f"Bearer {key}"}, timeout=10)
+            assert r.json()["error"]["code"] == "store_unavailable"
+        assert all(httpx.get(f"{u}/health").status_code == 200 for u in c.urls)
+        c.redis.start()
+        deadline = time.monotonic() + 10
+        while asyncio.run(burst(c.urls, key, 2)) != [200, 200]:
+            assert time.monotonic() < deadline, "no recovery after Redis returned"
+            time.sleep(0.2)
+        logs = c.log_text()
+        assert "Traceback" not in logs
+        if mode == "fail_open":
+            assert logs.count("limits fail open") == 2  # logged once per replica and outage, not per request
