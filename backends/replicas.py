@@ -27,6 +27,7 @@ class Replica:
     model: str  # the public model name
     url: str
     served_name: str
+    cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
     in_flight: int = 0
     state: str = UNKNOWN
     failures: int = 0
@@ -35,6 +36,10 @@ class Replica:
     @property
     def routable(self) -> bool:
         return self.state != DOWN
+
+    @property
+    def has_room(self) -> bool:
+        return self.cap is None or self.in_flight < self.cap
 
 
 class ReplicaSet:
@@ -50,6 +55,7 @@ class ReplicaSet:
                     model=model.name,
                     url=backend.url,
                     served_name=backend.served_name or model.served_name or model.name,
+                    cap=backend.cap,
                 )
                 for i, backend in enumerate(model.backends)
             ]

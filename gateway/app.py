@@ -32,6 +32,7 @@ from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate, Authorize
 from policies.keys import KeyRecord
+from policies.admission import Admission
 from policies.models import ResolveModel
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
@@ -51,6 +52,7 @@ class Gateway:
         for replica in self.replicas:
             self._replica_changed(replica)
         self.profile = Profile.from_config(policy.routing.scorers)
+        self.admission = Admission(policy, self.replicas, self.profile, self.metrics)
         store = policy.store
         options = {"prefix": store.prefix} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)
@@ -86,12 +88,15 @@ class Gateway:
 
     def _replica_changed(self, replica: Replica) -> None:
         self.metrics.backend_up.labels(replica.model, replica.name).set(0 if replica.state == DOWN else 1)
+        admission = getattr(self, "admission", None)  # absent while the replica set is being built
+        if admission is not None:
+            admission.replica_changed(replica)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         t = self.policy.timeouts
         client = new_client(t.connect, t.read, t.write)
-        self.proxy = Proxy(self.replicas, self.profile, self.pipeline, self.metrics, client)
+        self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client)
         checks = asyncio.create_task(self.replicas.run_checks(client, t.health_check))
         try:
             yield

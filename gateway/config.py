@@ -130,11 +130,19 @@ class Backend(Strict):
         return url.rstrip("/")
 
 
+class Queue(Strict):
+    """Where requests wait while every replica of the model is at its cap."""
+
+    max_depth: int = Field(256, ge=0, le=100_000)  # more waiting than this: 429 at once
+    max_wait: Seconds = 30.0  # waited this long: 429 with a Retry-After from the observed drain rate
+
+
 class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
     served_name: str | None = Field(None, pattern=NAME)
     limits: LimitValues | None = None  # the model's totals across every key
+    queue: Queue = Queue()
     backends: list[Backend] = Field(min_length=1)
 
 

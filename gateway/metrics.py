@@ -57,6 +57,21 @@ class GatewayMetrics:
             "llm_gateway_rate_limited", "Requests refused by a rate limit, by model, scope type and limit kind.",
             ["model", "scope", "kind"], registry=r,
         )
+        self.queue_depth = Gauge(
+            "llm_gateway_queue_depth", "Requests waiting for a backend slot, per model.", ["model"], registry=r,
+        )
+        self.queue_wait = Histogram(
+            "llm_gateway_queue_wait_seconds", "Time admitted requests waited for a backend slot.", ["model"],
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )
+        self.backend_limit = Gauge(
+            "llm_gateway_backend_limit", "Most requests the gateway sends to a backend at once (its cap; -1: none).",
+            ["model", "backend"], registry=r,
+        )
+        self.admission_rejected = Counter(
+            "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
+            ["model", "reason"], registry=r,
+        )
         self.retries = Counter(
             "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
             registry=r,

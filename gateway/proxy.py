@@ -34,7 +34,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Call, Pipeline
 from gateway.relay import SSERelay, model_rename
-from policies.routing import Profile
+from policies.admission import Admission
 
 log = logging.getLogger("gateway.access")
 
@@ -62,13 +62,13 @@ class Proxy:
     def __init__(
         self,
         replicas: ReplicaSet,
-        profile: Profile,
+        admission: Admission,
         pipeline: Pipeline,
         metrics: GatewayMetrics,
         client: httpx.AsyncClient,
     ) -> None:
         self.replicas = replicas
-        self.profile = profile
+        self.admission = admission
         self.pipeline = pipeline
         self.metrics = metrics
         self.upstreams = {r: Upstream(client, r.url) for r in replicas}
@@ -96,18 +96,23 @@ class Proxy:
         return reply
 
     async def forward(self, call: Call) -> httpx.Response:
-        """Send to the best replica; when the connection cannot be made, once more to another one."""
-        candidates = self.replicas.by_model[call.model]
+        """Send to the best replica with room (waiting for one if needed); when the connection cannot be made,
+        once more to another one."""
         tried: list[Replica] = []
+        owner = call.key.id if call.key is not None else call.client_host
         for _ in range(MAX_ATTEMPTS):
-            replica = self.profile.pick(candidates, exclude=tried)
-            if replica is None:
+            before = time.perf_counter()
+            try:
+                replica = await self.admission.acquire(call.model, owner, exclude=tried)
+            except NoBackendAvailable:
+                if not tried:
+                    raise
                 break
+            if not tried:  # the gateway's own time before the first send, not counting the queue
+                call.overhead += before - call.arrived
             tried.append(replica)
+            call.replica, call.holds_replica = replica, True
             body = self.upstream_body(call, replica.served_name)
-            self.take(call, replica)
-            if len(tried) == 1:
-                call.overhead += time.perf_counter() - call.arrived
             try:
                 response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
             except httpx.HTTPError as exc:
@@ -198,18 +203,10 @@ class Proxy:
             await response.aclose()  # an unfinished stream drops the connection, and vLLM aborts the request
             await self.finish(call, error or call.error)
 
-    def take(self, call: Call, replica: Replica) -> None:
-        call.replica = replica
-        call.holds_replica = True
-        replica.in_flight += 1
-        self.metrics.in_flight.labels(replica.model, replica.name).inc()
-
     def release(self, call: Call) -> None:
-        replica = call.replica
-        if replica is not None and call.holds_replica:
+        if call.replica is not None and call.holds_replica:
             call.holds_replica = False
-            replica.in_flight -= 1
-            self.metrics.in_flight.labels(replica.model, replica.name).dec()
+            self.admission.release(call.replica)
 
     def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
         if replica is None:

@@ -1,0 +1,196 @@
+"""Admission: never more than a backend's cap in flight to it; the rest wait in a bounded, fair queue.
+
+Per model, a request takes a replica that is routable and under its cap (the routing profile chooses among
+them). When none has room it waits: FIFO within each API key and round-robin across keys, so one key's burst
+cannot starve the others. A slot freed by a finished request goes straight to the next waiter. A request that
+finds the queue full, or waits past `queue.max_wait`, gets a 429 whose Retry-After is estimated from the rate
+at which the model's requests have been completing. A waiter whose client disconnects is cancelled and leaves
+the queue at once, so it never reaches a backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from backends.replicas import Replica, ReplicaSet
+from gateway.config import Policy, Queue
+from gateway.errors import NoBackendAvailable, RateLimited
+from gateway.metrics import GatewayMetrics
+from policies.routing import Profile
+
+QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
+
+
+class DrainRate:
+    """Completions per second over the last `size` completions."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.times: deque[float] = deque(maxlen=size)
+
+    def tick(self, now: float) -> None:
+        self.times.append(now)
+
+    def per_second(self, now: float) -> float | None:
+        if len(self.times) < 2 or now - self.times[-1] > 60:
+            return None  # nothing recent to go by
+        span = self.times[-1] - self.times[0]
+        return (len(self.times) - 1) / span if span > 0 else None
+
+
+@dataclass(eq=False)
+class Waiter:
+    owner: str
+    exclude: Sequence[Replica]
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class ModelQueue:
+    def __init__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile,
+                 metrics: GatewayMetrics) -> None:
+        self.model = model
+        self.replicas = replicas
+        self.config = config
+        self.profile = profile
+        self.metrics = metrics
+        self.by_owner: dict[str, deque[Waiter]] = {}
+        self.turns: deque[str] = deque()  # owners with waiters, in round-robin order
+        self.depth = 0
+        self.drain = DrainRate()
+
+    def free_replica(self, exclude: Sequence[Replica]) -> Replica | None:
+        return self.profile.pick([r for r in self.replicas if r.has_room], exclude=exclude)
+
+    def take(self, replica: Replica) -> Replica:
+        replica.in_flight += 1
+        self.metrics.in_flight.labels(self.model, replica.name).inc()
+        return replica
+
+    async def acquire(self, owner: str, exclude: Sequence[Replica]) -> Replica:
+        if not any(r.routable and r not in exclude for r in self.replicas):
+            raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
+        if self.depth == 0:
+            replica = self.free_replica(exclude)
+            if replica is not None:
+                return self.take(replica)
+        if self.depth >= self.config.max_depth:
+            self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full")
+        waiter = Waiter(owner, exclude)
+        self.push(waiter)
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.max_wait):
+                replica = await asyncio.shield(waiter.future)
+        except TimeoutError:
+            self.remove(waiter)
+            if waiter.future.done() and not waiter.future.cancelled():
+                replica = waiter.future.result()  # the slot arrived with the deadline: use it
+            else:
+                waiter.future.cancel()
+                self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {self.config.max_wait:g} s")
+        except asyncio.CancelledError:  # the client went away while waiting
+            self.remove(waiter)
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())
+            waiter.future.cancel()
+            raise
+        self.metrics.queue_wait.labels(self.model).observe(time.monotonic() - started)
+        return replica
+
+    def release(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.metrics.in_flight.labels(self.model, replica.name).dec()
+        self.drain.tick(time.monotonic())
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Hand free slots to waiters, fairly, for as long as there are both."""
+        skipped: list[Waiter] = []  # waiters whose only free replica is one they already failed on
+        while self.depth and any(r.routable and r.has_room for r in self.replicas):
+            waiter = self.pop()
+            replica = self.free_replica(waiter.exclude)
+            if replica is None:
+                skipped.append(waiter)
+                continue
+            waiter.future.set_result(self.take(replica))
+        for waiter in reversed(skipped):
+            self.push(waiter, front=True)
+
+    def push(self, waiter: Waiter, front: bool = False) -> None:
+        """Queue a waiter; `front` puts it (and its owner's turn) first again, undoing a pop."""
+        queue = self.by_owner.setdefault(waiter.owner, deque())
+        if front:
+            queue.appendleft(waiter)
+            if waiter.owner in self.turns:
+                self.turns.remove(waiter.owner)
+            self.turns.appendleft(waiter.owner)
+        else:
+            if not queue:
+                self.turns.append(waiter.owner)
+            queue.append(waiter)
+        self.depth += 1
+        self.metrics.queue_depth.labels(self.model).set(self.depth)
+
+    def pop(self) -> Waiter:
+        owner = self.turns.popleft()
+        queue = self.by_owner[owner]
+        waiter = queue.popleft()
+        if queue:
+            self.turns.append(owner)  # this owner's next request waits for everyone else's turn
+        else:
+            del self.by_owner[owner]
+        self.depth -= 1
+        self.metrics.queue_depth.labels(self.model).set(self.depth)
+        return waiter
+
+    def remove(self, waiter: Waiter) -> None:
+        queue = self.by_owner.get(waiter.owner)
+        if queue is None or waiter not in queue:
+            return
+        queue.remove(waiter)
+        if not queue:
+            del self.by_owner[waiter.owner]
+            self.turns.remove(waiter.owner)
+        self.depth -= 1
+        self.metrics.queue_depth.labels(self.model).set(self.depth)
+
+    def retry_after(self) -> float:
+        rate = self.drain.per_second(time.monotonic())
+        if rate is None:
+            return self.config.max_wait
+        return (self.depth + 1) / rate
+
+    def refuse(self, reason: str, message: str) -> None:
+        self.metrics.admission_rejected.labels(self.model, reason).inc()
+        wait = max(0.001, self.retry_after())
+        raise RateLimited(
+            f"{message}; try again in {wait:.1f} s",
+            code="model_at_capacity",
+            param=reason,
+            headers={"retry-after": str(max(1, math.ceil(wait))), "retry-after-ms": str(math.ceil(wait * 1000))},
+        )
+
+
+class Admission:
+    def __init__(self, policy: Policy, replicas: ReplicaSet, profile: Profile, metrics: GatewayMetrics) -> None:
+        self.queues = {
+            m.name: ModelQueue(m.name, replicas.by_model[m.name], m.queue, profile, metrics) for m in policy.models
+        }
+        for replica in replicas:
+            metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
+
+    async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = ()) -> Replica:
+        return await self.queues[model].acquire(owner, exclude)
+
+    def release(self, replica: Replica) -> None:
+        self.queues[replica.model].release(replica)
+
+    def replica_changed(self, replica: Replica) -> None:
+        """A replica came back (or went): waiters may now have somewhere to go."""
+        queue = self.queues.get(replica.model)
+        if queue is not None:
+            queue.dispatch()

@@ -1,0 +1,85 @@
+"""Admission through the gateway: the backend never sees more than its cap, the excess waits or gets a
+clean 429, and a queued request whose client leaves never reaches the backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from backends.simulator import SimConfig, create_app
+from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
+from tests.support.probes import metric_sum
+from tests.support.recorder import Recorder
+from tests.support.servers import serve_app
+
+
+def capped(url: str, cap: int, **queue) -> dict:
+    policy = one_model(url)
+    policy["models"][0]["backends"][0]["cap"] = cap
+    policy["models"][0]["queue"] = queue
+    return policy
+
+
+async def test_backend_never_sees_more_than_its_cap():
+    sim = SimConfig(model="served-m", step_base_ms=10, step_ms_per_seq=0, max_num_seqs=64)
+    async with serve_app(create_app(sim)) as up, running_gateway(capped(up, 3)) as gw, \
+            httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                text = (await http.get(f"{up}/metrics")).text
+                peak = max(peak, metric_sum(text, "vllm:num_requests_running"))
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        body = {"model": "m", "prompt": "x", "max_tokens": 15, "ignore_eos": True}
+        replies = await asyncio.gather(*(http.post(f"{gw.url}/v1/completions", json=body) for _ in range(12)))
+        watcher.cancel()
+        assert [r.status_code for r in replies] == [200] * 12  # the excess waited, nothing failed
+        assert peak == 3
+        text = (await http.get(f"{gw.url}/metrics")).text
+        assert metric_sum(text, "llm_gateway_backend_limit") == 3
+        assert metric_sum(text, "llm_gateway_queue_wait_seconds_count") >= 9
+        assert metric_sum(text, "llm_gateway_queue_depth") == 0
+
+
+async def test_excess_beyond_the_queue_is_a_clean_429_for_the_sdk():
+    rec = Recorder()
+    rec.mode = "slow:0.5"
+    async with serve_app(rec) as up, running_gateway(capped(up, 1, max_depth=1, max_wait=5)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0)
+        calls = [asyncio.create_task(client.chat.completions.create(model="m", messages=[])) for _ in range(3)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        assert len(refused) == 1 and sum(not isinstance(r, Exception) for r in results) == 2
+        assert refused[0].body["code"] == "model_at_capacity"
+        assert int(refused[0].response.headers["retry-after"]) >= 1
+        assert await gw.metric("llm_gateway_admission_rejected_total", reason="queue_full") == 1
+
+
+async def test_client_leaving_the_queue_never_reaches_the_backend():
+    rec = Recorder()
+    rec.mode = "slow:0.4"
+    async with serve_app(rec) as up, running_gateway(capped(up, 1)) as gw, \
+            httpx.AsyncClient(headers=AUTH, timeout=10) as http:
+        first = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 1}))
+        await asyncio.sleep(0.1)
+        queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 2}))
+        await asyncio.sleep(0.1)
+        assert await gw.metric("llm_gateway_queue_depth", model="m") == 1
+        queued.cancel()  # the client hangs up while waiting
+        await asyncio.gather(queued, return_exceptions=True)
+        for _ in range(50):
+            if await gw.metric("llm_gateway_queue_depth", model="m") == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await gw.metric("llm_gateway_queue_depth", model="m") == 0  # left at once, not at its turn
+        assert (await first).status_code == 200
+        await asyncio.sleep(0.2)
+        assert [r["body"]["n"] for r in rec.requests] == [1]
+        assert await gw.metric("llm_gateway_requests_total", status="499") == 1

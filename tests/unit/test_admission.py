@@ -1,0 +1,100 @@
+"""The admission queue on its own: caps, FIFO per key, round-robin across keys, bounds, cancellation."""
+
+import asyncio
+import random
+
+import pytest
+
+from backends.replicas import Replica
+from gateway.config import Queue
+from gateway.errors import NoBackendAvailable, RateLimited
+from gateway.metrics import GatewayMetrics
+from policies.admission import ModelQueue
+from policies.routing import LeastInFlight, Profile
+
+
+def make(caps=(1,), **queue):
+    replicas = [Replica(name=f"r{i}", model="m", url="http://10.0.0.1:1", served_name="m", cap=c)
+                for i, c in enumerate(caps)]
+    q = ModelQueue("m", replicas, Queue(**queue), Profile([(LeastInFlight(), 1.0)], random.Random(0)),
+                   GatewayMetrics())
+    return q, replicas
+
+
+async def test_never_more_than_the_cap_and_slots_pass_to_waiters():
+    q, (r0, r1) = make(caps=(2, 1))
+    held = [await q.acquire("k", ()) for _ in range(3)]
+    assert r0.in_flight == 2 and r1.in_flight == 1
+    waiting = asyncio.create_task(q.acquire("k", ()))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and q.depth == 1
+    q.release(next(h for h in held if h is r1))  # r1 frees: the waiter gets it, nobody exceeds a cap
+    assert await asyncio.wait_for(waiting, 1) is r1
+    assert r1.in_flight == 1 and q.depth == 0
+
+
+async def test_round_robin_across_keys_fifo_within_a_key():
+    q, (r,) = make(caps=(1,))
+    first = await q.acquire("a", ())
+    order: list[str] = []
+
+    async def request(owner: str, n: int):
+        replica = await q.acquire(owner, ())
+        order.append(f"{owner}{n}")
+        await asyncio.sleep(0)
+        q.release(replica)
+
+    tasks = [asyncio.create_task(request("a", i)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    tasks += [asyncio.create_task(request("b", i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    q.release(first)
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert order == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"]
+
+
+async def test_full_queue_and_deadline_are_429_with_retry_after():
+    q, (r,) = make(caps=(1,), max_depth=1, max_wait=0.2)
+    held = await q.acquire("k", ())
+    waiting = asyncio.create_task(q.acquire("k", ()))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RateLimited) as full:
+        await q.acquire("k", ())
+    assert full.value.param == "queue_full" and int(full.value.headers["retry-after"]) >= 1
+    with pytest.raises(RateLimited) as late:
+        await waiting
+    assert late.value.param == "queue_timeout" and q.depth == 0
+    q.release(held)
+    assert r.in_flight == 0
+
+
+async def test_retry_after_follows_the_drain_rate():
+    q, (r,) = make(caps=(1,), max_wait=60)
+    for _ in range(11):  # 10 completions over ~0.5 s: ~20 per second
+        q.release(await q.acquire("k", ()))
+        await asyncio.sleep(0.05)
+    held = await q.acquire("k", ())
+    for _ in range(3):
+        asyncio.create_task(q.acquire("k", ()))
+    await asyncio.sleep(0.01)
+    assert 0.1 < q.retry_after() < 0.5  # (3 waiting + 1) / ~20 per second
+    del held
+
+
+async def test_cancelled_waiter_leaves_at_once_and_never_gets_a_slot():
+    q, (r,) = make(caps=(1,))
+    held = await q.acquire("k", ())
+    waiting = asyncio.create_task(q.acquire("k", ()))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert q.depth == 0
+    q.release(held)
+    assert r.in_flight == 0  # the slot was not handed to the cancelled waiter
+
+
+async def test_no_routable_replica_is_503_not_a_queue():
+    q, (r,) = make(caps=(1,))
+    r.state = "down"
+    with pytest.raises(NoBackendAvailable):
+        await q.acquire("k", ())
