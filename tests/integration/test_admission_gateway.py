@@ -7,7 +7,6 @@ import asyncio
 
 import httpx
 import openai
-import pytest
 
 from backends.simulator import SimConfig, create_app
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
