@@ -113,6 +113,57 @@ class RateLimits(Strict):
     on_store_failure: OnStoreFailure = OnStoreFailure()
 
 
+PRIVATE_CIDRS = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "::1/128", "fc00::/7"]
+
+
+class Network(Strict):
+    """Where traffic may go (egress) and come from (ingress)."""
+
+    private_cidrs: list[str] = PRIVATE_CIDRS  # every owned backend must resolve only inside these
+    allowed_client_cidrs: list[str] | None = None  # ingress allowlist for every key; None: any client
+    trusted_proxies: list[str] = []  # X-Forwarded-For is honoured only from these peers
+
+    @field_validator("private_cidrs", "allowed_client_cidrs", "trusted_proxies")
+    @classmethod
+    def cidrs(cls, value: list[str] | None) -> list[str] | None:
+        from policies.keys import normalize_cidrs
+
+        return normalize_cidrs(value)
+
+
+class Price(Strict):
+    input: float = Field(0.0, ge=0)  # currency units per million prompt tokens
+    output: float = Field(0.0, ge=0)  # per million completion tokens
+
+
+class Provider(Strict):
+    """A rented OpenAI-compatible API: the only public egress, declared here and nowhere else."""
+
+    name: str = Field(pattern=NAME)
+    base_url: str  # e.g. https://api.openai.com/v1 (including the /v1)
+    api_key_env: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")  # the key is read from this env var
+    models: dict[str, str] = Field(min_length=1)  # our public model name -> the provider's model
+    price_per_million_tokens: Price = Price()
+    timeout: Seconds = 120.0
+    allow_private_address: bool = False  # only for test stand-ins on loopback: say so explicitly
+
+    @field_validator("base_url")
+    @classmethod
+    def http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return url.rstrip("/")
+
+
+class Overflow(Strict):
+    """When an owned model may spill to a rented provider (only for keys whose data policy allows it)."""
+
+    provider: str
+    when_wait_exceeds: Seconds = 2.0  # every owned replica at its cap and the expected wait is longer
+    when_unavailable: bool = True  # no owned replica is healthy
+
+
 class Backend(Strict):
     url: str
     name: str | None = Field(None, pattern=NAME)
@@ -143,6 +194,7 @@ class Model(Strict):
     served_name: str | None = Field(None, pattern=NAME)
     limits: LimitValues | None = None  # the model's totals across every key
     queue: Queue = Queue()
+    overflow: Overflow | None = None  # None: this model never leaves the cluster
     backends: list[Backend] = Field(min_length=1)
 
 
@@ -156,6 +208,8 @@ class Policy(Strict):
     auth: Auth = Auth()
     admin: Admin = Admin()
     rate_limits: RateLimits = RateLimits()
+    network: Network = Network()
+    providers: list[Provider] = []
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -173,6 +227,17 @@ class Policy(Strict):
                 if name in backend_names:
                     raise ValueError(f"backend name {name!r} is used twice")
                 backend_names.add(name)
+        providers = {p.name: p for p in self.providers}
+        if len(providers) != len(self.providers):
+            raise ValueError("provider names must be unique")
+        for model in self.models:
+            if model.overflow is None:
+                continue
+            provider = providers.get(model.overflow.provider)
+            if provider is None:
+                raise ValueError(f"model {model.name}: overflow provider {model.overflow.provider!r} is not declared")
+            if model.name not in provider.models:
+                raise ValueError(f"model {model.name}: provider {provider.name} has no mapping for it")
         return self
 
 
