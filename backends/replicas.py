@@ -28,6 +28,7 @@ class Replica:
     url: str
     served_name: str
     cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
+    rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
     in_flight: int = 0
     state: str = UNKNOWN
     failures: int = 0

@@ -18,6 +18,7 @@ from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFou
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from backends.rented import RentedProviders
 from backends.replicas import DOWN, Replica, ReplicaSet
 from backends.upstream import new_client
 from gateway.admin_auth import AdminAuth
@@ -31,9 +32,11 @@ from gateway.pipeline import Pipeline
 from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate, Authorize
+from policies.egress import Resolver, SystemResolver, check_backends, exempt_origins
 from policies.keys import KeyRecord
 from policies.admission import Admission
 from policies.models import ResolveModel
+from policies.network import ClientNetwork
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Profile
@@ -45,14 +48,16 @@ log = logging.getLogger("gateway")
 class Gateway:
     """Everything one gateway process holds for its lifetime."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, resolver: Resolver | None = None) -> None:
         self.policy = policy
+        self.resolver = resolver or SystemResolver()  # tests inject one whose answers they control
         self.metrics = GatewayMetrics()
         self.replicas = ReplicaSet(policy, on_change=self._replica_changed)
         for replica in self.replicas:
             self._replica_changed(replica)
         self.profile = Profile.from_config(policy.routing.scorers)
         self.admission = Admission(policy, self.replicas, self.profile, self.metrics)
+        self.rented = RentedProviders(policy)
         store = policy.store
         options = {"prefix": store.prefix} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)
@@ -60,7 +65,9 @@ class Gateway:
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
         self.limiter = open_limiter(self.store)
+        self.client_network = ClientNetwork(policy.network)
         self.pipeline = Pipeline([
+            self.client_network,
             self.authenticate,
             ResolveModel(policy),
             Authorize(),
@@ -92,11 +99,20 @@ class Gateway:
         if admission is not None:
             admission.replica_changed(replica)
 
+    def _egress_refused(self, host: str, _port: int, _address: str) -> None:
+        self.metrics.egress_refused.labels(host).inc()
+
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         t = self.policy.timeouts
-        client = new_client(t.connect, t.read, t.write)
-        self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client)
+        # A policy violation found now stops startup; a name that does not resolve yet only logs (see README).
+        await check_backends(self.policy, self.resolver, unresolved_fatal=False)
+        client = new_client(
+            t.connect, t.read, t.write, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
+            exempt=exempt_origins(self.policy), on_refused=self._egress_refused,
+        )
+        overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
+        self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
         checks = asyncio.create_task(self.replicas.run_checks(client, t.health_check))
         try:
             yield
@@ -161,8 +177,8 @@ def on_unexpected(_request: Request, exc: Exception) -> Response:
     return openai_error(InternalError("the gateway failed to handle the request"))
 
 
-def create_app(policy: Policy):
-    gateway = Gateway(policy)
+def create_app(policy: Policy, resolver: Resolver | None = None):
+    gateway = Gateway(policy, resolver)
 
     @get("/health", media_type=MediaType.JSON, include_in_schema=True, sync_to_thread=False)
     def health() -> dict[str, str]:

@@ -72,7 +72,23 @@ class GatewayMetrics:
             "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
             ["model", "reason"], registry=r,
         )
+        self.served = Counter(
+            "llm_gateway_served_requests", "Requests answered successfully, by where: owned or rented.",
+            ["model", "served_by"], registry=r,
+        )
+        self.served_tokens = Counter(
+            "llm_gateway_served_tokens", "Prompt plus completion tokens, by where they were served.",
+            ["model", "served_by"], registry=r,
+        )
+        self.rented_cost = Counter(
+            "llm_gateway_rented_cost", "Cost of rented tokens at the provider's configured price (currency units).",
+            ["model", "provider"], registry=r,
+        )
         self.retries = Counter(
             "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
             registry=r,
+        )
+        self.egress_refused = Counter(
+            "llm_gateway_egress_refused", "Connections to a backend refused because its name resolved to a public"
+            " address (outside network.private_cidrs).", ["host"], registry=r,
         )

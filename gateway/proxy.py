@@ -34,7 +34,9 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Call, Pipeline
 from gateway.relay import SSERelay, model_rename
-from policies.admission import Admission
+from backends.rented import RentedProviders
+from gateway.config import Overflow
+from policies.admission import Admission, WouldWait
 
 log = logging.getLogger("gateway.access")
 
@@ -66,13 +68,17 @@ class Proxy:
         pipeline: Pipeline,
         metrics: GatewayMetrics,
         client: httpx.AsyncClient,
+        rented: RentedProviders,
+        overflow: dict[str, Overflow],
     ) -> None:
         self.replicas = replicas
         self.admission = admission
         self.pipeline = pipeline
         self.metrics = metrics
-        self.upstreams = {r: Upstream(client, r.url) for r in replicas}
-        self.renames = {r: model_rename(r.served_name, r.model) for r in replicas}
+        self.rented = rented
+        self.overflow = {model: rule for model, rule in overflow.items() if model in rented.targets}
+        self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
+        self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
 
     async def handle(self, call: Call, raw_body: bytes) -> Reply:
         """Serve one OpenAI request; raises GatewayError for anything the client must see as an error."""
@@ -96,18 +102,28 @@ class Proxy:
         return reply
 
     async def forward(self, call: Call) -> httpx.Response:
-        """Send to the best replica with room (waiting for one if needed); when the connection cannot be made,
-        once more to another one."""
+        """Send to the best owned replica with room (waiting for one if needed); when the connection cannot be
+        made, once more to another one. A key allowed to rent may spill to the model's rented provider instead
+        of waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
         tried: list[Replica] = []
         owner = call.key.id if call.key is not None else call.client_host
+        overflow = self.overflow.get(call.model) if self.may_rent(call) else None
         for _ in range(MAX_ATTEMPTS):
             before = time.perf_counter()
             try:
-                replica = await self.admission.acquire(call.model, owner, exclude=tried)
+                replica = await self.admission.acquire(
+                    call.model, owner, exclude=tried, spill_after=overflow.when_wait_exceeds if overflow else None
+                )
+            except WouldWait:
+                return await self.rent(call, before)
             except NoBackendAvailable:
+                if overflow is not None and (tried or overflow.when_unavailable):
+                    return await self.rent(call, before)
                 if not tried:
                     raise
                 break
+            waited = time.perf_counter() - before
+            call.response_headers["x-gateway-queue-ms"] = f"{waited * 1000:.1f}"
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
             tried.append(replica)
@@ -130,7 +146,32 @@ class Proxy:
             else:
                 self.replicas.succeeded(replica)
             return response
+        if overflow is not None:
+            return await self.rent(call, time.perf_counter())
         raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
+
+    def may_rent(self, call: Call) -> bool:
+        """Only keys whose data policy allows it, and only for models with a rented overflow."""
+        return call.key is not None and call.key.data_policy == "allow_rented" and call.model in self.overflow
+
+    async def rent(self, call: Call, since: float) -> httpx.Response:
+        """Serve from the model's rented provider: one attempt, no retries (it is the last resort)."""
+        target = self.rented.targets[call.model]
+        if call.overhead == 0:
+            call.overhead += since - call.arrived
+        call.replica, call.holds_replica = target, False
+        body = self.upstream_body(call, target.served_name)
+        try:
+            response = await self.upstreams[target].open(call.endpoint, body, call.request_id)
+        except httpx.HTTPError as exc:
+            kind = classify(exc)
+            self.metrics.upstream_errors.labels(call.model, target.name, kind).inc()
+            error = UpstreamTimeout if kind == TIMEOUT else UpstreamFailed
+            raise error(f"the rented provider for model {call.model} failed: {type(exc).__name__}") from None
+        if response.status_code in (401, 403):  # its message may quote the provider key: never relay it
+            await response.aclose()
+            raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
+        return response
 
     def upstream_body(self, call: Call, served_name: str) -> bytes:
         """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
@@ -209,7 +250,7 @@ class Proxy:
             self.admission.release(call.replica)
 
     def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
-        if replica is None:
+        if replica is None or replica.rented:
             return
         self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
         if kind != TIMEOUT:
@@ -237,17 +278,25 @@ class Proxy:
         if call.model:
             m.request_duration.labels(model).observe(elapsed)
             m.overhead.labels(model).observe(call.overhead)
-            usage = call.usage
-            if isinstance(usage, dict):
-                m.prompt_tokens.labels(model, backend).inc(_count(usage.get("prompt_tokens")))
-                m.completion_tokens.labels(model, backend).inc(_count(usage.get("completion_tokens")))
+            usage = call.usage if isinstance(call.usage, dict) else {}
+            prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+            m.prompt_tokens.labels(model, backend).inc(prompt)
+            m.completion_tokens.labels(model, backend).inc(completion)
+            if call.replica is not None and call.status < 400:
+                served_by = "rented" if call.replica.rented else "owned"
+                m.served.labels(model, served_by).inc()
+                m.served_tokens.labels(model, served_by).inc(prompt + completion)
+                if call.replica.rented:
+                    m.rented_cost.labels(model, call.replica.rented).inc(
+                        self.rented.cost(call.replica.rented, prompt, completion))
         log.info(
             "request_id=%s endpoint=%s model=%s backend=%s status=%s stream=%s duration_ms=%.1f",
             call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed * 1000,
         )
 
     def reply_headers(self, call: Call, response: httpx.Response) -> dict[str, str]:
-        headers = {"x-request-id": call.request_id, **call.response_headers}
+        headers = {"x-request-id": call.request_id, **call.response_headers,
+                   "x-gateway-served-by": "rented" if call.replica.rented else "owned"}
         content_type = response.headers.get("content-type")
         if content_type:
             headers["content-type"] = content_type

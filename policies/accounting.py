@@ -34,5 +34,6 @@ class RecordUsage:
                 requests=1,
                 prompt_tokens=_tokens(call.usage, "prompt_tokens"),
                 completion_tokens=_tokens(call.usage, "completion_tokens"),
+                rented=call.replica.rented is not None,
             )
         )

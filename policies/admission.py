@@ -26,6 +26,10 @@ from policies.routing import Profile
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
 
 
+class WouldWait(Exception):
+    """Every replica is at its cap and the wait would exceed what the caller accepts (overflow instead)."""
+
+
 class DrainRate:
     """Completions per second over the last `size` completions."""
 
@@ -70,13 +74,15 @@ class ModelQueue:
         self.metrics.in_flight.labels(self.model, replica.name).inc()
         return replica
 
-    async def acquire(self, owner: str, exclude: Sequence[Replica]) -> Replica:
+    async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None) -> Replica:
         if not any(r.routable and r not in exclude for r in self.replicas):
             raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
         if self.depth == 0:
             replica = self.free_replica(exclude)
             if replica is not None:
                 return self.take(replica)
+        if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after() > spill_after):
+            raise WouldWait
         if self.depth >= self.config.max_depth:
             self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full")
         waiter = Waiter(owner, exclude)
@@ -183,8 +189,11 @@ class Admission:
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
 
-    async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = ()) -> Replica:
-        return await self.queues[model].acquire(owner, exclude)
+    async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = (),
+                      spill_after: float | None = None) -> Replica:
+        """A replica with room (counted in its in_flight); raises WouldWait instead of queueing longer than
+        `spill_after` seconds, when given."""
+        return await self.queues[model].acquire(owner, exclude, spill_after)
 
     def release(self, replica: Replica) -> None:
         self.queues[replica.model].release(replica)

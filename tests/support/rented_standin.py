@@ -1,0 +1,94 @@
+"""A stand-in for a rented OpenAI-compatible API, run as its own process on loopback.
+
+It requires its own API key (401 otherwise, quoting a fragment of the bad key the way real providers do, so
+tests can check the gateway never relays that) and appends every request it receives to a JSON-lines log:
+the request id, path, model and whether the key matched. Replies are small and immediate.
+
+    python -m tests.support.rented_standin --port 9100 --key-env STANDIN_KEY --log /tmp/rented.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import orjson
+import uvicorn
+
+
+def make_app(key: str, log_path: str):
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = "startup" if message["type"] == "lifespan.startup" else "shutdown"
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        if scope["path"] == "/health":
+            await respond(send, 200, {})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        body = orjson.loads(raw) if raw else {}
+        authorized = headers.get("authorization") == f"Bearer {key}"
+        with open(log_path, "a") as log:
+            log.write(json.dumps({"request_id": headers.get("x-request-id"), "path": scope["path"],
+                                  "model": body.get("model"), "authorized": authorized, "at": time.time()}) + "\n")
+        if not authorized:
+            given = headers.get("authorization", "")[-4:]
+            error = {"message": f"Incorrect API key provided: ...{given}", "type": "invalid_request_error",
+                     "param": None, "code": "invalid_api_key"}
+            await respond(send, 401, {"error": error})
+            return
+        usage = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+        if body.get("stream"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            chunk = {"id": "rent-1", "object": "chat.completion.chunk", "model": body.get("model"),
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "rented"},
+                                  "finish_reason": "stop"}]}
+            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+                        "more_body": True})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                tail = {**chunk, "choices": [], "usage": usage}
+                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(tail) + b"\n\n",
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        await respond(send, 200, {
+            "id": "rent-1", "object": "chat.completion", "model": body.get("model"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "rented"}, "finish_reason": "stop"}],
+            "usage": usage,
+        })
+
+    return app
+
+
+async def respond(send, status: int, body: dict) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": orjson.dumps(body)})
+
+
+def read_log(path: str) -> list[dict]:
+    try:
+        with open(path) as log:
+            return [json.loads(line) for line in log if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--key-env", required=True)
+    parser.add_argument("--log", required=True)
+    args = parser.parse_args()
+    uvicorn.run(make_app(os.environ[args.key_env], args.log), host="127.0.0.1", port=args.port, log_level="warning")
