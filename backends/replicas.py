@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -29,6 +30,8 @@ class Replica:
     served_name: str
     cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
     rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
+    adaptive: Any = None  # gateway.config.Adaptive when the limit follows the observed TTFT
+    limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
     in_flight: int = 0
     state: str = UNKNOWN
     failures: int = 0
@@ -38,9 +41,13 @@ class Replica:
     def routable(self) -> bool:
         return self.state != DOWN
 
+    def __post_init__(self) -> None:
+        if self.limit is None:
+            self.limit = self.cap
+
     @property
     def has_room(self) -> bool:
-        return self.cap is None or self.in_flight < self.cap
+        return self.limit is None or self.in_flight < int(self.limit)
 
 
 class ReplicaSet:
@@ -57,6 +64,7 @@ class ReplicaSet:
                     url=backend.url,
                     served_name=backend.served_name or model.served_name or model.name,
                     cap=backend.cap,
+                    adaptive=backend.adaptive,
                 )
                 for i, backend in enumerate(model.backends)
             ]

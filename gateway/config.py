@@ -164,11 +164,25 @@ class Overflow(Strict):
     when_unavailable: bool = True  # no owned replica is healthy
 
 
+class Adaptive(Strict):
+    """A limit that follows the live knee: it moves between `floor` and the backend's measured `cap`."""
+
+    floor: int = Field(1, ge=1)
+    target_ttft: Seconds  # time to first token the backend should keep; slower answers shrink the limit
+
+
 class Backend(Strict):
     url: str
     name: str | None = Field(None, pattern=NAME)
     served_name: str | None = Field(None, pattern=NAME)
     cap: int | None = Field(None, ge=1, le=100_000)  # most requests in flight to it: its measured knee
+    adaptive: Adaptive | None = None  # optional: track the live knee below `cap` from observed TTFT
+
+    @model_validator(mode="after")
+    def adaptive_needs_cap(self) -> Backend:
+        if self.adaptive is not None and (self.cap is None or self.adaptive.floor > self.cap):
+            raise ValueError("adaptive needs a cap (its upper bound) that is at least adaptive.floor")
+        return self
 
     @field_validator("url")
     @classmethod

@@ -23,6 +23,7 @@ class Call:
     headers: Any  # the client's request headers (case-insensitive mapping)
     client_host: str
     arrived: float  # perf_counter() when the request arrived
+    sent_at: float = 0.0  # perf_counter() when it was sent upstream
     body: dict[str, Any] = field(default_factory=dict)
     key: Any = None  # the caller's KeyRecord, once authenticated
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included

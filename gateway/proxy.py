@@ -129,6 +129,7 @@ class Proxy:
             tried.append(replica)
             call.replica, call.holds_replica = replica, True
             body = self.upstream_body(call, replica.served_name)
+            call.sent_at = time.perf_counter()
             try:
                 response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
             except httpx.HTTPError as exc:
@@ -161,6 +162,7 @@ class Proxy:
             call.overhead += since - call.arrived
         call.replica, call.holds_replica = target, False
         body = self.upstream_body(call, target.served_name)
+        call.sent_at = time.perf_counter()
         try:
             response = await self.upstreams[target].open(call.endpoint, body, call.request_id)
         except httpx.HTTPError as exc:
@@ -221,7 +223,9 @@ class Proxy:
             async for chunk in response.aiter_raw():
                 if first:
                     first = False
-                    self.metrics.time_to_first_token.labels(call.model).observe(time.perf_counter() - call.arrived)
+                    now = time.perf_counter()
+                    self.metrics.time_to_first_token.labels(call.model).observe(now - call.arrived)
+                    self.admission.observe(call.replica, now - call.sent_at)
                 out = relay.feed(chunk)
                 if out:
                     yield out

@@ -6,6 +6,12 @@ cannot starve the others. A slot freed by a finished request goes straight to th
 finds the queue full, or waits past `queue.max_wait`, gets a 429 whose Retry-After is estimated from the rate
 at which the model's requests have been completing. A waiter whose client disconnects is cancelled and leaves
 the queue at once, so it never reaches a backend.
+
+Adaptive limits (per backend, optional) follow the live knee below the measured cap, AIMD style, from the time
+to first token of streamed requests: an answer slower than `target_ttft` cuts the limit by 10% (at most once
+a second, so one slow burst is one cut, never below `floor`); an answer within target while the backend is
+using its whole limit raises it by 1/limit (about +1 per limit's worth of answers, never above `cap`). A
+backend serving longer prompts (slower first tokens) thus gets fewer requests at once.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class ModelQueue:
         self.turns: deque[str] = deque()  # owners with waiters, in round-robin order
         self.depth = 0
         self.drain = DrainRate()
+        self.last_cut: dict[Replica, float] = {}
 
     def free_replica(self, exclude: Sequence[Replica]) -> Replica | None:
         return self.profile.pick([r for r in self.replicas if r.has_room], exclude=exclude)
@@ -106,6 +113,23 @@ class ModelQueue:
             raise
         self.metrics.queue_wait.labels(self.model).observe(time.monotonic() - started)
         return replica
+
+    def observe(self, replica: Replica, ttft: float) -> None:
+        """An upstream time to first token, for the adaptive limit."""
+        adaptive = replica.adaptive
+        if adaptive is None:
+            return
+        now = time.monotonic()
+        if ttft > adaptive.target_ttft:
+            if now - self.last_cut.get(replica, 0.0) >= 1.0:
+                self.last_cut[replica] = now
+                replica.limit = max(float(adaptive.floor), replica.limit * 0.9)
+        elif replica.in_flight >= int(replica.limit):
+            before = int(replica.limit)
+            replica.limit = min(float(replica.cap), replica.limit + 1.0 / replica.limit)
+            if int(replica.limit) > before:
+                self.dispatch()
+        self.metrics.backend_limit.labels(self.model, replica.name).set(int(replica.limit))
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
@@ -197,6 +221,11 @@ class Admission:
 
     def release(self, replica: Replica) -> None:
         self.queues[replica.model].release(replica)
+
+    def observe(self, replica: Replica, ttft: float) -> None:
+        queue = self.queues.get(replica.model)
+        if queue is not None and replica.rented is None:
+            queue.observe(replica, ttft)
 
     def replica_changed(self, replica: Replica) -> None:
         """A replica came back (or went): waiters may now have somewhere to go."""

@@ -98,3 +98,25 @@ async def test_no_routable_replica_is_503_not_a_queue():
     r.state = "down"
     with pytest.raises(NoBackendAvailable):
         await q.acquire("k", ())
+
+
+def test_adaptive_limit_moves_between_floor_and_cap():
+    from gateway.config import Adaptive
+
+    q, (r,) = make(caps=(8,))
+    r.adaptive = Adaptive(floor=2, target_ttft=0.5)
+    for _ in range(20):
+        q.last_cut.clear()  # one cut per second in production; here every slow answer counts
+        q.observe(r, ttft=2.0)
+    assert r.limit == 2.0  # 8 -> 7.2 -> 6.48 -> ... floored at 2
+    r.in_flight = 1
+    q.observe(r, ttft=0.1)
+    assert r.limit == 2.0  # fast, but not using its limit: no reason to grow
+    for _ in range(200):
+        r.in_flight = int(r.limit)
+        q.observe(r, ttft=0.1)
+    assert r.limit == 8.0  # grew back to the measured cap and no further
+    q.last_cut.clear()
+    q.observe(r, ttft=2.0)
+    q.observe(r, ttft=2.0)
+    assert r.limit == pytest.approx(7.2)  # two slow answers within a second: one cut
