@@ -27,15 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import keys_cli
+    from gateway import keys_cli, knee_cli
 
     keys_cli.add_commands(sub)
+    knee_cli.add_commands(sub)
 
     args = parser.parse_args(argv)
     if args.command == "admin-token":
         return keys_cli.run_admin_token(args)
     if args.command == "keys":
         return keys_cli.run_keys(args)
+    if args.command == "knee":
+        return knee_cli.run(args)
     if args.command == "check":
         return run_check(args.file)
     if args.command == "serve":

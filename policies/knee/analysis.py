@@ -12,6 +12,9 @@ point more requests in flight only queue and time to first token explodes. The c
    concurrency: every step then weighs the same, while on a linear x the largest level dominates the scale and
    squeezes all small levels onto x = 0. If no point bulges above the chord by MIN_BULGE (the curve is still
    rising steeply in log space, as on the H200 up to 128), there is no knee before the peak and the peak is it.
+   Levels that score within TIE of the best are a tie that measurement noise decides (a 1-core CPU vLLM
+   capped at 8 scores 4 and 8 alike); latency breaks it: among them the knee is the Kneedle point of TTFT
+   p99, which rises slowly and then explodes, so the level where x - y (normalized TTFT) is largest.
 3. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
 4. The recommendation is the smaller of 2 and 3.
 
@@ -25,10 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-MIN_BULGE = 0.05  # a knee must rise this far above the chord (in normalized units); noise stays below it
+MIN_BULGE = 0.03  # a knee must rise this far above the chord (in normalized units); noise stays below it
 FLAT = 0.05  # a curve whose throughput varies less than this fraction of its peak is flat
+TIE = 0.05  # throughput scores this close are decided by latency
 
 METHOD = ("kneedle on (log2 concurrency, output tok/s), cut at the first error level and at peak throughput; "
+          f"scores within {TIE} decided by kneedle on TTFT p99; no bulge of {MIN_BULGE} -> the peak; "
           "recommended = min(knee, largest level whose TTFT p99 and all below meet the SLO)")
 
 
@@ -115,9 +120,26 @@ def _kneedle(usable: list[Point]) -> tuple[int, dict[int, float], str]:
     y0, y1 = curve[0].throughput, curve[-1].throughput
     scores = {p.concurrency: (p.throughput - y0) / (y1 - y0) - (math.log2(p.concurrency) - x0) / (x1 - x0)
               for p in curve}
-    # The first max wins ties, so the smaller (safer) cap is chosen.
+    # The first max wins exact ties, so the smaller (safer) cap is chosen.
     knee = max(curve[1:], key=lambda p: (scores[p.concurrency], -p.concurrency))
     if scores[knee.concurrency] < MIN_BULGE:
         return best.concurrency, scores, f"no knee before the throughput peak: the peak c={best.concurrency}"
+    tied = [p for p in curve[1:] if scores[p.concurrency] >= scores[knee.concurrency] - TIE]
+    latency = _latency_scores(curve)
+    why = ""
+    if len(tied) > 1 and latency:
+        knee = max(tied, key=lambda p: (latency[p.concurrency], -p.concurrency))
+        why = f"; c={','.join(str(p.concurrency) for p in tied)} tied on throughput, TTFT p99 decided"
     return knee.concurrency, scores, (f"kneedle knee at c={knee.concurrency} "
-                                      f"({knee.throughput:.0f} tok/s, {knee.throughput / hi:.0%} of the peak)")
+                                      f"({knee.throughput:.0f} tok/s, {knee.throughput / hi:.0%} of the peak){why}")
+
+
+def _latency_scores(curve: list[Point]) -> dict[int, float]:
+    """Kneedle's x - y on (log2 concurrency, TTFT p99), or {} when TTFT is missing or flat."""
+    ttfts = [p.ttft_p99 for p in curve]
+    if any(t is None for t in ttfts) or max(ttfts) <= min(ttfts):
+        return {}
+    x0, x1 = math.log2(curve[0].concurrency), math.log2(curve[-1].concurrency)
+    lo, hi = min(ttfts), max(ttfts)
+    return {p.concurrency: (math.log2(p.concurrency) - x0) / (x1 - x0) - (p.ttft_p99 - lo) / (hi - lo)
+            for p in curve}

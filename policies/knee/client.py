@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -27,6 +27,7 @@ class Sample:
     ttft: float | None = None  # seconds to the first chunk that carries output text
     gaps: list[float] = field(default_factory=list)  # seconds between successive output chunks
     tokens: int = 0  # usage.completion_tokens (output chunks when the server sends no usage)
+    chunks: int = 0  # chunks that carried output text
     prompt_tokens: int | None = None
     error: str | None = None
 
@@ -55,10 +56,13 @@ async def _data_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
-                      timeout: float) -> Sample:
-    """POST one streaming chat completion; never raises for what the server or network does."""
+                      timeout: float, on_chunk: Callable[[float], None] | None = None) -> Sample:
+    """POST one streaming chat completion; never raises for what the server or network does.
+
+    on_chunk(time) is called for every chunk that carries output, also of a request cancelled midway.
+    """
     sample = Sample(start=time.perf_counter())
-    chunks, last, done = 0, None, False
+    last, done = None, False
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as resp:
@@ -77,7 +81,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers:
                             break
                         choices = event.get("choices")
                         if choices and (choices[0].get("delta") or {}).get("content"):
-                            chunks += 1
+                            sample.chunks += 1
+                            if on_chunk is not None:
+                                on_chunk(now)
                             if last is None:
                                 sample.ttft = now - sample.start
                             else:
@@ -97,7 +103,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers:
         sample.error = f"bad stream: {exc}"[:300]
     sample.end = time.perf_counter()
     if sample.error is None and not sample.tokens:
-        sample.tokens = chunks
+        sample.tokens = sample.chunks
     return sample
 
 

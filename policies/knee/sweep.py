@@ -7,11 +7,14 @@ timeout), so the queue has reached its steady state before the window opens. The
 seconds, or until `requests` requests have completed. When the window closes, requests still in flight are
 cancelled (the server aborts them), so the load stays at c for the whole window and never drains into it.
 
-Figures per level come from the requests that completed inside the window: output tokens/s is the sum of
-their usage.completion_tokens over the window's length (unbiased in steady state, since every request has the
-same length), TTFT and inter-chunk gaps are percentiles over those requests. Errors count every failed
-request of the level, warm-up included. vLLM's running/waiting/KV-cache gauges are scraped from /metrics
-every `metrics_interval` seconds during the window.
+Output tokens/s counts the output chunks that arrived inside the window, from every request including those
+cut off at its ends, times the level's tokens per chunk (usage.completion_tokens over chunks; 1 on vLLM).
+Counting completed requests instead would be quantized: in a closed loop at or below the batch cap the
+requests run in lockstep and finish in bursts, so a short window sees whole bursts or none. Requests/s is
+that token rate over the output length (every request has the same length). TTFT and inter-chunk gaps are
+percentiles over the requests that completed inside the window. Errors count every failed request of the
+level, warm-up included. vLLM's running/waiting/KV-cache gauges are scraped from /metrics
+about every `metrics_interval` seconds (jittered) during the window.
 
 Every wait is bounded: a request by `request_timeout`, a warm-up by warmup + request_timeout, a window by
 `duration` (or `max_level_time` with `requests`), the whole sweep by `max_time`.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,7 +88,7 @@ class SweepSpec:
 class LevelResult:
     concurrency: int
     window_s: float
-    requests: int  # completed inside the window
+    requests: int  # completed inside the window (the latency figures are theirs)
     errors: int  # failed requests of the whole level, warm-up included
     output_tokens_per_s: float
     requests_per_s: float
@@ -155,6 +159,8 @@ class _Level:
         self.t1: float | None = None  # the window closed (set early when `requests` completed)
         self.closed = False
         self.measured: list[Sample] = []
+        self.window_chunks = 0  # output chunks that arrived inside the window
+        self.ok_tokens = self.ok_chunks = 0  # over every successful request of the level
         self.errors = 0
         self.examples: list[str] = []
         self.finished_once: set[int] = set()
@@ -172,16 +178,27 @@ class _Level:
             self.errors += 1
             if len(self.examples) < 3 and sample.error not in self.examples:
                 self.examples.append(sample.error)
-        elif self.t0 is not None and sample.end >= self.t0 and self.t1 is None:
+            return
+        self.ok_tokens += sample.tokens
+        self.ok_chunks += sample.chunks
+        if self.t0 is not None and sample.end >= self.t0 and self.t1 is None:
             self.measured.append(sample)
             if self.spec.requests is not None and len(self.measured) >= self.spec.requests:
                 self.t1 = sample.end
                 self.enough.set()
 
+    def on_chunk(self, now: float) -> None:
+        if self.t0 is not None and self.t1 is None and not self.closed and now >= self.t0:
+            self.window_chunks += 1
+
+    def tokens_per_s(self, window: float) -> float:
+        per_chunk = self.ok_tokens / self.ok_chunks if self.ok_chunks else 1.0
+        return self.window_chunks * per_chunk / window if window > 0 else 0.0
+
     def status(self, phase: str, now: float, index: str) -> str:
         done = self.measured
         window = now - self.t0 if self.t0 else 0.0
-        tps = sum(s.tokens for s in done) / window if window > 0 else 0.0
+        tps = self.tokens_per_s(window)
         ttft = percentile([s.ttft for s in done if s.ttft is not None], 99)
         g = self.gauges[-1] if self.gauges else {}
         target = f"{self.spec.duration:g} s" if self.spec.duration else f"{self.spec.requests} reqs"
@@ -195,9 +212,10 @@ class _Level:
         ttfts = [s.ttft for s in done if s.ttft is not None]
         gaps = [g for s in done for g in s.gaps]
         prompts = [s.prompt_tokens for s in done if s.prompt_tokens]
+        tps = self.tokens_per_s(window)
         out = LevelResult(
             concurrency=self.concurrency, window_s=window, requests=len(done), errors=self.errors,
-            output_tokens_per_s=sum(s.tokens for s in done) / window, requests_per_s=len(done) / window,
+            output_tokens_per_s=tps, requests_per_s=tps / self.spec.output_tokens,
             ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
             itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
             e2e_p50_s=percentile([s.end - s.start for s in done], 50),
@@ -256,7 +274,7 @@ async def _worker(index: int, level: _Level, client: httpx.AsyncClient, prompts:
     spec, headers = level.spec, _headers(level.spec)
     while True:  # ends when the level cancels it; each pass is bounded by request_timeout
         sample = await stream_chat(client, spec.url, chat_body(spec.model, prompts.next(), spec.output_tokens),
-                                   headers, spec.request_timeout)
+                                   headers, spec.request_timeout, level.on_chunk)
         if sample.error is None and sample.tokens != spec.output_tokens:
             sample.error = f"short response: {sample.tokens} of {spec.output_tokens} output tokens"
         level.add(index, sample)
@@ -270,7 +288,8 @@ async def _sample_gauges(level: _Level, client: httpx.AsyncClient) -> None:
         gauges = await scrape_gauges(client, level.spec.url, headers)
         if gauges:
             level.gauges.append(gauges)
-        await asyncio.sleep(level.spec.metrics_interval)
+        # Jittered: a closed loop runs in lockstep, and a fixed period can alias with it and see one phase only.
+        await asyncio.sleep(level.spec.metrics_interval * random.uniform(0.5, 1.5))
 
 
 async def _show(level: _Level, progress: Progress, index: str) -> None:
@@ -289,7 +308,8 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
         if spec.warmup > 0:
             await asyncio.sleep(min(spec.warmup, max(0.0, deadline - time.perf_counter())))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(level.all_once.wait(), spec.request_timeout)
+                await asyncio.wait_for(level.all_once.wait(),
+                                       min(spec.request_timeout, max(0.0, deadline - time.perf_counter())))
         level.t0 = time.perf_counter()
         tasks.append(asyncio.create_task(_sample_gauges(level, client)))
         limit = max(0.0, min(spec.duration or spec.max_level_time, deadline - level.t0))

@@ -1,0 +1,123 @@
+"""`llm-gateway knee`: sweep one backend's concurrency, find its throughput knee, optionally write it as its cap.
+
+It talks to the backend directly (not through the gateway), so the figures are the backend's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+EPILOG = """\
+example:
+  llm-gateway knee --url http://127.0.0.1:8001 --model Qwen/Qwen3-4B --slo-ttft-p99 0.5 \\
+      --write-cap policy.yaml --backend gpu-a
+Writes knee-<model>-<time>.json and .png into --out, prints a table, and with --write-cap sets that
+backend's `cap:` (comments and layout of the file are kept)."""
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        levels = ()
+    if not levels or levels[0] < 1 or levels[-1] > 100_000:
+        raise argparse.ArgumentTypeError(f"not a list of concurrency levels: {text!r} (e.g. 1,2,4,8,16)")
+    return levels
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+        return value
+    return parse
+
+
+def add_commands(sub) -> None:
+    knee = sub.add_parser("knee", help="measure a backend's throughput knee; optionally write it as its cap",
+                          description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    knee.add_argument("--url", required=True, help="the backend's base URL, e.g. http://127.0.0.1:8001")
+    knee.add_argument("--model", required=True, help="the model name the backend serves")
+    knee.add_argument("--levels", type=_levels, default=(1, 2, 4, 8, 16, 32, 64),
+                      help="concurrency levels, comma-separated (default 1,2,4,8,16,32,64)")
+    knee.add_argument("--prompt-tokens", type=_positive(int), default=256, help="prompt length (default 256)")
+    knee.add_argument("--output-tokens", type=_positive(int), default=64, help="output length (default 64)")
+    window = knee.add_mutually_exclusive_group()
+    window.add_argument("--duration", type=_positive(float), help="seconds measured per level (default 10)")
+    window.add_argument("--requests", type=_positive(int), help="completed requests measured per level")
+    knee.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per level (default 2)")
+    knee.add_argument("--slo-ttft-p99", type=_positive(float), metavar="SECONDS",
+                      help="never recommend a level whose TTFT p99 exceeds this")
+    knee.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                      help="the backend's API key, if it has one (default: $VLLM_API_KEY)")
+    knee.add_argument("--request-timeout", type=_positive(float), default=60.0, help="seconds (default 60)")
+    knee.add_argument("--max-time", type=_positive(float), default=3600.0,
+                      help="seconds for the whole sweep (default 3600)")
+    knee.add_argument("--out", default=".", help="folder for the JSON and PNG (default: current folder)")
+    knee.add_argument("--write-cap", metavar="POLICY_FILE", help="set the recommended cap in this policy file")
+    knee.add_argument("--backend", help="with --write-cap: the backend's name (`name`, else <model>-<index>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from policies.knee.capfile import CapFileError, locate, write_cap
+    from policies.knee.report import build_report, file_stem, format_table, write_json, write_png
+    from policies.knee.sweep import Progress, SweepError, SweepSpec, run_sweep
+
+    parts = urlsplit(args.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return _fail(f"--url must be an http:// or https:// base URL, got {args.url!r}", 2)
+    if bool(args.write_cap) != bool(args.backend):
+        return _fail("--write-cap and --backend go together", 2)
+    if args.write_cap:  # a typo in the backend's name should fail now, not after a long sweep
+        try:
+            locate(Path(args.write_cap).read_text(encoding="utf-8"), args.backend, args.write_cap)
+        except (OSError, CapFileError) as exc:
+            return _fail(str(exc) if isinstance(exc, CapFileError) else f"{args.write_cap}: cannot read: {exc}", 2)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        spec = SweepSpec(url=args.url.rstrip("/"), model=args.model, levels=args.levels,
+                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                         duration=None if args.requests else (args.duration or 10.0), requests=args.requests,
+                         warmup=args.warmup, api_key=args.api_key, request_timeout=args.request_timeout,
+                         max_time=args.max_time)
+    except (OSError, ValueError) as exc:
+        return _fail(str(exc), 2)
+    try:
+        result = asyncio.run(run_sweep(spec, Progress()))
+    except SweepError as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing written", 130)
+    report = build_report(result, args.slo_ttft_p99)
+    stem = file_stem(args.model, result.started_at)
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    write_json(report, json_path)
+    write_png(report, png_path)
+    print(format_table(report))
+    print(f"wrote {json_path} and {png_path}")
+    if not args.write_cap:
+        return 0
+    cap = report["knee"]["recommended"]
+    if cap is None:
+        return _fail(f"{args.write_cap} left unchanged: no cap to recommend", 1)
+    try:
+        previous = write_cap(args.write_cap, args.backend, cap)
+    except CapFileError as exc:
+        return _fail(str(exc), 1)
+    print(f"{args.write_cap}: backend {args.backend}: cap {previous if previous is not None else 'unset'} -> {cap}")
+    return 0
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"llm-gateway knee: {message}", file=sys.stderr)
+    return status

@@ -1,0 +1,139 @@
+"""The knee sweep against the vLLM simulator with a batch cap of 8: in process, and once through the CLI.
+
+The simulator's decode step costs 10 ms + 0.5 ms per running sequence, so below the cap throughput grows
+almost linearly (c=4: ~320 tok/s) and from 16 on it is flat (~550) while requests queue. At exactly c=8 it
+is ~85% of that: a closed loop at the batch cap leaves a slot empty between a request's end and the
+admission of its successor, which a queue hides. So the knee is 8 or 16 (Kneedle scores them within a few
+hundredths of each other and timing noise decides); a knee below 8 would mean the finder missed real growth.
+"""
+
+import asyncio
+import io
+import sys
+from pathlib import Path
+
+import httpx
+import matplotlib.image
+
+from backends.simulator import SimConfig, create_app
+from policies.knee.report import build_report, write_json, write_png
+from policies.knee.sweep import Progress, SweepSpec, run_sweep
+from tests.support.probes import metric_sum
+from tests.support.servers import serve_app
+
+CAPPED = SimConfig(model="sim-8", max_num_seqs=8, step_base_ms=10, step_ms_per_seq=0.5)
+LEVELS = (1, 2, 4, 8, 16, 32)
+
+
+def spec(url: str, **overrides) -> SweepSpec:
+    values = {"url": url, "model": "sim-8", "levels": LEVELS, "prompt_tokens": 64, "output_tokens": 16,
+              "duration": 1.0, "warmup": 0.3, "request_timeout": 10, "max_time": 60, "metrics_interval": 0.2}
+    return SweepSpec(**{**values, **overrides})
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 20_000  # two panels of lines and labels, not an empty canvas
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert width > 800 and height > 600
+
+
+async def test_sweep_finds_the_batch_cap_and_sees_the_queue(tmp_path):
+    async with serve_app(create_app(CAPPED)) as url:
+        live = io.StringIO()
+        result = await run_sweep(spec(url), Progress(live, live=True))
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{url}/metrics")).text
+    assert metric_sum(metrics, "vllm:prefix_cache_queries_total") > 0
+    assert metric_sum(metrics, "vllm:prefix_cache_hits_total") == 0  # no prompt shares a prefix with another
+
+    by_c = {r.concurrency: r for r in result.levels}
+    assert list(by_c) == list(LEVELS) and result.stopped is None
+    for r in result.levels:
+        assert r.errors == 0 and r.requests > 0 and r.gauge_samples > 0
+        assert r.running_max <= 8
+        assert abs(r.prompt_tokens_mean - 64) <= 64 * 0.1  # the calibrated prompt length
+    peak = max(r.output_tokens_per_s for r in result.levels)
+    assert by_c[4].output_tokens_per_s < 0.7 * peak < by_c[8].output_tokens_per_s  # still growing below the cap
+    assert by_c[32].output_tokens_per_s < 1.1 * by_c[16].output_tokens_per_s  # flat past it
+    assert by_c[16].waiting_max > 0 and by_c[32].waiting_max > 0 and by_c[1].waiting_max == 0
+    assert by_c[32].ttft_p99_s > 3 * by_c[4].ttft_p99_s
+    assert 0.005 < by_c[1].itl_p50_s < 0.05  # one ~10.5 ms step per token
+
+    report = build_report(result, slo_ttft_p99=0.5)
+    assert report["knee"]["recommended"] in (8, 16), report["knee"]
+    write_json(report, tmp_path / "k.json")
+    write_png(report, tmp_path / "k.png")
+    assert_png(tmp_path / "k.png")
+    assert '"recommended"' in (tmp_path / "k.json").read_text()
+    progress = live.getvalue()
+    assert "\r" in progress and progress.count("\n") == len(LEVELS)  # rewritten live, one line kept per level
+
+
+async def test_request_count_windows_and_failing_levels():
+    async with serve_app(create_app(CAPPED)) as url:
+        quiet = Progress(io.StringIO(), live=False)
+        counted = await run_sweep(spec(url, levels=(2, 8), duration=None, requests=8, warmup=0), quiet)
+        # At 32 in flight a request queues ~0.7 s for its first token: past a 0.5 s timeout, so 32 fails,
+        # the sweep stops there (64 is never run) and the knee comes from the levels below.
+        failing = await run_sweep(spec(url, levels=(1, 2, 32, 64), duration=1.0, warmup=0, request_timeout=0.5),
+                                  quiet)
+    assert [(r.concurrency, r.requests, r.complete, r.errors) for r in counted.levels] == [(2, 8, True, 0),
+                                                                                          (8, 8, True, 0)]
+    assert [r.concurrency for r in failing.levels] == [1, 2, 32]
+    assert failing.levels[-1].errors > 0 and "timeout after 0.5 s" in failing.levels[-1].error_examples[0]
+    assert "stopped after c=32" in failing.stopped
+    knee = build_report(failing)["knee"]
+    assert knee["recommended"] == 2 and "c=32 had" in knee["reason"]
+
+
+POLICY = """\
+models:
+  - name: m   # the simulated model
+    served_name: sim-8
+    backends:
+      - url: {url}
+        name: sim-a   # measured by the test
+"""
+
+
+async def run_cli(*args: str, timeout: float = 30) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "knee", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_sweeps_writes_files_and_the_cap(tmp_path):
+    async with serve_app(create_app(CAPPED)) as url:  # served by this loop while the CLI runs in a process
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(POLICY.format(url=url))
+        code, out, err = await run_cli("--url", url, "--model", "sim-8", "--levels", "1,4,8,16", "--duration", "0.6",
+                                       "--warmup", "0.2", "--prompt-tokens", "64", "--output-tokens", "16",
+                                       "--out", str(tmp_path / "out"), "--write-cap", str(policy), "--backend", "sim-a")
+    assert code == 0, err
+    assert "<- cap" in out and "recommended cap:" in out
+    assert err.count("c=") == 4  # one progress line per level (stderr is not a terminal here)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert [Path(f).suffix for f in files] == [".json", ".png"] and files[0].startswith("knee-sim-8-")
+    assert_png(tmp_path / "out" / files[1])
+    cap = int(out.split("recommended cap: ")[1].split()[0])
+    assert cap in (8, 16)
+    assert policy.read_text() == POLICY.format(url=url) + f"        cap: {cap}\n"
+
+
+async def test_cli_fails_fast_and_clearly(tmp_path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(url="http://127.0.0.1:9"))
+    code, _, err = await run_cli("--url", "http://127.0.0.1:9", "--model", "x", "--write-cap", str(policy),
+                                 "--backend", "nope")
+    assert code == 2 and "no backend named 'nope'" in err and "sim-a" in err
+    async with serve_app(create_app(CAPPED)) as url:
+        code, _, err = await run_cli("--url", url, "--model", "wrong", "--out", str(tmp_path))
+    assert code == 1 and "refused a test request" in err and "404" in err
+    assert list(tmp_path.iterdir()) == [policy]
