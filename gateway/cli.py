@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
 from gateway.config import PolicyError, load_policy
+from policies.egress import check_backends
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_check(path: str) -> int:
     try:
         policy = load_policy(path)
+        asyncio.run(check_backends(policy, source=path))
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -72,6 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         policy = load_policy(args.config)
+        asyncio.run(check_backends(policy, source=args.config))
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -82,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port or policy.listen.port,
         log_level=args.log_level,
         access_log=False,  # the gateway logs each request itself, with its id and never its headers
+        proxy_headers=False,  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
         lifespan="on",
     )
     return 0

@@ -127,7 +127,8 @@ def run_demo(host: str, port: int, log_level: str) -> int:
         })
         key = asyncio.run(issue_demo_key(policy.store.path))
         admin_token = mint_token(policy.admin, 3600)
-        config = uvicorn.Config(create_app(policy), host=host, port=port, log_level=log_level, access_log=False)
+        config = uvicorn.Config(create_app(policy), host=host, port=port, log_level=log_level, access_log=False,
+                                proxy_headers=False)  # the gateway decides whom to trust (network.trusted_proxies)
         server = uvicorn.Server(config)
         print(banner(f"http://{host}:{port}", key, admin_token), flush=True)
         server.run()

@@ -12,9 +12,18 @@ import time
 
 import anyio
 
-from gateway.errors import BadRequest, GatewayError, InternalError, MethodNotAllowed, NotFound, PayloadTooLarge
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+)
 from gateway.pipeline import Call
 from gateway.proxy import Proxy, Reply, request_id_from
+from policies.auth import client_allowed
 
 log = logging.getLogger("gateway.http")
 
@@ -32,7 +41,11 @@ class ClientGone(Exception):
 def header_map(scope) -> dict[str, str]:
     headers: dict[str, str] = {}
     for key, value in scope["headers"]:
-        headers.setdefault(key.decode("latin-1").lower(), value.decode("latin-1"))
+        name, text = key.decode("latin-1").lower(), value.decode("latin-1")
+        if name == "x-forwarded-for" and name in headers:  # a list header: repeated lines are one list, in order
+            headers[name] += ", " + text
+        else:
+            headers.setdefault(name, text)
     return headers
 
 
@@ -98,16 +111,22 @@ class OpenAIRoutes:
         if endpoint is not None and method == "POST":
             await self.serve(endpoint, headers, scope, receive, send)
         elif path == "/v1/models" and method == "GET":
-            await self.list_models(headers, send)
+            await self.list_models(headers, scope, send)
         elif endpoint is not None or path == "/v1/models":
             await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}"), request_id_from(headers))
         else:
             await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"), request_id_from(headers))
 
-    async def list_models(self, headers: dict[str, str], send) -> None:
+    async def list_models(self, headers: dict[str, str], scope, send) -> None:
         request_id = request_id_from(headers)
+        client = scope.get("client")
         try:
+            network = self.gateway.client_network
+            host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
+            network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
+            if key.allowed_cidrs and not client_allowed(host, key.allowed_cidrs):
+                raise PermissionDenied("this API key may not be used from this network", code="source_not_allowed")
         except GatewayError as exc:
             await send_error(send, exc, request_id)
             return

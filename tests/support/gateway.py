@@ -41,11 +41,11 @@ def default_key_record(**fields) -> KeyRecord:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(policy: dict, issue_test_key: bool = True) -> AsyncIterator[RunningGateway]:
+async def running_gateway(policy: dict, issue_test_key: bool = True, resolver=None) -> AsyncIterator[RunningGateway]:
     with tempfile.TemporaryDirectory(prefix="llmgw-") as tmp:
         policy = {"store": {"kind": "sqlite", "path": f"{tmp}/keys.db"}, **policy}
-        app = create_app(Policy.model_validate(policy))
-        async with serve_app(app) as url:
+        app = create_app(Policy.model_validate(policy), resolver=resolver)
+        async with serve_app(app, proxy_headers=False) as url:  # as `serve` runs it: XFF is the gateway's call
             if issue_test_key:
                 await app.state.store.create_key(default_key_record())
             yield RunningGateway(url, app.state)

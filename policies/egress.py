@@ -1,0 +1,231 @@
+"""Egress: owned backends stay on private networks; rented providers are the only declared public egress.
+
+The rules, checked when the policy is loaded and again on every new connection:
+
+- an owned backend's host must resolve ONLY to addresses inside `network.private_cidrs` (an IP literal is
+  checked as is; for a hostname every A/AAAA record counts, so one public record is enough to refuse it);
+- a rented provider is exempt from that rule, but the reverse holds for it: an address inside
+  `private_cidrs` or not globally routable (loopback, RFC 1918, link-local such as cloud metadata, ULA, ...)
+  is refused unless the provider says `allow_private_address: true`, so a typo cannot quietly send "rented"
+  traffic into the cluster.
+
+The load-time check alone is not enough (DNS can change after load), so `GuardedNetwork` sits under the
+shared HTTP client: it resolves the name itself, checks every address, and connects to a checked address,
+so the check and the connection use the same answer. A refusal is a connect error: the proxy marks the
+replica down and may retry another one. Connections already open stay with the private address they went to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import anyio
+import httpcore
+import httpx
+
+from gateway.config import Policy, PolicyError, backend_name
+
+log = logging.getLogger("gateway.egress")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class Resolver(Protocol):
+    async def resolve(self, host: str, port: int) -> list[str]:
+        """Every address `host` resolves to; raises OSError when it cannot be resolved."""
+
+
+class SystemResolver:
+    """The operating system's resolver, without blocking the event loop."""
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def networks(cidrs: Iterable[str]) -> list[Network]:
+    return [ipaddress.ip_network(c, strict=False) for c in cidrs]
+
+
+def parse_address(text: str) -> Address | None:
+    """An IP address, IPv4-mapped IPv6 unwrapped (::ffff:10.0.0.1 is 10.0.0.1); None when not an IP literal."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def inside(address: str, nets: list[Network]) -> bool:
+    parsed = parse_address(address)
+    return parsed is not None and any(parsed in net for net in nets)
+
+
+def private_for_provider(address: str, nets: list[Network]) -> bool:
+    """An address a rented provider must not have: one of ours, or anything not routable on the Internet."""
+    parsed = parse_address(address)
+    return parsed is None or not parsed.is_global or any(parsed in net for net in nets)
+
+
+def origin(url: str) -> tuple[str, int]:
+    """(host, port) of an http(s) URL as the connection pool will see it: IDNA-encoded, default port filled in."""
+    parsed = httpx.URL(url)
+    return parsed.raw_host.decode("ascii").lower(), parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+async def lookup(resolver: Resolver, host: str, port: int, timeout: float) -> list[str]:
+    """An IP literal as is, a name through the resolver; OSError (or TimeoutError) when it does not resolve."""
+    if parse_address(host) is not None:
+        return [host]
+    with anyio.fail_after(timeout):
+        addresses = await resolver.resolve(host, port)
+    if not addresses:
+        raise OSError(f"no address for {host}")
+    return addresses
+
+
+# --- at load time -------------------------------------------------------------------------------------------
+
+
+async def check_backends(
+    policy: Policy, resolver: Resolver | None = None, *, unresolved_fatal: bool = True, source: str = "<policy>"
+) -> None:
+    """Raise PolicyError naming every owned backend that resolves outside `network.private_cidrs` and every
+    provider on a private address without `allow_private_address`. A host that does not resolve is an error
+    too, unless `unresolved_fatal` is False: then it is only logged (the connect-time guard still holds)."""
+    resolver = resolver or SystemResolver()
+    nets = networks(policy.network.private_cidrs)
+    targets: list[tuple[str, str, bool | None]] = []  # (what, url, allow_private; None for owned)
+    for i, model in enumerate(policy.models):
+        for j, backend in enumerate(model.backends):
+            what = f"models[{i}](name={model.name}).backends[{j}](name={backend_name(model, j)})"
+            targets.append((what, backend.url, None))
+    for i, provider in enumerate(policy.providers):
+        targets.append((f"providers[{i}](name={provider.name})", provider.base_url, provider.allow_private_address))
+
+    origins = list(dict.fromkeys(origin(url) for _, url, _ in targets))
+    answers = await asyncio.gather(
+        *(lookup(resolver, host, port, policy.timeouts.connect) for host, port in origins), return_exceptions=True
+    )
+    resolved = dict(zip(origins, answers, strict=True))
+
+    problems, unresolved = [], []
+    for what, url, allow_private in targets:
+        host, port = origin(url)
+        answer = resolved[(host, port)]
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, (OSError, TimeoutError)):
+                raise answer
+            reason = "timed out" if isinstance(answer, TimeoutError) else str(answer) or type(answer).__name__
+            unresolved.append(f"  {what}: cannot resolve host {host!r} of {url}: {reason}")
+            continue
+        if allow_private is None:
+            bad = [a for a in answer if not inside(a, nets)]
+            if bad:
+                problems.append(f"  {what}: {url} resolves to public address {', '.join(bad)}, outside"
+                                " network.private_cidrs (owned backends must stay on private networks)")
+        elif not allow_private:
+            bad = [a for a in answer if private_for_provider(a, nets)]
+            if bad:
+                problems.append(f"  {what}: {url} resolves to private address {', '.join(bad)}; a rented provider"
+                                " must be public (set allow_private_address: true if this is intended)")
+    if not unresolved_fatal:
+        for line in unresolved:
+            log.warning("egress check: %s (owned backends are checked again on every connection)", line.strip())
+        unresolved = []
+    if problems or unresolved:
+        raise PolicyError(f"{source}: egress check failed\n" + "\n".join(problems + unresolved))
+
+
+# --- at connect time ----------------------------------------------------------------------------------------
+
+
+class EgressRefused(httpcore.ConnectError):
+    """A connection the egress rules forbid; a connect error, so the replica is marked down and retried."""
+
+
+class GuardedNetwork(httpcore.AsyncNetworkBackend):
+    """Resolves and checks every owned host before connecting, then connects to the checked address.
+
+    TLS still uses the hostname (httpcore passes it to `start_tls` as the SNI and it stays in the Host header),
+    only the TCP connection goes to the address. Origins in `exempt` (rented providers) connect as usual.
+    """
+
+    def __init__(
+        self,
+        private_cidrs: Iterable[str],
+        resolver: Resolver,
+        exempt: Iterable[tuple[str, int]] = (),
+        on_refused: Callable[[str, int, str], None] | None = None,
+        inner: httpcore.AsyncNetworkBackend | None = None,
+    ) -> None:
+        self.nets = networks(private_cidrs)
+        self.resolver = resolver
+        self.exempt = {(host.lower(), port) for host, port in exempt}
+        self.on_refused = on_refused
+        self.inner = inner or httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        connect = {"local_address": local_address, "socket_options": socket_options}
+        if (host.lower(), port) in self.exempt:
+            return await self.inner.connect_tcp(host, port, timeout=timeout, **connect)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        addresses = await self.checked(host, port, timeout)
+        error: Exception | None = None
+        for address in addresses:  # every one was checked; the first that answers wins
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await self.inner.connect_tcp(address, port, timeout=left, **connect)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                error = exc
+        assert error is not None  # lookup never returns an empty list
+        raise error
+
+    async def checked(self, host: str, port: int, timeout: float | None) -> list[str]:
+        try:
+            addresses = await lookup(self.resolver, host, port, timeout if timeout is not None else 30.0)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"resolving {host} timed out") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from None
+        for address in addresses:
+            if not inside(address, self.nets):
+                log.warning("refused: backend %s:%d resolved to public address %s (outside network.private_cidrs);"
+                            " not connecting", host, port, address)
+                if self.on_refused is not None:
+                    self.on_refused(host, port, address)
+                raise EgressRefused(f"egress refused: {host} resolved to public address {address}")
+        return addresses
+
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return await self.inner.connect_unix_socket(path, timeout=timeout, socket_options=socket_options)
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+def guarded_transport(network: GuardedNetwork, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
+    """httpx's own transport (its error mapping included) over a pool that connects through `network`."""
+    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+    transport._pool = httpcore.AsyncConnectionPool(  # httpx has no public hook for the network backend
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+        network_backend=network,
+    )
+    return transport
+
+
+def exempt_origins(policy: Policy) -> set[tuple[str, int]]:
+    """The rented providers' (host, port): the declared public egress."""
+    return {origin(p.base_url) for p in policy.providers}
