@@ -126,7 +126,8 @@ def admin_router(gateway) -> Router:
         changes = data.model_dump(exclude_unset=True)
         return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
 
-    @post("/keys/{key_id:str}/revoke", status_code=200, summary="Revoke a key; every replica refuses it within auth.cache_seconds")
+    @post("/keys/{key_id:str}/revoke", status_code=200,
+          summary="Revoke a key; every replica refuses it within auth.cache_seconds")
     async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
         allow(request, write=True)
         record = await load(key_id)

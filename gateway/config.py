@@ -18,6 +18,16 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
 
 
+def http_url(url: str) -> str:
+    """A base URL the gateway may call: http(s), a host, and nothing that belongs elsewhere (credentials)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError("must not carry a query, fragment or credentials")
+    return url.rstrip("/")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -149,11 +159,8 @@ class Provider(Strict):
 
     @field_validator("base_url")
     @classmethod
-    def http_url(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        return url.rstrip("/")
+    def valid_url(cls, url: str) -> str:
+        return http_url(url)
 
 
 class Overflow(Strict):
@@ -186,13 +193,8 @@ class Backend(Strict):
 
     @field_validator("url")
     @classmethod
-    def http_url(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000")
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise ValueError("must not carry a query, fragment or credentials")
-        return url.rstrip("/")
+    def valid_url(cls, url: str) -> str:
+        return http_url(url)
 
 
 class Queue(Strict):

@@ -139,9 +139,8 @@ class Proxy:
                 if kind == CONNECT:
                     self.metrics.retries.labels(call.model).inc()
                     continue
-                if kind == TIMEOUT:
-                    raise UpstreamTimeout(f"the backend for model {call.model} did not answer in time") from None
-                raise UpstreamFailed(f"the backend for model {call.model} failed: {type(exc).__name__}") from None
+                failure = f"the backend for model {call.model} failed: {type(exc).__name__}"
+                raise upstream_error(kind, failure) from None
             if response.status_code >= 500:
                 self.upstream_failed(replica, "status_5xx", f"HTTP {response.status_code}")
             else:
@@ -168,8 +167,8 @@ class Proxy:
         except httpx.HTTPError as exc:
             kind = classify(exc)
             self.metrics.upstream_errors.labels(call.model, target.name, kind).inc()
-            error = UpstreamTimeout if kind == TIMEOUT else UpstreamFailed
-            raise error(f"the rented provider for model {call.model} failed: {type(exc).__name__}") from None
+            failure = f"the rented provider for model {call.model} failed: {type(exc).__name__}"
+            raise upstream_error(kind, failure) from None
         if response.status_code in (401, 403):  # its message may quote the provider key: never relay it
             await response.aclose()
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
@@ -193,8 +192,7 @@ class Proxy:
         except httpx.HTTPError as exc:
             kind = classify(exc)
             self.upstream_failed(call.replica, kind, type(exc).__name__)
-            error = UpstreamTimeout if kind == TIMEOUT else UpstreamFailed
-            raise error(f"the backend for model {call.model} broke off the response") from None
+            raise upstream_error(kind, f"the backend for model {call.model} broke off the response") from None
         finally:
             await response.aclose()
         received = time.perf_counter()
@@ -235,9 +233,7 @@ class Proxy:
         except httpx.HTTPError as exc:
             kind = classify(exc)
             self.upstream_failed(call.replica, kind, type(exc).__name__)
-            call.error = (UpstreamTimeout if kind == TIMEOUT else UpstreamFailed)(
-                f"the backend for model {call.model} broke off the stream"
-            )
+            call.error = upstream_error(kind, f"the backend for model {call.model} broke off the stream")
             yield b"data: " + call.error.body() + b"\n\n"
         finally:
             call.usage = relay.usage
@@ -305,6 +301,11 @@ class Proxy:
         if content_type:
             headers["content-type"] = content_type
         return headers
+
+
+def upstream_error(kind: str, message: str) -> GatewayError:
+    """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502."""
+    return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -114,7 +114,8 @@ class RedisLimiter:
             reply = await self._acquire(keys=keys, args=args)
         decision = Decision(bool(int(reply[0])))
         if not decision.allowed:
-            decision.scope, decision.kind, decision.retry_after = scopes[int(reply[1])].name, str(reply[2]), float(reply[3])
+            decision.scope, decision.kind = scopes[int(reply[1])].name, str(reply[2])
+            decision.retry_after = float(reply[3])
         if reply[4] != "":
             decision.remaining_requests, decision.reset_requests = int(float(reply[4])), float(reply[5])
         if reply[6] != "":

@@ -10,6 +10,8 @@ import asyncio
 
 import orjson
 
+from tests.support.asgi import lifespan, read_body
+
 
 class Recorder:
     def __init__(self, name: str = "recorder") -> None:
@@ -20,21 +22,12 @@ class Recorder:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = "startup" if message["type"] == "lifespan.startup" else "shutdown"
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await lifespan(receive, send)
+            return
         if scope["path"] == "/health":
             await self._send(send, self.health, b"")
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_body(receive)
         body = orjson.loads(raw)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.requests.append({"path": scope["path"], "headers": headers, "body": body})

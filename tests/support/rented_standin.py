@@ -17,25 +17,18 @@ import time
 import orjson
 import uvicorn
 
+from tests.support.asgi import lifespan, read_body
+
 
 def make_app(key: str, log_path: str):
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = "startup" if message["type"] == "lifespan.startup" else "shutdown"
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await lifespan(receive, send)
+            return
         if scope["path"] == "/health":
             await respond(send, 200, {})
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_body(receive)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         body = orjson.loads(raw) if raw else {}
         authorized = headers.get("authorization") == f"Bearer {key}"
