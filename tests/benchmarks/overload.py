@@ -199,6 +199,7 @@ def verdict(runs: list[Run]) -> list[tuple[str, bool]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", action="store_true", help="a real CPU vLLM instead of the simulator")
+    parser.add_argument("--max-num-seqs", type=int, help="with --vllm: vLLM's batch cap (a smaller knee)")
     parser.add_argument("--cap", type=int, help="the backend's knee (default: 32 for the simulator, measured for vLLM)")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=5.0)
@@ -238,7 +239,8 @@ def run_simulator(args, work: Path) -> tuple[list[Run], str]:
 def run_vllm(args, work: Path) -> tuple[list[Run], str]:
     from tests.e2e.vllm_procs import VLLMServer
 
-    server = VLLMServer(served_model_name="tiny", core=0, log_dir=work)
+    extra = ("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()
+    server = VLLMServer(served_model_name="tiny", core=0, log_dir=work, extra_args=extra)
     server.start()
     try:
         server.wait_ready(180)
@@ -246,7 +248,8 @@ def run_vllm(args, work: Path) -> tuple[list[Run], str]:
         runs = asyncio.run(measure(server.base_url, "tiny", cap, args, work))
     finally:
         server.stop()
-    return runs, f"real vLLM {server.base_url} (CPU, one core; cap {cap}), {args.output_tokens} output tokens"
+    seqs = f", --max-num-seqs {args.max_num_seqs}" if args.max_num_seqs else ""
+    return runs, f"real vLLM (CPU, one core{seqs}; cap {cap}), {args.output_tokens} output tokens"
 
 
 def measured_cap(url: str) -> int:
