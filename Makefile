@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit e2e e2e-setup redis-setup bench-overload venv clean
+.PHONY: run test unit e2e e2e-setup redis-setup bench bench-overload venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,9 @@ test: venv redis-setup e2e-setup
 
 unit: venv redis-setup  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
+
+bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)
+	$(VENV)/bin/python -m tests.benchmarks.peers.run
 
 bench-overload: venv  # not part of `make test`: a minute of load at twice a backend's knee
 	$(VENV)/bin/python -m tests.benchmarks.overload
