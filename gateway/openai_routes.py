@@ -19,11 +19,10 @@ from gateway.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
-    PermissionDenied,
 )
 from gateway.pipeline import Call
 from gateway.proxy import Proxy, Reply, request_id_from
-from policies.auth import client_allowed
+from policies.auth import check_key_source
 
 log = logging.getLogger("gateway.http")
 
@@ -125,8 +124,7 @@ class OpenAIRoutes:
             host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
             network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
-            if key.allowed_cidrs and not client_allowed(host, key.allowed_cidrs):
-                raise PermissionDenied("this API key may not be used from this network", code="source_not_allowed")
+            check_key_source(key, host)
         except GatewayError as exc:
             await send_error(send, exc, request_id)
             return

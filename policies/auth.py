@@ -7,12 +7,12 @@ revoked, wrong secret), and never echoes the key. Verified records are cached pe
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections import OrderedDict
 
 from gateway.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 from gateway.pipeline import Call
+from policies.egress import inside, networks
 from policies.keys import KeyRecord, key_id_of
 from policies.store import Store, StoreUnavailable
 
@@ -105,16 +105,14 @@ class Authorize:
         if key.models is not None and call.model not in key.models:
             raise PermissionDenied(f"this API key may not use model {call.model}", param="model",
                                    code="model_not_allowed")
-        if key.allowed_cidrs and not client_allowed(call.client_host, key.allowed_cidrs):
-            raise PermissionDenied("this API key may not be used from this network", code="source_not_allowed")
+        check_key_source(key, call.client_host)
 
     async def leave(self, call: Call) -> None:
         pass
 
 
-def client_allowed(host: str, cidrs: list[str]) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return any(address in ipaddress.ip_network(c) for c in cidrs)
+def check_key_source(key: KeyRecord, client_host: str) -> None:
+    """403 when the key is limited to networks the client is not in (shared by /v1/models)."""
+    if key.allowed_cidrs and not inside(client_host, networks(key.allowed_cidrs)):
+        raise PermissionDenied("this API key may not be used from this network", code="source_not_allowed")
+
