@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
-import httpx
 
 from backends.replicas import UP, Replica
+from backends.http1 import Client
 from backends.upstream import Upstream
 from gateway.config import Policy, Price
 
@@ -42,7 +42,7 @@ class RentedProviders:
                     served_name=provider.models[model.name], rented=provider.name, state=UP,
                 )
 
-    def upstreams(self, client: httpx.AsyncClient) -> dict[Replica, Upstream]:
+    def upstreams(self, client: Client) -> dict[Replica, Upstream]:
         return {
             target: Upstream(client, target.url, headers={"authorization": f"Bearer {self.keys[target.rented]}"},
                              timeout=self.timeouts[target.rented])

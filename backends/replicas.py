@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 
+from backends.http1 import Client, UpstreamError
 from gateway.config import Health, Policy, backend_name
 
 log = logging.getLogger("gateway.health")
@@ -96,26 +96,26 @@ class ReplicaSet:
         """Per model: has at least one replica answered its health check."""
         return {model: any(r.state == UP for r in replicas) for model, replicas in self.by_model.items()}
 
-    async def check(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> bool:
+    async def check(self, client: Client, replica: Replica, timeout: float) -> bool:
         try:
-            response = await client.get(f"{replica.url}/health", timeout=timeout)
-            ok = response.status_code == 200
-            reason = f"health check returned {response.status_code}"
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"health check failed: {type(exc).__name__}"
+            status, _ = await client.get(f"{replica.url}/health", timeout=timeout)
+            ok = status == 200
+            reason = f"health check returned {status}"
+        except UpstreamError as exc:
+            ok, reason = False, f"health check failed: {exc}"
         if ok:
             self.succeeded(replica)
         else:
             self.failed(replica, reason)
         return ok
 
-    async def check_due(self, client: httpx.AsyncClient, timeout: float) -> None:
+    async def check_due(self, client: Client, timeout: float) -> None:
         """One round: every replica that is not down, and every down one whose backoff has passed."""
         now = time.monotonic()
         due = [r for r in self if r.state != DOWN or r.probe_at <= now]
         await asyncio.gather(*(self.check(client, r, timeout) for r in due))
 
-    async def run_checks(self, client: httpx.AsyncClient, timeout: float) -> None:
+    async def run_checks(self, client: Client, timeout: float) -> None:
         """The active health loop; wakes often enough to honour short backoffs."""
         last_full = 0.0
         while True:

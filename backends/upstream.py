@@ -1,71 +1,61 @@
-"""Talking HTTP to an OpenAI-compatible upstream: an owned vLLM replica today, a rented provider later.
+"""Talking HTTP to an OpenAI-compatible upstream: an owned vLLM replica, or a rented provider.
 
-Responses are always opened as streams; the caller reads or relays them and must close them. Failures
-surface as httpx exceptions and are classified by `classify`, so the proxy treats every upstream alike.
+Responses are always opened as streams; the caller reads or relays them and must close them. Failures surface
+as `backends.http1.UpstreamError`s whose `kind` (connect, timeout, broken) the proxy acts on, so it treats
+every upstream alike. The request head is prepared once per upstream; a request adds only its path, id and
+length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import httpx
+from backends.http1 import BROKEN, CONNECT, TIMEOUT, Client, Response, UpstreamError, header_block, parse_origin
+from policies.egress import GuardedDialer, Resolver, SystemResolver
 
-from policies.egress import GuardedNetwork, Resolver, SystemResolver, guarded_transport
-
-CONNECT, TIMEOUT, BROKEN = "connect", "timeout", "broken"
+__all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "classify", "new_client"]
 
 
 class Upstream:
     """One OpenAI-compatible API: `api_base` ends in /v1 (an owned vLLM's URL + /v1, a provider's base_url)."""
 
-    def __init__(self, client: httpx.AsyncClient, api_base: str, headers: dict[str, str] | None = None,
+    def __init__(self, client: Client, api_base: str, headers: dict[str, str] | None = None,
                  timeout: float | None = None) -> None:
         self.client = client
-        self.api_base = api_base
-        self.timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0)) if timeout else None
-        self.headers = {"content-type": "application/json", "accept-encoding": "identity", **(headers or {})}
+        self.origin = parse_origin(api_base)
+        self.read_timeout = timeout
+        self.connect_timeout = min(timeout, 10.0) if timeout else None
+        self.prefix = self.origin.path.encode("latin-1") + b"/"
+        self.fixed = header_block({"host": self.origin.host_header, "content-type": "application/json",
+                                   "accept-encoding": "identity", **(headers or {})})
 
-    async def open(self, path: str, body: bytes, request_id: str) -> httpx.Response:
-        request = self.client.build_request(
-            "POST", f"{self.api_base}/{path}", content=body, headers={**self.headers, "x-request-id": request_id},
-            **({"timeout": self.timeout} if self.timeout else {}),
-        )
-        return await self.client.send(request, stream=True)
+    async def open(self, path: str, body: bytes, request_id: str) -> Response:
+        head = b"POST %s%s HTTP/1.1\r\n%sx-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
+            self.prefix, path.encode("latin-1"), self.fixed, request_id.encode("latin-1"), len(body))
+        return await self.client.request(self.origin, head, body, read_timeout=self.read_timeout,
+                                         connect_timeout=self.connect_timeout)
 
 
-def classify(exc: httpx.HTTPError) -> str:
+def classify(exc: UpstreamError) -> str:
     """connect: nothing reached the backend, safe to retry elsewhere; timeout; broken: failed mid-exchange."""
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return CONNECT
-    if isinstance(exc, httpx.TimeoutException):
-        return TIMEOUT
-    return BROKEN
+    return exc.kind
 
 
 def new_client(
     connect: float,
     read: float,
-    write: float,
     *,
     private_cidrs: Iterable[str] | None = None,
     resolver: Resolver | None = None,
     exempt: Iterable[tuple[str, int]] = (),
     on_refused: Callable[[str, int, str], None] | None = None,
-) -> httpx.AsyncClient:
+) -> Client:
     """The one client pool every upstream request shares.
 
     With `private_cidrs`, every new connection is checked at connect time (policies/egress.py): a host must
     resolve only inside them, except the (host, port) origins in `exempt` (the rented providers).
     """
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30)
-    transport = None
+    dialer = None
     if private_cidrs is not None:
-        network = GuardedNetwork(private_cidrs, resolver or SystemResolver(), exempt, on_refused)
-        transport = guarded_transport(network, limits)
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=connect, read=read, write=write, pool=connect),
-        limits=limits,
-        transport=transport,
-        follow_redirects=False,
-        trust_env=False,
-    )
+        dialer = GuardedDialer(private_cidrs, resolver or SystemResolver(), exempt, on_refused)
+    return Client(connect, read, dialer=dialer)

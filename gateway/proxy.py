@@ -18,11 +18,11 @@ from functools import partial
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 
 from backends.replicas import Replica, ReplicaSet
-from backends.upstream import CONNECT, TIMEOUT, Upstream, classify
+from backends.upstream import CONNECT, TIMEOUT, Upstream, UpstreamError
+from backends.http1 import Client, Response
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -67,7 +67,7 @@ class Proxy:
         admission: Admission,
         pipeline: Pipeline,
         metrics: GatewayMetrics,
-        client: httpx.AsyncClient,
+        client: Client,
         rented: RentedProviders,
         overflow: dict[str, Overflow],
     ) -> None:
@@ -87,7 +87,7 @@ class Proxy:
             await self.pipeline.enter(call)
             call.stream = call.body.get("stream") is True
             response = await self.forward(call)
-            if call.stream and response.status_code == 200:
+            if call.stream and response.status == 200:
                 return Reply(
                     200,
                     self.reply_headers(call, response),
@@ -101,7 +101,7 @@ class Proxy:
         await self.finish(call, None)
         return reply
 
-    async def forward(self, call: Call) -> httpx.Response:
+    async def forward(self, call: Call) -> Response:
         """Send to the best owned replica with room (waiting for one if needed); when the connection cannot be
         made, once more to another one. A key allowed to rent may spill to the model's rented provider instead
         of waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
@@ -132,17 +132,17 @@ class Proxy:
             call.sent_at = time.perf_counter()
             try:
                 response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
-            except httpx.HTTPError as exc:
-                kind = classify(exc)
-                self.upstream_failed(replica, kind, type(exc).__name__)
+            except UpstreamError as exc:
+                kind = exc.kind
+                self.upstream_failed(replica, kind, str(exc))
                 self.release(call)
                 if kind == CONNECT:
                     self.metrics.retries.labels(call.model).inc()
                     continue
                 failure = f"the backend for model {call.model} failed: {type(exc).__name__}"
                 raise upstream_error(kind, failure) from None
-            if response.status_code >= 500:
-                self.upstream_failed(replica, "status_5xx", f"HTTP {response.status_code}")
+            if response.status >= 500:
+                self.upstream_failed(replica, "status_5xx", f"HTTP {response.status}")
             else:
                 self.replicas.succeeded(replica)
             return response
@@ -154,7 +154,7 @@ class Proxy:
         """Only keys whose data policy allows it, and only for models with a rented overflow."""
         return call.key is not None and call.key.data_policy == "allow_rented" and call.model in self.overflow
 
-    async def rent(self, call: Call, since: float) -> httpx.Response:
+    async def rent(self, call: Call, since: float) -> Response:
         """Serve from the model's rented provider: one attempt, no retries (it is the last resort)."""
         target = self.rented.targets[call.model]
         if call.overhead == 0:
@@ -164,13 +164,13 @@ class Proxy:
         call.sent_at = time.perf_counter()
         try:
             response = await self.upstreams[target].open(call.endpoint, body, call.request_id)
-        except httpx.HTTPError as exc:
-            kind = classify(exc)
+        except UpstreamError as exc:
+            kind = exc.kind
             self.metrics.upstream_errors.labels(call.model, target.name, kind).inc()
             failure = f"the rented provider for model {call.model} failed: {type(exc).__name__}"
             raise upstream_error(kind, failure) from None
-        if response.status_code in (401, 403):  # its message may quote the provider key: never relay it
-            await response.aclose()
+        if response.status in (401, 403):  # its message may quote the provider key: never relay it
+            response.close()
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
         return response
 
@@ -186,17 +186,16 @@ class Proxy:
             body["stream_options"] = options
         return orjson.dumps(body)
 
-    async def read_whole(self, call: Call, response: httpx.Response) -> Reply:
+    async def read_whole(self, call: Call, response: Response) -> Reply:
         try:
-            raw = await response.aread()
-        except httpx.HTTPError as exc:
-            kind = classify(exc)
-            self.upstream_failed(call.replica, kind, type(exc).__name__)
-            raise upstream_error(kind, f"the backend for model {call.model} broke off the response") from None
+            raw = await response.read()
+        except UpstreamError as exc:
+            self.upstream_failed(call.replica, exc.kind, str(exc))
+            raise upstream_error(exc.kind, f"the backend for model {call.model} broke off the response") from None
         finally:
-            await response.aclose()
+            response.close()
         received = time.perf_counter()
-        status = response.status_code
+        status = response.status
         if status >= 500:
             raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_message(raw)}")
         if status >= 400:
@@ -213,12 +212,12 @@ class Proxy:
         call.overhead += time.perf_counter() - received
         return Reply(status, self.reply_headers(call, response), body=raw)
 
-    async def relay(self, call: Call, response: httpx.Response) -> AsyncIterator[bytes]:
+    async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
         relay = SSERelay(strip_usage=not call.wants_usage, rename=self.renames[call.replica])
         first = True
         try:
-            async for chunk in response.aiter_raw():
+            while chunk := await response.next_chunk():
                 if first:
                     first = False
                     now = time.perf_counter()
@@ -230,18 +229,17 @@ class Proxy:
             tail = relay.flush()
             if tail:
                 yield tail
-        except httpx.HTTPError as exc:
-            kind = classify(exc)
-            self.upstream_failed(call.replica, kind, type(exc).__name__)
-            call.error = upstream_error(kind, f"the backend for model {call.model} broke off the stream")
+        except UpstreamError as exc:
+            self.upstream_failed(call.replica, exc.kind, str(exc))
+            call.error = upstream_error(exc.kind, f"the backend for model {call.model} broke off the stream")
             yield b"data: " + call.error.body() + b"\n\n"
         finally:
             call.usage = relay.usage
             call.streamed_events = relay.events
 
-    async def close_stream(self, call: Call, response: httpx.Response, error: BaseException | None) -> None:
+    async def close_stream(self, call: Call, response: Response, error: BaseException | None) -> None:
+        response.close()  # an unfinished stream drops the connection, and vLLM aborts the request
         with anyio.CancelScope(shield=True):
-            await response.aclose()  # an unfinished stream drops the connection, and vLLM aborts the request
             await self.finish(call, error or call.error)
 
     def release(self, call: Call) -> None:
@@ -294,7 +292,7 @@ class Proxy:
             call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed * 1000,
         )
 
-    def reply_headers(self, call: Call, response: httpx.Response) -> dict[str, str]:
+    def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         headers = {"x-request-id": call.request_id, **call.response_headers,
                    "x-gateway-served-by": "rented" if call.replica.rented else "owned"}
         content_type = response.headers.get("content-type")

@@ -9,9 +9,9 @@ The rules, checked when the policy is loaded and again on every new connection:
   is refused unless the provider says `allow_private_address: true`, so a typo cannot quietly send "rented"
   traffic into the cluster.
 
-The load-time check alone is not enough (DNS can change after load), so `GuardedNetwork` sits under the
-shared HTTP client: it resolves the name itself, checks every address, and connects to a checked address,
-so the check and the connection use the same answer. A refusal is a connect error: the proxy marks the
+The load-time check alone is not enough (DNS can change after load), so `GuardedDialer` makes every
+connection of the shared HTTP client (backends/http1.py): it resolves the name itself, checks every address,
+and connects to a checked address, so the check and the connection use the same answer. A refusal is a connect error: the proxy marks the
 replica down and may retry another one. Connections already open stay with the private address they went to.
 """
 
@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import anyio
-import httpcore
-import httpx
 
+from backends.http1 import ConnectFailed, ConnectTimedOut, Dialer, SocketDialer, parse_origin
 from gateway.config import Policy, PolicyError, backend_name
 
 log = logging.getLogger("gateway.egress")
@@ -78,8 +77,8 @@ def private_for_provider(address: str, nets: list[Network]) -> bool:
 
 def origin(url: str) -> tuple[str, int]:
     """(host, port) of an http(s) URL as the connection pool will see it: IDNA-encoded, default port filled in."""
-    parsed = httpx.URL(url)
-    return parsed.raw_host.decode("ascii").lower(), parsed.port or (443 if parsed.scheme == "https" else 80)
+    parsed = parse_origin(url)
+    return parsed.host, parsed.port
 
 
 async def lookup(resolver: Resolver, host: str, port: int, timeout: float) -> list[str]:
@@ -149,14 +148,14 @@ async def check_backends(
 # --- at connect time ----------------------------------------------------------------------------------------
 
 
-class EgressRefused(httpcore.ConnectError):
+class EgressRefused(ConnectFailed):
     """A connection the egress rules forbid; a connect error, so the replica is marked down and retried."""
 
 
-class GuardedNetwork(httpcore.AsyncNetworkBackend):
+class GuardedDialer:
     """Resolves and checks every owned host before connecting, then connects to the checked address.
 
-    TLS still uses the hostname (httpcore passes it to `start_tls` as the SNI and it stays in the Host header),
+    TLS still verifies the hostname (it is the server name of the handshake and stays in the Host header);
     only the TCP connection goes to the address. Origins in `exempt` (rented providers) connect as usual.
     """
 
@@ -166,26 +165,27 @@ class GuardedNetwork(httpcore.AsyncNetworkBackend):
         resolver: Resolver,
         exempt: Iterable[tuple[str, int]] = (),
         on_refused: Callable[[str, int, str], None] | None = None,
-        inner: httpcore.AsyncNetworkBackend | None = None,
+        inner: Dialer | None = None,
     ) -> None:
         self.nets = networks(private_cidrs)
         self.resolver = resolver
         self.exempt = {(host.lower(), port) for host, port in exempt}
         self.on_refused = on_refused
-        self.inner = inner or httpcore.AnyIOBackend()
+        self.inner = inner or SocketDialer()
 
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        connect = {"local_address": local_address, "socket_options": socket_options}
+    async def dial(self, host, port, *, tls, server_name, timeout, factory):
         if (host.lower(), port) in self.exempt:
-            return await self.inner.connect_tcp(host, port, timeout=timeout, **connect)
+            return await self.inner.dial(host, port, tls=tls, server_name=server_name, timeout=timeout,
+                                         factory=factory)
         deadline = None if timeout is None else time.monotonic() + timeout
         addresses = await self.checked(host, port, timeout)
         error: Exception | None = None
         for address in addresses:  # every one was checked; the first that answers wins
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return await self.inner.connect_tcp(address, port, timeout=left, **connect)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                return await self.inner.dial(address, port, tls=tls, server_name=server_name, timeout=left,
+                                             factory=factory)
+            except ConnectFailed as exc:
                 error = exc
         assert error is not None  # lookup never returns an empty list
         raise error
@@ -194,9 +194,9 @@ class GuardedNetwork(httpcore.AsyncNetworkBackend):
         try:
             addresses = await lookup(self.resolver, host, port, timeout if timeout is not None else 30.0)
         except TimeoutError:
-            raise httpcore.ConnectTimeout(f"resolving {host} timed out") from None
+            raise ConnectTimedOut(f"resolving {host} timed out") from None
         except OSError as exc:
-            raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from None
+            raise ConnectFailed(f"cannot resolve {host}: {exc}") from None
         for address in addresses:
             if not inside(address, self.nets):
                 log.warning("refused: backend %s:%d resolved to public address %s (outside network.private_cidrs);"
@@ -205,25 +205,6 @@ class GuardedNetwork(httpcore.AsyncNetworkBackend):
                     self.on_refused(host, port, address)
                 raise EgressRefused(f"egress refused: {host} resolved to public address {address}")
         return addresses
-
-    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
-        return await self.inner.connect_unix_socket(path, timeout=timeout, socket_options=socket_options)
-
-    async def sleep(self, seconds: float) -> None:
-        await self.inner.sleep(seconds)
-
-
-def guarded_transport(network: GuardedNetwork, limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
-    """httpx's own transport (its error mapping included) over a pool that connects through `network`."""
-    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-    transport._pool = httpcore.AsyncConnectionPool(  # httpx has no public hook for the network backend
-        ssl_context=httpx.create_ssl_context(trust_env=False),
-        max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections,
-        keepalive_expiry=limits.keepalive_expiry,
-        network_backend=network,
-    )
-    return transport
 
 
 def exempt_origins(policy: Policy) -> set[tuple[str, int]]:

@@ -1,4 +1,4 @@
-"""Egress rules: the load-time check of every backend and provider, and the connect-time guard under httpx."""
+"""Egress rules: the load-time check of every backend and provider, and the connect-time guard under the upstream client."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import asyncio
 import ipaddress
 import logging
 
-import httpcore
-import httpx
 import pytest
 
+from backends.http1 import ConnectFailed
 from backends.upstream import CONNECT, classify, new_client
 from gateway.cli import main
 from gateway.config import Policy, PolicyError
-from policies.egress import EgressRefused, GuardedNetwork, SystemResolver, check_backends
+from policies.egress import EgressRefused, GuardedDialer, SystemResolver, check_backends
 
 
 class FakeDNS:
@@ -171,43 +170,33 @@ def test_cli_serve_refuses_a_public_backend_before_listening(tmp_path, capsys):
 # --- connect time -------------------------------------------------------------------------------------------
 
 
-class Stop(Exception):
-    pass
-
-
-class FakeStream(httpcore.AsyncNetworkStream):
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    async def start_tls(self, ssl_context, server_hostname=None, timeout=None):
-        self.log.append(("start_tls", server_hostname))
-        raise httpcore.ConnectError("stop after recording the TLS handshake's server name")
-
-    async def aclose(self) -> None:
-        pass
-
-
-class FakeSockets(httpcore.AsyncNetworkBackend):
-    """Records every TCP connection asked for; the addresses in `dead` refuse it."""
+class FakeSockets:
+    """A dialer that records every connection asked for (and the TLS server name); `dead` addresses refuse."""
 
     def __init__(self, dead: tuple[str, ...] = ()) -> None:
         self.log: list = []
         self.dead = dead
 
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+    async def dial(self, host, port, *, tls, server_name, timeout, factory):
         self.log.append(("connect", host, port))
+        if tls:
+            self.log.append(("start_tls", server_name))
         if host in self.dead:
-            raise httpcore.ConnectError("connection refused")
-        return FakeStream(self.log)
+            raise ConnectFailed("connection refused")
+        return "connection"
 
 
-def guarded(dns: FakeDNS, sockets: FakeSockets, exempt=(), on_refused=None) -> GuardedNetwork:
-    return GuardedNetwork(["10.0.0.0/8", "127.0.0.0/8", "fd00::/8"], dns, exempt, on_refused, inner=sockets)
+def guarded(dns: FakeDNS, sockets: FakeSockets, exempt=(), on_refused=None) -> GuardedDialer:
+    return GuardedDialer(["10.0.0.0/8", "127.0.0.0/8", "fd00::/8"], dns, exempt, on_refused, inner=sockets)
+
+
+async def dial(dialer, host: str, port: int, tls: bool = False, timeout: float | None = None):
+    return await dialer.dial(host, port, tls=tls, server_name=host, timeout=timeout, factory=None)
 
 
 async def test_guard_connects_to_the_checked_address():
     sockets = FakeSockets()
-    await guarded(FakeDNS({"vllm.internal": ["10.0.0.7"]}), sockets).connect_tcp("vllm.internal", 8000)
+    await dial(guarded(FakeDNS({"vllm.internal": ["10.0.0.7"]}), sockets), "vllm.internal", 8000)
     assert sockets.log == [("connect", "10.0.0.7", 8000)]
 
 
@@ -216,7 +205,7 @@ async def test_guard_refuses_a_public_answer_before_any_connection(caplog):
     network = guarded(FakeDNS({"vllm.internal": ["10.0.0.7", "203.0.113.9"]}), sockets,
                       on_refused=lambda *args: seen.append(args))
     with caplog.at_level(logging.WARNING, logger="gateway.egress"), pytest.raises(EgressRefused):
-        await network.connect_tcp("vllm.internal", 8000)
+        await dial(network, "vllm.internal", 8000)
     assert sockets.log == []
     assert seen == [("vllm.internal", 8000, "203.0.113.9")]
     assert "refused: backend vllm.internal:8000 resolved to public address 203.0.113.9" in caplog.text
@@ -225,53 +214,50 @@ async def test_guard_refuses_a_public_answer_before_any_connection(caplog):
 async def test_guard_checks_ip_literals_without_dns():
     dns, sockets = FakeDNS(), FakeSockets()
     with pytest.raises(EgressRefused):
-        await guarded(dns, sockets).connect_tcp("198.51.100.1", 80)
-    await guarded(dns, sockets).connect_tcp("10.9.9.9", 80)
+        await dial(guarded(dns, sockets), "198.51.100.1", 80)
+    await dial(guarded(dns, sockets), "10.9.9.9", 80)
     assert dns.asked == [] and sockets.log == [("connect", "10.9.9.9", 80)]
 
 
 async def test_guard_tries_the_next_checked_address_when_one_is_down():
     sockets = FakeSockets(dead=("10.0.0.1",))
     dns = FakeDNS({"vllm.internal": ["10.0.0.1", "fd00::2"]})
-    await guarded(dns, sockets).connect_tcp("vllm.internal", 8000, timeout=1)
+    await dial(guarded(dns, sockets), "vllm.internal", 8000, timeout=1)
     assert sockets.log == [("connect", "10.0.0.1", 8000), ("connect", "fd00::2", 8000)]
 
 
 async def test_guard_unresolvable_host_is_a_connect_error():
-    with pytest.raises(httpcore.ConnectError, match="cannot resolve gone.internal"):
-        await guarded(FakeDNS(), FakeSockets()).connect_tcp("gone.internal", 8000)
+    with pytest.raises(ConnectFailed, match="cannot resolve gone.internal") as info:
+        await dial(guarded(FakeDNS(), FakeSockets()), "gone.internal", 8000)
+    assert classify(info.value) == CONNECT
 
 
 async def test_rented_origin_is_exempt_and_resolved_as_usual():
     sockets, dns = FakeSockets(), FakeDNS()
     network = guarded(dns, sockets, exempt=[("API.Rented.example", 443)])
-    await network.connect_tcp("api.rented.example", 443)
+    await dial(network, "api.rented.example", 443)
     assert sockets.log == [("connect", "api.rented.example", 443)] and dns.asked == []
-    with pytest.raises(httpcore.ConnectError):  # the same host on another port is not the declared provider
-        await network.connect_tcp("api.rented.example", 8443)
+    with pytest.raises(ConnectFailed):  # the same host on another port is not the declared provider
+        await dial(network, "api.rented.example", 8443)
 
 
 async def test_client_refusal_is_a_connect_failure_and_tls_keeps_the_hostname():
     dns = FakeDNS({"vllm.internal": ["203.0.113.5"]})
-    client = new_client(1, 1, 1, private_cidrs=["10.0.0.0/8"], resolver=dns)
-    async with client:
-        with pytest.raises(httpx.ConnectError) as info:
-            await client.get("http://vllm.internal:8000/health")
+    client = new_client(1, 1, private_cidrs=["10.0.0.0/8"], resolver=dns)
+    with pytest.raises(ConnectFailed) as info:
+        await client.get("http://vllm.internal:8000/health")
     assert classify(info.value) == CONNECT and "203.0.113.5" in str(info.value)
 
-    sockets = FakeSockets()
-    client = new_client(1, 1, 1, private_cidrs=["10.0.0.0/8"], resolver=FakeDNS({"vllm.internal": ["10.0.0.9"]}))
-    client._transport._pool._network_backend.inner = sockets  # swap in the recorder under the real client
-    async with client:
-        with pytest.raises(httpx.ConnectError):
-            await client.get("https://vllm.internal:8443/health")
+    sockets = FakeSockets(dead=("10.0.0.9",))
+    client = new_client(1, 1, private_cidrs=["10.0.0.0/8"], resolver=FakeDNS({"vllm.internal": ["10.0.0.9"]}))
+    client.dialer.inner = sockets  # swap in the recorder under the real client
+    with pytest.raises(ConnectFailed):
+        await client.get("https://vllm.internal:8443/health")
     assert sockets.log == [("connect", "10.0.0.9", 8443), ("start_tls", "vllm.internal")]
 
 
 async def test_default_client_is_unguarded():
-    client = new_client(1, 1, 1)
-    async with client:
-        assert not isinstance(getattr(client._transport, "_pool", None)._network_backend, GuardedNetwork)
+    assert not isinstance(new_client(1, 1).dialer, GuardedDialer)
 
 
 async def test_system_resolver_answers_for_localhost():

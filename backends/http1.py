@@ -1,0 +1,423 @@
+"""A lean HTTP/1.1 client for the gateway's upstreams: keep-alive pool, streamed bodies, three timeouts.
+
+Why not httpx (the first choice): on the benchmark in tests/benchmarks/peers its connection pool took ~87% of
+the gateway's CPU per request (pool bookkeeping walked on every request); this client is an asyncio Protocol
+around httptools (the parser uvicorn uses), so a request is one `write` and a response is parsed as it arrives,
+with no per-request task and no copy beyond joining what arrived between two reads.
+
+What it does, and only that:
+- one idle-connection stack per origin (last used first), idle connections dropped after `keepalive_expiry`
+  (below vLLM's own 5 s keep-alive) and when the server closes them; a request that finds its reused
+  connection closed before any byte of the answer is sent once more on a fresh one (the keep-alive race);
+- bodies arrive as chunks (chunked encoding removed); reading pauses when the reader falls behind;
+- closing a response before its end closes the connection, so the backend sees the client go (vLLM aborts);
+- connect timeout per new connection, read timeout per wait for the next bytes;
+- errors are `UpstreamError`s with a `kind`: connect (nothing reached the server: safe to retry elsewhere),
+  timeout, broken (failed mid-exchange).
+Connections are made by a `Dialer`; the egress guard (policies/egress.py) is one that checks addresses first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+CONNECT, TIMEOUT, BROKEN = "connect", "timeout", "broken"
+PAUSE_ABOVE = 1 << 20  # bytes buffered for a slow reader before the socket stops being read
+
+
+class UpstreamError(Exception):
+    kind = BROKEN
+
+
+class ConnectFailed(UpstreamError):
+    kind = CONNECT
+
+
+class ConnectTimedOut(ConnectFailed):
+    pass
+
+
+class ReadTimedOut(UpstreamError):
+    kind = TIMEOUT
+
+
+class Broken(UpstreamError):
+    kind = BROKEN
+
+
+class _Stale(Broken):
+    """A reused connection was closed before any byte of the answer: the request may go again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    scheme: str
+    host: str  # as connected to and checked: IDNA, lower case, IPv6 without brackets
+    port: int
+    path: str  # the URL's path prefix, without a trailing slash
+    host_header: str
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+
+def parse_origin(url: str) -> Origin:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    host = parts.hostname.encode("idna").decode("ascii").lower() if not _is_ipv6(parts.hostname) else parts.hostname
+    default = 443 if parts.scheme == "https" else 80
+    port = parts.port or default
+    shown = f"[{host}]" if _is_ipv6(host) else host
+    return Origin(parts.scheme, host, port, parts.path.rstrip("/"), shown if port == default else f"{shown}:{port}")
+
+
+def _is_ipv6(host: str) -> bool:
+    return ":" in host
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    """Header lines, refusing any name or value that could end the line early (CR/LF) or is not latin-1."""
+    lines = []
+    for name, value in headers.items():
+        if any(c in name or c in value for c in "\r\n\0") or ":" in name:
+            raise ValueError(f"header {name!r} has a forbidden character")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    return b"".join(lines)
+
+
+class Dialer(Protocol):
+    async def dial(self, host: str, port: int, *, tls: bool, server_name: str, timeout: float | None,
+                   factory) -> Connection:
+        """Open a connection to `host` (a name or an address) and return its protocol (made by `factory`)."""
+
+
+class SocketDialer:
+    """Plain TCP (and TLS, verified against `server_name`) through the event loop."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context
+
+    async def dial(self, host, port, *, tls, server_name, timeout, factory):
+        context = None
+        if tls:
+            context = self.ssl_context = self.ssl_context or ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(
+                    factory, host, port, ssl=context, server_hostname=server_name if tls else None)
+        except TimeoutError:
+            raise ConnectTimedOut(f"connecting to {server_name}:{port} timed out") from None
+        except OSError as exc:
+            raise ConnectFailed(f"cannot connect to {server_name}:{port}: {exc.strerror or exc}") from None
+        return connection
+
+
+class Response:
+    """One answer. Read it with `read()` or `next_chunk()`; always `close()` it (it is idempotent)."""
+
+    __slots__ = ("_conn", "_client", "_timeout", "status", "raw_headers", "headers", "_chunks", "_buffered",
+                 "_paused", "complete", "keep_alive", "_error", "_waiter", "_headers_done", "_got_bytes",
+                 "_until_close", "_closed")
+
+    def __init__(self, conn: Connection, client: Client, timeout: float | None) -> None:
+        self._conn = conn
+        self._client = client
+        self._timeout = timeout
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[str, str] = {}
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self.complete = False
+        self.keep_alive = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._headers_done = False
+        self._got_bytes = False
+        self._until_close = False
+        self._closed = False
+
+    # -- the reader's side ------------------------------------------------------------------------------
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.next_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some); b"" at the end."""
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    self._conn.resume()
+                return data
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                self.close()
+                return b""
+            await self._wait()
+
+    def close(self) -> None:
+        """Give the connection back when the answer was read to its end, else close it (aborting upstream)."""
+        if self._closed:
+            return
+        self._closed = True
+        conn = self._conn
+        conn.response = None
+        if self.complete and self.keep_alive and self._error is None and not conn.closed:
+            self._client._release(conn)
+        else:
+            conn.close()
+
+    async def _wait_headers(self) -> None:
+        while not self._headers_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def _wait(self) -> None:
+        loop = self._client.loop
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(self._timeout, self._timed_out) if self._timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self) -> None:
+        self._fail(ReadTimedOut(f"no answer from {self._conn.origin.host_header} within {self._timeout:g} s"))
+
+    # -- the connection's side ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+        self._wake()
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > PAUSE_ABOVE and not self._paused:
+            self._paused = True
+            self._conn.pause()
+        self._wake()
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; at most one response at a time."""
+
+    def __init__(self, origin: Origin, client: Client) -> None:
+        self.origin = origin
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.closed = False
+        self.idle_since = 0.0
+
+    def send(self, head: bytes, body: bytes, timeout: float | None) -> Response:
+        response = self.response = Response(self, self.client, timeout)
+        self.transport.write(head + body if body else head)
+        return response
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    def pause(self) -> None:
+        if not self.closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if not self.closed:
+            self.transport.resume_reading()
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # nothing was asked: a confused server; do not reuse this connection
+            self.client._forget(self)
+            self.close()
+            return
+        response._got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            response._fail(Broken(f"the backend sent an invalid HTTP response: {exc}"))
+            self.close()
+
+    def eof_received(self):
+        return None  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        response = self.response
+        if response is None:
+            self.client._forget(self)
+            return
+        if response._until_close and response._headers_done and not response.complete:
+            response.complete, response.keep_alive = True, False  # a body delimited by the close
+            response._wake()
+        elif not response._got_bytes:
+            response._fail(_Stale(f"{self.origin.host_header} closed the connection without answering"))
+        else:
+            response._fail(Broken(f"{self.origin.host_header} closed the connection mid-response"))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        status = self.parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            response.raw_headers.clear()
+            return
+        headers: dict[str, str] = {}
+        for name, value in response.raw_headers:
+            key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        response.status, response.headers = status, headers
+        response._until_close = "content-length" not in headers and "chunked" not in headers.get(
+            "transfer-encoding", "")
+        response._headers_done = True
+        response._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if not response._headers_done:
+            return  # the end of an interim answer
+        response.complete = True
+        response.keep_alive = self.parser.should_keep_alive()
+        response._wake()
+
+
+class Client:
+    """The shared pool. `request` sends prepared bytes; `get` is for health checks."""
+
+    def __init__(self, connect_timeout: float | None, read_timeout: float | None, *, dialer: Dialer | None = None,
+                 keepalive_expiry: float = 4.0, max_idle_per_origin: int = 512) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.dialer = dialer or SocketDialer()
+        self.keepalive_expiry = keepalive_expiry
+        self.max_idle = max_idle_per_origin
+        self.idle: dict[Origin, list[Connection]] = {}
+        self._origins: dict[str, Origin] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    async def request(self, origin: Origin, head: bytes, body: bytes = b"", *, read_timeout: float | None = None,
+                      connect_timeout: float | None = None) -> Response:
+        """Send `head` (request line and headers, ending in a blank line) and `body`; return once the answer's
+        status and headers are in. The caller must close the response."""
+        timeout = read_timeout if read_timeout is not None else self.read_timeout
+        while True:
+            conn = self._reuse(origin)
+            fresh = conn is None
+            if fresh:
+                conn = await self._dial(origin, connect_timeout)
+            response = conn.send(head, body, timeout)
+            try:
+                await response._wait_headers()
+            except _Stale:
+                response.close()
+                if fresh:
+                    raise Broken(f"{origin.host_header} closed the connection without answering") from None
+                continue  # the keep-alive race: the server closed it just as it was reused
+            except BaseException:
+                response.close()
+                raise
+            return response
+
+    async def get(self, url: str, timeout: float | None = None) -> tuple[int, bytes]:
+        origin = self._origins.get(url) or self._origins.setdefault(url, parse_origin(url))
+        head = (f"GET {origin.path or '/'} HTTP/1.1\r\nhost: {origin.host_header}\r\n"
+                "accept-encoding: identity\r\n\r\n").encode("latin-1")
+        response = await self.request(origin, head, read_timeout=timeout, connect_timeout=timeout)
+        try:
+            return response.status, await response.read()
+        finally:
+            response.close()
+
+    async def aclose(self) -> None:
+        for stack in self.idle.values():
+            for conn in stack:
+                conn.close()
+        self.idle.clear()
+
+    # -- the pool -----------------------------------------------------------------------------------------
+
+    async def _dial(self, origin: Origin, timeout: float | None) -> Connection:
+        return await self.dialer.dial(
+            origin.host, origin.port, tls=origin.tls, server_name=origin.host,
+            timeout=timeout if timeout is not None else self.connect_timeout,
+            factory=lambda: Connection(origin, self),
+        )
+
+    def _reuse(self, origin: Origin) -> Connection | None:
+        stack = self.idle.get(origin)
+        if not stack:
+            return None
+        oldest_ok = self.loop.time() - self.keepalive_expiry
+        while stack:
+            conn = stack.pop()
+            if not conn.closed and conn.idle_since >= oldest_ok:
+                return conn
+            conn.close()
+        return None
+
+    def _release(self, conn: Connection) -> None:
+        stack = self.idle.setdefault(conn.origin, [])
+        now = self.loop.time()
+        while stack and (stack[0].closed or stack[0].idle_since < now - self.keepalive_expiry):
+            stack.pop(0).close()  # the oldest first: the stack's bottom
+        if len(stack) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = now
+        stack.append(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        stack = self.idle.get(conn.origin)
+        if stack and conn in stack:
+            stack.remove(conn)

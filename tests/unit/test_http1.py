@@ -1,0 +1,236 @@
+"""The upstream HTTP/1.1 client against scripted loopback servers: framing, keep-alive, aborts, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from backends.http1 import (
+    BROKEN,
+    CONNECT,
+    TIMEOUT,
+    Broken,
+    Client,
+    ConnectFailed,
+    ReadTimedOut,
+    header_block,
+    parse_origin,
+)
+from tests.support.servers import free_port
+
+
+class Script:
+    """A loopback server: for each request read on a connection, `answer(n, request)` gives the bytes to send
+    (None: close the connection). Records connections and requests; `gone` counts connections the client
+    closed."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.gone = asyncio.Event()
+        self.server = None
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                request = head + (await reader.readexactly(length) if length else b"")
+                self.requests.append(request)
+                answer = self.answer(len(self.requests), request)
+                if answer is None:
+                    writer.close()
+                    return
+                if callable(answer):
+                    await answer(reader, writer)
+                else:
+                    writer.write(answer)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.gone.set()
+        finally:
+            writer.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self):
+        port = free_port()
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", port)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            self.server.close()
+
+
+async def hang(reader, writer):
+    """Never answer; notice when the client goes (read returns EOF)."""
+    await asyncio.wait_for(reader.read(), 30)
+    raise ConnectionResetError
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body), extra, body)
+
+
+def post(url: str, body: bytes = b"{}") -> tuple:
+    origin = parse_origin(url)
+    head = b"POST /v1/x HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n\r\n" % (origin.host_header.encode(), len(body))
+    return origin, head, body
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_body():
+    script = Script(lambda n, req: ok(b'{"n":%d}' % n))
+    client = Client(1, 1)
+    async with script.running() as url:
+        for n in (1, 2, 3):
+            response = await client.request(*post(url, b'{"a":1}'))
+            assert (response.status, await response.read()) == (200, b'{"n":%d}' % n)
+            assert response.headers["content-type"] == "application/json"
+            response.close()
+    assert script.connections == 1
+    assert all(r.endswith(b'\r\n\r\n{"a":1}') for r in script.requests)
+    await client.aclose()
+
+
+async def test_chunked_stream_arrives_in_pieces_as_sent():
+    async def stream(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    script = Script(lambda n, req: stream)
+    client = Client(1, 1)
+    async with script.running() as url:
+        response = await client.request(*post(url))
+        pieces = []
+        while chunk := await response.next_chunk():
+            pieces.append(chunk)
+        response.close()
+        assert pieces == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+        again = await client.request(*post(url))  # the finished stream's connection went back to the pool
+        await again.read()
+        again.close()
+    assert script.connections == 1
+
+
+async def test_closing_a_response_early_closes_the_connection():
+    async def endless(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"5\r\nhello\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    script = Script(lambda n, req: endless)
+    client = Client(1, 1)
+    async with script.running() as url:
+        response = await client.request(*post(url))
+        assert await response.next_chunk()
+        response.close()
+        await asyncio.wait_for(script.gone.wait(), 5)  # the server saw the client go
+    assert client.idle == {} or not any(client.idle.values())
+
+
+async def test_cancelled_wait_closes_the_connection():
+    script = Script(lambda n, req: hang)
+    client = Client(1, None)
+    async with script.running() as url:
+        task = asyncio.create_task(client.request(*post(url)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(script.gone.wait(), 5)
+
+
+async def test_read_timeout_is_a_timeout():
+    script = Script(lambda n, req: hang)
+    client = Client(1, 0.2)
+    async with script.running() as url:
+        with pytest.raises(ReadTimedOut) as info:
+            await client.request(*post(url))
+    assert info.value.kind == TIMEOUT
+
+
+async def test_refused_connection_is_a_connect_failure():
+    with pytest.raises(ConnectFailed) as info:
+        await Client(1, 1).request(*post(f"http://127.0.0.1:{free_port()}"))
+    assert info.value.kind == CONNECT
+
+
+async def test_idle_connection_closed_by_the_server_is_replaced_without_an_error():
+    # the server answers, then closes the connection right after (its keep-alive ran out)
+    script = Script(lambda n, req: ok(b"{}") if len(script.requests) % 2 else None)
+    client = Client(1, 1)
+    async with script.running() as url:
+        for _ in range(3):
+            response = await client.request(*post(url))
+            assert await response.read() == b"{}"
+            response.close()
+            await asyncio.sleep(0.05)
+    assert script.connections >= 2
+
+
+async def test_a_fresh_connection_closed_without_answer_is_broken():
+    script = Script(lambda n, req: None)
+    async with script.running() as url:
+        with pytest.raises(Broken) as info:
+            await Client(1, 1).request(*post(url))
+    assert info.value.kind == BROKEN
+
+
+async def test_body_until_close_and_interim_answers():
+    async def until_close(reader, writer):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+
+    script = Script(lambda n, req: until_close)
+    client = Client(1, 1)
+    async with script.running() as url:
+        response = await client.request(*post(url))
+        assert (response.status, await response.read()) == (200, b"all of it")
+        response.close()
+    assert not any(client.idle.values())
+
+
+async def test_garbage_is_broken_and_mid_body_close_is_broken():
+    script = Script(lambda n, req: b"NOT HTTP AT ALL\r\n\r\n")
+    async with script.running() as url:
+        with pytest.raises(Broken, match="invalid HTTP"):
+            await Client(1, 1).request(*post(url))
+
+    async def half(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly a part")
+        await writer.drain()
+        writer.close()
+
+    script = Script(lambda n, req: half)
+    async with script.running() as url:
+        response = await Client(1, 1).request(*post(url))
+        with pytest.raises(Broken, match="mid-response"):
+            await response.read()
+        response.close()
+
+
+async def test_health_get_and_header_rules():
+    script = Script(lambda n, req: ok(b"") if req.startswith(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1:") else None)
+    async with script.running() as url:
+        assert await Client(1, 1).get(f"{url}/health") == (200, b"")
+    with pytest.raises(ValueError):
+        header_block({"authorization": "Bearer x\r\nx-injected: 1"})
+    assert parse_origin("https://API.Example.com/v1/").host_header == "api.example.com"
+    assert parse_origin("http://[fd00::1]:8000/v1").host_header == "[fd00::1]:8000"
+    with pytest.raises(ValueError):
+        parse_origin("ftp://example.com")
