@@ -380,6 +380,10 @@ class Client:
             response.close()
 
     async def aclose(self) -> None:
+        self.close_idle()
+
+    def close_idle(self) -> None:
+        """Close every pooled connection (those in use close when their response does)."""
         for stack in self.idle.values():
             for conn in stack:
                 conn.close()

@@ -148,6 +148,7 @@ def admin_router(gateway) -> Router:
     async def key_usage(request: Request, key_id: str = KeyId) -> Usage:
         allow(request, write=False)
         await load(key_id)
+        await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         models = await store.usage(key_id)
         total: dict[str, int] = {}
         for counts in models.values():

@@ -66,13 +66,14 @@ class Gateway:
         self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
         self.limiter = open_limiter(self.store)
         self.client_network = ClientNetwork(policy.network)
+        self.record_usage = RecordUsage(self.store, self.background.run)
         self.pipeline = Pipeline([
             self.client_network,
             self.authenticate,
             ResolveModel(policy),
             Authorize(),
             RateLimit(policy, self.limiter, self.background.run, self.metrics),
-            RecordUsage(self.store, self.background.run),
+            self.record_usage,
         ])
         self.proxy: Proxy | None = None
         self._created = int(time.time())
@@ -120,6 +121,8 @@ class Gateway:
             checks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checks
+            self.proxy.access_log.flush()
+            self.background.run(self.record_usage.flush())
             await self.background.drain(timeout=5)
             await client.aclose()
             await self.store.close()

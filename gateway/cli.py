@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
+from gateway.access_log import write_to_stderr
 from gateway.config import PolicyError, load_policy
 from policies.egress import check_backends
 
@@ -66,6 +68,16 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # httpx logs every upstream URL at INFO; the gateway's own access line already says what happened.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    write_to_stderr()  # the access log batches its lines to stderr (gateway/access_log.py)
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections: what exists at startup (modules, the policy, the app) is frozen out
+    of every collection, and the youngest generation is collected every 10,000 allocations instead of 700.
+    On the benchmark the collector took ~8% of the gateway's CPU per request with the defaults."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -80,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     configure_logging(args.log_level)
+    tune_gc()
     uvicorn.run(
         create_app(policy),
         host=args.host or policy.listen.host,

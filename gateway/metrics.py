@@ -92,3 +92,47 @@ class GatewayMetrics:
             "llm_gateway_egress_refused", "Connections to a backend refused because its name resolved to a public"
             " address (outside network.private_cidrs).", ["host"], registry=r,
         )
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
+                      completion: int, served_by: str | None) -> None:
+        """Everything one finished call moves, through children looked up once per (model, backend)."""
+        series = self._series.get((model, backend))
+        if series is None:
+            series = self._series[(model, backend)] = _Series(self, model, backend)
+        series.status(status).inc()
+        series.duration.observe(elapsed)
+        series.overhead.observe(overhead)
+        if prompt:
+            series.prompt.inc(prompt)
+        if completion:
+            series.completion.inc(completion)
+        if served_by is not None:
+            served, tokens = series.served[served_by]
+            served.inc()
+            if prompt + completion:
+                tokens.inc(prompt + completion)
+
+    def call_refused(self, model: str, backend: str, status: int) -> None:
+        """A call that never got as far as a model (bad body, unknown key)."""
+        self.requests.labels(model, backend, str(status)).inc()
+
+
+class _Series:
+    __slots__ = ("metrics", "model", "backend", "by_status", "duration", "overhead", "prompt", "completion", "served")
+
+    def __init__(self, m: GatewayMetrics, model: str, backend: str) -> None:
+        self.metrics, self.model, self.backend = m, model, backend
+        self.by_status: dict[int, object] = {}
+        self.duration = m.request_duration.labels(model)
+        self.overhead = m.overhead.labels(model)
+        self.prompt = m.prompt_tokens.labels(model, backend)
+        self.completion = m.completion_tokens.labels(model, backend)
+        self.served = {where: (m.served.labels(model, where), m.served_tokens.labels(model, where))
+                       for where in ("owned", "rented")}
+
+    def status(self, status: int):
+        child = self.by_status.get(status)
+        if child is None:
+            child = self.by_status[status] = self.metrics.requests.labels(self.model, self.backend, str(status))
+        return child

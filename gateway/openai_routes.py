@@ -7,10 +7,9 @@ cancels the work in flight so the upstream request is aborted at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-
-import anyio
 
 from gateway.errors import (
     BadRequest,
@@ -98,6 +97,7 @@ class OpenAIRoutes:
     def __init__(self, gateway, fallback) -> None:
         self.gateway = gateway
         self.fallback = fallback
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
@@ -149,34 +149,62 @@ class OpenAIRoutes:
             await send_error(send, exc, call.request_id)
             return
 
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
-            reply: Reply | None = None
-            error: BaseException | None = None
-            try:
-                reply = await proxy.handle(call, raw)
-                if reply.stream is None:
-                    await send_bytes(send, reply.status, reply.headers, reply.body)
-                else:
-                    await send_stream(send, reply)
-            except GatewayError as exc:
-                await send_error(send, exc, call.request_id, call.response_headers)
-            except Exception as exc:
-                error = exc
-                log.exception("request %s failed inside the gateway", call.request_id)
-                await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                if reply is not None and reply.close is not None:
-                    await reply.close(error)
-                tasks.cancel_scope.cancel()
+        # Watch for the client hanging up while the call runs: it cancels this task, which closes the upstream
+        # connection (vLLM aborts the request). One small task per request, no task group or cancel scope.
+        # Once the call is being closed the watcher no longer cancels, so accounting always completes.
+        loop = self.loop or self._bind_loop()
+        task = asyncio.current_task(loop)
+        watch = Watch(task)
+        watcher = loop.create_task(receive())
+        watcher.add_done_callback(watch.on_message)
+        reply: Reply | None = None
+        error: BaseException | None = None
+        try:
+            reply = await proxy.handle(call, raw)
+            if reply.stream is None:
+                await send_bytes(send, reply.status, reply.headers, reply.body)
+            else:
+                await send_stream(send, reply)
+        except GatewayError as exc:
+            await send_error(send, exc, call.request_id, call.response_headers)
+        except asyncio.CancelledError as exc:
+            error = exc
+            if not watch.gone:
+                raise  # not the client: the server is shutting down
+            task.uncancel()
+        except Exception as exc:
+            error = exc
+            log.exception("request %s failed inside the gateway", call.request_id)
+            await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            watch.closing = True
+            watcher.cancel()
+            if reply is not None and reply.stream is not None:
+                await reply.stream.aclose()  # its end-of-stream bookkeeping runs now, before the accounting
+            if reply is not None and reply.close is not None:
+                await reply.close(error)
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        self.loop = asyncio.get_running_loop()
+        return self.loop
 
 
-async def _cancel_on_disconnect(receive, scope: anyio.CancelScope) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
+class Watch:
+    """Cancels the request's task when the client disconnects, unless the call is already closing."""
+
+    __slots__ = ("task", "gone", "closing")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.gone = False
+        self.closing = False
+
+    def on_message(self, watcher: asyncio.Future) -> None:
+        if self.closing or watcher.cancelled() or watcher.exception() is not None:
             return
+        if watcher.result()["type"] == "http.disconnect":
+            self.gone = True
+            self.task.cancel()

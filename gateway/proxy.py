@@ -8,21 +8,21 @@ request) and accounts for the call exactly once.
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import anyio
 import orjson
 
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import CONNECT, TIMEOUT, Upstream, UpstreamError
 from backends.http1 import Client, Response
+from gateway.access_log import AccessLog
+from gateway.ids import unique_id
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -38,7 +38,6 @@ from backends.rented import RentedProviders
 from gateway.config import Overflow
 from policies.admission import Admission, WouldWait
 
-log = logging.getLogger("gateway.access")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
@@ -57,7 +56,7 @@ def request_id_from(headers: Any) -> str:
     given = headers.get("x-request-id")
     if given and REQUEST_ID.match(given):
         return given
-    return uuid.uuid4().hex
+    return unique_id()
 
 
 class Proxy:
@@ -79,6 +78,7 @@ class Proxy:
         self.overflow = {model: rule for model, rule in overflow.items() if model in rented.targets}
         self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
+        self.access_log = AccessLog()
 
     async def handle(self, call: Call, raw_body: bytes) -> Reply:
         """Serve one OpenAI request; raises GatewayError for anything the client must see as an error."""
@@ -239,8 +239,7 @@ class Proxy:
 
     async def close_stream(self, call: Call, response: Response, error: BaseException | None) -> None:
         response.close()  # an unfinished stream drops the connection, and vLLM aborts the request
-        with anyio.CancelScope(shield=True):
-            await self.finish(call, error or call.error)
+        await self.finish(call, error or call.error)
 
     def release(self, call: Call) -> None:
         if call.replica is not None and call.holds_replica:
@@ -262,7 +261,7 @@ class Proxy:
         if isinstance(error, GatewayError):
             call.status = error.status
         elif error is not None:
-            cancelled = isinstance(error, (anyio.get_cancelled_exc_class(), GeneratorExit))
+            cancelled = isinstance(error, (asyncio.CancelledError, GeneratorExit))
             call.status = 499 if cancelled else 500  # 499: the client closed the request
         elif not call.status:
             call.status = 200
@@ -271,26 +270,20 @@ class Proxy:
         elapsed = time.perf_counter() - call.arrived
         model = call.model or "unknown"
         backend = call.replica.name if call.replica else "none"
-        m = self.metrics
-        m.requests.labels(model, backend, str(call.status)).inc()
         if call.model:
-            m.request_duration.labels(model).observe(elapsed)
-            m.overhead.labels(model).observe(call.overhead)
             usage = call.usage if isinstance(call.usage, dict) else {}
             prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-            m.prompt_tokens.labels(model, backend).inc(prompt)
-            m.completion_tokens.labels(model, backend).inc(completion)
+            served_by = None
             if call.replica is not None and call.status < 400:
                 served_by = "rented" if call.replica.rented else "owned"
-                m.served.labels(model, served_by).inc()
-                m.served_tokens.labels(model, served_by).inc(prompt + completion)
                 if call.replica.rented:
-                    m.rented_cost.labels(model, call.replica.rented).inc(
+                    self.metrics.rented_cost.labels(model, call.replica.rented).inc(
                         self.rented.cost(call.replica.rented, prompt, completion))
-        log.info(
-            "request_id=%s endpoint=%s model=%s backend=%s status=%s stream=%s duration_ms=%.1f",
-            call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed * 1000,
-        )
+            self.metrics.call_finished(model, backend, call.status, elapsed, call.overhead, prompt, completion,
+                                       served_by)
+        else:
+            self.metrics.call_refused(model, backend, call.status)
+        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         headers = {"x-request-id": call.request_id, **call.response_headers,

@@ -60,7 +60,8 @@ class MemoryLimiter:
                 return Decision(False, scope.name, REQUESTS, requests.wait_for(1))
             if tokens is not None and tokens.wait_for(cost) > 0:
                 return Decision(False, scope.name, TOKENS, tokens.wait_for(cost))
-            if scope.max_concurrent and len(self._live(scope.name, now)) >= scope.max_concurrent:
+            if scope.max_concurrent and len(self.leases.get(scope.name, ())) >= scope.max_concurrent \
+                    and len(self._live(scope.name, now)) >= scope.max_concurrent:  # expired leases swept only here
                 return Decision(False, scope.name, CONCURRENCY, CONCURRENCY_RETRY)
         return None
 

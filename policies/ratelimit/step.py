@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
 
 from gateway.config import Policy
 from gateway.errors import RateLimited, StateUnavailable
+from gateway.ids import unique_id
 from gateway.pipeline import Call
 from policies import tokens
 from policies.ratelimit.base import CONCURRENCY, REQUESTS, TOKENS, Decision, Limiter, Scope, Ticket, format_reset
@@ -53,7 +53,7 @@ class RateLimit:
             return
         call.prompt_estimate = tokens.prompt_tokens(call.endpoint, call.body)
         cost = call.prompt_estimate + tokens.output_tokens(call.endpoint, call.body, self.config.default_max_tokens)
-        member = f"{call.request_id}:{uuid.uuid4().hex[:12]}"
+        member = f"{call.request_id}:{unique_id()}"
         limiter = self.limiter
         try:
             decision = await limiter.acquire(scopes, cost, member, self.config.lease_seconds)

@@ -95,6 +95,8 @@ async def test_replica_whose_answer_turns_public_fails_over_to_a_private_one(con
         policy = one_model(*urls, health=SLOW_HEALTH)
         async with running_gateway(policy, resolver=dns) as gw:
             dns.answers["a.internal"] = ["127.0.0.1", PUBLIC]  # one record of many is enough to refuse
+            # the guard checks new connections: drop the one the startup health check left open
+            gw.state.proxy.upstreams[gw.state.replicas.by_model["m"][0]].client.close_idle()
             served = []
             for _ in range(4):
                 r = await http.post(f"{gw.url}/v1/chat/completions", json=BODY)

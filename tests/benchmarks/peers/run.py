@@ -201,8 +201,8 @@ def profile(system: System, scripts: dict[str, Path], work: Path, args) -> dict:
     raw = work / "profile.txt"
     spy = subprocess.Popen(
         ["taskset", "-c", str(LOAD_CORE), str(pyspy), "record", "--pid", str(pid), "--rate", "200",
-         "--duration", str(args.profile_seconds), "--nonblocking", "--threads", "--format", "raw",
-         "--output", str(raw)],
+         "--duration", str(args.profile_seconds), "--threads", "--format", "raw", "--output", str(raw),
+         *(["--native"] if args.profile_native else ["--nonblocking"])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         time.sleep(1.0)  # py-spy attaches
@@ -218,6 +218,8 @@ def profile(system: System, scripts: dict[str, Path], work: Path, args) -> dict:
             spy.wait(5)
     if spy.returncode != 0 or not raw.exists():
         return {"error": f"py-spy failed: {err.decode(errors='replace')[-500:]}"}
+    if args.profile_native:
+        shutil.copy(raw, REPO / ".cache" / "bench" / "profile-native.txt")
     return summarize_profile(raw.read_text())
 
 
@@ -469,6 +471,8 @@ def parse_args(argv=None):
     p.add_argument("--soak-timeout", type=float, default=420.0)
     p.add_argument("--no-soak", action="store_true")
     p.add_argument("--profile-seconds", type=int, default=8)
+    p.add_argument("--profile-native", action="store_true",
+                   help="py-spy --native: C frames too (uvloop, httptools, syscalls); the raw profile is kept")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--systems", default="gateway,LiteLLM,vllm-router,nginx",
                    help="comma-separated subset of gateway,LiteLLM,vllm-router,nginx")
