@@ -93,6 +93,7 @@ class GatewayMetrics:
             " address (outside network.private_cidrs).", ["host"], registry=r,
         )
         self._series: dict[tuple[str, str], _Series] = {}
+        self._ttft: dict[str, object] = {}
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
                       completion: int, served_by: str | None) -> None:
@@ -112,6 +113,12 @@ class GatewayMetrics:
             served.inc()
             if prompt + completion:
                 tokens.inc(prompt + completion)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        child = self._ttft.get(model)
+        if child is None:
+            child = self._ttft[model] = self.time_to_first_token.labels(model)
+        child.observe(seconds)
 
     def call_refused(self, model: str, backend: str, status: int) -> None:
         """A call that never got as far as a model (bad body, unknown key)."""

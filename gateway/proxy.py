@@ -221,7 +221,7 @@ class Proxy:
                 if first:
                     first = False
                     now = time.perf_counter()
-                    self.metrics.time_to_first_token.labels(call.model).observe(now - call.arrived)
+                    self.metrics.first_token(call.model, now - call.arrived)
                     self.admission.observe(call.replica, now - call.sent_at)
                 out = relay.feed(chunk)
                 if out:

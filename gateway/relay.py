@@ -22,7 +22,7 @@ class SSERelay:
         self.rename = rename
         self.usage: dict[str, Any] | None = None
         self.pending = b""
-        self.events = 0  # events passed on: a stand-in for tokens when a stream ends without usage
+        self.events = 0  # events passed on before any usage: a stand-in for tokens when a stream ends without it
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
@@ -41,26 +41,31 @@ class SSERelay:
         return self._process(rest) if rest else b""
 
     def _process(self, events: bytes) -> bytes:
-        self.events += events.count(SEP)
-        if USAGE_MARK in events:
-            events = self._take_usage(events)
+        mark = events.rfind(USAGE_MARK)  # from the end: the usage event is the last but [DONE]
+        if mark >= 0:
+            events = self._take_usage(events, mark)
+        if self.usage is None:  # only needed while no usage came: then it stands in for the token count
+            self.events += events.count(b"\n") >> 1  # "data: {...}\n\n": two newlines an event, JSON has none
         if self.rename is not None:
             events = events.replace(*self.rename)
         return events
 
-    def _take_usage(self, events: bytes) -> bytes:
-        kept = []
-        for event in events.split(SEP):
-            if USAGE_MARK in event and EMPTY_CHOICES in event and event.startswith(b"data: "):
-                try:
-                    self.usage = orjson.loads(event[6:]).get("usage") or self.usage
-                except orjson.JSONDecodeError:
-                    pass
-                else:
-                    if self.strip_usage:
-                        continue
-            kept.append(event)
-        return SEP.join(kept)
+    def _take_usage(self, events: bytes, mark: int) -> bytes:
+        """Parse the event at `mark`, the last carrying the usage mark, when it is the usage event (`choices: []`;
+        with continuous usage stats every chunk has usage, and the final one is still the last); cut it out when
+        the client did not ask for usage. The other events are not touched."""
+        begin = events.rfind(SEP, 0, mark)
+        begin = 0 if begin < 0 else begin + len(SEP)
+        end = events.find(SEP, mark)
+        end = len(events) if end < 0 else end + len(SEP)
+        event = events[begin:end]
+        if EMPTY_CHOICES not in event or not event.startswith(b"data: "):
+            return events
+        try:
+            self.usage = orjson.loads(event[6:].rstrip(b"\n")).get("usage") or self.usage
+        except orjson.JSONDecodeError:
+            return events
+        return events[:begin] + events[end:] if self.strip_usage else events
 
 
 def model_rename(served: str, public: str) -> tuple[bytes, bytes] | None:

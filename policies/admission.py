@@ -72,14 +72,21 @@ class ModelQueue:
         self.depth = 0
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
+        self.in_flight: dict[Replica, object] = {}  # the in-flight gauge's child per replica, looked up once
 
     def free_replica(self, exclude: Sequence[Replica]) -> Replica | None:
         return self.profile.pick([r for r in self.replicas if r.has_room], exclude=exclude)
 
     def take(self, replica: Replica) -> Replica:
         replica.in_flight += 1
-        self.metrics.in_flight.labels(self.model, replica.name).inc()
+        self.gauge(replica).inc()
         return replica
+
+    def gauge(self, replica: Replica):
+        child = self.in_flight.get(replica)
+        if child is None:
+            child = self.in_flight[replica] = self.metrics.in_flight.labels(self.model, replica.name)
+        return child
 
     async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None) -> Replica:
         if not any(r.routable and r not in exclude for r in self.replicas):
@@ -133,7 +140,7 @@ class ModelQueue:
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
-        self.metrics.in_flight.labels(self.model, replica.name).dec()
+        self.gauge(replica).dec()
         self.drain.tick(time.monotonic())
         self.dispatch()
 

@@ -38,8 +38,22 @@ class RateLimit:
             m.name: Scope(f"model:{m.name}", **m.limits.model_dump()) for m in policy.models if m.limits
         }
         self.outage_logged = False
+        self.scope_cache: dict[tuple[str, str], tuple[object, tuple[Scope, ...]]] = {}
 
     def scopes(self, call: Call) -> tuple[Scope, ...]:
+        """The limits this call counts against; remembered per (key record, model) while the record is the same
+        object (the auth cache hands out one record per key until it refreshes it)."""
+        key = call.key
+        cached = self.scope_cache.get((key.id, call.model))
+        if cached is not None and cached[0] is key:
+            return cached[1]
+        scopes = self.build_scopes(call)
+        if len(self.scope_cache) >= 10_000:
+            self.scope_cache.clear()
+        self.scope_cache[(key.id, call.model)] = (key, scopes)
+        return scopes
+
+    def build_scopes(self, call: Call) -> tuple[Scope, ...]:
         limits = call.key.limits
         scopes = [Scope(f"key:{call.key.id}", limits.requests_per_minute, limits.tokens_per_minute,
                         limits.max_concurrent)]

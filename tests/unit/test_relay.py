@@ -57,3 +57,20 @@ def test_rename_rewrites_model_field_in_every_chunk():
     assert b'"model":"tiny"' not in out
     assert out.count(b'"model":"public/Model-1"') == CHAT.count(b'"model":"tiny"')
     assert model_rename("same", "same") is None
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_whole_stream_in_one_chunk(strip):
+    relay = SSERelay(strip_usage=strip)
+    out = relay.feed(CHAT) + relay.flush()
+    expected = [e for e in events(CHAT) if not (strip and b'"choices":[]' in e)]
+    assert events(out) == expected and relay.usage["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_events_are_counted_while_no_usage_came(seed):
+    cut = CHAT.index(b'"choices":[]')
+    cut = CHAT.rindex(b"\n\n", 0, cut) + 2  # the stream as it was before the usage event: ended early
+    relay = SSERelay(strip_usage=True)
+    run(relay, CHAT[:cut], random.Random(seed))
+    assert relay.usage is None and relay.events == len(events(CHAT[:cut]))

@@ -195,7 +195,8 @@ def soak(procs: Procs, work: Path, standin, args, rps_hint: float) -> dict:
 
 
 def profile(system: System, scripts: dict[str, Path], work: Path, args) -> dict:
-    """py-spy on the gateway while wrk keeps it at c=64; self and inclusive time per function and per area."""
+    """py-spy on the gateway while wrk keeps it at c=64 (or, with --profile-streams, the streaming client runs);
+    self and inclusive time per function and per area."""
     pyspy = install.venv_python("tools").with_name("py-spy")
     pid = system.procs[0].pid
     raw = work / "profile.txt"
@@ -206,7 +207,10 @@ def profile(system: System, scripts: dict[str, Path], work: Path, args) -> dict:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         time.sleep(1.0)  # py-spy attaches
-        run_wrk(system.json_url, scripts[system.name], 64, args.profile_seconds + 1)
+        if args.profile_streams:
+            stream_round(system, argparse.Namespace(**{**vars(args), "seconds": args.profile_seconds + 1}))
+        else:
+            run_wrk(system.json_url, scripts[system.name], 64, args.profile_seconds + 1)
         _, err = spy.communicate(timeout=args.profile_seconds + 30)
     except subprocess.TimeoutExpired:
         os.killpg(spy.pid, signal.SIGKILL)
@@ -471,6 +475,7 @@ def parse_args(argv=None):
     p.add_argument("--soak-timeout", type=float, default=420.0)
     p.add_argument("--no-soak", action="store_true")
     p.add_argument("--profile-seconds", type=int, default=8)
+    p.add_argument("--profile-streams", action="store_true", help="profile under the streaming load instead")
     p.add_argument("--profile-native", action="store_true",
                    help="py-spy --native: C frames too (uvloop, httptools, syscalls); the raw profile is kept")
     p.add_argument("--no-profile", action="store_true")
@@ -587,7 +592,7 @@ def main(argv=None) -> int:
         if "gateway" in samples:
             print("\n" + breakdown(ceiling_rows, median(samples["gateway"].cpu_ms)))
     if prof and "error" not in prof:
-        print(f"\ngateway profile under c=64 ({prof['samples']} samples; % of samples):")
+        print(f"\ngateway profile under {'64 streams' if args.profile_streams else 'c=64'} ({prof['samples']} samples; % of samples):")
         print("  self time by area:")
         for n, p in prof["areas_self"]:
             print(f"    {p:5.1f}%  {n}")
