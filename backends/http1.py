@@ -11,7 +11,8 @@ What it does, and only that:
   connection closed before any byte of the answer is sent once more on a fresh one (the keep-alive race);
 - bodies arrive as chunks (chunked encoding removed); reading pauses when the reader falls behind;
 - closing a response before its end closes the connection, so the backend sees the client go (vLLM aborts);
-- connect timeout per new connection, read timeout per wait for the next bytes;
+- connect timeout per new connection, read timeout per wait for the next bytes, write timeout while a request
+  body cannot be handed to the kernel (the backend is not reading);
 - errors are `UpstreamError`s with a `kind`: connect (nothing reached the server: safe to retry elsewhere),
   timeout, broken (failed mid-exchange).
 Connections are made by a `Dialer`; the egress guard (policies/egress.py) is one that checks addresses first.
@@ -45,6 +46,10 @@ class ConnectTimedOut(ConnectFailed):
 
 
 class ReadTimedOut(UpstreamError):
+    kind = TIMEOUT
+
+
+class WriteTimedOut(UpstreamError):
     kind = TIMEOUT
 
 
@@ -239,6 +244,7 @@ class Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.write_timer: asyncio.TimerHandle | None = None
 
     def send(self, head: bytes, body: bytes, timeout: float | None) -> Response:
         response = self.response = Response(self, self.client, timeout)
@@ -262,6 +268,24 @@ class Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=0)  # told at once when a write cannot go out whole (write timeout)
+
+    def pause_writing(self) -> None:
+        timeout = self.client.write_timeout
+        if timeout and self.response is not None and self.write_timer is None:
+            self.write_timer = self.client.loop.call_later(timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self.write_timer = None
+        if self.response is not None:
+            self.response._fail(WriteTimedOut(
+                f"sending the request to {self.origin.host_header} timed out after {self.client.write_timeout:g} s"))
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -281,6 +305,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.resume_writing()
         response = self.response
         if response is None:
             self.client._forget(self)
@@ -328,10 +353,11 @@ class Connection(asyncio.Protocol):
 class Client:
     """The shared pool. `request` sends prepared bytes; `get` is for health checks."""
 
-    def __init__(self, connect_timeout: float | None, read_timeout: float | None, *, dialer: Dialer | None = None,
-                 keepalive_expiry: float = 4.0, max_idle_per_origin: int = 512) -> None:
+    def __init__(self, connect_timeout: float | None, read_timeout: float | None, *, write_timeout: float | None = None,
+                 dialer: Dialer | None = None, keepalive_expiry: float = 4.0, max_idle_per_origin: int = 512) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
         self.dialer = dialer or SocketDialer()
         self.keepalive_expiry = keepalive_expiry
         self.max_idle = max_idle_per_origin

@@ -44,6 +44,7 @@ def classify(exc: UpstreamError) -> str:
 def new_client(
     connect: float,
     read: float,
+    write: float | None = None,
     *,
     private_cidrs: Iterable[str] | None = None,
     resolver: Resolver | None = None,
@@ -58,4 +59,4 @@ def new_client(
     dialer = None
     if private_cidrs is not None:
         dialer = GuardedDialer(private_cidrs, resolver or SystemResolver(), exempt, on_refused)
-    return Client(connect, read, dialer=dialer)
+    return Client(connect, read, write_timeout=write, dialer=dialer)

@@ -109,7 +109,7 @@ class Gateway:
         # A policy violation found now stops startup; a name that does not resolve yet only logs (see README).
         await check_backends(self.policy, self.resolver, unresolved_fatal=False)
         client = new_client(
-            t.connect, t.read, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
+            t.connect, t.read, t.write, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
             exempt=exempt_origins(self.policy), on_refused=self._egress_refused,
         )
         overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}

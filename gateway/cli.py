@@ -99,7 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port or policy.listen.port,
         log_level=args.log_level,
         access_log=False,  # the gateway logs each request itself, with its id and never its headers
-        proxy_headers=False,  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
+        proxy_headers=False,
+        server_header=False,  # no "server: uvicorn" on every answer: one header less to write, nothing advertised  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
         lifespan="on",
     )
     return 0

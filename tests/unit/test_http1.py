@@ -15,6 +15,7 @@ from backends.http1 import (
     Client,
     ConnectFailed,
     ReadTimedOut,
+    WriteTimedOut,
     header_block,
     parse_origin,
 )
@@ -161,6 +162,25 @@ async def test_read_timeout_is_a_timeout():
         with pytest.raises(ReadTimedOut) as info:
             await client.request(*post(url))
     assert info.value.kind == TIMEOUT
+
+
+async def test_write_timeout_when_the_backend_does_not_read():
+    stalled = asyncio.Event()
+
+    async def never_read(reader, writer):
+        stalled.set()
+        await asyncio.sleep(30)
+
+    port = free_port()
+    server = await asyncio.start_server(never_read, "127.0.0.1", port)
+    try:
+        body = b"x" * (64 << 20)  # far more than the kernel's socket buffers take
+        origin, head, _ = post(f"http://127.0.0.1:{port}", body)
+        with pytest.raises(WriteTimedOut) as info:
+            await asyncio.wait_for(Client(1, 30, write_timeout=0.3).request(origin, head, body), 10)
+        assert info.value.kind == TIMEOUT and stalled.is_set()
+    finally:
+        server.close()
 
 
 async def test_refused_connection_is_a_connect_failure():
