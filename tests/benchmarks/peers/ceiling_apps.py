@@ -4,6 +4,7 @@
 - `via_httpx`: forwards the body to the stand-in with one shared httpx.AsyncClient (the gateway's client, with
   the gateway's pool limits) and returns the upstream body: server + HTTP client, nothing else.
 - `via_aiohttp`: the same with one shared aiohttp.ClientSession.
+- `via_http1`: the same with the gateway's own upstream client (backends/http1.py, imported from this repo).
 - `via_httpx_taskgroup`: `via_httpx` plus what the gateway's /v1 route does around every call: an anyio task
   group with a task that watches for the client's disconnect.
 
@@ -105,3 +106,24 @@ async def via_httpx_taskgroup(scope, receive, send) -> None:
         response = await _httpx().post(UPSTREAM, content=body, headers={"content-type": "application/json"})
         await _reply(send, response.content)
         tasks.cancel_scope.cancel()
+
+
+async def via_http1(scope, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        return await _lifespan(receive, send)
+    body = await _body(receive)
+    client = _clients.get("http1")
+    if client is None:
+        from backends.http1 import Client, parse_origin
+
+        origin = parse_origin(UPSTREAM)
+        head = (f"POST {origin.path} HTTP/1.1\r\nhost: {origin.host_header}\r\n"
+                "content-type: application/json\r\n").encode()
+        client = _clients["http1"] = (Client(10, 30), origin, head)
+    pool, origin, head = client
+    response = await pool.request(origin, head + b"content-length: %d\r\n\r\n" % len(body), body)
+    try:
+        data = await response.read()
+    finally:
+        response.close()
+    await _reply(send, data)

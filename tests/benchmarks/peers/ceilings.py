@@ -40,6 +40,7 @@ VARIANTS = [
     Variant("uvicorn + httpx + anyio task group per request", "uvicorn", "via_httpx_taskgroup"),
     Variant("uvicorn + aiohttp client", "uvicorn", "via_aiohttp"),
     Variant("granian + aiohttp client", "granian", "via_aiohttp"),
+    Variant("uvicorn + the gateway's client (backends/http1.py)", "uvicorn", "via_http1"),
 ]
 
 

@@ -409,18 +409,34 @@ def targets(samples: dict[str, Samples], soak_result: dict | None) -> list[tuple
     return out
 
 
+def per_round(samples: dict[str, Samples]) -> str:
+    """gateway ÷ each peer round by round (each pair measured minutes apart at most): the spread shows how far
+    the machine's own drift moves the medians."""
+    g = samples.get("gateway")
+    lines = []
+    for peer in PEERS:
+        p = samples.get(peer)
+        if not g or not p or len(g.rps) != len(p.rps):
+            continue
+        rps = " / ".join(f"{a / b:.2f}x" for a, b in zip(g.rps, p.rps, strict=True))
+        events = " / ".join(f"{a / b:.2f}x" for a, b in zip(g.events, p.events, strict=True))
+        lines.append(f"per round, gateway ÷ {peer}: requests/s {rps}; SSE events/s {events}")
+    return "\n".join(lines)
+
+
 def breakdown(rows: list[dict], gateway_cpu_ms: float | None) -> str:
     """The gateway's CPU per request at c=64 split by the ceilings: server, HTTP client, everything else."""
     by = {r["label"]: r["cpu_ms"] for r in rows}
     server = by.get("uvicorn: fixed reply (no upstream)")
-    client = by.get("uvicorn + httpx (gateway's pool limits)")
+    client = by.get("uvicorn + the gateway's client (backends/http1.py)")
     if not gateway_cpu_ms or server is None or client is None:
         return ""
     rest = gateway_cpu_ms - client
     return (f"where the gateway's {gateway_cpu_ms:.3f} CPU ms per request (c=64) go, by difference: "
             f"ASGI server (uvicorn) {server:.3f} ms ({100 * server / gateway_cpu_ms:.0f}%), "
-            f"httpx upstream call {client - server:.3f} ms ({100 * (client - server) / gateway_cpu_ms:.0f}%), "
-            f"the gateway's own code (pipeline, routing, metrics, logging, usage writes) {rest:.3f} ms "
+            f"upstream call (backends/http1.py) {client - server:.3f} ms "
+            f"({100 * (client - server) / gateway_cpu_ms:.0f}%), "
+            f"the gateway's own code (pipeline, routing, metrics, logging, usage accounting) {rest:.3f} ms "
             f"({100 * rest / gateway_cpu_ms:.0f}%)")
 
 
@@ -586,6 +602,9 @@ def main(argv=None) -> int:
     print()
     for label, ok, detail in checks:
         print(f"{'MET   ' if ok else 'MISSED'} {label}: {detail}")
+    rounds = per_round(samples)
+    if rounds:
+        print(rounds)
     if ceiling_rows:
         print("\nceilings: minimal apps on the same core under the same load (ceilings.py)\n")
         print(ceilings_table(ceiling_rows, median(samples["direct"].p50) if "direct" in samples else None))
