@@ -15,8 +15,17 @@ point more requests in flight only queue and time to first token explodes. The c
    Levels that score within TIE of the best are a tie that measurement noise decides (a 1-core CPU vLLM
    capped at 8 scores 4 and 8 alike); latency breaks it: among them the knee is the Kneedle point of TTFT
    p99, which rises slowly and then explodes, so the level where x - y (normalized TTFT) is largest.
-3. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
-4. The recommendation is the smaller of 2 and 3.
+3. Climb while it pays and the backend does not queue. Kneedle sees only the curve's shape; where the curve
+   bends gradually its point can sit a level below the one where the batch fills (a one-core CPU vLLM with
+   --max-num-seqs 8: Kneedle says 4, at 83% of the peak, while 8 still adds 21% and vLLM's queue is empty).
+   So from the knee, move up one level while the next one gains at least CLIMB_GAIN in throughput, vLLM's
+   own waiting gauge stayed below QUEUED there (requests waiting inside vLLM mean the batch is full: more
+   concurrency past that only adds latency), and TTFT p99 grew at most CLIMB_TTFT times (doubling the
+   requests in one batch roughly doubles the wait for a first token; much more is the explosion the knee is
+   about, as on the talk's GPU: 277 -> 1,300 ms from 32 to 64 for +12%). Without the gauge (a server that
+   does not export it) no climb.
+4. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
+5. The recommendation is the smaller of 3 and 4.
 
 Degenerate curves are decided without Kneedle, deterministically: fewer than 3 usable levels -> the best
 throughput level (the smaller one on a tie); a flat curve (max within FLAT of min) -> the smallest level,
@@ -31,9 +40,14 @@ from dataclasses import asdict, dataclass, field
 MIN_BULGE = 0.03  # a knee must rise this far above the chord (in normalized units); noise stays below it
 FLAT = 0.05  # a curve whose throughput varies less than this fraction of its peak is flat
 TIE = 0.05  # throughput scores this close are decided by latency
+CLIMB_GAIN = 0.10  # a level above the knee is taken when it adds at least this much throughput...
+QUEUED = 0.5  # ...vLLM's mean number of waiting requests there stayed below this...
+CLIMB_TTFT = 3.0  # ...and its TTFT p99 is at most this many times the level below's
 
 METHOD = ("kneedle on (log2 concurrency, output tok/s), cut at the first error level and at peak throughput; "
           f"scores within {TIE} decided by kneedle on TTFT p99; no bulge of {MIN_BULGE} -> the peak; "
+          f"then up while the next level gains >= {CLIMB_GAIN:.0%} with vLLM's mean waiting < {QUEUED} and "
+          f"TTFT p99 at most {CLIMB_TTFT:g}x; "
           "recommended = min(knee, largest level whose TTFT p99 and all below meet the SLO)")
 
 
@@ -45,6 +59,7 @@ class Point:
     throughput: float  # output tokens per second
     ttft_p99: float | None = None  # seconds
     errors: int = 0
+    waiting: float | None = None  # vLLM's mean num_requests_waiting during the level (None: not exported)
 
 
 @dataclass
@@ -69,6 +84,7 @@ def find_knee(points: list[Point], slo_ttft_p99: float | None = None) -> Knee:
     if not usable:
         return Knee(None, None, None, cut or "no measured level", slo_ttft_p99)
     knee, scores, why = _kneedle(usable)
+    knee, why = _climb(usable, knee, why)
     slo_level = None
     if slo_ttft_p99 is not None:
         for p in usable:
@@ -132,6 +148,25 @@ def _kneedle(usable: list[Point]) -> tuple[int, dict[int, float], str]:
         why = f"; c={','.join(str(p.concurrency) for p in tied)} tied on throughput, TTFT p99 decided"
     return knee.concurrency, scores, (f"kneedle knee at c={knee.concurrency} "
                                       f"({knee.throughput:.0f} tok/s, {knee.throughput / hi:.0%} of the peak){why}")
+
+
+def _climb(usable: list[Point], knee: int, why: str) -> tuple[int, str]:
+    """Step 3: up from the knee while the next level pays and vLLM does not queue there."""
+    at = next(i for i, p in enumerate(usable) if p.concurrency == knee)
+    start = at
+    while at + 1 < len(usable):
+        here, above = usable[at], usable[at + 1]
+        if above.waiting is None or above.waiting >= QUEUED or above.throughput < here.throughput * (1 + CLIMB_GAIN):
+            break
+        if here.ttft_p99 and above.ttft_p99 and above.ttft_p99 > CLIMB_TTFT * here.ttft_p99:
+            break
+        at += 1
+    if at == start:
+        return knee, why
+    top = usable[at]
+    return top.concurrency, (f"{why}; raised to c={top.concurrency} ({top.throughput:.0f} tok/s): each level up to"
+                             f" it added >= {CLIMB_GAIN:.0%} with vLLM's queue empty and TTFT p99 at most"
+                             f" {CLIMB_TTFT:g}x")
 
 
 def _latency_scores(curve: list[Point]) -> dict[int, float]:

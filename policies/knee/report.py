@@ -19,7 +19,8 @@ from .sweep import LevelResult, SweepResult
 
 def points(levels: list[LevelResult] | list[dict]) -> list[Point]:
     rows = [asdict(r) if isinstance(r, LevelResult) else r for r in levels]
-    return [Point(r["concurrency"], r["output_tokens_per_s"], r["ttft_p99_s"], r["errors"]) for r in rows]
+    return [Point(r["concurrency"], r["output_tokens_per_s"], r["ttft_p99_s"], r["errors"], r.get("waiting_mean"))
+            for r in rows]
 
 
 def build_report(result: SweepResult, slo_ttft_p99: float | None = None) -> dict:

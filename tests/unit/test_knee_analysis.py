@@ -62,6 +62,28 @@ def test_a_throughput_tie_is_decided_by_where_ttft_explodes():
     assert find_knee(without_ttft).recommended == 4  # no latency to break the tie: the best score
 
 
+def test_knee_climbs_while_throughput_pays_and_vllm_does_not_queue():
+    # Measured here: one-core CPU vLLM, --max-num-seqs 8, 256/32 tokens. Kneedle alone says 4 (83% of the peak);
+    # 8 still adds 21% with vLLM's queue empty, 16 queues (waiting 7.8) and adds nothing.
+    levels, tput, ttft = [1, 2, 4, 8, 16, 32], [271, 475, 748, 904, 866, 891], [39, 34, 57, 134, 543, 1005]
+    waiting = [0, 0, 0, 0, 7.8, 23.6]
+    measured = [Point(c, t, l / 1000, 0, w) for c, t, l, w in zip(levels, tput, ttft, waiting)]
+    knee = find_knee(measured)
+    assert knee.recommended == 8 and "raised to c=8" in knee.reason
+    assert find_knee(curve(levels, tput, ttft)).recommended == 4  # without vLLM's gauge: no climb
+    queued_at_8 = [Point(p.concurrency, p.throughput, p.ttft_p99, 0, 2.0 if p.concurrency >= 8 else 0.0)
+                   for p in measured]
+    assert find_knee(queued_at_8).recommended == 4  # vLLM already queues at 8: stay below
+    small_gain = [Point(p.concurrency, 780 if p.concurrency == 8 else p.throughput, p.ttft_p99, 0, p.waiting)
+                  for p in measured]
+    assert find_knee(small_gain).recommended == 4  # +4% is not worth the latency
+    # The talk's GPU, had vLLM reported no queue at 64: +12% for TTFT p99 277 -> 1,300 ms is the explosion.
+    talk = [Point(p.concurrency, p.throughput, p.ttft_p99, 0, 0.0) for p in TALK_FULL]
+    assert find_knee(talk).recommended == 32
+    h200 = [Point(p.concurrency, p.throughput, p.ttft_p99, 0, 0.0) for p in H200_BF16]
+    assert find_knee(h200).recommended == 128  # +30% for 1.9x TTFT within the batch: worth it; 256 is past the peak
+
+
 def test_slo_bounds_the_cap():
     knee = find_knee(H200_BF16, slo_ttft_p99=0.5)
     assert (knee.knee, knee.slo_level, knee.recommended) == (128, 64, 64)
