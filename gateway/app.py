@@ -61,7 +61,7 @@ class Gateway:
         store = policy.store
         options = {"prefix": store.prefix} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)
-        self.background = Background()
+        self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
         self.limiter = open_limiter(self.store)

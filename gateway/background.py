@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger("gateway.background")
 
@@ -15,15 +16,18 @@ MAX_PENDING = 10_000
 
 
 class Background:
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[str], None] | None = None) -> None:
         self.tasks: set[asyncio.Task] = set()
         self.reported: set[str] = set()
         self.dropped = 0
+        self.on_lost = on_lost  # told "dropped" or "failed" for each write that did not happen (counted)
 
     def run(self, coro) -> None:
         if len(self.tasks) >= MAX_PENDING:
             coro.close()
             self.dropped += 1
+            if self.on_lost is not None:
+                self.on_lost("dropped")
             self._report("backlog", f"background backlog over {MAX_PENDING}: dropping writes")
             return
         task = asyncio.get_running_loop().create_task(coro)
@@ -34,6 +38,8 @@ class Background:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
+            if self.on_lost is not None:
+                self.on_lost("failed")
             self._report(type(exc).__name__, f"background write failed: {type(exc).__name__}")
         elif self.reported:
             self.reported.clear()  # recovered: report the next failure again

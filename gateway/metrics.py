@@ -92,6 +92,12 @@ class GatewayMetrics:
             "llm_gateway_egress_refused", "Connections to a backend refused because its name resolved to a public"
             " address (outside network.private_cidrs).", ["host"], registry=r,
         )
+        self.background_errors = Counter(
+            "llm_gateway_background_write_errors", "Store writes made off the request path that did not happen:"
+            " dropped (backlog full: lost) or failed (the store refused it: a usage batch is kept and retried, a"
+            " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
+            registry=r,
+        )
         self._series: dict[tuple[str, str], _Series] = {}
         self._ttft: dict[str, object] = {}
 

@@ -96,11 +96,13 @@ async def lookup(resolver: Resolver, host: str, port: int, timeout: float) -> li
 
 
 async def check_backends(
-    policy: Policy, resolver: Resolver | None = None, *, unresolved_fatal: bool = True, source: str = "<policy>"
-) -> None:
+    policy: Policy, resolver: Resolver | None = None, *, unresolved_fatal: bool = True, source: str = "<policy>",
+    resolve: bool = True,
+) -> list[str]:
     """Raise PolicyError naming every owned backend that resolves outside `network.private_cidrs` and every
     provider on a private address without `allow_private_address`. A host that does not resolve is an error
-    too, unless `unresolved_fatal` is False: then it is only logged (the connect-time guard still holds)."""
+    too, unless `unresolved_fatal` is False: then it is only logged (the connect-time guard still holds).
+    With `resolve` False only IP literals are checked (an offline check); returns the hosts left unchecked."""
     resolver = resolver or SystemResolver()
     nets = networks(policy.network.private_cidrs)
     targets: list[tuple[str, str, bool | None]] = []  # (what, url, allow_private; None for owned)
@@ -111,6 +113,9 @@ async def check_backends(
     for i, provider in enumerate(policy.providers):
         targets.append((f"providers[{i}](name={provider.name})", provider.base_url, provider.allow_private_address))
 
+    skipped = [] if resolve else list(dict.fromkeys(
+        origin(url)[0] for _, url, _ in targets if parse_address(origin(url)[0]) is None))
+    targets = [t for t in targets if origin(t[1])[0] not in skipped]
     origins = list(dict.fromkeys(origin(url) for _, url, _ in targets))
     answers = await asyncio.gather(
         *(lookup(resolver, host, port, policy.timeouts.connect) for host, port in origins), return_exceptions=True
@@ -143,6 +148,7 @@ async def check_backends(
         unresolved = []
     if problems or unresolved:
         raise PolicyError(f"{source}: egress check failed\n" + "\n".join(problems + unresolved))
+    return skipped
 
 
 # --- at connect time ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.access_log import AccessLog
+from gateway import background as background_module
 from gateway.background import Background
 from policies import accounting
 from policies.accounting import RecordUsage
@@ -84,3 +85,23 @@ async def test_access_log_follows_the_logger_level(monkeypatch, caplog):
         access.write("req", "completions", "m", "b", 200, True, 0.001)
     access.flush()
     assert stream.getvalue() == ""
+
+
+async def test_background_reports_dropped_and_failed_writes(monkeypatch):
+    lost: list[str] = []
+    runner = Background(lost.append)
+
+    async def fails():
+        raise ConnectionError("store down")
+
+    async def slow():
+        await asyncio.sleep(0.05)
+
+    monkeypatch.setattr(background_module, "MAX_PENDING", 1)
+    runner.run(slow())
+    runner.run(slow())  # the backlog is full: dropped, never started
+    await runner.drain(1)
+    runner.run(fails())
+    await runner.drain(1)
+    await asyncio.sleep(0)
+    assert lost == ["dropped", "failed"] and runner.dropped == 1

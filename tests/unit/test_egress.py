@@ -160,6 +160,20 @@ def test_cli_check_reports_egress_errors_and_exits_1(tmp_path, capsys):
     assert main(["check", str(path)]) == 0
 
 
+def test_cli_check_no_resolve_checks_literals_offline_and_names_what_it_skipped(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text("models:\n  - name: chat\n    backends:\n      - url: http://vllm.nowhere.invalid:8000\n"
+                    "      - url: http://10.0.0.2:8000\n")
+    assert main(["check", str(path)]) == 1  # resolving: the name does not resolve
+    capsys.readouterr()
+    assert main(["check", "--no-resolve", str(path)]) == 0
+    assert "not checked against the egress rules: vllm.nowhere.invalid" in capsys.readouterr().out
+    path.write_text("models:\n  - name: chat\n    backends:\n      - url: http://vllm.nowhere.invalid:8000\n"
+                    "      - url: http://8.8.8.8:8000\n")
+    assert main(["check", "--no-resolve", str(path)]) == 1  # a public literal is refused offline too
+    assert "public address 8.8.8.8" in capsys.readouterr().err
+
+
 def test_cli_serve_refuses_a_public_backend_before_listening(tmp_path, capsys):
     path = tmp_path / "policy.yaml"
     path.write_text("models:\n  - name: chat\n    backends:\n      - url: http://8.8.8.8:8000\n")
