@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from backends.replicas import Replica, ReplicaSet
-from backends.upstream import CONNECT, TIMEOUT, Upstream, UpstreamError
+from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
 from backends.http1 import Client, Response
 from gateway.access_log import AccessLog
 from gateway.ids import unique_id
@@ -40,6 +40,7 @@ from policies.admission import Admission, WouldWait
 
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange"}
 MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
 
 
@@ -127,11 +128,8 @@ class Proxy:
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
             tried.append(replica)
-            call.replica, call.holds_replica = replica, True
-            body = self.upstream_body(call, replica.served_name)
-            call.sent_at = time.perf_counter()
             try:
-                response = await self.upstreams[replica].open(call.endpoint, body, call.request_id)
+                response = await self.send(call, replica, holds=True)
             except UpstreamError as exc:
                 kind = exc.kind
                 self.upstream_failed(replica, kind, str(exc))
@@ -139,8 +137,7 @@ class Proxy:
                 if kind == CONNECT:
                     self.metrics.retries.labels(call.model).inc()
                     continue
-                failure = f"the backend for model {call.model} failed: {type(exc).__name__}"
-                raise upstream_error(kind, failure) from None
+                raise upstream_error(kind, f"the backend for model {call.model} {WHAT_FAILED[kind]}") from None
             if response.status >= 500:
                 self.upstream_failed(replica, "status_5xx", f"HTTP {response.status}")
             else:
@@ -159,20 +156,24 @@ class Proxy:
         target = self.rented.targets[call.model]
         if call.overhead == 0:
             call.overhead += since - call.arrived
-        call.replica, call.holds_replica = target, False
-        body = self.upstream_body(call, target.served_name)
-        call.sent_at = time.perf_counter()
         try:
-            response = await self.upstreams[target].open(call.endpoint, body, call.request_id)
+            response = await self.send(call, target, holds=False)
         except UpstreamError as exc:
-            kind = exc.kind
-            self.metrics.upstream_errors.labels(call.model, target.name, kind).inc()
-            failure = f"the rented provider for model {call.model} failed: {type(exc).__name__}"
-            raise upstream_error(kind, failure) from None
+            self.metrics.upstream_errors.labels(call.model, target.name, exc.kind).inc()
+            raise upstream_error(exc.kind, f"the rented provider for model {call.model} {WHAT_FAILED[exc.kind]}") \
+                from None
         if response.status in (401, 403):  # its message may quote the provider key: never relay it
             response.close()
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
         return response
+
+    async def send(self, call: Call, target: Replica, holds: bool) -> Response:
+        """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
+        raises UpstreamError. The response's status and headers are in when it returns."""
+        call.replica, call.holds_replica = target, holds
+        body = self.upstream_body(call, target.served_name)
+        call.sent_at = time.perf_counter()
+        return await self.upstreams[target].open(call.endpoint, body, call.request_id)
 
     def upstream_body(self, call: Call, served_name: str) -> bytes:
         """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""

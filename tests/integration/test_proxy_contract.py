@@ -214,3 +214,17 @@ async def test_each_backend_gets_its_own_served_name(http):
                     break
         assert {r["body"]["model"] for r in one.requests} == {"name-one"}
         assert {r["body"]["model"] for r in two.requests} == {"served-m"}
+
+
+async def test_a_backend_silent_past_the_read_timeout_is_a_504_and_stays_routable(http):
+    rec = Recorder()
+    async with serve_app(rec) as up, running_gateway(one_model(up, timeouts={"read": 0.3})) as gw:
+        rec.mode = "slow:3"
+        started = asyncio.get_running_loop().time()
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 504 and asyncio.get_running_loop().time() - started < 2.5
+        assert r.json()["error"]["message"] == "the backend for model m timed out"
+        assert await gw.metric("llm_gateway_upstream_errors_total", kind="timeout") == 1
+        rec.mode = "ok"  # a timeout is the request's, not the replica's: it is not taken out
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
+        assert r.status_code == 200
