@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from gateway.memo import Memo
+
 disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -98,16 +100,16 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
-        self._series: dict[tuple[str, str], _Series] = {}
-        self._ttft: dict[str, object] = {}
+        # children looked up once (gateway/memo.py): the calls below run for every request
+        self.series = Memo(lambda model, backend: _Series(self, model, backend))
+        self.requests_by = Memo(self.requests.labels)
+        self.ttft_by = Memo(self.time_to_first_token.labels)
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
                       completion: int, served_by: str | None) -> None:
         """Everything one finished call moves, through children looked up once per (model, backend)."""
-        series = self._series.get((model, backend))
-        if series is None:
-            series = self._series[(model, backend)] = _Series(self, model, backend)
-        series.status(status).inc()
+        series = self.series(model, backend)
+        self.requests_by(model, backend, str(status)).inc()
         series.duration.observe(elapsed)
         series.overhead.observe(overhead)
         if prompt:
@@ -121,31 +123,22 @@ class GatewayMetrics:
                 tokens.inc(prompt + completion)
 
     def first_token(self, model: str, seconds: float) -> None:
-        child = self._ttft.get(model)
-        if child is None:
-            child = self._ttft[model] = self.time_to_first_token.labels(model)
-        child.observe(seconds)
+        self.ttft_by(model).observe(seconds)
 
     def call_refused(self, model: str, backend: str, status: int) -> None:
         """A call that never got as far as a model (bad body, unknown key)."""
-        self.requests.labels(model, backend, str(status)).inc()
+        self.requests_by(model, backend, str(status)).inc()
 
 
 class _Series:
-    __slots__ = ("metrics", "model", "backend", "by_status", "duration", "overhead", "prompt", "completion", "served")
+    """The children one finished call of a (model, backend) moves, fetched together."""
+
+    __slots__ = ("duration", "overhead", "prompt", "completion", "served")
 
     def __init__(self, m: GatewayMetrics, model: str, backend: str) -> None:
-        self.metrics, self.model, self.backend = m, model, backend
-        self.by_status: dict[int, object] = {}
         self.duration = m.request_duration.labels(model)
         self.overhead = m.overhead.labels(model)
         self.prompt = m.prompt_tokens.labels(model, backend)
         self.completion = m.completion_tokens.labels(model, backend)
         self.served = {where: (m.served.labels(model, where), m.served_tokens.labels(model, where))
                        for where in ("owned", "rented")}
-
-    def status(self, status: int):
-        child = self.by_status.get(status)
-        if child is None:
-            child = self.by_status[status] = self.metrics.requests.labels(self.model, self.backend, str(status))
-        return child

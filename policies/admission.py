@@ -22,10 +22,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from backends.replicas import Replica, ReplicaSet
 from gateway.config import Policy, Queue
 from gateway.errors import NoBackendAvailable, RateLimited
+from gateway.memo import Memo
 from gateway.metrics import GatewayMetrics
 from policies.routing import Profile
 
@@ -72,21 +74,15 @@ class ModelQueue:
         self.depth = 0
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
-        self.in_flight: dict[Replica, object] = {}  # the in-flight gauge's child per replica, looked up once
+        self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, model))  # by replica name
 
     def free_replica(self, exclude: Sequence[Replica]) -> Replica | None:
         return self.profile.pick([r for r in self.replicas if r.has_room], exclude=exclude)
 
     def take(self, replica: Replica) -> Replica:
         replica.in_flight += 1
-        self.gauge(replica).inc()
+        self.in_flight_gauge(replica.name).inc()
         return replica
-
-    def gauge(self, replica: Replica):
-        child = self.in_flight.get(replica)
-        if child is None:
-            child = self.in_flight[replica] = self.metrics.in_flight.labels(self.model, replica.name)
-        return child
 
     async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None) -> Replica:
         if not any(r.routable and r not in exclude for r in self.replicas):
@@ -140,7 +136,7 @@ class ModelQueue:
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
-        self.gauge(replica).dec()
+        self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())
         self.dispatch()
 

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 from gateway.config import Network
 from gateway.errors import PermissionDenied
+from gateway.memo import Memo
 from gateway.pipeline import Call
 from policies.egress import inside, networks, parse_address
 
 PEER_CACHE = 4096  # addresses remembered (normalized, admitted or not); cleared when full
 MAX_HOPS = 32  # entries read from the right of X-Forwarded-For; a longer chain of our own proxies is a loop
+
+
+def normalized(peer: str) -> str:
+    """An IP address in canonical text (IPv4-mapped IPv6 unwrapped); anything else as it is."""
+    parsed = parse_address(peer)
+    return peer if parsed is None else str(parsed)
 
 
 class ClientNetwork:
@@ -30,8 +37,8 @@ class ClientNetwork:
         self.trusted = networks(network.trusted_proxies)
         allowed = network.allowed_client_cidrs
         self.allowed = None if allowed is None else networks(allowed)
-        self.peers: dict[str, str] = {}  # peer address as the server gives it -> normalized (parsing is not free)
-        self.admitted: dict[str, bool] = {}
+        self.normalized = Memo(normalized, limit=PEER_CACHE)  # peer address as the server gives it
+        self.allowed_here = Memo(lambda address: inside(address, self.allowed), limit=PEER_CACHE)
 
     async def enter(self, call: Call) -> None:
         call.client_host = self.client_address(call.client_host, call.headers.get("x-forwarded-for"))
@@ -42,14 +49,7 @@ class ClientNetwork:
 
     def client_address(self, peer: str, forwarded_for: str | None) -> str:
         """The real client's address as text (IPv4-mapped IPv6 unwrapped); `peer` itself when not an IP."""
-        normal = self.peers.get(peer)
-        if normal is None:
-            parsed = parse_address(peer)
-            normal = peer if parsed is None else str(parsed)
-            if len(self.peers) >= PEER_CACHE:
-                self.peers.clear()
-            self.peers[peer] = normal
-        peer = normal
+        peer = self.normalized(peer)
         if not forwarded_for or not inside(peer, self.trusted):
             return peer
         entries = [e.strip() for e in forwarded_for.split(",")]
@@ -63,14 +63,6 @@ class ClientNetwork:
         return str(hop) if hop is not None and len(entries) <= MAX_HOPS else peer
 
     def admit(self, address: str) -> None:
-        if self.allowed is None:
-            return
-        ok = self.admitted.get(address)
-        if ok is None:
-            ok = inside(address, self.allowed)
-            if len(self.admitted) >= PEER_CACHE:
-                self.admitted.clear()
-            self.admitted[address] = ok
-        if not ok:
+        if self.allowed is not None and not self.allowed_here(address):
             raise PermissionDenied("requests from this network are not accepted by this gateway",
                                    code="source_not_allowed")
