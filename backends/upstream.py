@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from backends.http1 import BROKEN, CONNECT, TIMEOUT, Client, Response, UpstreamError, header_block, parse_origin
 from policies.egress import GuardedDialer, Resolver, SystemResolver
 
-__all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "classify", "new_client"]
+__all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "new_client"]
 
 
 class Upstream:
@@ -34,11 +34,6 @@ class Upstream:
             self.prefix, path.encode("latin-1"), self.fixed, request_id.encode("latin-1"), len(body))
         return await self.client.request(self.origin, head, body, read_timeout=self.read_timeout,
                                          connect_timeout=self.connect_timeout)
-
-
-def classify(exc: UpstreamError) -> str:
-    """connect: nothing reached the backend, safe to retry elsewhere; timeout; broken: failed mid-exchange."""
-    return exc.kind
 
 
 def new_client(

@@ -105,26 +105,26 @@ async def check_backends(
     With `resolve` False only IP literals are checked (an offline check); returns the hosts left unchecked."""
     resolver = resolver or SystemResolver()
     nets = networks(policy.network.private_cidrs)
-    targets: list[tuple[str, str, bool | None]] = []  # (what, url, allow_private; None for owned)
+    targets: list[tuple[str, str, tuple[str, int], bool | None]] = []  # (what, url, origin, allow_private)
     for i, model in enumerate(policy.models):
         for j, backend in enumerate(model.backends):
             what = f"models[{i}](name={model.name}).backends[{j}](name={backend_name(model, j)})"
-            targets.append((what, backend.url, None))
+            targets.append((what, backend.url, origin(backend.url), None))
     for i, provider in enumerate(policy.providers):
-        targets.append((f"providers[{i}](name={provider.name})", provider.base_url, provider.allow_private_address))
+        targets.append((f"providers[{i}](name={provider.name})", provider.base_url, origin(provider.base_url),
+                        provider.allow_private_address))
 
     skipped = [] if resolve else list(dict.fromkeys(
-        origin(url)[0] for _, url, _ in targets if parse_address(origin(url)[0]) is None))
-    targets = [t for t in targets if origin(t[1])[0] not in skipped]
-    origins = list(dict.fromkeys(origin(url) for _, url, _ in targets))
+        host for _, _, (host, _), _ in targets if parse_address(host) is None))
+    targets = [t for t in targets if t[2][0] not in skipped]
+    origins = list(dict.fromkeys(where for _, _, where, _ in targets))
     answers = await asyncio.gather(
         *(lookup(resolver, host, port, policy.timeouts.connect) for host, port in origins), return_exceptions=True
     )
     resolved = dict(zip(origins, answers, strict=True))
 
     problems, unresolved = [], []
-    for what, url, allow_private in targets:
-        host, port = origin(url)
+    for what, url, (host, port), allow_private in targets:
         answer = resolved[(host, port)]
         if isinstance(answer, BaseException):
             if not isinstance(answer, (OSError, TimeoutError)):

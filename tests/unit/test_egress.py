@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from backends.http1 import ConnectFailed
-from backends.upstream import CONNECT, classify, new_client
+from backends.upstream import CONNECT, new_client
 from gateway.cli import main
 from gateway.config import Policy, PolicyError
 from policies.egress import EgressRefused, GuardedDialer, SystemResolver, check_backends
@@ -243,7 +243,7 @@ async def test_guard_tries_the_next_checked_address_when_one_is_down():
 async def test_guard_unresolvable_host_is_a_connect_error():
     with pytest.raises(ConnectFailed, match="cannot resolve gone.internal") as info:
         await dial(guarded(FakeDNS(), FakeSockets()), "gone.internal", 8000)
-    assert classify(info.value) == CONNECT
+    assert info.value.kind == CONNECT
 
 
 async def test_rented_origin_is_exempt_and_resolved_as_usual():
@@ -260,7 +260,7 @@ async def test_client_refusal_is_a_connect_failure_and_tls_keeps_the_hostname():
     client = new_client(1, 1, private_cidrs=["10.0.0.0/8"], resolver=dns)
     with pytest.raises(ConnectFailed) as info:
         await client.get("http://vllm.internal:8000/health")
-    assert classify(info.value) == CONNECT and "203.0.113.5" in str(info.value)
+    assert info.value.kind == CONNECT and "203.0.113.5" in str(info.value)
 
     sockets = FakeSockets(dead=("10.0.0.9",))
     client = new_client(1, 1, private_cidrs=["10.0.0.0/8"], resolver=FakeDNS({"vllm.internal": ["10.0.0.9"]}))
