@@ -87,12 +87,17 @@ async def test_malformed_forwarded_for_from_a_trusted_proxy_falls_back_to_the_pe
         assert refused(await post(gw, [xff("garbage, 8.8.8.8")]))  # junk left of the client is never read
 
 
-async def test_key_networks_see_the_forwarded_address():
+def office_key() -> tuple[KeyRecord, dict[str, str]]:
+    """A key usable only from 10.1.0.0/16, and the header that presents it."""
     key_id = new_key_id()
     key = new_key(key_id)
     record = KeyRecord(id=key_id, name="office", created_at=time.time(), hash=hash_key(key),
                        allowed_cidrs=["10.1.0.0/16"])
-    auth = {"authorization": f"Bearer {key}"}
+    return record, {"authorization": f"Bearer {key}"}
+
+
+async def test_key_networks_see_the_forwarded_address():
+    record, auth = office_key()
     network = {"trusted_proxies": ["127.0.0.1/32"]}  # no global allowlist: only the key restricts
     async with serve_app(Recorder()) as up, running_gateway(one_model(up, network=network)) as gw:
         await gw.state.store.create_key(record)
@@ -105,11 +110,7 @@ async def test_key_networks_see_the_forwarded_address():
 
 
 async def test_key_networks_ignore_forwarded_for_from_an_untrusted_peer():
-    key_id = new_key_id()
-    key = new_key(key_id)
-    record = KeyRecord(id=key_id, name="office", created_at=time.time(), hash=hash_key(key),
-                       allowed_cidrs=["10.1.0.0/16"])
-    auth = {"authorization": f"Bearer {key}"}
+    record, auth = office_key()
     async with serve_app(Recorder()) as up, running_gateway(one_model(up)) as gw:
         await gw.state.store.create_key(record)
         assert refused(await post(gw, [xff("10.1.2.3")], auth=auth))
