@@ -38,17 +38,10 @@ from policies.store.base import (
 
 DEFAULT_PREFIX = "llmgw:"
 
-# KEYS: record, index. ARGV: json, id, created_at. 1 if created, 0 if the id is taken.
-CREATE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
-  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
-  return 1
-end
-return 0
-"""
-# Same arguments. 1 if replaced, 0 if there was no record.
-PUT = """
-if redis.call('SET', KEYS[1], ARGV[1], 'XX') then
+# KEYS: record, index. ARGV: json, id, created_at, NX (create: 0 if the id is taken) or XX (replace: 0 if
+# there is no record). 1 when written, and then the index has the id.
+WRITE = """
+if redis.call('SET', KEYS[1], ARGV[1], ARGV[4]) then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
   return 1
 end
@@ -96,8 +89,7 @@ class RedisStore:
             timeout=deadline,  # waiting for a free connection counts against the same budget
         )
         self._redis = Redis.from_pool(pool)
-        self._create = self._redis.register_script(CREATE)
-        self._put = self._redis.register_script(PUT)
+        self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
 
     @property
@@ -133,13 +125,14 @@ class RedisStore:
             raise StoreError(f"redis {op} failed ({type(exc).__name__})") from exc
 
     async def create_key(self, record: KeyRecord) -> None:
-        async with self.guard("create_key"):
-            created = await self._create(
-                keys=[self._key(record.id), self._index],
-                args=[record.model_dump_json(), record.id, repr(record.created_at)],
-            )
-        if not created:
+        if not await self.write(record, "NX", "create_key"):
             raise KeyExists(f"key {record.id} already exists")
+
+    async def write(self, record: KeyRecord, mode: str, op: str) -> bool:
+        """The record and its index entry in one step; `mode` NX creates only, XX replaces only."""
+        async with self.guard(op):
+            return bool(await self._write(keys=[self._key(record.id), self._index],
+                                          args=[record.model_dump_json(), record.id, repr(record.created_at), mode]))
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         async with self.guard("get_key"), self._redis.pipeline(transaction=False) as pipe:
@@ -160,12 +153,7 @@ class RedisStore:
         ]
 
     async def put_key(self, record: KeyRecord) -> None:
-        async with self.guard("put_key"):
-            replaced = await self._put(
-                keys=[self._key(record.id), self._index],
-                args=[record.model_dump_json(), record.id, repr(record.created_at)],
-            )
-        if not replaced:
+        if not await self.write(record, "XX", "put_key"):
             raise KeyNotFound(f"key {record.id} not found")
 
     async def touch_key(self, key_id: str, when: float) -> None:
