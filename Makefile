@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit e2e e2e-setup redis-setup bench bench-overload venv clean
+.PHONY: run test unit lint e2e e2e-setup redis-setup bench bench-overload venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
-	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai'
+	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, importlinter'
 	touch $@
 
 venv: $(STAMP)
@@ -28,10 +28,13 @@ e2e-setup:
 redis-setup:
 	scripts/setup_redis.sh
 
-test: venv redis-setup e2e-setup
+lint: venv  # the layers of the design (gateway over policies over backends; imports go down only)
+	$(VENV)/bin/lint-imports
+
+test: venv redis-setup e2e-setup lint
 	$(VENV)/bin/pytest -q
 
-unit: venv redis-setup  # the fast part of the suite: no vLLM needed
+unit: venv redis-setup lint  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
 
 bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)

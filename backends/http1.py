@@ -15,7 +15,7 @@ What it does, and only that:
   body cannot be handed to the kernel (the backend is not reading);
 - errors are `UpstreamError`s with a `kind`: connect (nothing reached the server: safe to retry elsewhere),
   timeout, broken (failed mid-exchange).
-Connections are made by a `Dialer`; the egress guard (policies/egress.py) is one that checks addresses first.
+Connections are made by a `Dialer`; the egress guard (backends/egress.py) is one that checks addresses first.
 """
 
 from __future__ import annotations

@@ -9,22 +9,39 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
-
-from backends.replicas import UP, Replica
 from backends.http1 import Client
+from backends.replicas import UP, Replica
 from backends.upstream import Upstream
-from gateway.config import Policy, Price
 
 log = logging.getLogger("gateway.rented")
 
 
+@dataclass(frozen=True, slots=True)
+class Price:
+    input: float = 0.0  # currency units per million prompt tokens
+    output: float = 0.0  # per million completion tokens
+
+
+@dataclass(frozen=True)
+class ProviderSettings:
+    name: str
+    base_url: str  # including the /v1
+    api_key_env: str  # the environment variable that holds its API key
+    models: dict[str, str] = field(default_factory=dict)  # our public model -> the provider's model
+    price: Price = Price()
+    timeout: float = 120.0
+
+
 class RentedProviders:
-    def __init__(self, policy: Policy) -> None:
-        self.prices: dict[str, Price] = {p.name: p.price_per_million_tokens for p in policy.providers}
-        self.timeouts = {p.name: p.timeout for p in policy.providers}
+    """`overflow` maps each public model that may spill to the name of its provider."""
+
+    def __init__(self, providers: list[ProviderSettings], overflow: dict[str, str]) -> None:
+        self.prices: dict[str, Price] = {p.name: p.price for p in providers}
+        self.timeouts = {p.name: p.timeout for p in providers}
         self.keys: dict[str, str] = {}
-        for provider in policy.providers:
+        for provider in providers:
             key = os.environ.get(provider.api_key_env, "")
             if key:
                 self.keys[provider.name] = key
@@ -32,14 +49,13 @@ class RentedProviders:
                 log.error("rented provider %s is disabled: environment variable %s is not set",
                           provider.name, provider.api_key_env)
         self.targets: dict[str, Replica] = {}  # public model -> its overflow target
-        for model in policy.models:
-            if model.overflow is None:
-                continue
-            provider = next(p for p in policy.providers if p.name == model.overflow.provider)
+        by_name = {p.name: p for p in providers}
+        for model, provider_name in overflow.items():
+            provider = by_name[provider_name]
             if provider.name in self.keys:
-                self.targets[model.name] = Replica(
-                    name=f"rented:{provider.name}", model=model.name, url=provider.base_url,
-                    served_name=provider.models[model.name], rented=provider.name, state=UP,
+                self.targets[model] = Replica(
+                    name=f"rented:{provider.name}", model=model, url=provider.base_url,
+                    served_name=provider.models[model], rented=provider.name, state=UP,
                 )
 
     def upstreams(self, client: Client) -> dict[Replica, Upstream]:

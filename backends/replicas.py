@@ -13,9 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
 from backends.http1 import Client, UpstreamError
-from gateway.config import Health, Policy, backend_name
 
 log = logging.getLogger("gateway.health")
 
@@ -30,7 +28,7 @@ class Replica:
     served_name: str
     cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
     rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
-    adaptive: Any = None  # gateway.config.Adaptive when the limit follows the observed TTFT
+    adaptive: Any = None  # an Adaptive setting (floor, target_ttft) when the limit follows the observed TTFT
     limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
     in_flight: int = 0
     state: str = UNKNOWN
@@ -50,24 +48,20 @@ class Replica:
         return self.limit is None or self.in_flight < int(self.limit)
 
 
+@dataclass(frozen=True, slots=True)
+class HealthTimings:
+    interval: float = 5.0  # seconds between active probes of every replica
+    failure_threshold: int = 1  # consecutive failures that take a replica out
+    backoff_initial: float = 1.0  # first wait before re-probing a replica that is out; doubles per failure
+    backoff_max: float = 60.0
+
+
 class ReplicaSet:
     """All replicas, by public model name, plus the passive and active health bookkeeping."""
 
-    def __init__(self, policy: Policy, on_change=None) -> None:
-        self.health = policy.health
-        self.by_model: dict[str, list[Replica]] = {}
-        for model in policy.models:
-            self.by_model[model.name] = [
-                Replica(
-                    name=backend_name(model, i),
-                    model=model.name,
-                    url=backend.url,
-                    served_name=backend.served_name or model.served_name or model.name,
-                    cap=backend.cap,
-                    adaptive=backend.adaptive,
-                )
-                for i, backend in enumerate(model.backends)
-            ]
+    def __init__(self, by_model: dict[str, list[Replica]], health: HealthTimings, on_change=None) -> None:
+        self.health = health
+        self.by_model = by_model
         self._on_change = on_change or (lambda replica: None)
 
     def __iter__(self):
@@ -129,5 +123,5 @@ class ReplicaSet:
             await asyncio.sleep(min(self.health.interval, 0.5))
 
 
-def backoff(health: Health, failures: int) -> float:
+def backoff(health: HealthTimings, failures: int) -> float:
     return min(health.backoff_max, health.backoff_initial * 2 ** max(0, failures - 1))

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from backends.http1 import BROKEN, CONNECT, TIMEOUT, Client, Response, UpstreamError, header_block, parse_origin
-from policies.egress import GuardedDialer, Resolver, SystemResolver
+from backends.egress import GuardedDialer, Resolver, SystemResolver
+from backends.http1 import (
+    BROKEN,
+    CONNECT,
+    TIMEOUT,
+    Client,
+    Response,
+    UpstreamError,
+    header_block,
+    parse_origin,
+)
 
 __all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "new_client"]
 
@@ -48,7 +57,7 @@ def new_client(
 ) -> Client:
     """The one client pool every upstream request shares.
 
-    With `private_cidrs`, every new connection is checked at connect time (policies/egress.py): a host must
+    With `private_cidrs`, every new connection is checked at connect time (backends/egress.py): a host must
     resolve only inside them, except the (host, port) origins in `exempt` (the rented providers).
     """
     dialer = None

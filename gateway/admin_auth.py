@@ -13,8 +13,8 @@ from pathlib import Path
 
 import jwt
 
-from gateway.config import Admin
-from gateway.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
+from policies.config import Admin
+from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 
 ROLES = ("admin", "viewer")
 INVALID = "missing or invalid admin token"

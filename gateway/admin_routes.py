@@ -13,8 +13,16 @@ from litestar import Request, Router, get, patch, post
 from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.errors import NotFound
-from policies.keys import DataPolicy, KeyLimits, KeyRecord, hash_key, new_key, new_key_id, normalize_cidrs
+from policies.errors import NotFound
+from policies.keys import (
+    DataPolicy,
+    KeyLimits,
+    KeyRecord,
+    hash_key,
+    new_key,
+    new_key_id,
+    normalize_cidrs,
+)
 from policies.store import KeyNotFound
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")

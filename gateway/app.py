@@ -1,7 +1,7 @@
 """The app factory: one `Gateway` holds a process's state; `create_app` wires it to HTTP.
 
-/v1/* is served by the lean OpenAI routes; health, readiness and metrics (and later the admin API) by Litestar,
-which also owns the lifespan that opens the shared upstream client and runs the health checks.
+/v1/* is served by the lean OpenAI routes; health, readiness, metrics and the admin API by Litestar, which also
+owns the lifespan that opens the shared upstream client and runs the health checks.
 """
 
 from __future__ import annotations
@@ -14,29 +14,41 @@ from collections.abc import AsyncIterator
 
 import orjson
 from litestar import Litestar, MediaType, Request, Response, get
-from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
+from litestar.exceptions import (
+    HTTPException,
+    MethodNotAllowedException,
+    NotFoundException,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from backends.rented import RentedProviders
-from backends.replicas import DOWN, Replica, ReplicaSet
+from backends.egress import Resolver, SystemResolver
+from backends.replicas import DOWN, Replica
 from backends.upstream import new_client
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.background import Background
-from gateway.config import Policy
-from gateway.errors import BadRequest, GatewayError, InternalError, MethodNotAllowed, NotFound, StateUnavailable
-from gateway.metrics import GatewayMetrics
 from gateway.openai_routes import OpenAIRoutes
-from gateway.pipeline import Pipeline
 from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
-from policies.auth import Authenticate, Authorize
-from policies.egress import Resolver, SystemResolver, check_backends, exempt_origins
-from policies.keys import KeyRecord
 from policies.admission import Admission
+from policies.auth import Authenticate, Authorize
+from policies.compile import rented_providers, replica_set
+from policies.config import Policy
+from policies.egress import check_backends, exempt_origins
+from policies.errors import (
+    BadRequest,
+    GatewayError,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    StateUnavailable,
+)
+from policies.keys import KeyRecord
+from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
+from policies.pipeline import Pipeline
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Profile
@@ -52,12 +64,12 @@ class Gateway:
         self.policy = policy
         self.resolver = resolver or SystemResolver()  # tests inject one whose answers they control
         self.metrics = GatewayMetrics()
-        self.replicas = ReplicaSet(policy, on_change=self._replica_changed)
+        self.replicas = replica_set(policy, on_change=self._replica_changed)
         for replica in self.replicas:
             self._replica_changed(replica)
         self.profile = Profile.from_config(policy.routing.scorers)
         self.admission = Admission(policy, self.replicas, self.profile, self.metrics)
-        self.rented = RentedProviders(policy)
+        self.rented = rented_providers(policy)
         store = policy.store
         options = {"prefix": store.prefix} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)

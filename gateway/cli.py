@@ -9,7 +9,7 @@ import logging
 import sys
 
 from gateway.access_log import write_to_stderr
-from gateway.config import PolicyError, load_policy
+from policies.config import PolicyError, load_policy
 from policies.egress import check_backends
 
 
@@ -70,8 +70,6 @@ def run_check(path: str, resolve: bool = True) -> int:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # httpx logs every upstream URL at INFO; the gateway's own access line already says what happened.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     write_to_stderr()  # the access log batches its lines to stderr (gateway/access_log.py)
 
 

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from gateway.config import Policy
+from policies.config import Policy
 
 DEMO_MODELS = [
     # public name, aliases, served name, replicas
@@ -107,10 +107,9 @@ llm-gateway demo: simulated vLLM backends behind the gateway at {base}
 def run_demo(host: str, port: int, log_level: str) -> int:
     import uvicorn
 
+    from gateway.admin_auth import mint_token
     from gateway.app import create_app
     from gateway.cli import configure_logging
-
-    from gateway.admin_auth import mint_token
 
     configure_logging(log_level)
     # The demo's admin secret lives only in this process unless the caller set one.

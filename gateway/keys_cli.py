@@ -86,7 +86,7 @@ def settings(args: argparse.Namespace) -> dict:
 
 def run_admin_token(args: argparse.Namespace) -> int:
     from gateway.admin_auth import mint_token
-    from gateway.config import Admin, PolicyError, load_policy
+    from policies.config import Admin, PolicyError, load_policy
 
     try:
         config = load_policy(args.config).admin if args.config else Admin()

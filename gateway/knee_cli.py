@@ -68,9 +68,15 @@ def add_commands(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from policies.knee.capfile import CapFileError, locate, write_cap
-    from policies.knee.report import build_report, file_stem, format_table, write_json, write_png
-    from policies.knee.sweep import Progress, SweepError, SweepSpec, run_sweep
+    from backends.knee.report import (
+        build_report,
+        file_stem,
+        format_table,
+        write_json,
+        write_png,
+    )
+    from backends.knee.sweep import Progress, SweepError, SweepSpec, run_sweep
+    from policies.capfile import CapFileError, locate, write_cap
 
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -102,9 +108,14 @@ def run(args: argparse.Namespace) -> int:
     stem = file_stem(args.model, result.started_at)
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     write_json(report, json_path)
-    write_png(report, png_path)
+    written = [json_path]
+    try:
+        write_png(report, png_path)
+        written.append(png_path)
+    except ModuleNotFoundError as exc:  # matplotlib is the optional extra `llm-gateway[knee]`
+        print(f"no plot: {exc.name} is not installed (pip install 'llm-gateway[knee]')", file=sys.stderr)
     print(format_table(report))
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {' and '.join(map(str, written))}")
     if not args.write_cap:
         return 0
     cap = report["knee"]["recommended"]

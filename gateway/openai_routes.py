@@ -11,7 +11,9 @@ import asyncio
 import logging
 import time
 
-from gateway.errors import (
+from gateway.proxy import Proxy, Reply, request_id_from
+from policies.auth import check_key_source
+from policies.errors import (
     BadRequest,
     GatewayError,
     InternalError,
@@ -19,9 +21,7 @@ from gateway.errors import (
     NotFound,
     PayloadTooLarge,
 )
-from gateway.pipeline import Call
-from gateway.proxy import Proxy, Reply, request_id_from
-from policies.auth import check_key_source
+from policies.pipeline import Call
 
 log = logging.getLogger("gateway.http")
 

@@ -18,12 +18,15 @@ from typing import Any
 
 import orjson
 
+from backends.http1 import Client, Response
+from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
-from backends.http1 import Client, Response
 from gateway.access_log import AccessLog
-from gateway.ids import unique_id
-from gateway.errors import (
+from gateway.relay import SSERelay, model_rename
+from policies.admission import Admission, WouldWait
+from policies.config import Overflow
+from policies.errors import (
     BadRequest,
     GatewayError,
     NoBackendAvailable,
@@ -31,13 +34,9 @@ from gateway.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import Call, Pipeline
-from gateway.relay import SSERelay, model_rename
-from backends.rented import RentedProviders
-from gateway.config import Overflow
-from policies.admission import Admission, WouldWait
-
+from policies.ids import unique_id
+from policies.metrics import GatewayMetrics
+from policies.pipeline import Call, Pipeline
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.pipeline import Call
+from policies.pipeline import Call
 from policies.store import Store
 
 FLUSH_EVERY = 0.25  # seconds

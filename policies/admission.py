@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from backends.replicas import Replica, ReplicaSet
-from gateway.config import Policy, Queue
-from gateway.errors import NoBackendAvailable, RateLimited
-from gateway.memo import Memo
-from gateway.metrics import GatewayMetrics
+from policies.config import Policy, Queue
+from policies.errors import NoBackendAvailable, RateLimited
+from policies.memo import Memo
+from policies.metrics import GatewayMetrics
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from gateway.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
-from gateway.pipeline import Call
-from policies.egress import inside, networks
+from backends.egress import inside, networks
+from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 from policies.keys import KeyRecord, key_id_of
+from policies.pipeline import Call
 from policies.store import Store, StoreUnavailable
 
 INVALID = "Incorrect or missing API key. Pass a valid key as `Authorization: Bearer sk-...`."

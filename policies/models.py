@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.config import Policy
-from gateway.errors import BadRequest, NotFound
-from gateway.pipeline import Call
+from policies.config import Policy
+from policies.errors import BadRequest, NotFound
+from policies.pipeline import Call
 
 
 class ResolveModel:

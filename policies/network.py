@@ -14,11 +14,11 @@ The address found replaces `call.client_host`, so the per-key `allowed_cidrs` (p
 
 from __future__ import annotations
 
-from gateway.config import Network
-from gateway.errors import PermissionDenied
-from gateway.memo import Memo
-from gateway.pipeline import Call
-from policies.egress import inside, networks, parse_address
+from backends.egress import inside, networks, parse_address
+from policies.config import Network
+from policies.errors import PermissionDenied
+from policies.memo import Memo
+from policies.pipeline import Call
 
 PEER_CACHE = 4096  # addresses remembered (normalized, admitted or not); cleared when full
 MAX_HOPS = 32  # entries read from the right of X-Forwarded-For; a longer chain of our own proxies is a loop

@@ -11,12 +11,21 @@ from __future__ import annotations
 import logging
 import math
 
-from gateway.config import Policy
-from gateway.errors import RateLimited, StateUnavailable
-from gateway.ids import unique_id
-from gateway.pipeline import Call
 from policies import tokens
-from policies.ratelimit.base import CONCURRENCY, REQUESTS, TOKENS, Decision, Limiter, Scope, Ticket, format_reset
+from policies.config import Policy
+from policies.errors import RateLimited, StateUnavailable
+from policies.ids import unique_id
+from policies.pipeline import Call
+from policies.ratelimit.base import (
+    CONCURRENCY,
+    REQUESTS,
+    TOKENS,
+    Decision,
+    Limiter,
+    Scope,
+    Ticket,
+    format_reset,
+)
 from policies.ratelimit.memory import MemoryLimiter
 from policies.store import StoreUnavailable
 

@@ -146,7 +146,7 @@ def start_gateway(backend_url: str, model: str, cap: int, work: Path) -> tuple[s
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/ready", proc, 60, "the gateway")
     from gateway.admin_auth import mint_token
-    from gateway.config import Admin
+    from policies.config import Admin
 
     token = mint_token(Admin(), 600, secret=secret)
     r = httpx.post(f"{url}/admin/keys", json={"name": "overload"}, headers={"authorization": f"Bearer {token}"})
@@ -253,9 +253,9 @@ def run_vllm(args, work: Path) -> tuple[list[Run], str]:
 
 
 def measured_cap(url: str) -> int:
-    from policies.knee.analysis import find_knee
-    from policies.knee.report import points
-    from policies.knee.sweep import SweepSpec, run_sweep
+    from backends.knee.analysis import find_knee
+    from backends.knee.report import points
+    from backends.knee.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(url=url, model="tiny", levels=(1, 2, 4, 8, 16, 32, 64), output_tokens=32, duration=3,
                      warmup=1)

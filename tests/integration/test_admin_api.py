@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from gateway.admin_auth import mint_token
-from gateway.config import Admin
+from policies.config import Admin
 from policies.keys import KEY_PATTERN
 from tests.support.gateway import one_model, running_gateway
 from tests.support.recorder import Recorder

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.app import Gateway
-from gateway.config import Policy, PolicyError
+from policies.config import Policy, PolicyError
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.recorder import Recorder
 from tests.support.servers import serve_app

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from gateway.config import Network
+from policies.config import Network
 from policies.keys import KeyRecord, hash_key, new_key, new_key_id
 from policies.network import ClientNetwork
 from tests.support.gateway import AUTH, one_model, running_gateway

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import matplotlib.image
 
+from backends.knee.report import build_report, write_json, write_png
+from backends.knee.sweep import Progress, SweepSpec, run_sweep
 from backends.simulator import SimConfig, create_app
-from policies.knee.report import build_report, write_json, write_png
-from policies.knee.sweep import Progress, SweepSpec, run_sweep
 from tests.support.probes import metric_sum
 from tests.support.servers import serve_app
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.admin_auth import mint_token
-from gateway.config import Admin
+from policies.config import Admin
 from policies.keys import hash_key
 from tests.support.gateway import running_gateway
 from tests.support.recorder import Recorder

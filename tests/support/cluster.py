@@ -19,7 +19,7 @@ import httpx
 import yaml
 
 from gateway.admin_auth import mint_token
-from gateway.config import Admin
+from policies.config import Admin
 from tests.support.probes import wait_http_ok
 from tests.support.redis_server import RedisServer
 from tests.support.servers import free_port

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from gateway.app import Gateway, create_app
-from gateway.config import Policy
+from policies.config import Policy
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.probes import metric_sum
 from tests.support.servers import serve_app

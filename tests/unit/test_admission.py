@@ -6,10 +6,10 @@ import random
 import pytest
 
 from backends.replicas import Replica
-from gateway.config import Queue
-from gateway.errors import NoBackendAvailable, RateLimited
-from gateway.metrics import GatewayMetrics
 from policies.admission import ModelQueue
+from policies.config import Queue
+from policies.errors import NoBackendAvailable, RateLimited
+from policies.metrics import GatewayMetrics
 from policies.routing import LeastInFlight, Profile
 
 
@@ -101,7 +101,7 @@ async def test_no_routable_replica_is_503_not_a_queue():
 
 
 def test_adaptive_limit_moves_between_floor_and_cap():
-    from gateway.config import Adaptive
+    from policies.config import Adaptive
 
     q, (r,) = make(caps=(8,))
     r.adaptive = Adaptive(floor=2, target_ttft=0.5)

@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.cli import main
-from gateway.config import PolicyError, parse_policy
+from policies.config import PolicyError, parse_policy
 
 GOOD = """
 listen: {host: 127.0.0.1, port: 9000}

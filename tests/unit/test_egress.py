@@ -8,11 +8,12 @@ import logging
 
 import pytest
 
+from backends.egress import EgressRefused, GuardedDialer, SystemResolver
 from backends.http1 import ConnectFailed
 from backends.upstream import CONNECT, new_client
 from gateway.cli import main
-from gateway.config import Policy, PolicyError
-from policies.egress import EgressRefused, GuardedDialer, SystemResolver, check_backends
+from policies.config import Policy, PolicyError
+from policies.egress import check_backends
 
 
 class FakeDNS:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from policies.knee.analysis import Point, find_knee
+from backends.knee.analysis import Point, find_knee
 
 
 def curve(levels, throughput, ttft_ms=None, errors=None):

@@ -6,8 +6,8 @@ import stat
 import pytest
 import yaml
 
-from gateway.config import parse_policy
-from policies.knee.capfile import CapFileError, set_cap, write_cap
+from policies.capfile import CapFileError, set_cap, write_cap
+from policies.config import parse_policy
 
 POLICY = """\
 # Production policy: reviewed by ops, keep the comments.

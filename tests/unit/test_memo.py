@@ -1,6 +1,6 @@
 """Memo: one computation per key; a bounded table is cleared when full, never grows past its limit."""
 
-from gateway.memo import Memo
+from policies.memo import Memo
 
 
 def test_computes_once_per_key_including_falsy_values():

@@ -1,20 +1,26 @@
 import time
 
-from backends.replicas import DOWN, UNKNOWN, UP, ReplicaSet, backoff
-from gateway.config import Health, Policy
+from backends.replicas import (
+    DOWN,
+    UNKNOWN,
+    UP,
+    HealthTimings,
+    Replica,
+    ReplicaSet,
+    backoff,
+)
 
 
 def replica_set(threshold=1):
-    policy = Policy.model_validate({
-        "health": {"failure_threshold": threshold, "backoff_initial": 1, "backoff_max": 8},
-        "models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}, {"url": "http://10.0.0.2:8000"}]}],
-    })
+    replicas = [Replica(name=f"m-{i}", model="m", url=f"http://10.0.0.{i + 1}:8000", served_name="m")
+                for i in range(2)]
+    health = HealthTimings(failure_threshold=threshold, backoff_initial=1, backoff_max=8)
     changes = []
-    return ReplicaSet(policy, on_change=changes.append), changes
+    return ReplicaSet({"m": replicas}, health, on_change=changes.append), changes
 
 
 def test_backoff_doubles_up_to_the_cap():
-    h = Health(backoff_initial=1, backoff_max=8)
+    h = HealthTimings(backoff_initial=1, backoff_max=8)
     assert [backoff(h, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
 
 

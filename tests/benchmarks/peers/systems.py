@@ -76,7 +76,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued."""
     from gateway.admin_auth import mint_token
-    from gateway.config import Admin
+    from policies.config import Admin
 
     dir = work / name
     dir.mkdir(parents=True, exist_ok=True)

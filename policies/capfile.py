@@ -4,7 +4,7 @@ A YAML round trip (load, set, dump) re-indents lists, re-quotes strings and lose
 policy file is read and reviewed by people. So this edits the text: PyYAML's composer gives the position of
 every node, and the edit is either the existing `cap` value replaced in place or one new `cap: N` line after
 the backend's last key, at that mapping's indentation (`, cap: N` in a flow mapping `{...}`). The result
-must load to exactly the old document with that one value set, and must pass gateway.config.parse_policy,
+must load to exactly the old document with that one value set, and must pass policies.config.parse_policy,
 before it atomically replaces the file (same directory, same mode, through a symlink to its target).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.config import PolicyError, backend_name, parse_policy
+from policies.config import PolicyError, backend_name, parse_policy
 
 
 class CapFileError(Exception):

@@ -5,9 +5,15 @@ Labels carry only model and backend names, statuses and error kinds: never keys,
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 
-from gateway.memo import Memo
+from policies.memo import Memo
 
 disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
 
@@ -100,7 +106,7 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
-        # children looked up once (gateway/memo.py): the calls below run for every request
+        # children looked up once (policies/memo.py): the calls below run for every request
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
         self.requests_by = Memo(self.requests.labels)
         self.ttft_by = Memo(self.time_to_first_token.labels)

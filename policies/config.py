@@ -12,7 +12,14 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
