@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from backends.egress import Resolver, SystemResolver
 from backends.replicas import DOWN, Replica
 from backends.upstream import new_client
+from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.background import Background
@@ -33,7 +34,7 @@ from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
 from policies.admission import Admission
 from policies.auth import Authenticate, Authorize
-from policies.compile import rented_providers, replica_set
+from policies.compile import rented_providers, replica_set, routing_profiles
 from policies.config import Policy
 from policies.egress import check_backends, exempt_origins
 from policies.errors import (
@@ -51,7 +52,7 @@ from policies.network import ClientNetwork
 from policies.pipeline import Pipeline
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
-from policies.routing import Profile
+from policies.routing import Stats
 from policies.store import StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
@@ -67,8 +68,12 @@ class Gateway:
         self.replicas = replica_set(policy, on_change=self._replica_changed)
         for replica in self.replicas:
             self._replica_changed(replica)
-        self.profile = Profile.from_config(policy.routing.scorers)
-        self.admission = Admission(policy, self.replicas, self.profile, self.metrics)
+        scrape = policy.routing.scrape
+        self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
+                               on_scrape=self._scraped)
+        self.profiles = routing_profiles(policy, Stats(self.scraper.stats if scrape.enabled else None),
+                                         self.metrics)
+        self.admission = Admission(policy, self.replicas, self.profiles, self.metrics)
         self.rented = rented_providers(policy)
         store = policy.store
         options = {"prefix": store.prefix} if store.kind == "redis" else {}
@@ -112,6 +117,9 @@ class Gateway:
         if admission is not None:
             admission.replica_changed(replica)
 
+    def _scraped(self, replica: Replica, stats, error: str | None) -> None:
+        self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
+
     def _egress_refused(self, host: str, _port: int, _address: str) -> None:
         self.metrics.egress_refused.labels(host).inc()
 
@@ -126,13 +134,17 @@ class Gateway:
         )
         overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
         self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
-        checks = asyncio.create_task(self.replicas.run_checks(client, t.health_check))
+        loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
+        if self.policy.routing.scrape.enabled:
+            loops.append(asyncio.create_task(self.scraper.run(client)))
         try:
             yield
         finally:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
+            for loop in loops:
+                loop.cancel()
+            for loop in loops:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
             self.proxy.access_log.flush()
             self.background.run(self.record_usage.flush())
             await self.background.drain(timeout=5)

@@ -112,7 +112,8 @@ class Proxy:
             before = time.perf_counter()
             try:
                 replica = await self.admission.acquire(
-                    call.model, owner, exclude=tried, spill_after=overflow.when_wait_exceeds if overflow else None
+                    call.model, owner, exclude=tried, spill_after=overflow.when_wait_exceeds if overflow else None,
+                    call=call,
                 )
             except WouldWait:
                 return await self.rent(call, before)

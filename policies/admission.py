@@ -29,6 +29,7 @@ from policies.config import Policy, Queue
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
+from policies.pipeline import Call
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
@@ -58,6 +59,7 @@ class DrainRate:
 class Waiter:
     owner: str
     exclude: Sequence[Replica]
+    call: Call | None = None
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -76,26 +78,27 @@ class ModelQueue:
         self.last_cut: dict[Replica, float] = {}
         self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, model))  # by replica name
 
-    def free_replica(self, exclude: Sequence[Replica]) -> Replica | None:
-        return self.profile.pick([r for r in self.replicas if r.has_room], exclude=exclude)
+    def free_replica(self, call: Call | None, exclude: Sequence[Replica]) -> Replica | None:
+        return self.profile.pick(call, [r for r in self.replicas if r.has_room], exclude=exclude)
 
     def take(self, replica: Replica) -> Replica:
         replica.in_flight += 1
         self.in_flight_gauge(replica.name).inc()
         return replica
 
-    async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None) -> Replica:
+    async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None,
+                      call: Call | None = None) -> Replica:
         if not any(r.routable and r not in exclude for r in self.replicas):
             raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
         if self.depth == 0:
-            replica = self.free_replica(exclude)
+            replica = self.free_replica(call, exclude)
             if replica is not None:
                 return self.take(replica)
         if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after() > spill_after):
             raise WouldWait
         if self.depth >= self.config.max_depth:
             self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full")
-        waiter = Waiter(owner, exclude)
+        waiter = Waiter(owner, exclude, call)
         self.push(waiter)
         started = time.monotonic()
         try:
@@ -145,7 +148,7 @@ class ModelQueue:
         skipped: list[Waiter] = []  # waiters whose only free replica is one they already failed on
         while self.depth and any(r.routable and r.has_room for r in self.replicas):
             waiter = self.pop()
-            replica = self.free_replica(waiter.exclude)
+            replica = self.free_replica(waiter.call, waiter.exclude)
             if replica is None:
                 skipped.append(waiter)
                 continue
@@ -209,18 +212,20 @@ class ModelQueue:
 
 
 class Admission:
-    def __init__(self, policy: Policy, replicas: ReplicaSet, profile: Profile, metrics: GatewayMetrics) -> None:
+    def __init__(self, policy: Policy, replicas: ReplicaSet, profiles: dict[str, Profile],
+                 metrics: GatewayMetrics) -> None:
         self.queues = {
-            m.name: ModelQueue(m.name, replicas.by_model[m.name], m.queue, profile, metrics) for m in policy.models
+            m.name: ModelQueue(m.name, replicas.by_model[m.name], m.queue, profiles[m.name], metrics)
+            for m in policy.models
         }
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
 
     async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = (),
-                      spill_after: float | None = None) -> Replica:
-        """A replica with room (counted in its in_flight); raises WouldWait instead of queueing longer than
-        `spill_after` seconds, when given."""
-        return await self.queues[model].acquire(owner, exclude, spill_after)
+                      spill_after: float | None = None, call: Call | None = None) -> Replica:
+        """A replica with room (counted in its in_flight), chosen by the model's routing profile for `call`;
+        raises WouldWait instead of queueing longer than `spill_after` seconds, when given."""
+        return await self.queues[model].acquire(owner, exclude, spill_after, call)
 
     def release(self, replica: Replica) -> None:
         self.queues[replica.model].release(replica)

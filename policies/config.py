@@ -62,23 +62,85 @@ class Server(Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
 
 
-class ScorerRef(Strict):
+class PluginRef(Strict):
+    """One routing plugin in a profile: its registered name, its weight (scorers) and its typed params."""
+
     name: str
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, le=1000)
+    params: dict[str, Any] = {}
+
+
+class RoutingProfile(Strict):
+    """filters -> weighted scorers -> picker (policies/routing/ documents each plugin and its params)."""
+
+    filters: list[PluginRef] = []
+    scorers: list[PluginRef] = []
+    picker: str = "max-score"
+
+    @model_validator(mode="after")
+    def known_plugins(self) -> RoutingProfile:
+        from policies.routing.registry import FILTERS, PICKERS, SCORERS
+
+        for kind, refs, registry in (("filter", self.filters, FILTERS), ("scorer", self.scorers, SCORERS)):
+            for ref in refs:
+                plugin = registry.get(ref.name)
+                if plugin is None:
+                    raise ValueError(f"unknown {kind} {ref.name!r}; known: {', '.join(sorted(registry))}")
+                try:
+                    plugin.Params.model_validate(ref.params)
+                except ValidationError as exc:
+                    problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                         for e in exc.errors(include_url=False))
+                    raise ValueError(f"{kind} {ref.name}: params: {problems}") from None
+        if self.picker not in PICKERS:
+            raise ValueError(f"unknown picker {self.picker!r}; known: {', '.join(sorted(PICKERS))}")
+        return self
+
+
+def _ref(name: str, weight: float = 1.0, **params: Any) -> PluginRef:
+    return PluginRef(name=name, weight=weight, params=params)
+
+
+# Profiles every policy has (a policy's own `routing.profiles` may add more or replace these by name).
+BUILTIN_PROFILES: dict[str, RoutingProfile] = {
+    # the prompt's cached prefix first, unless that replica is loaded past the guard; then vLLM's own queue
+    "default": RoutingProfile(scorers=[_ref("prefix-affinity", 4), _ref("vllm-queue", 2), _ref("least-in-flight")]),
+    "least-in-flight": RoutingProfile(scorers=[_ref("least-in-flight")]),
+    "vllm-queue": RoutingProfile(scorers=[_ref("vllm-queue", 2), _ref("least-in-flight")]),
+    "prefix-affinity": RoutingProfile(scorers=[_ref("prefix-affinity", 4), _ref("vllm-queue", 2),
+                                               _ref("least-in-flight")]),
+    "session-affinity": RoutingProfile(scorers=[_ref("session-affinity", 4), _ref("vllm-queue", 2),
+                                                _ref("least-in-flight")]),
+    "random": RoutingProfile(picker="random"),
+}
+
+
+class Scrape(Strict):
+    """Polling each owned replica's vLLM /metrics (load, KV cache, prefix cache) for routing."""
+
+    enabled: bool = True
+    interval: float = Field(0.25, ge=0.05, le=60)  # seconds between scrapes of every replica
+    timeout: float = Field(1.0, gt=0, le=60)  # one scrape; a slow or failed one leaves the stats to go stale
+    stale_after: float | None = Field(None, gt=0, le=600)  # older stats are ignored (default: 4 x interval, >= 1 s)
 
 
 class Routing(Strict):
-    scorers: list[ScorerRef] = [ScorerRef(name="least-in-flight")]
+    scrape: Scrape = Scrape()
+    default_profile: str = Field("default", pattern=NAME)  # for models that name none
+    profiles: dict[Annotated[str, Field(pattern=NAME)], RoutingProfile] = {}
 
-    @field_validator("scorers")
-    @classmethod
-    def known_scorers(cls, scorers: list[ScorerRef]) -> list[ScorerRef]:
-        from policies.routing import SCORERS
+    def profile(self, name: str) -> RoutingProfile:
+        return self.profiles.get(name) or BUILTIN_PROFILES[name]
 
-        for ref in scorers:
-            if ref.name not in SCORERS:
-                raise ValueError(f"unknown scorer {ref.name!r}; known: {', '.join(sorted(SCORERS))}")
-        return scorers
+    def known(self) -> set[str]:
+        return set(BUILTIN_PROFILES) | set(self.profiles)
+
+    @model_validator(mode="after")
+    def default_exists(self) -> Routing:
+        if self.default_profile not in self.known():
+            raise ValueError(f"default_profile {self.default_profile!r} is not a profile; known: "
+                             f"{', '.join(sorted(self.known()))}")
+        return self
 
 
 class Store(Strict):
@@ -218,6 +280,7 @@ class Model(Strict):
     limits: LimitValues | None = None  # the model's totals across every key
     queue: Queue = Queue()
     overflow: Overflow | None = None  # None: this model never leaves the cluster
+    routing: str | None = Field(None, pattern=NAME)  # a routing profile's name (default: routing.default_profile)
     backends: list[Backend] = Field(min_length=1)
 
 
@@ -250,6 +313,10 @@ class Policy(Strict):
                 if name in backend_names:
                     raise ValueError(f"backend name {name!r} is used twice")
                 backend_names.add(name)
+        for model in self.models:
+            if model.routing is not None and model.routing not in self.routing.known():
+                raise ValueError(f"model {model.name}: routing profile {model.routing!r} is not defined; known: "
+                                 f"{', '.join(sorted(self.routing.known()))}")
         providers = {p.name: p for p in self.providers}
         if len(providers) != len(self.providers):
             raise ValueError("provider names must be unique")
@@ -262,6 +329,11 @@ class Policy(Strict):
             if model.name not in provider.models:
                 raise ValueError(f"model {model.name}: provider {provider.name} has no mapping for it")
         return self
+
+
+def profile_of(policy: Policy, model: Model) -> tuple[str, RoutingProfile]:
+    name = model.routing or policy.routing.default_profile
+    return name, policy.routing.profile(name)
 
 
 def backend_name(model: Model, index: int) -> str:

@@ -106,10 +106,35 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
+        self.routing_decisions = Counter(
+            "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"
+            " scorer's favourite was picked (agreed/overruled) or what it saw (prefix-affinity: hit, miss,"
+            " load_guard, no_prompt; session-affinity: pinned, no_session).", ["model", "scorer", "outcome"],
+            registry=r,
+        )
+        self.prefix_match_chars = Histogram(
+            "llm_gateway_routing_prefix_match_chars", "Prompt characters the chosen replica was expected to hold"
+            " in its prefix cache (prefix-affinity's match).", ["model"],
+            buckets=(0, 64, 256, 1024, 4096, 16384, 65536, 262144), registry=r,
+        )
+        self.prefix_match_ratio = Histogram(
+            "llm_gateway_routing_prefix_match_ratio", "Fraction of the prompt's blocks the chosen replica was"
+            " expected to hold in its prefix cache.", ["model"],
+            buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r,
+        )
+        self.scrape_errors = Counter(
+            "llm_gateway_vllm_scrape_errors", "Failed scrapes of a backend's vLLM /metrics (routing then treats"
+            " its stats as unknown once they are stale).", ["model", "backend"], registry=r,
+        )
+        self.scrape_age = Gauge(
+            "llm_gateway_vllm_scrape_age_seconds", "Seconds since the last good scrape of a backend's vLLM"
+            " /metrics, as of the last attempt.", ["model", "backend"], registry=r,
+        )
         # children looked up once (policies/memo.py): the calls below run for every request
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
         self.requests_by = Memo(self.requests.labels)
         self.ttft_by = Memo(self.time_to_first_token.labels)
+        self.decisions_by = Memo(self.routing_decisions.labels)
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
                       completion: int, served_by: str | None) -> None:
@@ -127,6 +152,19 @@ class GatewayMetrics:
             served.inc()
             if prompt + completion:
                 tokens.inc(prompt + completion)
+
+    def decision(self, model: str, scorer: str, outcome: str) -> None:
+        self.decisions_by(model, scorer, outcome).inc()
+
+    def prefix_match(self, model: str, chars: int, ratio: float) -> None:
+        self.prefix_match_chars.labels(model).observe(chars)
+        self.prefix_match_ratio.labels(model).observe(ratio)
+
+    def scraped(self, model: str, backend: str, age: float | None, failed: bool) -> None:
+        if failed:
+            self.scrape_errors.labels(model, backend).inc()
+        if age is not None:
+            self.scrape_age.labels(model, backend).set(age)
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft_by(model).observe(seconds)

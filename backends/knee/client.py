@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from backends.vllm_stats import parse_metrics
+
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
@@ -108,20 +110,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers:
 
 
 def parse_gauges(text: str) -> dict[str, float]:
-    """Sum each of GAUGES over its series (one per engine) from a Prometheus text exposition."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        for name in GAUGES:
-            if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-                value = line[line.rindex("}") + 1:] if "}" in line else line[len(name):]
-                try:
-                    out[name] = out.get(name, 0.0) + float(value.split()[0])
-                except (ValueError, IndexError):
-                    pass
-                break
-    return out
+    """Each of GAUGES summed over its series (one per engine), read by the gateway's own scraper's parser."""
+    stats = parse_metrics(text)
+    values = dict(zip(GAUGES, (stats.running, stats.waiting, stats.kv_usage)))
+    return {name: value for name, value in values.items() if value is not None}
 
 
 async def scrape_gauges(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict[str, float] | None:

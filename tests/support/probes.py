@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import subprocess
 import time
 
@@ -33,3 +35,13 @@ def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float, what: str) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} was not ready after {timeout} s")
         time.sleep(0.1)
+
+
+async def eventually(predicate, timeout: float = 20.0, every: float = 0.05) -> None:
+    """Await `predicate()` until it is true; the bound is generous because these machines are slow and shared."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(every)
+    raise AssertionError(f"condition not reached within {timeout:g} s")

@@ -10,13 +10,15 @@ from policies.admission import ModelQueue
 from policies.config import Queue
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.metrics import GatewayMetrics
-from policies.routing import LeastInFlight, Profile
+from policies.routing.least_in_flight import LeastInFlight
+from policies.routing.pickers import MaxScore
+from policies.routing.profile import Profile
 
 
 def make(caps=(1,), **queue):
     replicas = [Replica(name=f"r{i}", model="m", url="http://10.0.0.1:1", served_name="m", cap=c)
                 for i, c in enumerate(caps)]
-    q = ModelQueue("m", replicas, Queue(**queue), Profile([(LeastInFlight(), 1.0)], random.Random(0)),
+    q = ModelQueue("m", replicas, Queue(**queue), Profile([(LeastInFlight(), 1.0)], picker=MaxScore(random.Random(0))),
                    GatewayMetrics())
     return q, replicas
 

@@ -41,7 +41,11 @@ def test_good_policy_parses_with_defaults():
         ("models:\n  - name: a\n    name: b\n", "duplicate key 'name'"),
         ("models: [", "not valid YAML"),
         ("- a\n", "must be a mapping"),
-        (GOOD + "routing: {scorers: [{name: fastest}]}\n", "unknown scorer 'fastest'"),
+        (GOOD + "routing: {profiles: {p: {scorers: [{name: fastest}]}}}\n", "unknown scorer 'fastest'"),
+        (GOOD + "routing: {profiles: {p: {scorers: [{name: prefix-affinity, params: {imbalance: -1}}]}}}\n",
+         "prefix-affinity: params: imbalance: Input should be greater than or equal to 0"),
+        (GOOD + "routing: {default_profile: nope}\n", "default_profile 'nope' is not a profile"),
+        (GOOD.replace("    backends:", "    routing: nope\n    backends:", 1), "routing profile 'nope' is not defined"),
     ],
 )
 def test_bad_policy_names_the_field(text, expected):

@@ -1,0 +1,15 @@
+"""Choosing the replica that serves a request: per model a profile of filters, weighted scorers and a picker.
+
+A profile runs in three steps (profile.py): drop the replicas that cannot serve (filters), score the rest in
+[0, 1] with each scorer times its weight, let the picker choose. Scorers see the request (`Call`) and a
+per-replica stats view (what each vLLM reports about itself, scraped by backends/vllm_stats.py, plus this
+gateway's own in-flight counts); those that learn (prefix affinity) are told what was picked. A new plugin
+is one module and one line in registry.py; its parameters are a pydantic model it declares, so the policy
+file's `routing.profiles.*.scorers[].params` is checked like every other field.
+"""
+
+from policies.routing.base import Candidate, Stats
+from policies.routing.profile import Profile, build_profile
+from policies.routing.registry import FILTERS, PICKERS, SCORERS
+
+__all__ = ["Candidate", "Stats", "Profile", "build_profile", "FILTERS", "PICKERS", "SCORERS"]

@@ -1,0 +1,87 @@
+"""The shapes routing plugins share: what they are given and what they return."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from backends.replicas import Replica
+from backends.vllm_stats import VLLMStats
+from policies.pipeline import Call
+
+Candidate = Replica
+
+
+class Params(BaseModel):
+    """A plugin's parameters from the policy file; unknown fields are errors, as everywhere in it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Stats:
+    """The per-replica view scorers read: the replica's latest fresh vLLM scrape (None when unknown or stale)
+    and this gateway's own in-flight count, combined into one load figure."""
+
+    __slots__ = ("vllm",)
+
+    def __init__(self, vllm: Callable[[Replica], VLLMStats | None] | None = None) -> None:
+        self.vllm = vllm or (lambda replica: None)
+
+    def load(self, replica: Replica) -> float:
+        """Requests the replica holds: vLLM's running + waiting when fresh (load from every client), never less
+        than what this gateway has in flight to it right now (the scrape lags by up to its interval)."""
+        stats = self.vllm(replica)
+        own = float(replica.in_flight)
+        if stats is None or stats.load is None:
+            return own
+        return max(own, stats.load)
+
+
+class Filter(Protocol):
+    name: str
+
+    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+        """The candidates that may serve this call (a filter that would drop them all keeps them all)."""
+
+
+class Scorer(Protocol):
+    name: str
+    outcome: str | None  # set by score() when the scorer has something to say for the metrics (e.g. "hit")
+
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+        """One score in [0, 1] per candidate; higher is better. Values outside are clamped."""
+
+    def picked(self, call: Call, replica: Candidate) -> None:
+        """The replica the profile chose (learning scorers remember it; the others do nothing)."""
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, candidates: Sequence[Candidate], totals: list[float]) -> Candidate:
+        """One of the candidates, given their weighted total scores."""
+
+
+class Stateless:
+    """For scorers that learn nothing from a pick (the profile does not call their `picked`) and, unless they
+    say otherwise, take no params."""
+
+    Params = Params
+    outcome: str | None = None
+    learns = False
+
+    def __init__(self, params: Params | None = None, metrics=None) -> None:
+        pass
+
+    def picked(self, call: Call, replica: Candidate) -> None:
+        return None
+
+
+def relative_load(loads: list[float]) -> list[float]:
+    """1 for the least loaded, 0 for the most, linear between; all 1 when nothing is in flight."""
+    most = max(loads)
+    if most <= 0:
+        return [1.0] * len(loads)
+    return [1.0 - load / most for load in loads]

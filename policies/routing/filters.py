@@ -1,0 +1,34 @@
+"""Filters: drop candidates that should not serve a call. A filter that would leave none keeps them all."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from policies.pipeline import Call
+from policies.routing.base import Candidate, Stats
+from policies.routing.base import Params as BaseParams
+
+
+class KVHeadroomParams(BaseParams):
+    max_usage: float = Field(0.95, gt=0, le=1)
+
+
+class KVHeadroom:
+    """Skip replicas whose vLLM reports its KV cache at least `max_usage` full: a request sent there waits
+    for blocks (or preempts others) while another replica has room."""
+
+    name = "kv-headroom"
+    Params = KVHeadroomParams
+
+    def __init__(self, params: KVHeadroomParams | None = None, metrics=None) -> None:
+        self.max_usage = (params or KVHeadroomParams()).max_usage
+
+    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+        kept = []
+        for replica in candidates:
+            s = stats.vllm(replica)
+            if s is None or s.kv_usage is None or s.kv_usage < self.max_usage:
+                kept.append(replica)
+        return kept or list(candidates)

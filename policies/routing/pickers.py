@@ -1,0 +1,34 @@
+"""Pickers: the last step of a profile, choosing among candidates by their weighted total scores."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from policies.routing.base import Candidate
+
+
+class MaxScore:
+    """The highest total; random among equals, so ties spread load."""
+
+    name = "max-score"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, candidates: Sequence[Candidate], totals: list[float]) -> Candidate:
+        best = max(totals)
+        tied = [c for c, t in zip(candidates, totals) if t == best]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+
+class Random:
+    """Uniformly at random, whatever the scores (a baseline for benchmarks)."""
+
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, candidates: Sequence[Candidate], totals: list[float]) -> Candidate:
+        return self.rng.choice(list(candidates))

@@ -1,0 +1,15 @@
+"""Every routing plugin by the name the policy file uses. A new plugin is one module and one line here."""
+
+from __future__ import annotations
+
+from policies.routing.filters import KVHeadroom
+from policies.routing.kv_cache import KVCache
+from policies.routing.least_in_flight import LeastInFlight
+from policies.routing.pickers import MaxScore, Random
+from policies.routing.prefix_affinity import PrefixAffinity
+from policies.routing.session_affinity import SessionAffinity
+from policies.routing.vllm_queue import VLLMQueue
+
+FILTERS: dict[str, type] = {f.name: f for f in (KVHeadroom,)}
+SCORERS: dict[str, type] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity, SessionAffinity)}
+PICKERS: dict[str, type] = {p.name: p for p in (MaxScore, Random)}

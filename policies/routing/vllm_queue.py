@@ -1,0 +1,16 @@
+"""Prefer the replica whose vLLM holds the fewest requests (running + waiting), so load that other gateway
+replicas or direct clients put on a backend counts too. Without a fresh scrape, this gateway's own in-flight
+count stands in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from policies.pipeline import Call
+from policies.routing.base import Candidate, Stateless, Stats, relative_load
+
+
+class VLLMQueue(Stateless):
+    name = "vllm-queue"
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+        return relative_load([stats.load(r) for r in candidates])
