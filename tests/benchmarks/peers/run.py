@@ -72,6 +72,10 @@ from tests.benchmarks.peers.systems import (
 
 REPO = Path(__file__).resolve().parents[3]
 PEERS = ["LiteLLM", "vllm-router", "nginx"]
+ROUTING_COMPARE = [  # (column, routing profile): two replicas per model, so the profile has a choice to make
+    ("gateway x2 default routing", "default"),
+    ("gateway x2 least-in-flight", "least-in-flight"),
+]
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),
@@ -502,6 +506,9 @@ def parse_args(argv=None):
     p.add_argument("--gateway-env", action="append", default=[], help="NAME=VALUE for the gateway (repeatable)")
     p.add_argument("--knobs", action="store_true",
                    help="also measure the gateway with settings that need no code change, as extra columns")
+    p.add_argument("--routing-compare", action="store_true",
+                   help="also measure the gateway with two replicas per model under the default routing profile and"
+                        " under least-in-flight alone (what routing costs per request)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -548,6 +555,12 @@ def main(argv=None) -> int:
                 log(f"starting {label} on core {SUT_CORE}")
                 systems.append(start_gateway(procs, work, standin, name=label, env_extra={**env, **extra_env},
                                              args=[*args.gateway_arg, *extra_args]))
+        if args.routing_compare and "gateway" in wanted:
+            for label, profile in ROUTING_COMPARE:
+                log(f"starting {label} on core {SUT_CORE}")
+                systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                                             args=args.gateway_arg, routing=profile, replicas=2))
+                systems[-1].name = label
         for system in systems:
             smoke(system)
         by_name = {s.name: s for s in systems}
@@ -602,6 +615,14 @@ def main(argv=None) -> int:
     print()
     for label, ok, detail in checks:
         print(f"{'MET   ' if ok else 'MISSED'} {label}: {detail}")
+    (dflt, _), (lif, _) = ROUTING_COMPARE
+    if dflt in samples and lif in samples and median(samples[lif].rps):
+        ratio = median(samples[dflt].rps) / median(samples[lif].rps)
+        print(f"{'MET   ' if ratio >= 0.9 else 'MISSED'} default routing profile within 10% of least-in-flight:"
+              f" {median(samples[dflt].rps):,.0f} vs {median(samples[lif].rps):,.0f} req/s at c=64 ="
+              f" {ratio:.1%} (per round: "
+              + ", ".join(f"{a / b:.0%}" for a, b in zip(samples[dflt].rps, samples[lif].rps) if b)
+              + f"); CPU ms per request {median(samples[dflt].cpu_ms):.3f} vs {median(samples[lif].cpu_ms):.3f}")
     rounds = per_round(samples)
     if rounds:
         print(rounds)

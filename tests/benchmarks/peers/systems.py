@@ -73,8 +73,11 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 
 
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
-                  env_extra: dict[str, str] | None = None, args: list[str] | None = None) -> System:
-    """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued."""
+                  env_extra: dict[str, str] | None = None, args: list[str] | None = None,
+                  routing: str | None = None, replicas: int = 1) -> System:
+    """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
+    `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
+    profile has candidates to score (they share one stand-in, so the backend's speed is the same)."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -86,11 +89,13 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
         "store": {"kind": "sqlite", "path": str(dir / "keys.db")},
         "models": [
             {"name": MODEL, "limits": HIGH, "queue": {"max_depth": 10_000},
-             "backends": [{"url": f"http://127.0.0.1:{standin.json_port}"}]},
+             "backends": [{"url": f"http://127.0.0.1:{standin.json_port}"}] * replicas},
             {"name": STREAM_MODEL, "limits": HIGH, "queue": {"max_depth": 10_000},
-             "backends": [{"url": f"http://127.0.0.1:{standin.sse_port}"}]},
+             "backends": [{"url": f"http://127.0.0.1:{standin.sse_port}"}] * replicas},
         ],
     }
+    if routing is not None:
+        policy["routing"] = {"default_profile": routing}
     (dir / "policy.yaml").write_text(yaml.safe_dump(policy))
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, **(env_extra or {})}
