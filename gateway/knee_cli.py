@@ -54,6 +54,12 @@ def add_commands(sub) -> None:
     window = knee.add_mutually_exclusive_group()
     window.add_argument("--duration", type=_positive(float), help="seconds measured per level (default 10)")
     window.add_argument("--requests", type=_positive(int), help="completed requests measured per level")
+    knee.add_argument("--min-requests", type=_positive(int), metavar="N",
+                      help="with --duration: keep each level's window open until at least N requests completed "
+                           "in it (a slow server then takes longer instead of giving a window without latencies)")
+    knee.add_argument("--max-level-time", type=_positive(float), default=300.0, metavar="SECONDS",
+                      help="with --requests or --min-requests: the longest one level's window may take "
+                           "(default 300)")
     knee.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per level (default 2)")
     knee.add_argument("--slo-ttft-p99", type=_positive(float), metavar="SECONDS",
                       help="never recommend a level whose TTFT p99 exceeds this")
@@ -81,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return _fail(f"--url must be an http:// or https:// base URL, got {args.url!r}", 2)
+    if args.min_requests and args.requests:
+        return _fail("--min-requests goes with --duration, not --requests", 2)
     if bool(args.write_cap) != bool(args.backend):
         return _fail("--write-cap and --backend go together", 2)
     if args.write_cap:  # a typo in the backend's name should fail now, not after a long sweep
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         spec = SweepSpec(url=args.url.rstrip("/"), model=args.model, levels=args.levels,
                          prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                          duration=None if args.requests else (args.duration or 10.0), requests=args.requests,
-                         warmup=args.warmup, api_key=args.api_key, request_timeout=args.request_timeout,
+                         min_requests=args.min_requests, max_level_time=args.max_level_time, warmup=args.warmup, api_key=args.api_key, request_timeout=args.request_timeout,
                          max_time=args.max_time)
     except (OSError, ValueError) as exc:
         return _fail(str(exc), 2)

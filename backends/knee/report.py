@@ -84,6 +84,10 @@ def format_table(report: dict) -> str:
     lines += ["", f"{verdict} ({knee['reason']})"]
     if report.get("stopped"):
         lines.append(f"note: {report['stopped']}")
+    short = [r for r in report["levels"] if not r.get("complete", True)]
+    if short:
+        lines.append("note: the time limit closed the window before enough requests completed at "
+                     + ", ".join(f"c={r['concurrency']} ({r['requests']} completed)" for r in short))
     return "\n".join(lines)
 
 
@@ -184,4 +188,7 @@ def _nan(values: list[float | None], fill: float = float("nan")) -> list[float]:
 
 
 def _window(inputs: dict) -> str:
-    return f"{inputs['duration']:g} s" if inputs.get("duration") else f"{inputs['requests']} requests"
+    if not inputs.get("duration"):
+        return f"{inputs['requests']} requests"
+    more = f" and at least {inputs['min_requests']} requests" if inputs.get("min_requests") else ""
+    return f"{inputs['duration']:g} s{more}"

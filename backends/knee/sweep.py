@@ -4,8 +4,11 @@ At level c, c workers each send the next request as soon as their previous one e
 are in flight all the time (the way a gateway cap would hold it). Each level has a warm-up that is not
 measured: `warmup` seconds and, on top, until every worker has finished one request (bounded by the request
 timeout), so the queue has reached its steady state before the window opens. Then a window of `duration`
-seconds, or until `requests` requests have completed. When the window closes, requests still in flight are
-cancelled (the server aborts them), so the load stays at c for the whole window and never drains into it.
+seconds, or until `requests` requests have completed. With `min_requests`, a `duration` window stays open
+past its seconds until at least that many requests completed in it: a slow or busy server then takes longer
+instead of yielding a window with no latency figures in it (a fixed window on a server that finishes a request
+every few seconds may see none). When the window closes, requests still in flight are cancelled (the server
+aborts them), so the load stays at c for the whole window and never drains into it.
 
 Output tokens/s counts the output chunks that arrived inside the window, from every request including those
 cut off at its ends, times the level's tokens per chunk (usage.completion_tokens over chunks; 1 on vLLM).
@@ -17,7 +20,8 @@ level, warm-up included. vLLM's running/waiting/KV-cache gauges are scraped from
 about every `metrics_interval` seconds (jittered) during the window.
 
 Every wait is bounded: a request by `request_timeout`, a warm-up by warmup + request_timeout, a window by
-`duration` (or `max_level_time` with `requests`), the whole sweep by `max_time`.
+`duration` (or `max_level_time` with `requests` or `min_requests`), the whole sweep by `max_time`. A level whose
+window closed on `max_level_time` before its requests completed is marked `complete=False`.
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ class SweepSpec:
     output_tokens: int = 64
     duration: float | None = 10.0  # seconds measured per level, unless `requests` is set
     requests: int | None = None  # completed requests measured per level
+    min_requests: int | None = None  # with `duration`: keep the window open until this many completed
     warmup: float = 2.0
     api_key: str | None = None
     request_timeout: float = 60.0
-    max_level_time: float = 300.0  # with `requests`: the longest a level's window may take
+    max_level_time: float = 300.0  # with `requests` or `min_requests`: the longest a level's window may take
     max_time: float = 3600.0  # the whole sweep
     metrics_interval: float = 0.5
     stop_on_errors: bool = True  # higher levels cannot be recommended once a level fails
@@ -69,9 +74,12 @@ class SweepSpec:
             raise ValueError("set exactly one of duration and requests")
         if self.duration is not None and self.duration <= 0 or self.requests is not None and self.requests < 1:
             raise ValueError("duration and requests must be positive")
+        if self.min_requests is not None and (self.duration is None or self.min_requests < 1):
+            raise ValueError("min_requests must be positive and goes with duration")
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError("prompt and output tokens must be positive")
-        if self.warmup < 0 or self.request_timeout <= 0 or self.max_time <= 0 or self.metrics_interval <= 0:
+        if (self.warmup < 0 or self.request_timeout <= 0 or self.max_time <= 0 or self.metrics_interval <= 0
+                or self.max_level_time <= 0):
             raise ValueError("times must be positive")
 
     def public(self) -> dict:
@@ -186,6 +194,8 @@ class _Level:
             if self.spec.requests is not None and len(self.measured) >= self.spec.requests:
                 self.t1 = sample.end
                 self.enough.set()
+            elif self.spec.min_requests is not None and len(self.measured) >= self.spec.min_requests:
+                self.enough.set()  # the window may close once its seconds are over too
 
     def on_chunk(self, now: float) -> None:
         if self.t0 is not None and self.t1 is None and not self.closed and now >= self.t0:
@@ -202,6 +212,8 @@ class _Level:
         ttft = percentile([s.ttft for s in done if s.ttft is not None], 99)
         g = self.gauges[-1] if self.gauges else {}
         target = f"{self.spec.duration:g} s" if self.spec.duration else f"{self.spec.requests} reqs"
+        if self.spec.min_requests:
+            target += f" + {self.spec.min_requests} reqs"
         return (f"c={self.concurrency:<4} {index} {phase:<7} {window:5.1f} s of {target}  reqs {len(done):<5} "
                 f"{tps:8.0f} tok/s  TTFT p99 {_ms(ttft):>6}  running {_num(g.get(GAUGES[0]))} "
                 f"waiting {_num(g.get(GAUGES[1]))}  errors {self.errors}")
@@ -221,7 +233,7 @@ class _Level:
             e2e_p50_s=percentile([s.end - s.start for s in done], 50),
             prompt_tokens_mean=sum(prompts) / len(prompts) if prompts else None,
             gauge_samples=len(self.gauges),
-            complete=self.spec.requests is None or len(done) >= self.spec.requests,
+            complete=len(done) >= (self.spec.requests or self.spec.min_requests or 0),
             error_examples=self.examples,
         )
         for name, attr in zip(GAUGES, ("running", "waiting", "kv_cache")):
@@ -315,6 +327,10 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
         limit = max(0.0, min(spec.duration or spec.max_level_time, deadline - level.t0))
         if spec.requests is None:
             await asyncio.sleep(limit)
+            if spec.min_requests is not None and not level.enough.is_set():
+                more = max(0.0, min(spec.max_level_time, deadline - level.t0) - limit)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(level.enough.wait(), more)
         else:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(level.enough.wait(), limit)

@@ -325,6 +325,15 @@ class VLLMServer:
                 pass
             _wait_group_gone(pgid, timeout=5.0)
 
+    def pause(self) -> None:
+        """SIGSTOP the process group: it keeps its port and memory but takes no CPU until resume()."""
+        if self.is_running():
+            _signal_group(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGCONT)
+
     def restart(self, timeout: float = 120.0) -> float:
         """stop() (if running), start() on the same port, wait_ready(); return seconds until ready."""
         self.stop()
@@ -494,6 +503,11 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+def running_servers() -> list[VLLMServer]:
+    """The servers this process started that are still running."""
+    return [s for s in list(_live) if s.is_running()]
 
 
 def start_many(servers: Iterable[VLLMServer], timeout: float = 180.0, parallel: bool = True) -> dict[str, float]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import matplotlib.image
 
-from backends.knee.report import build_report, write_json, write_png
+from backends.knee.report import build_report, format_table, write_json, write_png
 from backends.knee.sweep import Progress, SweepSpec, run_sweep
 from backends.simulator import SimConfig, create_app
 from tests.support.probes import metric_sum
@@ -26,8 +26,10 @@ LEVELS = (1, 2, 4, 8, 16, 32)
 
 
 def spec(url: str, **overrides) -> SweepSpec:
+    # min_requests: on a busy machine a 1 s window still holds enough finished requests for a TTFT p99
     values = {"url": url, "model": "sim-8", "levels": LEVELS, "prompt_tokens": 64, "output_tokens": 16,
-              "duration": 1.0, "warmup": 0.3, "request_timeout": 10, "max_time": 60, "metrics_interval": 0.2}
+              "duration": 1.0, "min_requests": 8, "max_level_time": 60, "warmup": 0.3, "request_timeout": 10,
+              "max_time": 300, "metrics_interval": 0.2}
     return SweepSpec(**{**values, **overrides})
 
 
@@ -50,7 +52,7 @@ async def test_sweep_finds_the_batch_cap_and_sees_the_queue(tmp_path):
     by_c = {r.concurrency: r for r in result.levels}
     assert list(by_c) == list(LEVELS) and result.stopped is None
     for r in result.levels:
-        assert r.errors == 0 and r.requests > 0 and r.gauge_samples > 0
+        assert r.errors == 0 and r.complete and r.requests >= 8 and r.gauge_samples > 0
         assert r.running_max <= 8
         assert abs(r.prompt_tokens_mean - 64) <= 64 * 0.1  # the calibrated prompt length
     peak = max(r.output_tokens_per_s for r in result.levels)
@@ -73,13 +75,25 @@ async def test_sweep_finds_the_batch_cap_and_sees_the_queue(tmp_path):
 async def test_request_count_windows_and_failing_levels():
     async with serve_app(create_app(CAPPED)) as url:
         quiet = Progress(io.StringIO(), live=False)
-        counted = await run_sweep(spec(url, levels=(2, 8), duration=None, requests=8, warmup=0), quiet)
+        counted = await run_sweep(spec(url, levels=(2, 8), duration=None, min_requests=None, requests=8, warmup=0),
+                                  quiet)
+        # a window of 0.05 s stays open until 40 requests finished (~0.7 s at c=2); with a limit of 0.2 s it
+        # closes short of them, and says so
+        at_least = await run_sweep(spec(url, levels=(2,), duration=0.05, min_requests=40, warmup=0), quiet)
+        cut = await run_sweep(spec(url, levels=(2,), duration=0.05, min_requests=1000, max_level_time=0.2,
+                                   warmup=0), quiet)
         # At 32 in flight a request queues ~0.7 s for its first token: past a 0.5 s timeout, so 32 fails,
         # the sweep stops there (64 is never run) and the knee comes from the levels below.
-        failing = await run_sweep(spec(url, levels=(1, 2, 32, 64), duration=1.0, warmup=0, request_timeout=0.5),
+        failing = await run_sweep(spec(url, levels=(1, 2, 32, 64), duration=1.0, min_requests=None, warmup=0,
+                                       request_timeout=0.5),
                                   quiet)
     assert [(r.concurrency, r.requests, r.complete, r.errors) for r in counted.levels] == [(2, 8, True, 0),
                                                                                           (8, 8, True, 0)]
+    [level] = at_least.levels
+    assert level.complete and level.requests >= 40 and level.window_s > 0.05
+    [level] = cut.levels
+    assert not level.complete and level.requests < 1000 and 0.15 < level.window_s < 5
+    assert "the time limit closed the window" in format_table(build_report(cut))
     assert [r.concurrency for r in failing.levels] == [1, 2, 32]
     assert failing.levels[-1].errors > 0 and "timeout after 0.5 s" in failing.levels[-1].error_examples[0]
     assert "stopped after c=32" in failing.stopped
@@ -97,7 +111,7 @@ models:
 """
 
 
-async def run_cli(*args: str, timeout: float = 30) -> tuple[int, str, str]:
+async def run_cli(*args: str, timeout: float = 180) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "knee", *args,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
@@ -114,7 +128,7 @@ async def test_cli_sweeps_writes_files_and_the_cap(tmp_path):
         policy = tmp_path / "policy.yaml"
         policy.write_text(POLICY.format(url=url))
         code, out, err = await run_cli("--url", url, "--model", "sim-8", "--levels", "1,4,8,16", "--duration", "0.6",
-                                       "--warmup", "0.2", "--prompt-tokens", "64", "--output-tokens", "16",
+                                       "--min-requests", "8", "--max-level-time", "30", "--warmup", "0.2", "--prompt-tokens", "64", "--output-tokens", "16",
                                        "--out", str(tmp_path / "out"), "--write-cap", str(policy), "--backend", "sim-a")
     assert code == 0, err
     assert "<- cap" in out and "recommended cap:" in out
