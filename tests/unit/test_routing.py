@@ -35,13 +35,29 @@ def test_down_and_tried_replicas_are_skipped():
     assert p.pick(rs, exclude=[rs[1], rs[2]]) is None
 
 
-def test_scores_are_clamped_to_unit_interval():
-    class Wild:
-        name = "wild"
+class Fixed:
+    """A scorer that returns the given scores whatever the replicas: one out of [0, 1], to test the clamp."""
 
-        def score(self, rs):
-            return [50.0, -3.0]
+    name = "fixed"
 
-    rs = replicas(0, 0)
-    p = Profile([(Wild(), 1.0), (LeastInFlight(), 0.5)], rng=random.Random(1))
+    def __init__(self, *scores):
+        self.scores = list(scores)
+
+    def score(self, rs):
+        return self.scores
+
+
+def test_a_score_above_one_counts_as_one():
+    # r1 is free, r0 busy: least-in-flight (weight 2) gives r1 2.0, r0 0.0; the wild scorer's 50 for r0 must
+    # count as 1.0, so r1 wins 2.0 to 1.0. Without the clamp r0 would win 50 to 2.
+    rs = replicas(4, 0)
+    p = Profile([(Fixed(50.0, 0.0), 1.0), (LeastInFlight(), 2.0)], rng=random.Random(1))
+    assert p.pick(rs) is rs[1]
+
+
+def test_a_score_below_zero_counts_as_zero():
+    # r0 is free, r1 busy: least-in-flight (weight 0.5) gives r0 0.5, r1 0.0; the wild scorer's -10 for r0
+    # must count as 0.0, so r0 wins 0.5 to 0.0. Without the clamp r1 would win 0 to -9.5.
+    rs = replicas(0, 4)
+    p = Profile([(Fixed(-10.0, 0.0), 1.0), (LeastInFlight(), 0.5)], rng=random.Random(1))
     assert p.pick(rs) is rs[0]
