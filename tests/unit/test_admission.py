@@ -68,17 +68,33 @@ async def test_full_queue_and_deadline_are_429_with_retry_after():
     assert r.in_flight == 0
 
 
-async def test_retry_after_follows_the_drain_rate():
+class FakeClock:
+    """Stands in for the admission module's `time`: completions land exactly where the test puts them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_retry_after_follows_the_drain_rate(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("policies.admission.time", clock)
     q, (r,) = make(caps=(1,), max_wait=60)
-    for _ in range(11):  # 10 completions over ~0.5 s: ~20 per second
+    for _ in range(11):  # 10 completions over 0.5 s: 20 per second
         q.release(await q.acquire("k", ()))
-        await asyncio.sleep(0.05)
+        clock.now += 0.05
+    clock.now -= 0.05  # asked right at the last completion
     held = await q.acquire("k", ())
-    for _ in range(3):
-        asyncio.create_task(q.acquire("k", ()))
-    await asyncio.sleep(0.01)
-    assert 0.1 < q.retry_after() < 0.5  # (3 waiting + 1) / ~20 per second
-    del held
+    waiters = [asyncio.create_task(q.acquire("k", ())) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert q.depth == 3
+    assert q.retry_after() == pytest.approx(0.2)  # (3 waiting + 1) / 20 per second
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    q.release(held)
 
 
 async def test_cancelled_waiter_leaves_at_once_and_never_gets_a_slot():
