@@ -64,12 +64,13 @@ async def test_excess_beyond_the_queue_is_a_clean_429_for_the_sdk():
 
 async def test_client_leaving_the_queue_never_reaches_the_backend():
     rec = Recorder()
-    rec.mode = "slow:0.4"
-    async with serve_app(rec) as up, running_gateway(capped(up, 1)) as gw, \
-            httpx.AsyncClient(headers=AUTH, timeout=10) as http:
+    backend = InFlight(rec)
+    backend.gate.clear()  # the first request holds the one slot until the test lets it go
+    async with serve_app(backend) as up, running_gateway(capped(up, 1)) as gw, \
+            httpx.AsyncClient(headers=AUTH, timeout=30) as http:
         first = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 1}))
-        for _ in range(500):  # bounded: until the first is at the backend (it holds the one slot for 0.4 s)
-            if rec.requests:
+        for _ in range(1000):  # bounded: until the first is at the backend
+            if backend.now == 1:
                 break
             await asyncio.sleep(0.01)
         queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 2}))
@@ -85,8 +86,10 @@ async def test_client_leaving_the_queue_never_reaches_the_backend():
                 break
             await asyncio.sleep(0.02)
         assert await gw.metric("llm_gateway_queue_depth", model="m") == 0  # left at once, not at its turn
-        assert (await first).status_code == 200
+        backend.gate.set()
+        assert (await asyncio.wait_for(first, 10)).status_code == 200
         # a waiter left behind would have had the freed slot at once; a later request shows the order
-        assert (await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 3})).status_code == 200
-        assert [r["body"]["n"] for r in rec.requests] == [1, 3]
+        third = http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 3})
+        assert (await asyncio.wait_for(third, 10)).status_code == 200
+        assert [r["body"]["n"] for r in rec.requests] == [1, 3] and backend.served == 2
         assert await gw.metric("llm_gateway_requests_total", status="499") == 1
