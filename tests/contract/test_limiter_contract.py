@@ -88,7 +88,60 @@ async def test_all_or_nothing_across_scopes(limiter):
     assert ok.remaining_requests == 8 and ok.remaining_tokens == 10_000 - 2
 
 
-async def test_concurrent_burst_is_exact(limiter):
+async def test_concurrent_burst_is_exact(limiter, request):
+    # 200 acquisitions started together. Each is counted in flight from its call until its decision, so the
+    # peak shows how far they really overlapped. For Redis they go through four limiters on four connection
+    # pools, as four gateway replicas would, and all 200 are in flight at once (each waits on the network):
+    # only the server-side script's atomicity keeps the count at 25; a check and a take in two round trips
+    # (or a lock that only serializes one replica's calls) would admit far more.
     key = Scope("key:burst", requests_per_minute=25, max_concurrent=1000)
-    decisions = await asyncio.gather(*(limiter.acquire((key,), 1, f"b{i}", 60.0) for i in range(200)))
+    limiters, stores = [limiter], []
+    if isinstance(limiter, RedisLimiter):
+        for _ in range(3):
+            stores.append(open_store("redis", url=request.getfixturevalue("redis_server").url,
+                                     prefix=request.getfixturevalue("redis_prefix")))
+            limiters.append(RedisLimiter(stores[-1]))
+    in_flight = peak = 0
+
+    async def one(i):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await limiters[i % len(limiters)].acquire((key,), 1, f"b{i}", 60.0)
+        finally:
+            in_flight -= 1
+
+    try:
+        decisions = await asyncio.gather(*(one(i) for i in range(200)))
+    finally:
+        for store in stores:
+            await store.close()
     assert sum(d.allowed for d in decisions) == 25
+    assert await limiter.slots("key:burst") == 25
+    if isinstance(limiter, RedisLimiter):
+        assert peak == 200  # they did interleave: every one was waiting on Redis before any had its answer
+
+
+def finish_without_suspending(coro):
+    """Run a coroutine one step: return its result if it finished there; fail if it stopped to wait."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise AssertionError("suspended midway: another task could run between its check and its take")
+
+
+def test_memory_limiter_is_atomic_because_it_never_suspends():
+    # The in-process limiter has no lock: it is atomic because acquire and release run from start to end
+    # without an await that suspends, so no other task on the loop can run between a check and its take
+    # (the burst above can then not interleave). An await added midway would break that; this finds it.
+    limiter = MemoryLimiter()
+    scopes = (Scope("key:a", requests_per_minute=2, tokens_per_minute=100, max_concurrent=1),
+              Scope("model:m", requests_per_minute=5))
+    first = finish_without_suspending(limiter.acquire(scopes, 10, "a", 60.0))
+    refused = finish_without_suspending(limiter.acquire(scopes, 10, "b", 60.0))
+    assert first.allowed and not refused.allowed and refused.kind == "concurrency"
+    finish_without_suspending(limiter.release(Ticket(scopes, "a", 10, limiter=limiter), used=5))
+    assert finish_without_suspending(limiter.slots("key:a")) == 0

@@ -9,6 +9,7 @@ import httpx
 import openai
 
 from backends.simulator import SimConfig, create_app
+from tests.support.asgi import InFlight
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.probes import metric_sum
 from tests.support.recorder import Recorder
@@ -24,26 +25,26 @@ def capped(url: str, cap: int, **queue) -> dict:
 
 async def test_backend_never_sees_more_than_its_cap():
     sim = SimConfig(model="served-m", step_base_ms=10, step_ms_per_seq=0, max_num_seqs=64)
-    async with serve_app(create_app(sim)) as up, running_gateway(capped(up, 3)) as gw, \
+    backend = InFlight(create_app(sim))  # counts, at the backend, every request it is serving at once
+    backend.gate.clear()  # hold what reaches the backend until all 12 are either there or queued
+    async with serve_app(backend) as up, running_gateway(capped(up, 3)) as gw, \
             httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-        peak = 0
-
-        async def watch():
-            nonlocal peak
-            while True:
-                text = (await http.get(f"{up}/metrics")).text
-                peak = max(peak, metric_sum(text, "vllm:num_requests_running"))
-                await asyncio.sleep(0.01)
-
-        watcher = asyncio.create_task(watch())
         body = {"model": "m", "prompt": "x", "max_tokens": 15, "ignore_eos": True}
-        replies = await asyncio.gather(*(http.post(f"{gw.url}/v1/completions", json=body) for _ in range(12)))
-        watcher.cancel()
+        posts = [asyncio.create_task(http.post(f"{gw.url}/v1/completions", json=body)) for _ in range(12)]
+        for _ in range(1000):  # bounded: 20 s at most
+            if backend.now + await gw.metric("llm_gateway_queue_depth", model="m") == 12:
+                break
+            await asyncio.sleep(0.02)
+        held, queued = backend.now, await gw.metric("llm_gateway_queue_depth", model="m")
+        backend.gate.set()
+        replies = await asyncio.gather(*posts)
+        assert (held, queued) == (3, 9)  # the cap's worth at the backend, the rest waiting in the gateway
         assert [r.status_code for r in replies] == [200] * 12  # the excess waited, nothing failed
-        assert peak == 3
+        assert backend.served == 12
+        assert backend.peak == 3  # never more than the cap at once, at any instant, as the backend saw it
         text = (await http.get(f"{gw.url}/metrics")).text
         assert metric_sum(text, "llm_gateway_backend_limit") == 3
-        assert metric_sum(text, "llm_gateway_queue_wait_seconds_count") >= 9
+        assert metric_sum(text, "llm_gateway_queue_wait_seconds_count") == 9  # exactly the 9 that queued
         assert metric_sum(text, "llm_gateway_queue_depth") == 0
 
 
@@ -63,13 +64,20 @@ async def test_excess_beyond_the_queue_is_a_clean_429_for_the_sdk():
 
 async def test_client_leaving_the_queue_never_reaches_the_backend():
     rec = Recorder()
-    rec.mode = "slow:0.4"
-    async with serve_app(rec) as up, running_gateway(capped(up, 1)) as gw, \
-            httpx.AsyncClient(headers=AUTH, timeout=10) as http:
+    backend = InFlight(rec)
+    backend.gate.clear()  # the first request holds the one slot until the test lets it go
+    async with serve_app(backend) as up, running_gateway(capped(up, 1)) as gw, \
+            httpx.AsyncClient(headers=AUTH, timeout=30) as http:
         first = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 1}))
-        await asyncio.sleep(0.1)
+        for _ in range(1000):  # bounded: until the first is at the backend
+            if backend.now == 1:
+                break
+            await asyncio.sleep(0.01)
         queued = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 2}))
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # bounded: until the second waits in the queue
+            if await gw.metric("llm_gateway_queue_depth", model="m") == 1:
+                break
+            await asyncio.sleep(0.01)
         assert await gw.metric("llm_gateway_queue_depth", model="m") == 1
         queued.cancel()  # the client hangs up while waiting
         await asyncio.gather(queued, return_exceptions=True)
@@ -78,7 +86,10 @@ async def test_client_leaving_the_queue_never_reaches_the_backend():
                 break
             await asyncio.sleep(0.02)
         assert await gw.metric("llm_gateway_queue_depth", model="m") == 0  # left at once, not at its turn
-        assert (await first).status_code == 200
-        await asyncio.sleep(0.2)
-        assert [r["body"]["n"] for r in rec.requests] == [1]
+        backend.gate.set()
+        assert (await asyncio.wait_for(first, 10)).status_code == 200
+        # a waiter left behind would have had the freed slot at once; a later request shows the order
+        third = http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "n": 3})
+        assert (await asyncio.wait_for(third, 10)).status_code == 200
+        assert [r["body"]["n"] for r in rec.requests] == [1, 3] and backend.served == 2
         assert await gw.metric("llm_gateway_requests_total", status="499") == 1

@@ -24,6 +24,8 @@ def free_port() -> int:
 async def serve_app(app, port: int | None = None, **uvicorn_kwargs) -> AsyncIterator[str]:
     """Serve `app` with uvicorn on 127.0.0.1 and yield its base URL; stop it on exit."""
     port = port or free_port()
+    # a request stuck in the app (a test that found a bug) must not hold the shutdown, and the test, forever
+    uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 10)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_kwargs)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

@@ -2,7 +2,6 @@
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -71,21 +70,33 @@ async def test_full_queue_and_deadline_are_429_with_retry_after():
     assert r.in_flight == 0
 
 
-async def test_retry_after_follows_the_drain_rate():
+class FakeClock:
+    """Stands in for the admission module's `time`: completions land exactly where the test puts them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_retry_after_follows_the_drain_rate(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("policies.admission.time", clock)
     q, (r,) = make(caps=(1,), max_wait=60)
-    released = []
-    for _ in range(11):  # 10 completions over ~0.5 s: ~20 per second on an idle machine
+    for _ in range(11):  # 10 completions over 0.5 s: 20 per second
         q.release(await q.acquire("k", ()))
-        released.append(time.monotonic())
-        await asyncio.sleep(0.05)
+        clock.now += 0.05
+    clock.now -= 0.05  # asked right at the last completion
     held = await q.acquire("k", ())
-    for _ in range(3):
-        asyncio.create_task(q.acquire("k", ()))
-    await asyncio.sleep(0.01)
-    rate = 10 / (released[-1] - released[0])  # as this run drained: a busy machine sleeps longer than asked
+    waiters = [asyncio.create_task(q.acquire("k", ())) for _ in range(3)]
+    await asyncio.sleep(0)
     assert q.depth == 3
-    assert 0.8 * 4 / rate < q.retry_after() < 1.25 * 4 / rate  # (3 waiting + 1) / the drain rate
-    del held
+    assert q.retry_after() == pytest.approx(0.2)  # (3 waiting + 1) / 20 per second
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    q.release(held)
 
 
 async def test_cancelled_waiter_leaves_at_once_and_never_gets_a_slot():

@@ -127,7 +127,12 @@ async def test_slow_resolution_is_bounded_by_the_connect_timeout():
 
 async def test_rented_provider_on_public_address_is_exempt():
     dns = FakeDNS({"api.rented.example": ["93.184.216.34", "2606:2800:220:1::1"]})
-    await check_backends(policy("http://10.0.0.1:8000", providers=[provider("https://api.rented.example/v1")]), dns)
+    p = policy("http://10.0.0.1:8000", providers=[provider("https://api.rented.example/v1")])
+    assert await check_backends(p, dns) == []  # passes, and nothing was left unchecked
+    assert dns.asked == ["api.rented.example"]  # the provider was resolved and judged, not skipped
+    # the same addresses behind an owned backend are refused: the exemption is the provider's
+    message = await refused(policy("https://api.rented.example/v1"), dns)
+    assert "public address 93.184.216.34, 2606:2800:220:1::1" in message
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "10.0.0.8", "169.254.169.254", "fd00::5", "::1"])
@@ -149,6 +154,10 @@ async def test_every_problem_is_reported_at_once():
     lines = (await refused(p, dns, source="policy.yaml")).splitlines()
     assert lines[0] == "policy.yaml: egress check failed"
     assert len(lines) == 5
+    expected = [("backends[0]", "public address 8.8.4.4"), ("backends[1]", "public address 1.1.1.1"),
+                ("providers[0]", "private address 127.0.0.1"), ("backends[2]", "cannot resolve host 'gone.internal'")]
+    for line, (what, why) in zip(lines[1:], expected, strict=True):
+        assert what in line and why in line, line
 
 
 def test_cli_check_reports_egress_errors_and_exits_1(tmp_path, capsys):
