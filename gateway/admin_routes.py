@@ -1,20 +1,26 @@
 """The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage.
 
-Every route needs an admin JWT (gateway/admin_auth.py); `viewer` tokens may only read. A key's secret is in
-exactly one response, the one that creates (or rotates) it. Listings show ids, names and policies, never
-secrets or hashes.
+Every route needs an admin JWT (gateway/admin_auth.py), checked before anything in the request is read;
+`viewer` tokens may only read (GET). A key's secret is in exactly one response, the one that creates (or
+rotates) it. Listings show ids, names and policies, never secrets or hashes. The OpenAPI document at /schema
+describes every answer, errors included (gateway/openapi.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from litestar import Request, Router, get, patch, post
-from litestar.params import JSONBody, Parameter
+from litestar import Response, Router, get, patch, post, route
+from litestar.connection import ASGIConnection
+from litestar.enums import HttpMethod
+from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from policies.errors import NotFound
 from policies.keys import (
+    CIDR_PATTERN,
     DataPolicy,
     KeyLimits,
     KeyRecord,
@@ -28,25 +34,36 @@ from policies.store import KeyNotFound
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
 
 
+READS = ("GET", "HEAD", "OPTIONS")
+# The pattern is for the document; the validator below checks the same form with a readable message.
+Cidr = Annotated[str, KwargDefinition(pattern=CIDR_PATTERN,
+                                      description="a network, e.g. 10.0.0.0/8 or 2001:db8::/32")]
+
+
 class KeyChanges(BaseModel):
+    """A PATCH: only the fields sent change. null means the default: no owner, every model, no expiry,
+    private_only, any network, no limits."""
+
     model_config = ConfigDict(extra="forbid")
-    name: str | None = Field(None, min_length=1, max_length=200)
+    name: str = Field(None, min_length=1, max_length=200)  # a key always has a name: null is not one
     owner: str | None = Field(None, max_length=200)
     models: list[str] | None = Field(None, description="models the key may use; omit or null for all")
     expires_at: float | None = Field(None, description="unix seconds after which the key stops working")
     data_policy: DataPolicy | None = None
-    allowed_cidrs: list[str] | None = None
+    allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
+                                            " omit or null for any")
     limits: KeyLimits | None = None
 
     @field_validator("allowed_cidrs")
     @classmethod
     def valid_cidrs(cls, cidrs: list[str] | None) -> list[str] | None:
-        return normalize_cidrs(cidrs)
+        return normalize_cidrs(cidrs, strict_form=True)
 
 
 class NewKey(KeyChanges):
     name: str = Field(min_length=1, max_length=200)
-    expires_in: float | None = Field(None, gt=0, description="seconds from now; alternative to expires_at")
+    expires_in: float | None = Field(None, gt=0, description="seconds from now; alternative to expires_at",
+                                     json_schema_extra={"exclusive_minimum": 0})  # Litestar drops a bound of 0
 
 
 class Rotation(BaseModel):
@@ -55,6 +72,7 @@ class Rotation(BaseModel):
 
 
 class KeyView(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # documented as closed: a hash can never slip into a listing
     id: str
     name: str
     owner: str | None
@@ -75,11 +93,13 @@ class KeyView(BaseModel):
 
 
 class IssuedKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     key: str = Field(description="the API key; shown only in this response")
     record: KeyView
 
 
 class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     id: str
     models: dict[str, dict[str, int]]
     total: dict[str, int]
@@ -88,8 +108,10 @@ class Usage(BaseModel):
 def admin_router(gateway) -> Router:
     store = gateway.store
 
-    def allow(request: Request, write: bool) -> None:
-        gateway.admin_auth.check(request.headers.get("authorization"), write)
+    def admin_token(connection: ASGIConnection, _handler) -> None:
+        """A guard: runs before the path and body are parsed, so a caller without a token learns nothing."""
+        write = connection.scope["method"] not in READS
+        gateway.admin_auth.check(connection.headers.get("authorization"), write)
 
     async def load(key_id: str) -> KeyRecord:
         record = await store.get_key(key_id)
@@ -105,9 +127,9 @@ def admin_router(gateway) -> Router:
         gateway.forget_key(record.id)
         return KeyView.of(record)
 
-    @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)")
-    async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
-        allow(request, write=True)
+    @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
+          responses=errors(400, 401, 403, 413, 503))
+    async def create_key(data: JSONBody[NewKey]) -> IssuedKey:
         key_id = new_key_id()
         key = new_key(key_id)
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
@@ -117,34 +139,36 @@ def admin_router(gateway) -> Router:
         await store.create_key(record)
         return IssuedKey(key=key, record=KeyView.of(record))
 
-    @get("/keys", summary="List keys (never their secrets)")
-    async def list_keys(request: Request) -> list[KeyView]:
-        allow(request, write=False)
+    @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
+    async def list_keys() -> list[KeyView]:
         return [KeyView.of(r) for r in await store.list_keys()]
 
-    @get("/keys/{key_id:str}", summary="Show one key")
-    async def show_key(request: Request, key_id: str = KeyId) -> KeyView:
-        allow(request, write=False)
+    @get("/keys/{key_id:str}", summary="Show one key", responses=errors(400, 401, 404, 503))
+    async def show_key(key_id: str = KeyId) -> KeyView:
         return KeyView.of(await load(key_id))
 
-    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks or limits")
-    async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
-        allow(request, write=True)
+    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks or limits",
+           responses=errors(400, 401, 403, 404, 413, 503))
+    async def update_key(data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
         record = await load(key_id)
         changes = data.model_dump(exclude_unset=True)
+        for field in ("data_policy", "limits"):  # null: back to the default, as when the key was issued
+            if field in changes and changes[field] is None:
+                changes[field] = KeyRecord.model_fields[field].get_default()
         return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
 
     @post("/keys/{key_id:str}/revoke", status_code=200,
-          summary="Revoke a key; every replica refuses it within auth.cache_seconds")
-    async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
-        allow(request, write=True)
+          summary="Revoke a key; every replica refuses it within auth.cache_seconds",
+          responses=errors(400, 401, 403, 404, 503))
+    async def revoke_key(key_id: str = KeyId) -> KeyView:
         record = await load(key_id)
         return await save(record.model_copy(update={"revoked": True, "previous_hash": None,
                                                     "previous_valid_until": None}))
 
-    @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds")
-    async def rotate_key(request: Request, key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
-        allow(request, write=True)
+    @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds",
+          description="The body may be left out: the old secret then works for another hour.",
+          operation_class=OptionalBody, responses=errors(400, 401, 403, 404, 413, 503))
+    async def rotate_key(key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
         record = await load(key_id)
         grace = (data or Rotation()).grace_seconds
         key = new_key(key_id)
@@ -152,9 +176,9 @@ def admin_router(gateway) -> Router:
                                             "previous_valid_until": time.time() + grace})
         return IssuedKey(key=key, record=await save(rotated))
 
-    @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model")
-    async def key_usage(request: Request, key_id: str = KeyId) -> Usage:
-        allow(request, write=False)
+    @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model",
+         responses=errors(400, 401, 404, 503))
+    async def key_usage(key_id: str = KeyId) -> Usage:
         await load(key_id)
         await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         models = await store.usage(key_id)
@@ -164,8 +188,34 @@ def admin_router(gateway) -> Router:
                 total[name] = total.get(name, 0) + value
         return Usage(id=key_id, models=models, total=total)
 
+    handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage]
     return Router(
         path="/admin",
-        route_handlers=[create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage],
+        route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own
         tags=["admin"],
+        guards=[admin_token],
+        security=[{ADMIN_SECURITY: []}],
     )
+
+
+def options_handlers(handlers) -> list:
+    """OPTIONS for each path, answering with an Allow header that lists every method the path serves.
+
+    Litestar makes one itself, but when a router registers a path's handlers one at a time its Allow header
+    keeps only the methods registered first (GET /keys and POST /keys would answer `Allow: OPTIONS, POST`).
+    These must be registered before the handlers they describe, or Litestar's own stays in place.
+    """
+    methods: dict[str, set[str]] = {}
+    for handler in handlers:
+        for path in handler.paths:
+            methods.setdefault(path, {"OPTIONS"}).update(handler.http_methods)
+    return [allow_handler(path, ", ".join(sorted(allowed))) for path, allowed in methods.items()]
+
+
+def allow_handler(path: str, allow: str):
+    @route(path, http_method=[HttpMethod.OPTIONS], include_in_schema=False, sync_to_thread=False,
+           name=f"options {path}")
+    def options() -> Response:
+        return Response(None, status_code=204, headers={"allow": allow})
+
+    return options

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import orjson
 from litestar import Litestar, MediaType, Request, Response, get
@@ -19,8 +20,10 @@ from litestar.exceptions import (
     MethodNotAllowedException,
     NotFoundException,
 )
+from litestar.openapi import ResponseSpec
+from litestar.plugins.pydantic import PydanticInitPlugin
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.egress import Resolver, SystemResolver
 from backends.replicas import DOWN, Replica
@@ -30,6 +33,7 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
+from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
 from policies.admission import Admission
@@ -170,18 +174,24 @@ def openai_error(exc: GatewayError) -> Response:
 def on_http_exception(_request: Request, exc: HTTPException) -> Response:
     if isinstance(exc, NotFoundException):
         return openai_error(NotFound("unknown path", code="unknown_url"))
-    if isinstance(exc, MethodNotAllowedException):
-        return openai_error(MethodNotAllowed("method not allowed on this path"))
+    if isinstance(exc, MethodNotAllowedException):  # keeps Litestar's Allow header, which RFC 9110 requires
+        return openai_error(MethodNotAllowed("method not allowed on this path", headers=exc.headers))
     if isinstance(exc, GatewayError):
         return openai_error(exc)
     detail = str(exc.detail)
     if isinstance(exc.extra, list):  # validation failures: say which field and why
-        problems = [f"{e.get('key')}: {e.get('message')}" for e in exc.extra if isinstance(e, dict)]
+        problems = [problem(e) for e in exc.extra if isinstance(e, dict)]
         detail = f"{detail}: {'; '.join(problems)}" if problems else detail
     error = GatewayError(detail)
     error.status = exc.status_code
     error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return openai_error(error)
+
+
+def problem(error: dict) -> str:
+    if error.get("key") == "data" and error.get("message") == "'data'":  # Litestar's KeyError for an absent body
+        return "the request body is missing: send a JSON object"
+    return f"{error.get('key')}: {error.get('message')}"
 
 
 def on_gateway_error(_request: Request, exc: GatewayError) -> Response:
@@ -204,28 +214,47 @@ def on_unexpected(_request: Request, exc: Exception) -> Response:
     return openai_error(InternalError("the gateway failed to handle the request"))
 
 
+class Liveness(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["ready", "not_ready"]
+    models: dict[str, bool]
+
+
 def create_app(policy: Policy, resolver: Resolver | None = None):
     gateway = Gateway(policy, resolver)
 
-    @get("/health", media_type=MediaType.JSON, include_in_schema=True, sync_to_thread=False)
-    def health() -> dict[str, str]:
+    @get("/health", sync_to_thread=False)
+    def health() -> Liveness:
         """Liveness: the process is serving."""
-        return {"status": "ok"}
+        return Liveness(status="ok")
 
-    @get("/ready", sync_to_thread=False)
-    def ready() -> Response:
+    @get("/ready", sync_to_thread=False, responses={
+        503: ResponseSpec(Readiness, description="Some model has no backend that passed its health check",
+                          generate_examples=False),
+    })
+    def ready() -> Response[Readiness]:
         """Readiness: every model has at least one backend that answered its health check."""
         models = gateway.replicas.ready()
         ok = all(models.values())
-        body = {"status": "ready" if ok else "not_ready", "models": models}
+        body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
 
-    @get("/metrics", sync_to_thread=False)
-    def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    @get("/metrics", media_type=MediaType.TEXT, sync_to_thread=False)
+    def metrics() -> Response[str]:
+        """Prometheus metrics in the text exposition format."""
+        # The header is set whole: given a media type, Litestar would append a second charset to this one.
+        return Response(generate_latest(gateway.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
 
     ops = Litestar(
         route_handlers=[health, ready, metrics, admin_router(gateway)],
+        openapi_config=openapi_config(),
+        # Bodies are validated strictly: `true` is not 1 and "5" is not 5, as the schema says.
+        plugins=[PydanticInitPlugin(validate_strict=True), StrictModels()],
         lifespan=[gateway.lifespan],
         exception_handlers={
             GatewayError: on_gateway_error,

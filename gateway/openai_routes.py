@@ -115,7 +115,9 @@ class OpenAIRoutes:
         elif path == "/v1/models" and method == "GET":
             await self.list_models(headers, scope, send)
         elif endpoint is not None or path == "/v1/models":
-            await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}"), request_id_from(headers))
+            allow = "POST" if endpoint is not None else "GET"  # RFC 9110: a 405 names the methods that work
+            await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}", headers={"allow": allow}),
+                             request_id_from(headers))
         else:
             await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"), request_id_from(headers))
 

@@ -15,9 +15,9 @@ import re
 import secrets
 import string
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 PREFIX = "sk-"
 ID_LENGTH = 16
@@ -28,13 +28,43 @@ KEY_PATTERN = re.compile(rf"^sk-([0-9a-f]{{{ID_LENGTH}}})-([A-Za-z0-9]{{{SECRET_
 DataPolicy = Literal["private_only", "allow_rented"]
 
 
+def _cidr_pattern() -> str:
+    """A network as `address[/prefix-length]`, IPv4 or IPv6: the form the admin API documents and accepts.
+
+    Every string it matches is one ipaddress.ip_network accepts; it leaves out the netmask forms
+    (10.0.0.0/255.0.0.0) and leading zeros, which ipaddress also takes.
+    """
+    octet = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+    v4 = rf"{octet}(\.{octet}){{3}}"
+    h = r"[0-9a-fA-F]{1,4}"
+    v6 = "|".join([  # the full form, each place the :: can stand, and an IPv4 tail
+        rf"({h}:){{7}}{h}", rf"({h}:){{1,7}}:", rf"({h}:){{1,6}}:{h}", rf"({h}:){{1,5}}(:{h}){{1,2}}",
+        rf"({h}:){{1,4}}(:{h}){{1,3}}", rf"({h}:){{1,3}}(:{h}){{1,4}}", rf"({h}:){{1,2}}(:{h}){{1,5}}",
+        rf"{h}:(:{h}){{1,6}}", rf":((:{h}){{1,7}}|:)",
+        rf"({h}:){{6}}{v4}", rf"({h}:){{1,5}}:{v4}", rf"::({h}:){{0,5}}{v4}",
+    ])
+    return rf"^({v4}(/(3[0-2]|[12]?[0-9]))?|({v6})(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)$"
+
+
+CIDR_PATTERN = _cidr_pattern()
+CIDR_FORM = re.compile(CIDR_PATTERN)
+
+
+def _integral(value):
+    """5.0 is the integer 5 (as in JSON Schema); strict validation then refuses true, "5" and 5.5."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Count = Annotated[int, BeforeValidator(_integral)]
+
+
 class KeyLimits(BaseModel):
     """Per-key limits, enforced by the rate-limit step; None means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
+    requests_per_minute: Count | None = Field(None, ge=1)
+    tokens_per_minute: Count | None = Field(None, ge=1)
+    max_concurrent: Count | None = Field(None, ge=1)
 
 
 class KeyRecord(BaseModel):
@@ -74,12 +104,17 @@ class KeyRecord(BaseModel):
         return not self.revoked and (self.expires_at is None or now < self.expires_at)
 
 
-def normalize_cidrs(cidrs: list[str] | None) -> list[str] | None:
-    """Client networks in canonical form (10.1.2.3/8 -> 10.0.0.0/8); ValueError names the bad one."""
+def normalize_cidrs(cidrs: list[str] | None, strict_form: bool = False) -> list[str] | None:
+    """Client networks in canonical form (10.1.2.3/8 -> 10.0.0.0/8); ValueError names the bad one.
+
+    strict_form: accept only what CIDR_PATTERN matches (the admin API's documented form).
+    """
     if cidrs is None:
         return None
     out = []
     for cidr in cidrs:
+        if strict_form and not CIDR_FORM.match(cidr):
+            raise ValueError(f"not a network in CIDR form (address/prefix-length): {cidr!r:.60}")
         try:
             out.append(str(ipaddress.ip_network(cidr, strict=False)))
         except ValueError:

@@ -180,6 +180,40 @@ async def test_admin_input_errors_are_openai_errors(env):
     assert "/admin/keys/{key_id}/rotate" in schema["paths"]
 
 
+async def test_admin_api_answers_as_its_openapi_document_says(env):
+    gw, http, call = env
+    # The token is checked before the body: without one, even a bad body is a 401.
+    r = await call("POST", "/keys", headers={}, json={"surprise": 1})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+    r = await call("POST", "/keys")
+    assert r.status_code == 400 and "request body is missing" in r.json()["error"]["message"]
+    for body in ({"name": "x", "limits": {"max_concurrent": True}}, {"name": "x", "expires_in": "60"},
+                 {"name": "x", "allowed_cidrs": ["10.0.0.0/255.0.0.0"]}):
+        assert (await call("POST", "/keys", json=body)).status_code == 400, body
+    record = (await call("POST", "/keys", json={"name": "k", "data_policy": "allow_rented",
+                                                "limits": {"max_concurrent": 2.0}})).json()["record"]
+    assert record["limits"]["max_concurrent"] == 2  # 2.0 is the integer 2, as in JSON Schema
+    # PATCH: null means the default; a name cannot be null.
+    r = await call("PATCH", f"/keys/{record['id']}", json={"data_policy": None, "limits": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["data_policy"] == "private_only" and r.json()["limits"]["max_concurrent"] is None
+    assert (await call("PATCH", f"/keys/{record['id']}", json={"name": None})).status_code == 400
+    assert (await call("POST", f"/keys/{record['id']}/rotate")).status_code == 200  # the body is optional
+    # Every 405 names the methods that work, here and on /v1.
+    r = await call("DELETE", "/keys")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "OPTIONS", "POST"}
+    r = await call("OPTIONS", f"/keys/{record['id']}")
+    assert r.status_code == 204 and set(r.headers["allow"].split(", ")) == {"GET", "OPTIONS", "PATCH"}
+    r = await http.get(f"{gw.url}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = await http.get(f"{gw.url}/metrics")
+    assert r.headers["content-type"].count("charset") == 1
+    schema = (await http.get(f"{gw.url}/schema/openapi.json")).json()
+    assert schema["components"]["schemas"]["NewKey"]["additionalProperties"] is False
+    assert schema["paths"]["/admin/keys/{key_id}/rotate"]["post"]["requestBody"]["required"] is False
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
 async def test_key_restricted_to_client_networks(env):
     gw, http, call = env
     inside = (await call("POST", "/keys", json={"name": "lan", "allowed_cidrs": ["127.0.0.0/8"]})).json()["key"]
