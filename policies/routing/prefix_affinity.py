@@ -7,7 +7,8 @@ Each replica keeps a bounded LRU of the block hashes this gateway sent it; a can
 of blocks matched from the start relative to the best candidate's (the best match scores 1, so with its
 default weight the match decides unless the load guard trips; when nothing matches, load decides). The LRU holds `lru_blocks` blocks, or, once vLLM
 reports its KV cache size (vllm:cache_config_info), as many blocks as that cache holds tokens: a replica
-cannot keep more prefix than its cache has room for.
+cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its finished-request count
+went down) starts over with an empty LRU, as its prefix cache did.
 
 Load guard: affinity alone piles one hot prefix onto one replica. When the best-matching candidate holds at
 least `imbalance` more requests than the least loaded one (running + waiting from vLLM, or this gateway's own
@@ -48,6 +49,7 @@ class PrefixAffinity:
         self.outcome: str | None = None
         self._last: tuple[Call | None, list[int], list[int]] = (None, [], [])  # (call, blocks, matched per cand.)
         self._capacity: dict[str, int] = {}
+        self._finished: dict[str, float] = {}  # by replica name: vLLM's finished-request count, last seen
 
     def blocks(self, call: Call) -> list[int]:
         text = prompt_text(call.endpoint, call.body)
@@ -74,7 +76,7 @@ class PrefixAffinity:
     def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
         blocks = self.blocks(call)
         for replica in candidates:
-            self._fit_capacity(replica, stats)
+            self._observe(replica, stats)
         if not blocks:
             self.outcome = "no_prompt"
             self._last = (call, blocks, [0] * len(candidates))
@@ -115,8 +117,17 @@ class PrefixAffinity:
         while len(lru) > capacity:
             lru.popitem(last=False)
 
-    def _fit_capacity(self, replica: Candidate, stats: Stats) -> None:
+    def _observe(self, replica: Candidate, stats: Stats) -> None:
+        """Fit the replica's LRU to its cache size, and forget it when its vLLM restarted: a new server's
+        prefix cache is empty (its counters starting over say so)."""
         vllm = stats.vllm(replica)
-        tokens = None if vllm is None else vllm.cache_tokens
+        if vllm is None:
+            return
+        finished = vllm.requests_finished
+        if finished is not None:
+            if finished < self._finished.get(replica.name, 0.0):
+                self.lrus.pop(replica.name, None)
+            self._finished[replica.name] = finished
+        tokens = vllm.cache_tokens
         if tokens:
             self._capacity[replica.name] = max(16, tokens * CHARS_PER_TOKEN // self.params.block_chars)

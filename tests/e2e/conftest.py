@@ -9,11 +9,13 @@ a skipped end-to-end test is not a passing one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,33 +85,40 @@ class GatewayProcess:
         return metric_sum(httpx.get(f"{self.url}/metrics").text, name, **labels)
 
 
-@pytest.fixture(scope="session")
-def gateway(vllm_servers, tmp_path_factory):
-    """The gateway as users run it: `llm-gateway serve --config FILE`, in its own process."""
-    work = tmp_path_factory.mktemp("gateway")
-    port = free_port()
+@contextlib.contextmanager
+def gateway_process(policy: dict, work: Path) -> Iterator[GatewayProcess]:
+    """The gateway as users run it: `llm-gateway serve --config FILE` with `policy`, in its own process, with
+    an app's key issued; stopped on exit. The policy's listen port must be free."""
     config = work / "policy.yaml"
-    config.write_text(yaml.safe_dump(e2e_policy(vllm_servers, port)))
+    config.write_text(yaml.safe_dump(policy))
     log = work / "gateway.log"
     cli = str(Path(sys.executable).with_name("llm-gateway"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LLM_GATEWAY_ADMIN_SECRET": secrets.token_urlsafe(32)}
     with open(log, "wb") as out:
         proc = subprocess.Popen([cli, "serve", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=work, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{policy['listen']['port']}"
     try:
-        wait_http_ok(f"{url}/ready", proc, 30, "the gateway")
-    except AssertionError as exc:
-        proc.kill()
-        pytest.fail(f"{exc}:\n" + log.read_text()[-3000:])
-    # an app's key, issued the way an admin does it: a token from the CLI, then `keys create`
-    token = subprocess.run([cli, "admin-token", "--config", str(config), "--ttl", "1h"], env=env, check=True,
-                           capture_output=True, text=True).stdout.strip()
-    created = subprocess.run([cli, "keys", "--url", url, "--token", token, "--json", "create", "--name", "e2e"],
-                             check=True, capture_output=True, text=True)
-    yield GatewayProcess(url, proc, log, json.loads(created.stdout)["key"])
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        try:
+            wait_http_ok(f"{url}/ready", proc, 30, "the gateway")
+        except AssertionError as exc:
+            pytest.fail(f"{exc}:\n" + log.read_text()[-3000:])
+        # an app's key, issued the way an admin does it: a token from the CLI, then `keys create`
+        token = subprocess.run([cli, "admin-token", "--config", str(config), "--ttl", "1h"], env=env, check=True,
+                               capture_output=True, text=True).stdout.strip()
+        created = subprocess.run([cli, "keys", "--url", url, "--token", token, "--json", "create", "--name", "e2e"],
+                                 check=True, capture_output=True, text=True)
+        yield GatewayProcess(url, proc, log, json.loads(created.stdout)["key"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def gateway(vllm_servers, tmp_path_factory):
+    with gateway_process(e2e_policy(vllm_servers, free_port()), tmp_path_factory.mktemp("gateway")) as gw:
+        yield gw

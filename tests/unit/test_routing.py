@@ -145,6 +145,26 @@ def test_prefix_lru_is_bounded_by_the_replicas_cache_size():
     assert max(len(lru) for lru in scorer.lrus.values()) == 2048 // 64
 
 
+def test_prefix_affinity_forgets_a_replica_whose_vllm_restarted():
+    rs = replicas(0, 0)
+    seen = {r.name: VLLMStats(running=0, waiting=0, requests_finished=10) for r in rs}
+    scorer = PrefixAffinity()
+    p = profile((scorer, 4.0), (VLLMQueue(), 2.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen[r.name]))
+    turns = ["q0"]
+    home = p.pick(chat(SYSTEM, *turns), rs)
+    other = rs[1 - rs.index(home)]
+    turns += ["a0", "q1"]
+    assert p.pick(chat(SYSTEM, *turns), rs) is home
+    turns += ["a1", "q2"]
+    assert p.pick(chat(SYSTEM, *turns), rs, exclude=[home]) is other  # home is down: the conversation moves
+    # home is back, restarted (its counters start over, its prefix cache is empty); other is one request busier
+    seen[home.name] = VLLMStats(running=0, waiting=0, requests_finished=0)
+    seen[other.name] = VLLMStats(running=1, waiting=0, requests_finished=12)
+    turns += ["a2", "q3"]
+    assert p.pick(chat(SYSTEM, *turns), rs) is other  # not back to home on the strength of what it lost
+    assert scorer.matched(home, scorer.blocks(chat(SYSTEM, *turns))) == 0
+
+
 def test_session_affinity_is_consistent_and_falls_back():
     rs = replicas(0, 0, 0)
     p = profile((SessionAffinity(), 4.0), (LeastInFlight(), 1.0))
