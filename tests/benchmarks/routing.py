@@ -176,6 +176,21 @@ def reset_prefix_cache(server: VLLMServer, timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
+def routing_decisions(gateway_url: str) -> dict[str, float]:
+    """{"scorer:outcome": count} from the gateway's llm_gateway_routing_decisions_total (e.g. how often
+    prefix-affinity's load guard overrode the cache)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llm_gateway_routing_decisions_total":
+                key = f"{sample.labels.get('scorer')}:{sample.labels.get('outcome')}"
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def served_by(servers: list[VLLMServer], tag: str) -> dict[str, str]:
     """{x-request-id: server name} for this profile's requests, from the servers' request logs."""
     out = {}
@@ -324,6 +339,7 @@ class Result:
     ceiling_hit_rate: float | None = None
     same_server: float | None = None  # share of later turns served where the previous turn was
     prompt_tokens_mean: float | None = None
+    routing_decisions: dict[str, float] = field(default_factory=dict)  # the gateway's "scorer:outcome" counts
     loadavg: list[float] = field(default_factory=list)  # 1-minute load average at the profile's start and end
     error_samples: list[str] = field(default_factory=list)
     detail: list[list] = field(default_factory=list)  # per request: conversation, turn, TTFT ms, server, prompt tokens
@@ -481,6 +497,7 @@ def main(argv=None) -> int:
             for profile in args.profiles:
                 results.append(run_profile(profile, servers, convs, args, work, block))
                 print(table(results[-1:]), flush=True)
+                print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
             sizing = {"block_size": block, "kv_cache_tokens": real_cache, "kv_cache_memory_bytes": kv_bytes,
                       "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
                       "working_set_tokens": round(real_ws)}
@@ -534,10 +551,12 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
         print(f"\n{profile}: {len(convs)} conversations ...", flush=True)
         records, wall = asyncio.run(run_workload(url, key, convs, tag, args))
         after = {s.label: counters(s) for s in servers}
+        decisions = routing_decisions(url)
     finally:
         proc.terminate()
         proc.wait(10)
     result = summarize(profile, records, wall, before, after, served_by(servers, tag), tag, block)
+    result.routing_decisions = decisions
     result.loadavg = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     return result
 
