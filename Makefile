@@ -4,11 +4,12 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
+VLLM_VENV ?= .venv-vllm
 STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit lint e2e e2e-setup redis-setup bench bench-overload venv clean
+.PHONY: run test unit lint e2e e2e-setup redis-setup bench bench-overload bench-routing venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -42,6 +43,12 @@ bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router
 
 bench-overload: venv  # not part of `make test`: a minute of load at twice a backend's knee
 	$(VENV)/bin/python -m tests.benchmarks.overload
+
+# not part of `make test`: routing profiles over two real CPU vLLM servers, an agent-like workload (~10-15 min);
+# builds the larger `bench` model once (scripts/build_tiny_model.py --size bench, offline, seeded)
+bench-routing: venv e2e-setup
+	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --size bench
+	$(VENV)/bin/python -m tests.benchmarks.routing
 
 clean:
 	rm -rf $(VENV) .venv-vllm .cache

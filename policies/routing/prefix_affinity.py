@@ -108,7 +108,10 @@ class PrefixAffinity:
         lru = self.lrus.get(replica.name)
         if lru is None:
             lru = self.lrus[replica.name] = OrderedDict()
-        for h in blocks:
+        # Tail first, so a prompt's leading blocks are its most recent: eviction then cuts a prefix from its end,
+        # as vLLM's cache does (it frees a request's blocks tail first), and the rest still matches. In order,
+        # a full LRU dropped the first block and with it the whole match, while vLLM still held the prefix.
+        for h in reversed(blocks):
             if h in lru:
                 lru.move_to_end(h)
             else:

@@ -141,8 +141,23 @@ def test_prefix_lru_is_bounded_by_the_replicas_cache_size():
     seen = {r.name: VLLMStats(block_size=16, num_blocks=32) for r in rs}  # 512 tokens ~ 2048 chars
     scorer = PrefixAffinity(PrefixParams(block_chars=64))
     p = profile((scorer, 1.0), stats=Stats(lambda r: seen.get(r.name)))
-    p.pick(chat("a" * 5000, "q"), rs)
+    call = chat("a" * 5000, "q")
+    home = p.pick(call, rs)
     assert max(len(lru) for lru in scorer.lrus.values()) == 2048 // 64
+    assert scorer.matched(home, scorer.blocks(call)) == 2048 // 64  # what is kept is the prompt's start
+
+
+def test_prefix_lru_evicts_a_prefix_from_its_end():
+    # vLLM frees a request's blocks tail first; a full LRU must lose a conversation's last blocks, not its
+    # first, or one eviction turns a conversation whose prefix vLLM still holds into a miss.
+    rs = replicas(0, 1)  # both prompts go to r0, the less loaded (the scorer only learns sizes among several)
+    seen = {r.name: VLLMStats(block_size=16, num_blocks=40) for r in rs}  # 640 tokens ~ 40 blocks of 64 chars
+    scorer = PrefixAffinity(PrefixParams(block_chars=64))
+    p = profile((scorer, 1.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)))
+    old, new = chat("old " * 480, "q"), chat("new " * 240, "q")  # ~30 and ~15 blocks: 40 do not hold both
+    assert p.pick(old, rs) is rs[0] and p.pick(new, rs) is rs[0]
+    assert scorer.matched(rs[0], scorer.blocks(new)) == len(scorer.blocks(new))
+    assert 0 < scorer.matched(rs[0], scorer.blocks(old)) < len(scorer.blocks(old))
 
 
 def test_prefix_affinity_forgets_a_replica_whose_vllm_restarted():

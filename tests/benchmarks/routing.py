@@ -1,0 +1,565 @@
+"""Routing benchmark: an agent-like workload over two real CPU vLLM servers, through the gateway, per profile.
+
+    python -m tests.benchmarks.routing                     # what `make bench-routing` runs
+    python -m tests.benchmarks.routing --profiles least-in-flight,prefix-affinity --conversations 24
+
+Two `vllm serve` processes (prefix caching on, vLLM's default), each pinned to its own core, serve the `bench`
+model (scripts/build_tiny_model.py --size bench: a tiny model's prefill of a 2k-token prompt is too cheap for
+the cache to matter). One real `llm-gateway serve` lists both as replicas of one model; it is started afresh for
+each routing profile with `routing: {default_profile: <profile>}`, and shares the two cores with the servers
+and with this client (unpinned).
+
+The workload, the same request sequence under every profile (seeded):
+- N conversations, each a distinct long system prompt (--system-tokens) and T turns; turn t resends the system
+  prompt and every earlier user message and assistant reply, then a new user message (--user-tokens), as an
+  agent does. The assistant replies resent are fixed seeded text (the same under every profile), not what the
+  random-weight model said; the model is asked for --max-tokens tokens with ignore_eos, streamed.
+- A closed loop of --active conversations at a time: a worker takes the next conversation when its current one
+  ends. Between two turns of a conversation the worker waits its tool time (seeded, uniform in --tool-time).
+  Without that pause least-in-flight is accidentally affine (the slot that just freed is on the server that
+  holds the conversation), and no profile can be told from another (docs/benchmarks.md, field notes).
+- Sizing: each server's KV cache (--kv-cache-memory-bytes) is set so that the working set, active
+  conversations x mean tokens per conversation, is --overflow times one server's cache: it overflows one
+  server but fits in both. vLLM's own figures (cache_config_info, /tokenize) are checked and printed.
+
+Before each profile both servers' prefix caches are emptied (POST /reset_prefix_cache, which vLLM serves with
+VLLM_SERVER_DEV_MODE=1), so each profile starts cold; vllm:prefix_cache_hits_total / _queries_total are read
+from each server before and after (the hit rate is vLLM's own, not the gateway's guess). Each request carries
+x-session-id (the conversation; session-affinity hashes it) and x-request-id, which the gateway passes on and
+vLLM logs, so the benchmark can tell which server served which turn ("same server" below: the share of turns
+served where the conversation's previous turn was).
+
+Per profile: TTFT p50/p99 (client side, through the gateway), TTFT p50 of later turns, output tok/s over the
+profile's wall time, each server's and the overall prefix-cache hit rate, and the workload's ceiling (every
+turn hits all of the previous turn's prompt). Checks (exit status 1 when one fails): prefix-affinity's TTFT
+p50 at most half of least-in-flight's, its measured hit rate at least 1.5x least-in-flight's, its throughput
+not lower. Every loop is bounded: each profile by --profile-timeout, each request by the client's timeout.
+Results go to .cache/bench/routing-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.e2e.vllm_procs import BASE_ARGS, VLLMServer, metric_value, start_many, stop_all  # noqa: E402
+from tests.support.probes import wait_http_ok  # noqa: E402
+from tests.support.servers import free_port  # noqa: E402
+
+PROFILES = ("least-in-flight", "prefix-affinity", "session-affinity", "random")
+MODEL = "bench"
+CHARS_PER_TOKEN = 4.0  # for sizing only; measured ~4.2 for this text and the models' tokenizer (see /tokenize check)
+WORDS = """the a of to and in is for that with as on by this be are from or it an at not if which can when
+file list value name data time user task request server model cache prefix token agent tool result call
+return function object string number error message response query search read write open close check
+update create delete find path line table record field key index node step plan next first last each
+all any some more most other new old small large long short fast slow good best simple default current
+must should will may need use make take give keep run send get set add remove start stop wait retry""".split()
+
+
+# -- the workload -------------------------------------------------------------------------------------------
+
+@dataclass
+class Conversation:
+    id: str
+    system: str
+    users: list[str]
+    replies: list[str]
+    tool_times: list[float]  # after turn t (the last one is not used)
+
+    def messages(self, turn: int) -> list[dict]:
+        out = [{"role": "system", "content": self.system}]
+        for t in range(turn):
+            out += [{"role": "user", "content": self.users[t]}, {"role": "assistant", "content": self.replies[t]}]
+        return out + [{"role": "user", "content": self.users[turn]}]
+
+    def chars(self) -> int:  # of the last turn's prompt and its reply: what the conversation holds at its end
+        return len(self.system) + sum(map(len, self.users)) + sum(map(len, self.replies))
+
+
+def prose(rng: random.Random, tokens: int) -> str:
+    """Seeded sentences of common words, about `tokens` tokens long (~4 characters a token)."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * CHARS_PER_TOKEN:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(6, 14))]
+        sentence = " ".join(words).capitalize() + "."
+        out.append(sentence)
+        size += len(sentence) + 1
+    return " ".join(out)
+
+
+def workload(args) -> list[Conversation]:
+    rng = random.Random(args.seed)
+    lo, hi = args.system_tokens
+    convs = []
+    for i in range(args.conversations):
+        cid = f"conv-{args.seed}-{i:04d}"
+        system = f"You are agent {cid}. " + prose(rng, rng.randint(lo, hi))
+        users = [f"Turn {t}. " + prose(rng, args.user_tokens) for t in range(args.turns)]
+        replies = [prose(rng, args.max_tokens) for _ in range(args.turns)]
+        tool = [round(rng.uniform(*args.tool_time), 3) for _ in range(args.turns)]
+        convs.append(Conversation(cid, system, users, replies, tool))
+    return convs
+
+
+# -- vLLM servers ---------------------------------------------------------------------------------------------
+
+class BenchServer(VLLMServer):
+    """A VLLMServer with the benchmark's context length and KV cache size in place of the tests' defaults."""
+
+    def __init__(self, model_dir: Path, label: str, *, max_model_len: int, kv_bytes: int, **kw) -> None:
+        super().__init__(model_dir, MODEL, **kw)
+        self.label = label  # both serve MODEL; this names the server in the results and in the gateway
+        self.overrides = {"--max-model-len": str(max_model_len), "--kv-cache-memory-bytes": str(kv_bytes)}
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        for i, arg in enumerate(cmd[:-1]):
+            if arg in self.overrides and cmd[i + 1] in BASE_ARGS:
+                cmd[i + 1] = self.overrides[arg]
+        return cmd
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+
+
+def cache_config(server: VLLMServer) -> dict[str, int]:
+    text = server.metrics_text()
+    m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) if m else {}
+    return {k: int(labels[k]) for k in ("block_size", "num_gpu_blocks") if labels.get(k, "").isdigit()}
+
+
+def counters(server: VLLMServer) -> dict[str, float]:
+    m = server.metrics()
+    return {
+        "hits": metric_value(m, "vllm:prefix_cache_hits_total"),
+        "queries": metric_value(m, "vllm:prefix_cache_queries_total"),
+        "prompt_tokens": metric_value(m, "vllm:prompt_tokens_total"),
+        "generation_tokens": metric_value(m, "vllm:generation_tokens_total"),
+        "requests": metric_value(m, "vllm:request_success_total"),
+    }
+
+
+def reset_prefix_cache(server: VLLMServer, timeout: float = 30.0) -> None:
+    """Empty the server's prefix cache; vLLM refuses while blocks are held, so retry for a while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(server.base_url + "/reset_prefix_cache", timeout=10, trust_env=False)
+        if r.status_code == 200 and r.json().get("success", True):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server!r}: /reset_prefix_cache answered {r.status_code} {r.text[:200]}")
+        time.sleep(0.5)
+
+
+def routing_decisions(gateway_url: str) -> dict[str, float]:
+    """{"scorer:outcome": count} from the gateway's llm_gateway_routing_decisions_total (e.g. how often
+    prefix-affinity's load guard overrode the cache)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llm_gateway_routing_decisions_total":
+                key = f"{sample.labels.get('scorer')}:{sample.labels.get('outcome')}"
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def served_by(servers: list[VLLMServer], tag: str) -> dict[str, str]:
+    """{x-request-id: server name} for this profile's requests, from the servers' request logs."""
+    out = {}
+    pattern = re.compile(r"Received request chatcmpl-(" + re.escape(tag) + r"\S*?)(?:-[0-9a-f]{8})?:")
+    for s in servers:
+        for rid in pattern.findall(s.log_text()):
+            out[rid] = s.label
+    return out
+
+
+# -- the gateway -------------------------------------------------------------------------------------------
+
+def start_gateway(servers: list[VLLMServer], profile: str, work: Path) -> tuple[subprocess.Popen, str, str]:
+    secret = secrets.token_urlsafe(32)
+    port = free_port()
+    policy = {
+        "listen": {"port": port},
+        "store": {"kind": "sqlite", "path": str(work / f"keys-{profile}.db")},
+        "timeouts": {"read": 300},
+        "routing": {"default_profile": profile},
+        "models": [{"name": MODEL, "queue": {"max_depth": 10_000, "max_wait": 300},
+                    "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
+    }
+    path = work / f"policy-{profile}.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
+    cli = str(Path(sys.executable).with_name("llm-gateway"))
+    log = open(work / f"gateway-{profile}.log", "wb")
+    proc = subprocess.Popen([cli, "serve", "--config", str(path), "--log-level", "warning"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/ready", proc, 60, "the gateway")
+        from gateway.admin_auth import mint_token
+        from policies.config import Admin
+
+        token = mint_token(Admin(), 600, secret=secret)
+        r = httpx.post(f"{url}/admin/keys", json={"name": "bench-routing"},
+                       headers={"authorization": f"Bearer {token}"}, trust_env=False)
+        r.raise_for_status()
+    except BaseException:
+        proc.terminate()
+        proc.wait(10)
+        raise
+    return proc, url, r.json()["key"]
+
+
+# -- the client ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    conv: str
+    turn: int
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int = 0
+    error: str | None = None
+    server: str | None = None
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversation, turn: int, tag: str,
+                   args) -> Record:
+    rec = Record(conv.id, turn)
+    body = orjson.dumps({"model": MODEL, "messages": conv.messages(turn), "max_tokens": args.max_tokens,
+                         "temperature": 0, "ignore_eos": True, "stream": True,
+                         "stream_options": {"include_usage": True}})
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json", "x-session-id": conv.id,
+               "x-request-id": f"{tag}-{conv.id}-t{turn}"}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", content=body, headers=headers) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                choices = event.get("choices")
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    if rec.ttft is None:
+                        rec.ttft = time.perf_counter() - start
+                    rec.output_tokens += 1
+                if event.get("usage"):
+                    rec.prompt_tokens = event["usage"].get("prompt_tokens")
+                    rec.output_tokens = event["usage"].get("completion_tokens") or rec.output_tokens
+    except httpx.HTTPError as exc:
+        rec.error = type(exc).__name__
+    rec.e2e = time.perf_counter() - start
+    if rec.ttft is None and rec.error is None:
+        rec.error = "no content"
+    return rec
+
+
+async def run_workload(url: str, key: str, convs: list[Conversation], tag: str, args) -> tuple[list[Record], float]:
+    records: list[Record] = []
+    todo = deque(convs)
+
+    async def worker() -> None:
+        while todo:
+            conv = todo.popleft()
+            for turn in range(args.turns):
+                records.append(await one_turn(client, url, key, conv, turn, tag, args))
+                if turn < args.turns - 1:
+                    await asyncio.sleep(conv.tool_times[turn])
+
+    limits = httpx.Limits(max_connections=args.active + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits, trust_env=False) as client:
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(args.active)]
+        done, pending = await asyncio.wait(tasks, timeout=args.profile_timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - start
+    if pending:
+        print(f"  profile timed out after {args.profile_timeout:.0f} s; {len(todo)} conversations never started",
+              flush=True)
+    return records, wall
+
+
+# -- figures -------------------------------------------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+
+
+@dataclass
+class Result:
+    profile: str
+    requests: int = 0
+    errors: int = 0
+    wall_s: float = 0.0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    ttft_later_p50_ms: float | None = None  # turns after the first (the ones a cache can help)
+    output_tok_s: float = 0.0
+    req_s: float = 0.0
+    hit_rate: float | None = None  # vLLM's own counters, both servers
+    hit_rate_by_server: dict[str, float | None] = field(default_factory=dict)
+    requests_by_server: dict[str, float] = field(default_factory=dict)
+    ceiling_hit_rate: float | None = None
+    same_server: float | None = None  # share of later turns served where the previous turn was
+    prompt_tokens_mean: float | None = None
+    routing_decisions: dict[str, float] = field(default_factory=dict)  # the gateway's "scorer:outcome" counts
+    loadavg: list[float] = field(default_factory=list)  # 1-minute load average at the profile's start and end
+    error_samples: list[str] = field(default_factory=list)
+    detail: list[list] = field(default_factory=list)  # per request: conversation, turn, TTFT ms, server, prompt tokens
+
+
+def summarize(profile: str, records: list[Record], wall: float, before: dict, after: dict, where: dict,
+              tag: str, block: int) -> Result:
+    ok = [r for r in records if r.error is None]
+    res = Result(profile, requests=len(ok), errors=len(records) - len(ok), wall_s=round(wall, 1))
+    res.error_samples = sorted({r.error for r in records if r.error})[:5]
+    ttft = [r.ttft for r in ok]
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    res.ttft_p50_ms, res.ttft_p99_ms = ms(pct(ttft, 50)), ms(pct(ttft, 99))
+    res.ttft_later_p50_ms = ms(pct([r.ttft for r in ok if r.turn > 0], 50))
+    res.output_tok_s = round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0
+    res.req_s = round(len(ok) / wall, 2) if wall else 0.0
+    hits = queries = 0.0
+    for name in after:
+        h = after[name]["hits"] - before[name]["hits"]
+        q = after[name]["queries"] - before[name]["queries"]
+        hits, queries = hits + h, queries + q
+        res.hit_rate_by_server[name] = round(h / q, 3) if q else None
+        res.requests_by_server[name] = after[name]["requests"] - before[name]["requests"]
+    res.hit_rate = round(hits / queries, 3) if queries else None
+    by_turn = {(r.conv, r.turn): r for r in ok}
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens]
+    res.prompt_tokens_mean = round(sum(prompts) / len(prompts)) if prompts else None
+    if prompts:
+        cached = sum((by_turn[(r.conv, r.turn - 1)].prompt_tokens or 0) // block * block
+                     for r in ok if r.turn > 0 and (r.conv, r.turn - 1) in by_turn)
+        res.ceiling_hit_rate = round(cached / sum(prompts), 3)
+    same = [where.get(f"{tag}-{r.conv}-t{r.turn}") == where.get(f"{tag}-{r.conv}-t{r.turn - 1}")
+            for r in ok if r.turn > 0 and f"{tag}-{r.conv}-t{r.turn}" in where
+            and f"{tag}-{r.conv}-t{r.turn - 1}" in where]
+    res.same_server = round(sum(same) / len(same), 3) if same else None
+    res.detail = [[r.conv, r.turn, None if r.ttft is None else round(r.ttft * 1000, 1),
+                   where.get(f"{tag}-{r.conv}-t{r.turn}"), r.prompt_tokens, r.error] for r in records]
+    return res
+
+
+def table(results: list[Result]) -> str:
+    def f(v, fmt="{:,.0f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [["profile", "TTFT p50 ms", "TTFT p99 ms", "later turns TTFT p50 ms", "output tok/s", "req/s",
+             "vLLM prefix hit rate (a / b / both)", "ceiling", "same server", "requests a / b", "errors", "wall s",
+             "load avg"]]
+    for r in results:
+        a, b = (list(r.hit_rate_by_server.values()) + [None, None])[:2]
+        na, nb = (list(r.requests_by_server.values()) + [0, 0])[:2]
+        rows.append([r.profile, f(r.ttft_p50_ms), f(r.ttft_p99_ms), f(r.ttft_later_p50_ms),
+                     f(r.output_tok_s, "{:,.1f}"), f(r.req_s, "{:.2f}"),
+                     f"{f(a, '{:.3f}')} / {f(b, '{:.3f}')} / {f(r.hit_rate, '{:.3f}')}",
+                     f(r.ceiling_hit_rate, "{:.3f}"),
+                     f(r.same_server, "{:.0%}"), f"{na:.0f} / {nb:.0f}", str(r.errors), f(r.wall_s, "{:.0f}"),
+                     " -> ".join(f"{x:.1f}" for x in r.loadavg)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def verdict(results: list[Result]) -> list[tuple[str, bool]]:
+    by = {r.profile: r for r in results}
+    lif, pa = by.get("least-in-flight"), by.get("prefix-affinity")
+    if lif is None or pa is None or None in (lif.ttft_p50_ms, pa.ttft_p50_ms, lif.hit_rate, pa.hit_rate):
+        return [("least-in-flight and prefix-affinity both measured", False)]
+    return [
+        (f"prefix-affinity TTFT p50 {pa.ttft_p50_ms:,.0f} ms <= half of least-in-flight's "
+         f"{lif.ttft_p50_ms:,.0f} ms", pa.ttft_p50_ms <= 0.5 * lif.ttft_p50_ms),
+        (f"prefix-affinity vLLM prefix-cache hit rate {pa.hit_rate:.3f} >= 1.5x least-in-flight's "
+         f"{lif.hit_rate:.3f}", pa.hit_rate >= 1.5 * lif.hit_rate),
+        (f"prefix-affinity throughput {pa.output_tok_s:,.1f} tok/s >= least-in-flight's "
+         f"{lif.output_tok_s:,.1f} tok/s", pa.output_tok_s >= lif.output_tok_s),
+        ("no request failed", all(r.errors == 0 for r in results)),
+    ]
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+def floats(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    return lo, hi
+
+
+def ints(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "models" / "bench",
+                   help="the model both servers serve (default: %(default)s; scripts/build_tiny_model.py --size bench)")
+    p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--active", type=int, default=12, help="conversations in flight at once (closed loop)")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-tokens", type=ints, default=(1400, 2000), help="min,max of each system prompt")
+    p.add_argument("--user-tokens", type=int, default=80, help="each user message")
+    p.add_argument("--max-tokens", type=int, default=16, help="each reply (ignore_eos)")
+    p.add_argument("--tool-time", type=floats, default=(0.5, 3.0), help="min,max seconds between two turns")
+    p.add_argument("--overflow", type=float, default=1.6,
+                   help="working set of the active conversations / one server's KV cache (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--profile-timeout", type=float, default=300, help="seconds; the rest of a profile is cut")
+    p.add_argument("--out", type=Path, help="JSON results (default .cache/bench/routing-<time>.json)")
+    args = p.parse_args(argv)
+    args.profiles = [x for x in args.profiles.split(",") if x]
+    if not 1 <= args.active <= args.conversations:
+        p.error("--active must be between 1 and --conversations")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model_dir.resolve()
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"no model in {model_dir}: run .venv-vllm/bin/python scripts/build_tiny_model.py --size bench")
+    convs = workload(args)
+    est_tokens = sum(c.chars() for c in convs) / len(convs) / CHARS_PER_TOKEN + 10 * args.turns  # + chat markup
+    working_set = args.active * est_tokens
+    per_token = kv_bytes_per_token(model_dir)
+    # vLLM refuses a cache that cannot hold one request of --max-model-len; blocks are 128 tokens on CPU
+    cache_tokens = max(int(working_set / args.overflow), args.max_model_len + 128) // 128 * 128
+    kv_bytes = cache_tokens * per_token
+    out = args.out or REPO / ".cache" / "bench" / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    print(f"model {model_dir.name}; {args.conversations} conversations x {args.turns} turns, {args.active} active, "
+          f"tool time {args.tool_time[0]:g}-{args.tool_time[1]:g} s; ~{est_tokens:,.0f} tokens per conversation, "
+          f"working set ~{working_set:,.0f} tokens; KV cache per server {kv_bytes / 2**20:.0f} MiB "
+          f"(~{cache_tokens:,} tokens at {per_token:,} bytes a token); load average {load_before[0]:.2f}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        work = Path(tmp)
+        log_dir = REPO / ".cache" / "bench" / "routing-logs"
+        servers = [BenchServer(model_dir, name, core=core, log_dir=log_dir, max_model_len=args.max_model_len,
+                               kv_bytes=kv_bytes, env={"VLLM_SERVER_DEV_MODE": "1"})
+                   for name, core in (("vllm-a", 0), ("vllm-b", 1))]
+        start_many(servers, timeout=300)
+        try:
+            cfg = [cache_config(s) for s in servers]
+            real_cache = [c.get("block_size", 0) * c.get("num_gpu_blocks", 0) for c in cfg]
+            block = cfg[0].get("block_size", 16)
+            tokens = [conversation_tokens(servers[0], c) for c in convs]
+            real_ws = args.active * sum(tokens) / len(tokens)
+            print(f"vLLM: block size {block}, KV cache {real_cache[0]:,} / {real_cache[1]:,} tokens; "
+                  f"conversations end at {min(tokens):,}-{max(tokens):,} tokens (mean {sum(tokens) / len(tokens):,.0f});"
+                  f" working set {real_ws:,.0f} tokens = {real_ws / real_cache[0]:.2f}x one server's cache, "
+                  f"{real_ws / sum(real_cache):.2f}x both", flush=True)
+            warm_up(servers, args)
+            results = []
+            for profile in args.profiles:
+                results.append(run_profile(profile, servers, convs, args, work, block))
+                print(table(results[-1:]), flush=True)
+                print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
+            sizing = {"block_size": block, "kv_cache_tokens": real_cache, "kv_cache_memory_bytes": kv_bytes,
+                      "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
+                      "working_set_tokens": round(real_ws)}
+        finally:
+            stop_all(servers)
+    load_after = os.getloadavg()
+    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.active} active, tool time "
+          f"{args.tool_time[0]:g}-{args.tool_time[1]:g} s, model {model_dir.name}, {args.max_tokens} output tokens;"
+          f" load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
+    print(table(results) + "\n")
+    checks = verdict(results)
+    for text, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    out.write_text(json.dumps({
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": model_dir.name, "sizing": sizing, "loadavg_before": load_before, "loadavg_after": load_after,
+        "results": [asdict(r) for r in results], "checks": checks}, indent=2))
+    print(f"\nresults: {out}")
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+def conversation_tokens(server: VLLMServer, conv: Conversation) -> int:
+    """Tokens of the conversation's last prompt and its reply, by the server's own tokenizer and chat template."""
+    messages = conv.messages(len(conv.users) - 1) + [{"role": "assistant", "content": conv.replies[-1]}]
+    r = httpx.post(server.base_url + "/tokenize", trust_env=False, timeout=30,
+                   json={"model": MODEL, "messages": messages, "add_generation_prompt": False})
+    if r.status_code != 200 or "count" not in r.json():
+        raise RuntimeError(f"/tokenize answered {r.status_code}: {r.text[:300]}")
+    return r.json()["count"]
+
+
+def warm_up(servers: list[VLLMServer], args) -> None:
+    """A few requests to each server directly (the first ones after a start are slow), not counted."""
+    rng = random.Random(-1)
+    for s in servers:
+        for n in (50, 1500, 50):
+            httpx.post(s.api_base + "/chat/completions", trust_env=False, timeout=120, json={
+                "model": MODEL, "messages": [{"role": "user", "content": prose(rng, n)}],
+                "max_tokens": args.max_tokens, "ignore_eos": True}).raise_for_status()
+
+
+def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversation], args, work: Path,
+                block: int) -> Result:
+    for s in servers:
+        reset_prefix_cache(s)
+    proc, url, key = start_gateway(servers, profile, work)
+    load_start = os.getloadavg()[0]
+    tag = f"{profile}-{secrets.token_hex(3)}"
+    try:
+        before = {s.label: counters(s) for s in servers}
+        print(f"\n{profile}: {len(convs)} conversations ...", flush=True)
+        records, wall = asyncio.run(run_workload(url, key, convs, tag, args))
+        after = {s.label: counters(s) for s in servers}
+        decisions = routing_decisions(url)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    result = summarize(profile, records, wall, before, after, served_by(servers, tag), tag, block)
+    result.routing_decisions = decisions
+    result.loadavg = [round(load_start, 2), round(os.getloadavg()[0], 2)]
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
