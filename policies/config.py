@@ -272,6 +272,8 @@ class Backend(Strict):
     name: str | None = Field(None, pattern=NAME)
     served_name: str | None = Field(None, pattern=NAME)
     cap: int | None = Field(None, ge=1, le=100_000)  # most requests in flight to it: its measured knee
+    # the path probed for health: vLLM serves /health; KServe's Hugging Face runtime only /v1/models/<name>
+    health_path: str = Field("/health", pattern=r"^/[A-Za-z0-9._~:@!$&'()*+,;=/%-]*$", max_length=256)
     adaptive: Adaptive | None = None  # optional: track the live knee below `cap` from observed TTFT
 
     @model_validator(mode="after")
