@@ -95,7 +95,7 @@ def test_backends_point_at_what_the_chart_runs(values_file):
     for model in policy_of(list(docs))["models"]:
         for backend in model["backends"]:
             host = urlsplit(backend["url"]).hostname
-            if not host.endswith(f".{NAMESPACE}.svc.cluster.local") or host.startswith("redis."):
+            if not host.endswith(f".{NAMESPACE}.svc.cluster.local"):
                 continue  # external
             name = host.split(".")[0]
             if name.endswith("-predictor"):
@@ -212,6 +212,18 @@ def test_network_policies():
     # without providers there is no public egress at all
     egress = find(list(rendered("minimal.yaml")), "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
     assert not any("ipBlock" in peer for rule in egress for peer in rule["to"])
+
+
+def test_provider_keys_reach_the_env_vars_the_policy_names():
+    docs = list(rendered("providers.yaml"))
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef")
+           for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    providers = {p["name"]: p["api_key_env"] for p in policy_of(docs)["providers"]}
+    assert env[providers["openai"]] == {"name": "openai-key", "key": "api-key"}
+    assert env[providers["together"]] == {"name": "rel-llm-gateway", "key": "provider-together"}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"] == {"name": "redis-auth", "key": "redis-password"}
+    assert find(docs, "HorizontalPodAutoscaler") and "replicas" not in deploy["spec"]
 
 
 SECRETS = {
