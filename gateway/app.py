@@ -80,7 +80,7 @@ class Gateway:
         self.admission = Admission(policy, self.replicas, self.profiles, self.metrics)
         self.rented = rented_providers(policy)
         store = policy.store
-        options = {"prefix": store.prefix} if store.kind == "redis" else {}
+        options = {"prefix": store.prefix, "password": store.password()} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)

@@ -94,9 +94,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     configure_logging(args.log_level)
+    try:
+        app = create_app(policy)
+    except PolicyError as exc:  # e.g. store.password_env names a variable that is not set
+        print(exc, file=sys.stderr)
+        return 1
     tune_gc()
     uvicorn.run(
-        create_app(policy),
+        app,
         host=args.host or policy.listen.host,
         port=args.port or policy.listen.port,
         log_level=args.log_level,

@@ -25,6 +25,7 @@ def replicas_of(model: Model) -> list[Replica]:
             url=backend.url,
             served_name=backend.served_name or model.served_name or model.name,
             cap=backend.cap,
+            health_path=backend.health_path,
             adaptive=backend.adaptive,
         )
         for i, backend in enumerate(model.backends)

@@ -148,6 +148,26 @@ class Store(Strict):
     path: str = "llm-gateway.db"  # sqlite: the database file
     url: str = "redis://127.0.0.1:6379/0"  # redis
     prefix: str = Field("llmgw:", min_length=1, max_length=64)  # redis: namespace of every key
+    # redis: the env var holding the server's password, so the file (a ConfigMap) never carries it
+    password_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+    @model_validator(mode="after")
+    def one_password(self) -> Store:
+        if self.password_env and urlsplit(self.url).password is not None:
+            raise ValueError("url carries a password and password_env names one too: keep it in the env var only")
+        return self
+
+    def password(self) -> str | None:
+        """The Redis password from `password_env` (None when unset); an empty or missing variable is an error
+        that names the variable, never a silent attempt without the password."""
+        if not self.password_env:
+            return None
+        import os
+
+        value = os.environ.get(self.password_env)
+        if not value:
+            raise PolicyError(f"store.password_env: the environment variable {self.password_env} is not set")
+        return value
 
 
 class Auth(Strict):
@@ -252,6 +272,8 @@ class Backend(Strict):
     name: str | None = Field(None, pattern=NAME)
     served_name: str | None = Field(None, pattern=NAME)
     cap: int | None = Field(None, ge=1, le=100_000)  # most requests in flight to it: its measured knee
+    # the path probed for health: vLLM serves /health; KServe's Hugging Face runtime only /v1/models/<name>
+    health_path: str = Field("/health", pattern=r"^/[A-Za-z0-9._~:@!$&'()*+,;=/%-]*$", max_length=256)
     adaptive: Adaptive | None = None  # optional: track the live knee below `cap` from observed TTFT
 
     @model_validator(mode="after")

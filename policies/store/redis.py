@@ -75,12 +75,14 @@ class RedisStore:
         timeout: float = 1.0,
         deadline: float = 2.5,
         max_connections: int = 64,
+        password: str | None = None,
     ) -> None:
         self.prefix = prefix
         self._deadline = deadline
         self._closed = False
         pool = BlockingConnectionPool.from_url(
             url,
+            password=password,  # a password in the URL wins (the policy refuses both at once)
             decode_responses=True,
             socket_connect_timeout=timeout,
             socket_timeout=timeout,

@@ -65,3 +65,9 @@ def test_check_command(tmp_path, capsys):
     assert "models[0](name=qwen3-4b).servedname: unknown field" in capsys.readouterr().err
     assert main(["check", str(tmp_path / "missing.yaml")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["health", "/health?x=1", "/a b"])
+def test_health_path_is_a_plain_absolute_path(path):
+    with pytest.raises(PolicyError, match="health_path"):
+        parse_policy(f"models: [{{name: m, backends: [{{url: 'http://10.0.0.1', health_path: '{path}'}}]}}]")

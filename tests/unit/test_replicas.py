@@ -45,3 +45,26 @@ def test_ready_needs_one_checked_replica_per_model():
     assert rs.ready() == {"m": False}
     rs.succeeded(rs.by_model["m"][1])
     assert rs.ready() == {"m": True}
+
+
+async def test_health_check_gets_the_replicas_health_path():
+    """KServe's Hugging Face runtime has no /health; its backends name the path that says the model is ready."""
+    from policies.compile import replicas_of
+    from policies.config import parse_policy
+
+    policy = parse_policy("models: [{name: m, backends: [{url: 'http://10.0.0.1'}, "
+                          "{url: 'http://10.0.0.2', health_path: /v1/models/m}]}]")
+    plain, kserve = replicas_of(policy.models[0])
+    assert plain.health_path == "/health"
+
+    class Client:
+        asked: list[str] = []
+
+        async def get(self, url, timeout):
+            self.asked.append(url)
+            return 200, b""
+
+    rs = ReplicaSet({"m": [plain, kserve]}, HealthTimings())
+    client = Client()
+    assert await rs.check(client, kserve, timeout=1) and await rs.check(client, plain, timeout=1)
+    assert client.asked == ["http://10.0.0.2/v1/models/m", "http://10.0.0.1/health"]

@@ -1,0 +1,218 @@
+{{/* Names, labels, and the policy file the chart derives from its values. */}}
+
+{{- define "llm-gateway.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "llm-gateway.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "gateway") */}}
+{{- define "llm-gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "llm-gateway.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "llm-gateway.labels" -}}
+{{ include "llm-gateway.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "llm-gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create -}}
+{{- default (include "llm-gateway.fullname" .) .Values.gateway.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.gateway.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A model's DNS-label id: its `id`, or its name lowercased with anything else turned into "-". */}}
+{{- define "llm-gateway.modelId" -}}
+{{- $id := .id | default (regexReplaceAll "[^a-z0-9-]+" (lower .name) "-") -}}
+{{- $id | trimAll "-" | trunc 30 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* (dict "root" $ "model" $m "index" $i): the Deployment and Service of one vLLM replica */}}
+{{- define "llm-gateway.vllmName" -}}
+{{- printf "%s-vllm-%s-%d" (include "llm-gateway.fullname" .root | trunc 24 | trimSuffix "-") (include "llm-gateway.modelId" .model) (int .index) -}}
+{{- end -}}
+
+{{/* (dict "root" $ "model" $m): the InferenceService (KServe adds "-predictor" and more to its names) */}}
+{{- define "llm-gateway.isvcName" -}}
+{{- printf "%s-%s" (include "llm-gateway.fullname" .root | trunc 16 | trimSuffix "-") (include "llm-gateway.modelId" .model) | trunc 45 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "llm-gateway.vllm" -}}
+{{- toYaml (mergeOverwrite (deepCopy .root.Values.vllmDefaults) (deepCopy (default dict .model.vllm))) -}}
+{{- end -}}
+
+{{- define "llm-gateway.kserve" -}}
+{{- toYaml (mergeOverwrite (deepCopy .root.Values.kserveDefaults) (deepCopy (default dict .model.kserve))) -}}
+{{- end -}}
+
+{{- define "llm-gateway.redisName" -}}
+{{- printf "%s-redis" (include "llm-gateway.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* "redis" when the gateway's store is Redis (bundled or external), else "sqlite" */}}
+{{- define "llm-gateway.storeKind" -}}
+{{- if or .Values.redis.enabled .Values.redis.external.url -}}redis{{- else -}}sqlite{{- end -}}
+{{- end -}}
+
+{{/* The Secret and key holding the Redis password; empty when there is none */}}
+{{- define "llm-gateway.redisSecret" -}}
+{{- if .Values.redis.enabled -}}
+{{- dict "name" (.Values.redis.auth.existingSecret | default (include "llm-gateway.redisName" .)) "key" (ternary .Values.redis.auth.existingSecretKey "redis-password" (ne .Values.redis.auth.existingSecret "")) | toYaml -}}
+{{- else if and .Values.redis.external.url .Values.redis.external.existingSecret -}}
+{{- dict "name" .Values.redis.external.existingSecret "key" .Values.redis.external.existingSecretKey | toYaml -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "llm-gateway.providerEnv" -}}
+{{- printf "LLM_GATEWAY_PROVIDER_%s_API_KEY" (regexReplaceAll "[^A-Z0-9]+" (upper .) "_") -}}
+{{- end -}}
+
+{{/* Render-time checks: a values file that cannot work fails here, saying why. */}}
+{{- define "llm-gateway.validate" -}}
+{{- $v := .Values -}}
+{{- if and (eq (include "llm-gateway.storeKind" .) "sqlite") (or (gt (int $v.gateway.replicas) 1) $v.gateway.autoscaling.enabled) -}}
+{{- fail (printf "gateway.replicas is %d%s but the store is the embedded SQLite file: each replica would keep its own keys and rate limits. Set redis.enabled=true (bundled) or redis.external.url, or run one replica." (int $v.gateway.replicas) (ternary " with autoscaling" "" $v.gateway.autoscaling.enabled)) -}}
+{{- end -}}
+{{- if and $v.redis.enabled $v.redis.external.url -}}
+{{- fail "redis.enabled and redis.external.url are both set: choose the bundled Redis or an external one" -}}
+{{- end -}}
+{{- if and $v.redis.external.url (regexMatch "^rediss?://[^/@]*:[^/@]*@" $v.redis.external.url) -}}
+{{- fail "redis.external.url carries a password: it would land in the policy ConfigMap; put it in a Secret and name it in redis.external.existingSecret" -}}
+{{- end -}}
+{{- if not $v.models -}}
+{{- fail "models is empty: name at least one model and its backend (vllm, kserve or external)" -}}
+{{- end -}}
+{{- range $key := list "listen" "store" "models" "providers" -}}
+{{- if hasKey (default dict $v.policy) $key -}}
+{{- fail (printf "policy.%s is derived by the chart: use the chart's values (see the chart README) instead" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $ids := dict -}}
+{{- range $m := $v.models -}}
+{{- $id := include "llm-gateway.modelId" $m -}}
+{{- if hasKey $ids $id -}}
+{{- fail (printf "models %s and %s share the id %q: give one of them an `id`" (get $ids $id) $m.name $id) -}}
+{{- end -}}
+{{- $_ := set $ids $id $m.name -}}
+{{- if eq $m.backend "vllm" -}}
+{{- $vl := include "llm-gateway.vllm" (dict "root" $ "model" $m) | fromYaml -}}
+{{- if not $vl.model -}}
+{{- fail (printf "models[%s].vllm.model is required: the weights' path inside vllm.modelVolume" $m.name) -}}
+{{- end -}}
+{{- else if eq $m.backend "kserve" -}}
+{{- $ks := include "llm-gateway.kserve" (dict "root" $ "model" $m) | fromYaml -}}
+{{- if not $ks.storageUri -}}
+{{- fail (printf "models[%s].kserve.storageUri is required (pvc://CLAIM/PATH or hf://ORG/MODEL)" $m.name) -}}
+{{- end -}}
+{{- else if eq $m.backend "external" -}}
+{{- if not $m.external -}}
+{{- fail (printf "models[%s].external needs at least one backend {url: ...}" $m.name) -}}
+{{- end -}}
+{{- else -}}
+{{- fail (printf "models[%s].backend must be vllm, kserve or external (got %v)" $m.name $m.backend) -}}
+{{- end -}}
+{{- end -}}
+{{- range $p := $v.providers -}}
+{{- $k := default dict $p.apiKey -}}
+{{- if not (or $k.existingSecret $k.value) -}}
+{{- fail (printf "providers[%s].apiKey needs existingSecret (and existingSecretKey) or value" $p.name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The policy file (policies/config.py's schema), derived from the values; never holds a secret. */}}
+{{- define "llm-gateway.policy" -}}
+{{- $root := . -}}
+{{- $v := .Values -}}
+{{- $ns := .Release.Namespace -}}
+{{- $p := deepCopy (default dict $v.policy) -}}
+{{- $_ := set $p "listen" (dict "host" "0.0.0.0" "port" (int $v.gateway.port)) -}}
+{{- $server := default dict $p.server -}}
+{{- if not (kindIs "invalid" $v.gateway.drainSeconds) -}}{{- $_ := set $server "drain_seconds" $v.gateway.drainSeconds -}}{{- end -}}
+{{- if not (kindIs "invalid" $v.gateway.shutdownTimeout) -}}{{- $_ := set $server "shutdown_timeout" $v.gateway.shutdownTimeout -}}{{- end -}}
+{{- if $server -}}{{- $_ := set $p "server" $server -}}{{- end -}}
+{{- if eq (include "llm-gateway.storeKind" .) "redis" -}}
+{{- $url := $v.redis.external.url | default (printf "redis://%s.%s.svc.cluster.local:6379/0" (include "llm-gateway.redisName" .) $ns) -}}
+{{- $store := dict "kind" "redis" "url" $url -}}
+{{- if include "llm-gateway.redisSecret" . -}}{{- $_ := set $store "password_env" "LLM_GATEWAY_REDIS_PASSWORD" -}}{{- end -}}
+{{- $_ := set $p "store" $store -}}
+{{- else -}}
+{{- $_ := set $p "store" (dict "kind" "sqlite" "path" "/var/lib/llm-gateway/llm-gateway.db") -}}
+{{- end -}}
+{{- $admin := default dict $p.admin -}}
+{{- $_ := set $admin "jwt_secret_env" "LLM_GATEWAY_ADMIN_SECRET" -}}
+{{- $_ := set $p "admin" $admin -}}
+{{- $network := default dict $p.network -}}
+{{- $_ := set $network "trusted_proxies" $v.gateway.trustedProxies -}}
+{{- $_ := set $p "network" $network -}}
+{{- $providers := list -}}
+{{- range $pr := $v.providers -}}
+{{- $entry := omit $pr "apiKey" -}}
+{{- $_ := set $entry "api_key_env" (include "llm-gateway.providerEnv" $pr.name) -}}
+{{- $providers = append $providers $entry -}}
+{{- end -}}
+{{- if $providers -}}{{- $_ := set $p "providers" $providers -}}{{- end -}}
+{{- $models := list -}}
+{{- range $m := $v.models -}}
+{{- $entry := deepCopy (default dict $m.policy) -}}
+{{- $_ := set $entry "name" $m.name -}}
+{{- $backends := list -}}
+{{- if eq $m.backend "vllm" -}}
+{{- $vl := include "llm-gateway.vllm" (dict "root" $root "model" $m) | fromYaml -}}
+{{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
+{{- range $i := until (int $vl.replicas) -}}
+{{- $name := include "llm-gateway.vllmName" (dict "root" $root "model" $m "index" $i) -}}
+{{- $b := dict "name" $name "url" (printf "http://%s.%s.svc.cluster.local:%d" $name $ns (int $vl.port)) -}}
+{{- if $m.cap -}}{{- $_ := set $b "cap" (int $m.cap) -}}{{- end -}}
+{{- $backends = append $backends $b -}}
+{{- end -}}
+{{- else if eq $m.backend "kserve" -}}
+{{- $ks := include "llm-gateway.kserve" (dict "root" $root "model" $m) | fromYaml -}}
+{{- $isvc := include "llm-gateway.isvcName" (dict "root" $root "model" $m) -}}
+{{- /* raw deployment: status.address.url is http://NAME-predictor.NAMESPACE.svc.cluster.local, one Service over every replica */ -}}
+{{- $b := dict "name" $isvc "url" (printf "http://%s-predictor.%s.svc.cluster.local" $isvc $ns) "served_name" $isvc -}}
+{{- if eq $ks.runtime "huggingface" -}}{{- $_ := set $b "health_path" (printf "/v1/models/%s" $isvc) -}}{{- end -}}
+{{- if $m.cap -}}{{- $_ := set $b "cap" (mul (int $m.cap) (int $ks.replicas)) -}}{{- end -}}
+{{- $backends = append $backends $b -}}
+{{- else -}}
+{{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
+{{- range $b := $m.external -}}
+{{- $b = deepCopy $b -}}
+{{- if and $m.cap (not (hasKey $b "cap")) -}}{{- $_ := set $b "cap" (int $m.cap) -}}{{- end -}}
+{{- $backends = append $backends $b -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $entry "backends" $backends -}}
+{{- $models = append $models $entry -}}
+{{- end -}}
+{{- $_ := set $p "models" $models -}}
+{{- toYaml $p -}}
+{{- end -}}
+
+{{/* Pod-selector peers of the gateway's pods, for NetworkPolicies */}}
+{{- define "llm-gateway.gatewayPeer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "llm-gateway.selectorLabels" (dict "root" . "component" "gateway") | nindent 6 }}
+{{- end -}}

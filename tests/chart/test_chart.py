@@ -1,0 +1,321 @@
+"""The Helm chart: it lints, renders valid manifests for each example values file, derives a policy the gateway
+accepts, keeps secrets out of ConfigMaps and NOTES, and refuses values that cannot work."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.cli import main as gateway_cli
+from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
+
+EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "kserve.yaml", "providers.yaml"]
+SCHEMAS = Path(__file__).parent / "schemas"
+CRD_SCHEMAS = {
+    ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1.json",
+}
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
+KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+
+
+@cache
+def rendered(values_file: str) -> tuple[dict, ...]:
+    return tuple(render(values_file))
+
+
+def strict(schema):
+    """CRD schemas as `kubectl apply` treats them: declared properties only, unless preserve-unknown-fields."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+        return schema
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+@cache
+def crd_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    schema = strict(json.loads((SCHEMAS / CRD_SCHEMAS[api_version, kind]).read_text()))
+    schema["properties"]["metadata"] = {"type": "object"}  # the API server's ObjectMeta, checked for core kinds
+    return jsonschema.Draft7Validator(schema)
+
+
+def validate(doc: dict) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    if key in CRD_SCHEMAS:
+        errors = sorted(crd_validator(*key).iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, f"{doc['kind']}/{doc['metadata']['name']}: " + "; ".join(
+            f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5])
+        return
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_lint_strict():
+    helm("lint", "--strict")
+    for name in EXAMPLES:
+        helm("lint", "--strict", "-f", str(Path(__file__).parent / "values" / name))
+
+
+@pytest.mark.parametrize("values_file", EXAMPLES)
+def test_every_manifest_validates(values_file):
+    docs = rendered(values_file)
+    assert docs
+    for doc in docs:
+        validate(doc)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), "two objects of one kind share a name"
+
+
+@pytest.mark.parametrize("values_file", EXAMPLES)
+def test_rendered_policy_passes_check(values_file, tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_of(list(rendered(values_file)))))
+    assert gateway_cli(["check", str(path), "--no-resolve"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values_file", EXAMPLES)
+def test_backends_point_at_what_the_chart_runs(values_file):
+    """Every derived backend URL names a Service this release renders (vLLM) or the predictor Service KServe
+    makes for a rendered InferenceService; external ones are as given."""
+    docs = rendered(values_file)
+    services = {d["metadata"]["name"]: d for d in find(docs, "Service")}
+    isvcs = {d["metadata"]["name"] for d in find(docs, "InferenceService")}
+    for model in policy_of(list(docs))["models"]:
+        for backend in model["backends"]:
+            host = urlsplit(backend["url"]).hostname
+            if not host.endswith(f".{NAMESPACE}.svc.cluster.local"):
+                continue  # external
+            name = host.split(".")[0]
+            if name.endswith("-predictor"):
+                assert name.removesuffix("-predictor") in isvcs
+            else:
+                port = urlsplit(backend["url"]).port
+                assert port in [p["port"] for p in services[name]["spec"]["ports"]]
+
+
+def test_minimal_release():
+    docs = list(rendered("minimal.yaml"))
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    pod = deploy["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 600 + 15  # the longest stream plus the preStop sleep
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert re.fullmatch(r"[0-9a-f]{64}", pod["metadata"]["annotations"]["checksum/policy"])
+    assert "podAntiAffinity" in pod["spec"]["affinity"]
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"  # one process owns the SQLite file
+    assert find(docs, "PersistentVolumeClaim", "rel-llm-gateway-store")
+    assert not find(docs, "StatefulSet") and not find(docs, "PodDisruptionBudget")
+    policy = policy_of(docs)
+    assert policy["store"] == {"kind": "sqlite", "path": "/var/lib/llm-gateway/llm-gateway.db"}
+    assert policy["listen"] == {"host": "0.0.0.0", "port": 8080}
+    assert "server" not in policy  # drain settings only when set
+
+    (vllm,) = find(docs, "Deployment", "rel-llm-gateway-vllm-qwen3-4b-0")
+    (v,) = vllm["spec"]["template"]["spec"]["containers"]
+    assert v["args"][0] == "/models/Qwen3-4B" and "--served-model-name=Qwen/Qwen3-4B" in v["args"]
+    assert "--shutdown-timeout=600" in v["args"]
+    assert v["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert v["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert vllm["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+
+
+def test_policy_change_rolls_the_gateway():
+    def checksum(docs):
+        return find(docs, "Deployment", "rel-llm-gateway")[0]["spec"]["template"]["metadata"]["annotations"][
+            "checksum/policy"]
+
+    assert checksum(render("minimal.yaml")) != checksum(render("minimal.yaml", sets={"policy.timeouts.read": 60}))
+
+
+def test_ha_release_with_redis():
+    docs = list(rendered("ha-redis.yaml"))
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    assert deploy["spec"]["replicas"] == 3
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in deploy["spec"]["template"]["spec"]["affinity"][
+        "podAntiAffinity"]
+    (sts,) = find(docs, "StatefulSet", "rel-llm-gateway-redis")
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    (conf,) = find(docs, "ConfigMap", "rel-llm-gateway-redis")
+    assert "appendonly yes" in conf["data"]["redis.conf"] and "requirepass" not in conf["data"]["redis.conf"]
+    policy = policy_of(docs)
+    assert policy["store"] == {"kind": "redis", "url": f"redis://rel-llm-gateway-redis.{NAMESPACE}.svc.cluster.local:6379/0",
+                               "password_env": "LLM_GATEWAY_REDIS_PASSWORD"}
+    env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-llm-gateway-redis", "key": "redis-password"}
+    qwen = next(m for m in policy["models"] if m["name"] == "qwen3-4b")
+    assert [b["cap"] for b in qwen["backends"]] == [32, 32] and qwen["routing"] == "session-affinity"
+    assert len(find(docs, "Deployment")) == 1 + 3  # the gateway and one Deployment per vLLM replica
+    assert find(docs, "PodDisruptionBudget") and find(docs, "Ingress")
+    assert policy["network"]["trusted_proxies"] == ["10.42.0.0/16"]
+    assert {d["metadata"]["name"] for d in find(docs, "ServiceMonitor")} == {
+        "rel-llm-gateway-gateway", "rel-llm-gateway-vllm"}
+
+
+def test_kserve_release():
+    docs = list(rendered("kserve.yaml"))
+    isvcs = {d["metadata"]["name"]: d for d in find(docs, "InferenceService")}
+    assert set(isvcs) == {"rel-llm-gateway-qwen3-4b", "rel-llm-gateway-mistral-7b"}
+    hf = isvcs["rel-llm-gateway-qwen3-4b"]
+    assert hf["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    model = hf["spec"]["predictor"]["model"]
+    assert model["modelFormat"]["name"] == "huggingface" and "--backend=vllm" in model["args"]
+    assert model["storageUri"] == "pvc://models/Qwen3-4B"
+    assert hf["spec"]["predictor"]["minReplicas"] == hf["spec"]["predictor"]["maxReplicas"] == 2
+    backends = {m["name"]: m["backends"] for m in policy_of(docs)["models"]}
+    assert backends["qwen3-4b"] == [{
+        "name": "rel-llm-gateway-qwen3-4b", "served_name": "rel-llm-gateway-qwen3-4b", "cap": 64,
+        "url": f"http://rel-llm-gateway-qwen3-4b-predictor.{NAMESPACE}.svc.cluster.local",
+        "health_path": "/v1/models/rel-llm-gateway-qwen3-4b"}]
+    assert "health_path" not in backends["mistral-7b"][0]  # kserve-vllmserver serves vLLM's /health
+    assert isvcs["rel-llm-gateway-mistral-7b"]["spec"]["predictor"]["model"]["modelFormat"]["name"] == "vLLM"
+    (deploy,) = find(docs, "Deployment")  # only the gateway: KServe runs the model servers
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LLM_GATEWAY_ADMIN_SECRET"] == {"name": "llm-gateway-admin", "key": "jwt"}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"] == {"name": "platform-redis", "key": "password"}
+    assert not find(docs, "Secret") and not find(docs, "StatefulSet")  # every secret came from existing Secrets
+
+
+def test_network_policies():
+    docs = list(rendered("providers.yaml"))
+    policies = {d["metadata"]["name"]: d["spec"] for d in find(docs, "NetworkPolicy")}
+    assert set(policies) == {"rel-llm-gateway-gateway", "rel-llm-gateway-vllm", "rel-llm-gateway-redis"}
+    gateway_peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "llm-gateway",
+                                                    "app.kubernetes.io/instance": "rel",
+                                                    "app.kubernetes.io/component": "gateway"}}}
+    vllm = policies["rel-llm-gateway-vllm"]
+    assert vllm["ingress"][0]["from"][0] == gateway_peer and vllm["egress"] == []
+    assert [p["port"] for p in vllm["ingress"][0]["ports"]] == [8000]
+    redis = policies["rel-llm-gateway-redis"]
+    assert redis["ingress"] == [{"from": [gateway_peer], "ports": [{"port": 6379, "protocol": "TCP"}]}]
+    egress = policies["rel-llm-gateway-gateway"]["egress"]
+    ports = [sorted(p["port"] for p in rule["ports"]) for rule in egress]
+    assert ports == [[53, 53], [8000], [6379], [443], [443]]  # DNS, vLLM, Redis, the external backend, providers
+    provider_rule = egress[-1]["to"][0]["ipBlock"]
+    assert provider_rule["cidr"] == "0.0.0.0/0" and "10.0.0.0/8" in provider_rule["except"]
+    # without providers there is no public egress at all
+    egress = find(list(rendered("minimal.yaml")), "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+    assert not any("ipBlock" in peer for rule in egress for peer in rule["to"])
+
+
+def test_provider_keys_reach_the_env_vars_the_policy_names():
+    docs = list(rendered("providers.yaml"))
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef")
+           for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    providers = {p["name"]: p["api_key_env"] for p in policy_of(docs)["providers"]}
+    assert env[providers["openai"]] == {"name": "openai-key", "key": "api-key"}
+    assert env[providers["together"]] == {"name": "rel-llm-gateway", "key": "provider-together"}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"] == {"name": "redis-auth", "key": "redis-password"}
+    assert find(docs, "HorizontalPodAutoscaler") and "replicas" not in deploy["spec"]
+
+
+SECRETS = {
+    "admin.jwtSecret": "ADMIN-jwt-secret-value-0123456789abcdef",
+    "providers[1].apiKey.value": "tg-test-provider-key-0123456789",
+}
+
+
+def test_secrets_only_in_secret_objects(tmp_path):
+    docs = render("providers.yaml", sets=SECRETS)
+    secret_docs = find(docs, "Secret")
+    for doc in docs:
+        text = yaml.safe_dump(doc)
+        if doc["kind"] == "Secret":
+            continue
+        for value in SECRETS.values():
+            assert value not in text, f"a secret leaked into {doc['kind']}/{doc['metadata']['name']}"
+    (gateway_secret,) = [d for d in secret_docs if d["metadata"]["name"] == "rel-llm-gateway"]
+    import base64
+
+    decoded = {k: base64.b64decode(v).decode() for k, v in gateway_secret["data"].items()}
+    assert decoded == {"admin-jwt-secret": SECRETS["admin.jwtSecret"], "provider-together": SECRETS[
+        "providers[1].apiKey.value"]}
+    notes = render_notes(tmp_path, "providers.yaml", sets=SECRETS)
+    assert "kubectl" in notes and not any(value in notes for value in SECRETS.values())
+    # the generated ones too: the Redis password and a generated admin secret stay in their Secrets
+    docs = render("ha-redis.yaml")
+    generated = [base64.b64decode(v).decode() for d in find(docs, "Secret") for v in d["data"].values()]
+    assert len(generated) == 2
+    for doc in docs:
+        if doc["kind"] != "Secret":
+            assert not any(value in yaml.safe_dump(doc) for value in generated)
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"gateway.replicas": 3}, "gateway.replicas is 3 but the store is the embedded SQLite file"),
+    ({"gateway.autoscaling.enabled": True}, "with autoscaling but the store is the embedded SQLite file"),
+    ({"redis.external.url": "redis://:hunter2@redis:6379/0", "gateway.replicas": 1},
+     "redis.external.url carries a password"),
+    ({"models[0].backend": "vllm", "models[0].vllm.model": ""}, "vllm.model is required"),
+    ({"policy.store.kind": "redis"}, "policy.store is derived by the chart"),
+])
+def test_values_that_cannot_work_fail_the_render(sets, message):
+    with pytest.raises(RenderError, match=re.escape(message)):
+        render("minimal.yaml", sets=sets)
+
+
+def test_values_schema_refuses_unknown_backend_kind():
+    with pytest.raises(RenderError, match="backend"):
+        render("minimal.yaml", sets={"models[0].backend": "triton"})
+
+
+def test_drain_settings_render_only_when_set():
+    policy = policy_of(render("minimal.yaml", sets={"gateway.drainSeconds": 20, "gateway.shutdownTimeout": 600}))
+    assert policy["server"] == {"drain_seconds": 20, "shutdown_timeout": 600}
+
+
+# --- the dashboard ---
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
+
+
+def known_metric_names() -> set[str]:
+    """Every sample name the gateway and vLLM 0.32 expose: the gateway's from its registry, vLLM's from a
+    real /metrics capture."""
+    from policies.metrics import GatewayMetrics
+
+    names = set()
+    suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
+                "gauge": [""], "summary": ["", "_sum", "_count", "_created"]}
+    for family in GatewayMetrics().registry.collect():
+        names |= {family.name + s for s in suffixes.get(family.type, [""])}
+    for line in (FIXTURES / "metrics.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    names |= set((FIXTURES / "metric_names.txt").read_text().split())
+    return names
+
+
+def test_dashboard_queries_only_metrics_that_exist():
+    docs = list(rendered("minimal.yaml"))
+    (cm,) = find(docs, "ConfigMap", "rel-llm-gateway-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["llm-gateway.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) > 20
+    known = known_metric_names()
+    used = {m for e in exprs for m in re.findall(r"\b(?:llm_gateway_[a-z0-9_]+|vllm:[a-z0-9_]+)", e)}
+    assert not used - known, f"the dashboard queries metrics nobody exposes: {sorted(used - known)}"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ["requests", "time to first token", "inter-token", "tokens/s", "queue depth", "queue wait",
+                  "in flight vs cap", "owned vs rented", "rented cost", "errors"]:
+        assert topic in titles, topic
+    assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
+    assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"
