@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit lint e2e e2e-setup redis-setup bench bench-overload venv clean
+.PHONY: run test unit lint e2e e2e-setup redis-setup container-setup image bench bench-overload venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -28,10 +28,16 @@ e2e-setup:
 redis-setup:
 	scripts/setup_redis.sh
 
+container-setup:  # Debian's podman, buildah, mmdebstrap, runc: images are built here without any registry
+	scripts/setup_containers.sh
+
+image: container-setup  # localhost/llm-gateway:<version> from the Containerfile (reused when current)
+	scripts/build_image.sh
+
 lint: venv  # the layers of the design (gateway over policies over backends; imports go down only)
 	$(VENV)/bin/lint-imports
 
-test: venv redis-setup e2e-setup lint
+test: venv redis-setup e2e-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q
 
 unit: venv redis-setup lint  # the fast part of the suite: no vLLM needed
