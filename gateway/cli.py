@@ -86,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import DrainingServer
 
     try:
         policy = load_policy(args.config)
@@ -99,17 +100,25 @@ def run_serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:  # e.g. store.password_env names a variable that is not set
         print(exc, file=sys.stderr)
         return 1
-    tune_gc()
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host or policy.listen.host,
         port=args.port or policy.listen.port,
         log_level=args.log_level,
         access_log=False,  # the gateway logs each request itself, with its id and never its headers
-        proxy_headers=False,
-        server_header=False,  # no "server: uvicorn" on every answer: one header less to write, nothing advertised  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
+        proxy_headers=False,  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
+        server_header=False,  # no "server: uvicorn" on every answer: one header less to write, nothing advertised
         lifespan="on",
+        timeout_graceful_shutdown=policy.server.shutdown_timeout,
     )
+    server = DrainingServer(config, policy.server.drain_seconds, on_drain=app.state.start_drain)
+    tune_gc()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully; as uvicorn.run, end quietly
+        pass
+    if not server.started:
+        return 3  # as uvicorn.run: the lifespan's startup failed
     return 0
 
 

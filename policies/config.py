@@ -60,6 +60,12 @@ class Health(Strict):
 
 class Server(Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
+    # SIGTERM (a rolling update) first drains: /ready answers 503 while every route keeps serving this long,
+    # so the Service stops routing here before the listener closes. 0: close at once (a process nobody
+    # reaches through a Service); the Helm chart sets it with shutdown_timeout from one value.
+    drain_seconds: float = Field(0.0, ge=0, le=3600)
+    # after the drain: how long requests in flight (streams) may take to finish before they are cut
+    shutdown_timeout: Seconds = 30.0
 
 
 class PluginRef(Strict):

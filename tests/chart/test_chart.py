@@ -112,7 +112,7 @@ def test_minimal_release():
     (c,) = pod["spec"]["containers"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
+    assert "lifecycle" not in c  # no preStop sleep: the gateway drains by itself (server.drain_seconds)
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 600 + 15  # the longest stream plus the preStop sleep
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -124,7 +124,7 @@ def test_minimal_release():
     policy = policy_of(docs)
     assert policy["store"] == {"kind": "sqlite", "path": "/var/lib/llm-gateway/llm-gateway.db"}
     assert policy["listen"] == {"host": "0.0.0.0", "port": 8080}
-    assert "server" not in policy  # drain settings only when set
+    assert policy["server"] == {"drain_seconds": 15, "shutdown_timeout": 600}  # from drainSeconds and the grace
 
     (vllm,) = find(docs, "Deployment", "rel-llm-gateway-vllm-qwen3-4b-0")
     (v,) = vllm["spec"]["template"]["spec"]["containers"]
@@ -276,9 +276,13 @@ def test_values_schema_refuses_unknown_backend_kind():
         render("minimal.yaml", sets={"models[0].backend": "triton"})
 
 
-def test_drain_settings_render_only_when_set():
-    policy = policy_of(render("minimal.yaml", sets={"gateway.drainSeconds": 20, "gateway.shutdownTimeout": 600}))
-    assert policy["server"] == {"drain_seconds": 20, "shutdown_timeout": 600}
+def test_drain_settings_follow_one_value():
+    policy = policy_of(render("minimal.yaml", sets={"gateway.drainSeconds": 20}))
+    assert policy["server"] == {"drain_seconds": 20, "shutdown_timeout": 595}
+    policy = policy_of(render("minimal.yaml", sets={"gateway.drainSeconds": 20, "gateway.shutdownTimeout": 300}))
+    assert policy["server"] == {"drain_seconds": 20, "shutdown_timeout": 300}
+    with pytest.raises(RenderError, match="must exceed"):
+        render("minimal.yaml", sets={"gateway.drainSeconds": 620})
 
 
 # --- the dashboard ---

@@ -25,6 +25,7 @@ def test_good_policy_parses_with_defaults():
     assert policy.timeouts.connect == 2 and policy.timeouts.health_check == 2.0
     assert policy.models[0].backends[0].url == "http://10.0.0.1:8000"
     assert [m.name for m in policy.models] == ["qwen3-4b", "embed"]
+    assert policy.server.drain_seconds == 0 and policy.server.shutdown_timeout == 30
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,8 @@ def test_good_policy_parses_with_defaults():
         (GOOD.replace("connect: 2", "connect: -1"), "timeouts.connect"),
         (GOOD.replace("[qwen]", "[embed]"), "'embed' is used twice"),
         (GOOD.replace("name: gpu-2", "name: qwen3-4b-0"), "backend name 'qwen3-4b-0' is used twice"),
+        (GOOD + "server: {drain_seconds: -1}\n", "server.drain_seconds"),
+        (GOOD + "server: {shutdown_timeout: 0}\n", "server.shutdown_timeout"),
         ("models: []", "models: List should have at least 1 item"),
         ("listen: {port: 1}\n", "models: required field is missing"),
         ("models:\n  - name: a\n    name: b\n", "duplicate key 'name'"),

@@ -149,9 +149,14 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- $p := deepCopy (default dict $v.policy) -}}
 {{- $_ := set $p "listen" (dict "host" "0.0.0.0" "port" (int $v.gateway.port)) -}}
 {{- $server := default dict $p.server -}}
-{{- if not (kindIs "invalid" $v.gateway.drainSeconds) -}}{{- $_ := set $server "drain_seconds" $v.gateway.drainSeconds -}}{{- end -}}
-{{- if not (kindIs "invalid" $v.gateway.shutdownTimeout) -}}{{- $_ := set $server "shutdown_timeout" $v.gateway.shutdownTimeout -}}{{- end -}}
-{{- if $server -}}{{- $_ := set $p "server" $server -}}{{- end -}}
+{{- /* one value, drainSeconds, drives the rollout: serve (with /ready failing) that long after SIGTERM, then give
+     streams what is left of the grace period, less a 15 s margin for the final flush */ -}}
+{{- $drain := int $v.gateway.drainSeconds -}}
+{{- $_ := set $server "drain_seconds" $drain -}}
+{{- $shutdown := ternary (sub (int $v.gateway.terminationGracePeriodSeconds) (add $drain 15)) $v.gateway.shutdownTimeout (kindIs "invalid" $v.gateway.shutdownTimeout) -}}
+{{- if lt (int $shutdown) 1 -}}{{- fail "gateway.terminationGracePeriodSeconds must exceed gateway.drainSeconds + 15 (the gateway's drain, then its streams, then a margin)" -}}{{- end -}}
+{{- $_ := set $server "shutdown_timeout" $shutdown -}}
+{{- $_ := set $p "server" $server -}}
 {{- if eq (include "llm-gateway.storeKind" .) "redis" -}}
 {{- $url := $v.redis.external.url | default (printf "redis://%s.%s.svc.cluster.local:6379/0" (include "llm-gateway.redisName" .) $ns) -}}
 {{- $store := dict "kind" "redis" "url" $url -}}
