@@ -41,9 +41,16 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # SIGINT, or SIGTERM before serving: uvicorn's own behaviour
         elif self.drain_until is None:
             self.drain_until = time.monotonic() + self.drain_seconds
+            self.close_connections()  # now, not at the next tick: /ready's 503 and this header come together
             self.on_drain()
         else:
             self.should_exit = True  # a second SIGTERM: stop draining now (not re-raised: a graceful exit)
+
+    def close_connections(self) -> None:
+        """Every response from now on says `Connection: close` (only state is flipped: safe in a handler)."""
+        headers = self.server_state.default_headers
+        if CONNECTION_CLOSE not in headers:
+            self.server_state.default_headers = [*headers, CONNECTION_CLOSE]
 
     async def on_tick(self, counter: int) -> bool:
         should_exit = await super().on_tick(counter)  # refreshes the default headers once a second
@@ -54,9 +61,7 @@ class DrainingServer(uvicorn.Server):
             log.warning("SIGTERM: draining for %g s (/ready answers 503, requests are still served), then "
                         "closing the listener and waiting up to %g s for requests in flight",
                         self.drain_seconds, self.config.timeout_graceful_shutdown)
-        headers = self.server_state.default_headers
-        if CONNECTION_CLOSE not in headers:
-            self.server_state.default_headers = [*headers, CONNECTION_CLOSE]
+        self.close_connections()  # again: uvicorn's tick above rebuilt the default headers without it
         if time.monotonic() >= self.drain_until:
             if not self.should_exit:
                 log.warning("drain over: closing the listener")
