@@ -22,6 +22,7 @@ from tests.support.servers import serve_app
 PUBLIC = "203.0.113.7"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SLOW_HEALTH = {"interval": 60, "backoff_initial": 60, "backoff_max": 60}  # only requests open connections
+NO_SCRAPE = {"scrape": {"enabled": False}}  # nor vLLM /metrics scrapes: their refusals would count too
 
 
 class SwitchableDNS:
@@ -61,7 +62,7 @@ async def test_dns_turning_public_after_load_is_refused_before_connecting(connec
     # No keep-alive at the backend: every request needs a new connection, so a DNS change is seen at once.
     async with serve_app(rec, timeout_keep_alive=0) as up, httpx.AsyncClient(timeout=10, headers=AUTH) as http:
         port = up.rsplit(":", 1)[1]
-        policy = one_model(f"http://backend.internal:{port}", health=SLOW_HEALTH)
+        policy = one_model(f"http://backend.internal:{port}", health=SLOW_HEALTH, routing=NO_SCRAPE)
         async with running_gateway(policy, resolver=dns) as gw:
             r = await http.post(f"{gw.url}/v1/chat/completions", json=BODY)
             assert r.status_code == 200 and len(rec.requests) == 1
@@ -93,7 +94,7 @@ async def test_replica_whose_answer_turns_public_fails_over_to_a_private_one(con
     async with serve_app(rec_a, timeout_keep_alive=0) as up_a, serve_app(rec_b) as up_b, \
             httpx.AsyncClient(timeout=10, headers=AUTH) as http:
         urls = [f"http://{name}.internal:{up.rsplit(':', 1)[1]}" for name, up in (("a", up_a), ("b", up_b))]
-        policy = one_model(*urls, health=SLOW_HEALTH)
+        policy = one_model(*urls, health=SLOW_HEALTH, routing=NO_SCRAPE)
         async with running_gateway(policy, resolver=dns) as gw:
             dns.answers["a.internal"] = ["127.0.0.1", PUBLIC]  # one record of many is enough to refuse
             # the guard checks new connections: drop the one the startup health check left open
@@ -113,7 +114,7 @@ async def test_replica_whose_answer_turns_public_fails_over_to_a_private_one(con
 
 async def test_public_answer_at_startup_stops_the_gateway(tmp_path):
     dns = SwitchableDNS({"backend.internal": ["127.0.0.1", PUBLIC]})
-    policy = Policy.model_validate({**one_model("http://backend.internal:8000", health=SLOW_HEALTH),
+    policy = Policy.model_validate({**one_model("http://backend.internal:8000", health=SLOW_HEALTH, routing=NO_SCRAPE),
                                     "store": {"kind": "sqlite", "path": str(tmp_path / "keys.db")}})
     gateway = Gateway(policy, resolver=dns)
     with pytest.raises(PolicyError, match=f"backends\\[0\\]\\(name=m-0\\).*public address {PUBLIC}"):
@@ -124,7 +125,7 @@ async def test_public_answer_at_startup_stops_the_gateway(tmp_path):
 
 async def test_unresolvable_backend_at_startup_only_logs(caplog):
     with caplog.at_level(logging.WARNING, logger="gateway.egress"):
-        async with running_gateway(one_model("http://not-yet.internal:8000", health=SLOW_HEALTH),
+        async with running_gateway(one_model("http://not-yet.internal:8000", health=SLOW_HEALTH, routing=NO_SCRAPE),
                                    resolver=SwitchableDNS({})) as gw:
             assert gw.state.proxy is not None
     assert "cannot resolve host 'not-yet.internal'" in caplog.text
