@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 
 from policies.memo import Memo
+from policies.tally import TallyCounter
 
 disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
 
@@ -106,12 +107,13 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
-        self.routing_decisions = Counter(
+        # counted in a plain dict (several per request, so no lock and no child lookup) and read at exposition
+        self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"
             " scorer's favourite was picked (agreed/overruled) or what it saw (prefix-affinity: hit, miss,"
-            " load_guard, no_prompt; session-affinity: pinned, no_session).", ["model", "scorer", "outcome"],
-            registry=r,
+            " load_guard, no_prompt; session-affinity: pinned, no_session).", ("model", "scorer", "outcome"),
         )
+        r.register(self.routing_decisions)
         self.prefix_match_chars = Histogram(
             "llm_gateway_routing_prefix_match_chars", "Prompt characters the chosen replica was expected to hold"
             " in its prefix cache (prefix-affinity's match).", ["model"],
@@ -134,7 +136,6 @@ class GatewayMetrics:
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
         self.requests_by = Memo(self.requests.labels)
         self.ttft_by = Memo(self.time_to_first_token.labels)
-        self.decisions_by = Memo(self.routing_decisions.labels)
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
                       completion: int, served_by: str | None) -> None:
@@ -154,7 +155,7 @@ class GatewayMetrics:
                 tokens.inc(prompt + completion)
 
     def decision(self, model: str, scorer: str, outcome: str) -> None:
-        self.decisions_by(model, scorer, outcome).inc()
+        self.routing_decisions.add((model, scorer, outcome))
 
     def prefix_match(self, model: str, chars: int, ratio: float) -> None:
         self.prefix_match_chars.labels(model).observe(chars)
