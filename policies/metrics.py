@@ -26,8 +26,9 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "llm_gateway_requests", "Requests answered, by public model, backend and HTTP status.",
-            ["model", "backend", "status"], registry=r,
+            "llm_gateway_requests", "Requests answered, by public model, backend, HTTP status and endpoint (the"
+            " route's name: chat/completions, responses, tokenize, rerank...).",
+            ["model", "backend", "status", "endpoint"], registry=r,
         )
         self.request_duration = Histogram(
             "llm_gateway_request_duration_seconds", "End-to-end request latency as the client sees it.",
@@ -138,10 +139,10 @@ class GatewayMetrics:
         self.ttft_by = Memo(self.time_to_first_token.labels)
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
-                      completion: int, served_by: str | None) -> None:
+                      completion: int, served_by: str | None, endpoint: str = "") -> None:
         """Everything one finished call moves, through children looked up once per (model, backend)."""
         series = self.series(model, backend)
-        self.requests_by(model, backend, str(status)).inc()
+        self.requests_by(model, backend, str(status), endpoint).inc()
         series.duration.observe(elapsed)
         series.overhead.observe(overhead)
         if prompt:
@@ -170,9 +171,9 @@ class GatewayMetrics:
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft_by(model).observe(seconds)
 
-    def call_refused(self, model: str, backend: str, status: int) -> None:
+    def call_refused(self, model: str, backend: str, status: int, endpoint: str = "") -> None:
         """A call that never got as far as a model (bad body, unknown key)."""
-        self.requests_by(model, backend, str(status)).inc()
+        self.requests_by(model, backend, str(status), endpoint).inc()
 
 
 class _Series:
