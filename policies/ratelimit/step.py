@@ -9,6 +9,7 @@ the store could not record is counted (llm_gateway_store_unavailable) and logged
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.ratelimit")
 
+RELEASE_RETRY_SECONDS = 30.0  # a failover is over well within this; an outage longer leaves it to the lease
 WHAT = {REQUESTS: "requests per minute", TOKENS: "tokens per minute", CONCURRENCY: "concurrent requests"}
 
 
@@ -141,10 +143,18 @@ class RateLimit:
             self.background(self.release(ticket, used))
 
     async def release(self, ticket: Ticket, used: int) -> None:
-        try:
-            await ticket.limiter.release(ticket, used)
-        except StoreUnavailable:
-            log.warning("could not release a rate-limit slot while the store is down; its lease will expire")
+        """Off the request path; while the store is away (a failover takes seconds) try again for a while, so
+        a slot comes back when the new primary answers rather than when its lease expires."""
+        deadline = time.monotonic() + RELEASE_RETRY_SECONDS
+        while True:
+            try:
+                await ticket.limiter.release(ticket, used)
+                return
+            except StoreUnavailable:
+                if time.monotonic() >= deadline:
+                    log.warning("could not release a rate-limit slot while the store is down; its lease will expire")
+                    return
+                await asyncio.sleep(0.5)
 
 
 def headers(limits, decision: Decision) -> dict[str, str]:

@@ -323,3 +323,47 @@ def test_dashboard_queries_only_metrics_that_exist():
         assert topic in titles, topic
     assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
     assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"
+
+
+@pytest.mark.parametrize("external, store_key", [
+    ({"sentinel": {"addresses": ["redis-sentinel.data:26379"], "masterName": "gw",
+                   "existingSecret": "sentinel-auth"}}, "sentinel"),
+    ({"cluster": {"nodes": ["redis-0.data:6379", "redis-1.data:6379"]}, "tls": True}, "cluster"),
+])
+def test_external_sentinel_or_cluster(tmp_path, external, store_key):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "gateway": {"replicas": 3},
+        "redis": {"external": {**external, "existingSecret": "redis-auth", "cidrs": ["10.30.0.0/24"]}},
+        "models": [{"name": "m", "backend": "external", "external": [{"url": "http://10.20.0.11:8000"}]}],
+    }))
+    docs = render(str(values))
+    for doc in docs:
+        validate(doc)
+    store = policy_of(docs)["store"]
+    assert "url" not in store and store["password_env"] == "LLM_GATEWAY_REDIS_PASSWORD"
+    env = {e["name"]: e for e in find(docs, "Deployment", "rel-llm-gateway")[0]["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+    egress = find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+    redis_rule = next(r for r in egress if r["to"][0].get("ipBlock", {}).get("cidr") == "10.30.0.0/24")
+    ports = sorted(p["port"] for p in redis_rule["ports"])
+    if store_key == "sentinel":
+        assert store["sentinel"] == {"addresses": ["redis-sentinel.data:26379"], "master_name": "gw",
+                                     "password_env": "LLM_GATEWAY_REDIS_SENTINEL_PASSWORD"}
+        assert env["LLM_GATEWAY_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "sentinel-auth"
+        assert ports == [6379, 26379]  # the sentinels' port as well as the servers'
+    else:
+        assert store["cluster"] == {"nodes": ["redis-0.data:6379", "redis-1.data:6379"]} and store["tls"] is True
+        assert ports == [6379]
+    assert not find(docs, "StatefulSet")  # nothing bundled
+    # a secret is only ever named (env var, Secret key), never carried
+    text = json.dumps(docs).lower()
+    for named in ("password_env", "redis_password", "sentinel_password", "redis-password", "sentinel-password"):
+        text = text.replace(named, "")
+    assert "password" not in text
+
+
+def test_two_ways_to_reach_redis_fail_the_render(tmp_path):
+    with pytest.raises(RenderError, match="choose one Redis"):
+        render("minimal.yaml", sets={"redis.enabled": True, "redis.external.cluster.nodes[0]": "r:6379"})

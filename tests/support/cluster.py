@@ -53,11 +53,14 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, **policy_overrides) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, redis_setup=RedisServer,
+            **policy_overrides) -> Iterator[Cluster]:
+    """`redis_setup` builds the Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches it
+    by its `url`."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
-    with RedisServer() as redis:
+    with redis_setup() as redis:
         sim_port = free_port()
         sim_args = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
         procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
