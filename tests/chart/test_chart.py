@@ -17,7 +17,7 @@ import yaml
 from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
-EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "kserve.yaml", "providers.yaml"]
+EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
@@ -367,3 +367,30 @@ def test_external_sentinel_or_cluster(tmp_path, external, store_key):
 def test_two_ways_to_reach_redis_fail_the_render(tmp_path):
     with pytest.raises(RenderError, match="choose one Redis"):
         render("minimal.yaml", sets={"redis.enabled": True, "redis.external.cluster.nodes[0]": "r:6379"})
+
+
+def test_bundled_sentinel():
+    docs = list(rendered("ha-sentinel.yaml"))
+    (redis,) = find(docs, "StatefulSet", "rel-llm-gateway-redis")
+    pod = redis["spec"]["template"]["spec"]
+    assert redis["spec"]["replicas"] == 3 and redis["spec"]["serviceName"] == "rel-llm-gateway-redis-headless"
+    assert [c["name"] for c in pod["containers"]] == ["redis", "sentinel"]
+    assert find(docs, "Service", "rel-llm-gateway-redis-headless")[0]["spec"]["clusterIP"] == "None"
+    store = policy_of(docs)["store"]
+    assert store["sentinel"]["addresses"] == [
+        f"rel-llm-gateway-redis-{i}.rel-llm-gateway-redis-headless.{NAMESPACE}.svc.cluster.local:26379"
+        for i in range(3)]
+    assert "url" not in store and store["password_env"] == "LLM_GATEWAY_REDIS_PASSWORD"
+    (config,) = [d for d in find(docs, "ConfigMap", "rel-llm-gateway-redis")]
+    assert "sentinel monitor mymaster $primary 6379 2" in config["data"]["start-sentinel.sh"]  # quorum: majority
+    assert "sentinel down-after-milliseconds mymaster 3000" in config["data"]["start-sentinel.sh"]
+    # the sentinel port is open: gateway -> Redis pods, and among the Redis pods (replication, gossip)
+    policies = {d["metadata"]["name"]: d["spec"] for d in find(docs, "NetworkPolicy")}
+    gateway_ports = [sorted(p["port"] for p in rule["ports"]) for rule in policies["rel-llm-gateway-gateway"]["egress"]]
+    assert [6379, 26379] in gateway_ports
+    redis_policy = policies["rel-llm-gateway-redis"]
+    assert [sorted(p["port"] for p in rule["ports"]) for rule in redis_policy["ingress"]] == [[6379, 26379]] * 2
+    # the password reaches both containers from the Secret, never as a value in a manifest
+    for container in pod["containers"]:
+        env = {e["name"]: e for e in container["env"]}
+        assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]

@@ -163,7 +163,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if eq (include "llm-gateway.storeKind" .) "redis" -}}
 {{- $e := $v.redis.external -}}
 {{- $store := dict "kind" "redis" -}}
-{{- if $e.sentinel.addresses -}}
+{{- if and $v.redis.enabled $v.redis.sentinel.enabled -}}
+{{- $rn := include "llm-gateway.redisName" . -}}
+{{- $addresses := list -}}
+{{- range $i := until (int $v.redis.sentinel.replicas) -}}{{- $addresses = append $addresses (printf "%s-%d.%s-headless.%s.svc.cluster.local:26379" $rn $i $rn $ns) -}}{{- end -}}
+{{- $_ := set $store "sentinel" (dict "addresses" $addresses "master_name" $v.redis.sentinel.masterName) -}}
+{{- else if $e.sentinel.addresses -}}
 {{- $sentinel := dict "addresses" $e.sentinel.addresses "master_name" $e.sentinel.masterName -}}
 {{- if $e.sentinel.existingSecret -}}{{- $_ := set $sentinel "password_env" "LLM_GATEWAY_REDIS_SENTINEL_PASSWORD" -}}{{- end -}}
 {{- $_ := set $store "sentinel" $sentinel -}}
