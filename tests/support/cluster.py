@@ -84,7 +84,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, redis_setup=R
                 result.urls.append(f"http://127.0.0.1:{port}")
                 result.logs.append(log_path)
             for url, proc in zip(result.urls, procs[1:]):
-                wait_http_ok(f"{url}/ready", proc, 30, "a gateway replica")
+                wait_http_ok(f"{url}/ready", proc, 90, "a gateway replica")  # generous: a loaded 2-core CI
             env["LLM_GATEWAY_ADMIN_TOKEN"] = mint_token(Admin(), 600, secret=secret)
             yield result
         finally:
