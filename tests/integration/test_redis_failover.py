@@ -1,5 +1,6 @@
 """Killing the Redis primary under load: three gateway processes on a real Sentinel set (a primary, two replicas,
-three sentinels), the simulator as backend, steady bounded load on a rate-limited key; SIGKILL the primary.
+three sentinels) or a real Cluster (3 primaries + 3 replicas), the simulator as backend, steady bounded load on
+a rate-limited key; SIGKILL the primary (in the Cluster, the one holding that key's rate-limit slot).
 
 What must hold (docs/redis-ha.md says why these bounds):
 - fail_open: requests keep being served; the backend never sees more than the limit allows over the run plus
@@ -17,11 +18,10 @@ import time
 
 import httpx
 import pytest
-import redis
 
 from policies.keys import key_id_of
 from tests.support.cluster import cluster
-from tests.support.redis_ha import SentinelSet, wait_for
+from tests.support.redis_ha import ClusterSet, SentinelSet, wait_for
 
 RPM = 60  # the key's limit: a bucket of 60, refilled at 1 a second
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -64,19 +64,21 @@ def works(url: str, key: str) -> bool:
     return r.status_code in (200, 429)  # authenticated: served or rate-limited, not 401/503
 
 
-@pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
-def test_sigkill_of_the_primary_under_load(tmp_path, mode):
+@pytest.mark.parametrize("setup, mode", [(SentinelSet, "fail_open"), (SentinelSet, "fail_closed"),
+                                         (ClusterSet, "fail_closed")], ids=["sentinel-open", "sentinel-closed",
+                                                                            "cluster-closed"])
+def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
     modes = {"requests": mode, "tokens": mode, "concurrency": mode}
-    with cluster(tmp_path, replicas=3, redis_setup=SentinelSet, auth={"cache_seconds": 2},
+    with cluster(tmp_path, replicas=3, redis_setup=setup, auth={"cache_seconds": 2},
                  rate_limits={"on_store_failure": modes, "lease_seconds": 120}) as c:
-        servers: SentinelSet = c.redis
+        servers: SentinelSet | ClusterSet = c.redis
         keys = [c.issue_key(name=f"k{i}") for i in range(4)]
         loaded = c.issue_key(limits={"requests_per_minute": RPM, "max_concurrent": 4})
         for url in c.urls:  # the loaded key in every gateway's cache; the others only in the store
             assert works(url, loaded)
         # the keys reached the replicas before the kill (replication is asynchronous)
-        wait_for(lambda: all(redis.Redis(port=s.port).zcard("{llmgw:}keys") == 5
-                             for s in servers.servers if s is not servers.primary()), 10, "keys on the replicas")
+        wait_for(servers.caught_up, 10, "replicas caught up")
+        bucket = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:requests"
         backend = re.search(r"url: (http://\S+)", c.config.read_text()).group(1)
         served_before = served_at_backend(backend)
 
@@ -85,10 +87,10 @@ def test_sigkill_of_the_primary_under_load(tmp_path, mode):
             task = asyncio.create_task(load(c.urls, loaded, stop, log))
             started = time.monotonic()
             await asyncio.sleep(3)  # steady state first
-            old = servers.primary()
+            old = servers.primary(bucket)
             killed = time.monotonic()
             old.kill()
-            while servers.primary_port() == old.port:  # the sentinels' verdict: promotion done
+            while servers.primary(bucket).port == old.port:  # the set's verdict: promotion done
                 assert time.monotonic() - killed < 30, "no promotion within 30 s"
                 await asyncio.sleep(0.05)
             promoted = time.monotonic()
@@ -130,7 +132,7 @@ def test_sigkill_of_the_primary_under_load(tmp_path, mode):
         assert codes.count(200) <= served <= allowed, (served, allowed, codes.count(200), per_second)
 
         # no concurrency slot stays held once the load has stopped (releases retry until the new primary answers)
-        primary = redis.Redis(port=servers.primary_port())
+        primary = servers.client()
         inflight = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:inflight"  # an empty set is no key at all
         wait_for(lambda: primary.zcount(inflight, f"({time.time()}", "+inf") == 0, 35,
                  "every concurrency slot given back")

@@ -95,6 +95,27 @@ class ServerSet:
     def processes(self) -> list[RedisServer]:
         return self.servers
 
+    def primary(self, key: str) -> RedisServer:
+        """The server that is the primary for `key` now."""
+        raise NotImplementedError
+
+    def client(self) -> redis.Redis | redis.RedisCluster:
+        """A plain client of the set as it is now, for tests to look at what the gateways wrote."""
+        raise NotImplementedError
+
+    def caught_up(self) -> bool:
+        """Every replica has acknowledged everything its primary wrote (asynchronous replication drained)."""
+        for server in self.servers:
+            if not server.running:
+                continue
+            info = redis.Redis(port=server.port).info("replication")
+            if info.get("role") != "master":
+                continue
+            offsets = [v["offset"] for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            if not offsets or any(o != info["master_repl_offset"] for o in offsets):
+                return False
+        return True
+
     def close(self) -> None:
         for process in self.processes():
             process.close()
@@ -162,9 +183,12 @@ class SentinelSet(ServerSet):
                     continue
         return max(set(answers), key=answers.count)
 
-    def primary(self) -> RedisServer:
+    def primary(self, key: str = "") -> RedisServer:
         port = self.primary_port()
         return next(s for s in self.servers if s.port == port)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.primary_port(), decode_responses=True)
 
 
 
@@ -204,6 +228,9 @@ class ClusterSet(ServerSet):
     def replicas_in_sync(self) -> list[RedisServer]:
         return [s for s in self.servers if s.running
                 and redis.Redis(port=s.port).info("replication").get("master_link_status") == "up"]
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.any_live().port, decode_responses=True)
 
     def primary(self, key: str) -> RedisServer:
         """The server that holds the slot of `key` as primary now."""
