@@ -80,11 +80,14 @@ class Gateway:
         self.admission = Admission(policy, self.replicas, self.profiles, self.metrics)
         self.rented = rented_providers(policy)
         store = policy.store
-        options = {"prefix": store.prefix, "password": store.password()} if store.kind == "redis" else {}
-        self.store = open_store(store.kind, path=store.path, url=store.url, **options)
+        options = redis_options(store) if store.kind == "redis" else {}
+        self.store = open_store(store.kind, path=store.path, url=store.redis_url(), **options)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)
-        self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
+        self.authenticate = Authenticate(
+            self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
+            on_outage=lambda outcome: self.metrics.store_unavailable.labels("auth", outcome).inc(),
+        )
         self.limiter = open_limiter(self.store)
         self.client_network = ClientNetwork(policy.network)
         self.record_usage = RecordUsage(self.store, self.background.run)
@@ -166,6 +169,18 @@ class Gateway:
             await self.background.drain(timeout=5)
             await client.aclose()
             await self.store.close()
+
+
+def redis_options(store) -> dict:
+    """What the Redis store takes besides its address: secrets (read from env or files now) and TLS files."""
+    from policies.store.redis_client import TLSFiles
+
+    return {
+        "prefix": store.prefix,
+        "password": store.password(),
+        "sentinel_password": store.sentinel.password() if store.sentinel else None,
+        "tls_files": TLSFiles(store.tls_ca_file, store.tls_cert_file, store.tls_key_file),
+    }
 
 
 def open_limiter(store):

@@ -2,7 +2,9 @@
 
 Every failure to authenticate gets the same 401, whatever was wrong (missing, malformed, unknown, expired,
 revoked, wrong secret), and never echoes the key. Verified records are cached per process for
-`auth.cache_seconds`: that is the bound within which a revocation reaches every gateway replica.
+`auth.cache_seconds`: that is the bound within which a revocation reaches every gateway replica. While the
+store cannot be reached (an outage, a Redis failover) a record verified within `auth.stale_seconds` is used
+as it was, so keys issued before the failover keep working; a key never seen by this process gets a 503.
 """
 
 from __future__ import annotations
@@ -34,19 +36,21 @@ def bearer_key(authorization: str | None) -> str | None:
 class KeyCache:
     """key id -> (record, fetched at): a small LRU with a time bound."""
 
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, keep: float = 0.0) -> None:
         self.ttl = ttl
+        self.keep = keep  # how long an entry may serve while the store is unreachable
         self.entries: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()
 
-    def get(self, key_id: str, now: float) -> KeyRecord | None:
+    def get(self, key_id: str, now: float, ttl: float | None = None) -> KeyRecord | None:
+        """The record if fetched less than `ttl` (default: the cache's own) ago."""
         entry = self.entries.get(key_id)
-        if entry is None or now - entry[1] >= self.ttl:
+        if entry is None or now - entry[1] >= (self.ttl if ttl is None else ttl):
             return None
         self.entries.move_to_end(key_id)
         return entry[0]
 
     def put(self, record: KeyRecord, now: float) -> None:
-        if self.ttl <= 0:
+        if self.ttl <= 0 and self.keep <= 0:
             return
         self.entries[record.id] = (record, now)
         self.entries.move_to_end(record.id)
@@ -60,9 +64,11 @@ class KeyCache:
 class Authenticate:
     name = "authenticate"
 
-    def __init__(self, store: Store, cache_seconds: float, background) -> None:
+    def __init__(self, store: Store, cache_seconds: float, background, stale_seconds: float = 0.0,
+                 on_outage=None) -> None:
         self.store = store
-        self.cache = KeyCache(cache_seconds)
+        self.cache = KeyCache(cache_seconds, max(cache_seconds, stale_seconds))
+        self.on_outage = on_outage or (lambda outcome: None)  # told "cached" or "refused" per lookup
         self.background = background  # schedules store writes off the request path
         self.touched: dict[str, float] = {}
 
@@ -81,9 +87,13 @@ class Authenticate:
             try:
                 record = await self.store.get_key(key_id)
             except StoreUnavailable:
-                raise StateUnavailable("the key store is unavailable; try again shortly") from None
-            if record is not None:
-                self.cache.put(record, mono)
+                record = self.cache.get(key_id, mono, self.cache.keep)
+                self.on_outage("refused" if record is None else "cached")
+                if record is None:
+                    raise StateUnavailable("the key store is unavailable; try again shortly") from None
+            else:
+                if record is not None:
+                    self.cache.put(record, mono)
         if record is None or not record.matches(key, now) or not record.usable(now):
             raise AuthenticationFailed(INVALID)
         if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:

@@ -149,35 +149,102 @@ class Routing(Strict):
         return self
 
 
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+HostPort = Annotated[str, Field(pattern=r"^[A-Za-z0-9.:\[\]_-]+:[0-9]{1,5}$")]
+
+
+def secret(field: str, env: str | None, file: str | None) -> str | None:
+    """A password from the env var `env` or the file `file` (a mounted Secret; one trailing newline dropped).
+    Named but missing or empty is an error that names the variable or file, never a silent try without it."""
+    if env:
+        import os
+
+        value = os.environ.get(env)
+        if not value:
+            raise PolicyError(f"{field}_env: the environment variable {env} is not set")
+        return value
+    if file:
+        try:
+            value = Path(file).read_text().removesuffix("\n")
+        except OSError as exc:
+            raise PolicyError(f"{field}_file: cannot read {file} ({type(exc).__name__})") from None
+        if not value:
+            raise PolicyError(f"{field}_file: {file} is empty")
+        return value
+    return None
+
+
+class RedisSentinel(Strict):
+    """Ask these sentinels where the primary of `master_name` is; they move the gateway on at a failover."""
+
+    addresses: list[HostPort] = Field(min_length=1)  # the sentinels, host:port (26379 by convention)
+    master_name: str = Field("mymaster", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    db: int = Field(0, ge=0, le=15)
+    password_env: EnvName | None = None  # the sentinels' own password (requirepass on the sentinels), if any
+    password_file: str | None = None
+
+    def password(self) -> str | None:
+        return secret("store.sentinel.password", self.password_env, self.password_file)
+
+
+class RedisClusterNodes(Strict):
+    nodes: list[HostPort] = Field(min_length=1)  # startup nodes, host:port; any one reachable is enough
+
+
 class Store(Strict):
     kind: Literal["sqlite", "redis"] = "sqlite"
     path: str = "llm-gateway.db"  # sqlite: the database file
-    url: str = "redis://127.0.0.1:6379/0"  # redis
-    prefix: str = Field("llmgw:", min_length=1, max_length=64)  # redis: namespace of every key
-    # redis: the env var holding the server's password, so the file (a ConfigMap) never carries it
-    password_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    url: str = "redis://127.0.0.1:6379/0"  # redis: one server (rediss:// for TLS)
+    sentinel: RedisSentinel | None = None  # redis: a primary watched by Sentinel (instead of url)
+    cluster: RedisClusterNodes | None = None  # redis: a Redis Cluster (instead of url)
+    prefix: str = Field("llmgw:", min_length=1, max_length=64, pattern=r"^[^{}]+$")  # redis: namespace of every key
+    # redis: the server's password from an env var or a file (a mounted Secret), so the policy file (a
+    # ConfigMap) never carries it
+    password_env: EnvName | None = None
+    password_file: str | None = None
+    tls: bool = False  # redis: TLS to sentinels and servers (a url uses rediss:// instead)
+    tls_ca_file: str | None = None  # redis: CA bundle for TLS (default: the system's)
+    tls_cert_file: str | None = None  # redis: client certificate, for servers that ask for one
+    tls_key_file: str | None = None
 
     @model_validator(mode="after")
     def one_password(self) -> Store:
-        if self.password_env and urlsplit(self.url).password is not None:
+        if self.password_env and self.password_file:
+            raise ValueError("give password_env or password_file, not both")
+        if (self.password_env or self.password_file) and urlsplit(self.url).password is not None:
             raise ValueError("url carries a password and password_env names one too: keep it in the env var only")
         return self
 
-    def password(self) -> str | None:
-        """The Redis password from `password_env` (None when unset); an empty or missing variable is an error
-        that names the variable, never a silent attempt without the password."""
-        if not self.password_env:
-            return None
-        import os
+    @model_validator(mode="after")
+    def one_address(self) -> Store:
+        if self.sentinel and self.cluster:
+            raise ValueError("give sentinel or cluster, not both")
+        if (self.sentinel or self.cluster) and "url" in self.model_fields_set:
+            raise ValueError("give url, sentinel or cluster: one way to reach Redis")
+        if self.tls and "url" in self.model_fields_set:
+            raise ValueError("tls is for sentinel and cluster; a url says rediss:// instead")
+        return self
 
-        value = os.environ.get(self.password_env)
-        if not value:
-            raise PolicyError(f"store.password_env: the environment variable {self.password_env} is not set")
-        return value
+    def password(self) -> str | None:
+        """The Redis password (None when none is configured)."""
+        return secret("store.password", self.password_env, self.password_file)
+
+    def redis_url(self) -> str:
+        """The address policies.store.redis_client reads; it never holds a password from the env or a file."""
+        scheme = "rediss" if self.tls else "redis"
+        if self.sentinel:
+            return f"{scheme}+sentinel://{','.join(self.sentinel.addresses)}/{self.sentinel.master_name}/" \
+                   f"{self.sentinel.db}"
+        if self.cluster:
+            return f"{scheme}+cluster://{','.join(self.cluster.nodes)}"
+        return self.url
 
 
 class Auth(Strict):
     cache_seconds: float = Field(5.0, ge=0, le=300)  # verified keys are cached this long; revocation bound
+    # while the store is unreachable (an outage, a failover), a key this process verified within this long
+    # still authenticates; a change made meanwhile reaches it when the store is back. 0: answer 503 instead
+    stale_seconds: float = Field(300.0, ge=0, le=86400)
 
 
 class Admin(Strict):

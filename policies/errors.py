@@ -109,9 +109,16 @@ class NoBackendAvailable(GatewayError):
 
 
 class StateUnavailable(GatewayError):
+    """The shared store is unreachable (an outage, or a failover until the new primary answers): retry soon."""
+
     status = 503
     type = "service_unavailable"
     code = "store_unavailable"
+    retry_after = 2  # seconds: about one Sentinel or Cluster failover (down-after + election)
+
+    def __init__(self, message: str, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("retry-after", str(self.retry_after))
 
 
 class UpstreamTimeout(GatewayError):

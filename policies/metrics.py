@@ -108,6 +108,12 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
+        self.store_unavailable = Counter(
+            "llm_gateway_store_unavailable", "Request steps that could not reach the shared store (a Redis outage or"
+            " failover), by step and what the gateway did instead: fail_open (served, limits counted in this"
+            " process), fail_closed (503), cached (key accepted from this process's cache), refused (503).",
+            ["step", "outcome"], registry=r,
+        )
         # counted in a plain dict (several per request, so no lock and no child lookup) and read at exposition
         self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"

@@ -3,16 +3,26 @@
 One Lua script per admission (every bucket and slot of every scope checked and taken atomically, one round
 trip) and one per release. Time comes from the Redis server (TIME), so replicas' clocks never disagree.
 
-    {prefix}rl:{scope}:requests     hash  l (level), t (time): the requests-per-minute bucket
-    {prefix}rl:{scope}:tokens       hash  the same for tokens
-    {prefix}rl:{scope}:inflight     zset  member (request) -> lease expiry
+    P rl:{<scope>}:requests     hash  l (level), t (time): the requests-per-minute bucket
+    P rl:{<scope>}:tokens       hash  the same for tokens
+    P rl:{<scope>}:inflight     zset  member (request) -> lease expiry
+
+The braces are a Cluster hash tag: one scope's three keys share a slot. A request's key scope and model scope
+do not, so on a Cluster admission runs the script once per scope, each atomic on its own slot, all sent at
+once; if one refuses, what the others took is given back (UNDO). No limit is ever exceeded: every take is
+checked atomically against its own limit, and a give-back only returns what was taken. The price: a refused
+request costs a second round trip, and briefly holds the other scopes' share (that can cause a refusal, never
+an excess). docs/redis-ha.md has the figures. On one server or behind Sentinel every slot is on the same
+server, and the one-call script runs as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from policies.ratelimit.base import Decision, Scope, Ticket
+from policies.store import StoreError
 from policies.store.redis import RedisStore
 
 LEVEL = """
@@ -92,6 +102,15 @@ end
 return 0
 """
 
+# KEYS: one scope's three. ARGV: rpm, tpm, max, cost, member. Gives back what ACQUIRE took in that scope.
+UNDO = LEVEL + """
+local rpm, tpm, maxc, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if rpm > 0 then save(KEYS[1], math.min(rpm, level(KEYS[1], rpm, now) + 1), now) end
+if tpm > 0 then save(KEYS[2], math.min(tpm, level(KEYS[2], tpm, now) + cost), now) end
+if maxc > 0 then redis.call('ZREM', KEYS[3], ARGV[5]) end
+return 0
+"""
+
 
 class RedisLimiter:
     def __init__(self, store: RedisStore) -> None:
@@ -99,33 +118,77 @@ class RedisLimiter:
         self.prefix = f"{store.prefix}rl:"
         self._acquire = store.client.register_script(ACQUIRE)
         self._release = store.client.register_script(RELEASE)
+        self._undo = store.client.register_script(UNDO)
+        self.per_scope = store.cluster  # one script may not span the scopes' slots
+        self.loaded = False
+
+    async def load_scripts(self) -> None:
+        """SCRIPT LOAD every script once, on every primary, so no admission pays a NOSCRIPT round trip midway
+        (a primary promoted later gets them the same way redis-py always does: on its first NOSCRIPT)."""
+        async with self.store.guard("rate_limit_load"):
+            for script in (self._acquire, self._release, self._undo):
+                await self.store.client.script_load(script.script)
+        self.loaded = True
 
     def _keys(self, scope: str) -> tuple[str, str, str]:
-        base = f"{self.prefix}{scope}:"
+        base = f"{self.prefix}{{{scope}}}:"
         return base + "requests", base + "tokens", base + "inflight"
 
     async def acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> Decision:
+        if not self.loaded:
+            await self.load_scripts()
+        if self.per_scope and len(scopes) > 1:
+            return await self.acquire_per_scope(scopes, cost, member, lease)
+        return decide(await self.run_acquire(scopes, cost, member, lease), scopes)
+
+    async def run_acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> list:
         keys: list[str] = []
         args: list[object] = [len(scopes), cost, member, lease]
         for scope in scopes:
             keys.extend(self._keys(scope.name))
-            args.extend([scope.requests_per_minute or 0, scope.tokens_per_minute or 0, scope.max_concurrent or 0])
+            args.extend(limits(scope))
         async with self.store.guard("rate_limit_acquire"):
-            reply = await self._acquire(keys=keys, args=args)
-        decision = Decision(bool(int(reply[0])))
-        if not decision.allowed:
-            decision.scope, decision.kind = scopes[int(reply[1])].name, str(reply[2])
-            decision.retry_after = float(reply[3])
-        if reply[4] != "":
-            decision.remaining_requests, decision.reset_requests = int(float(reply[4])), float(reply[5])
-        if reply[6] != "":
-            decision.remaining_tokens, decision.reset_tokens = max(0, int(float(reply[6]))), float(reply[7])
+            return await self._acquire(keys=keys, args=args)
+
+    async def acquire_per_scope(self, scopes: tuple[Scope, ...], cost: int, member: str,
+                                lease: float) -> Decision:
+        """Each scope's script on its own slot, all sent at once (one round trip, as each is independent);
+        if any refuses, or fails, give back what the others took. The first refusal in scope order answers."""
+        results = await asyncio.gather(*(self.run_acquire((s,), cost, member, lease) for s in scopes),
+                                       return_exceptions=True)
+        refused = next((i for i, r in enumerate(results) if isinstance(r, BaseException) or not int(r[0])), None)
+        if refused is None:
+            return decide(results[0], scopes)
+        await asyncio.gather(*(self.undo(s, cost, member) for s, r in zip(scopes, results)
+                               if not isinstance(r, BaseException) and int(r[0])))
+        failed = results[refused]
+        if isinstance(failed, BaseException):
+            raise failed
+        first = results[0] if not isinstance(results[0], BaseException) and refused else failed
+        decision = decide(first, scopes)
+        decision.allowed, decision.scope = False, scopes[refused].name
+        decision.kind, decision.retry_after = str(failed[2]), float(failed[3])
         return decision
 
+    async def undo(self, scope: Scope, cost: int, member: str) -> None:
+        """Give back one scope's share. If the store is gone the lease (and the bucket's refill) still end it."""
+        try:
+            async with self.store.guard("rate_limit_undo"):
+                await self._undo(keys=list(self._keys(scope.name)), args=[*limits(scope), cost, member])
+        except StoreError:  # never hide the acquire's own outcome behind the undo's
+            pass
+
     async def release(self, ticket: Ticket, used: int) -> None:
+        if self.per_scope and len(ticket.scopes) > 1:
+            await asyncio.gather(*(self.run_release((s,), ticket.reserved - used, ticket.member)
+                                   for s in ticket.scopes))
+        else:
+            await self.run_release(ticket.scopes, ticket.reserved - used, ticket.member)
+
+    async def run_release(self, scopes: tuple[Scope, ...], refund: int, member: str) -> None:
         keys: list[str] = []
-        args: list[object] = [len(ticket.scopes), ticket.reserved - used, ticket.member]
-        for scope in ticket.scopes:
+        args: list[object] = [len(scopes), refund, member]
+        for scope in scopes:
             _, tokens, inflight = self._keys(scope.name)
             keys.extend([tokens, inflight])
             args.extend([scope.tokens_per_minute or 0, scope.max_concurrent or 0])
@@ -135,3 +198,20 @@ class RedisLimiter:
     async def slots(self, scope: str) -> int:
         async with self.store.guard("rate_limit_slots"):
             return int(await self.store.client.zcount(self._keys(scope)[2], f"({time.time()}", "+inf"))
+
+
+def limits(scope: Scope) -> list[int]:
+    return [scope.requests_per_minute or 0, scope.tokens_per_minute or 0, scope.max_concurrent or 0]
+
+
+def decide(reply: list, scopes: tuple[Scope, ...]) -> Decision:
+    """The Decision an ACQUIRE reply says (levels for the x-ratelimit headers are the first scope's)."""
+    decision = Decision(bool(int(reply[0])))
+    if not decision.allowed:
+        decision.scope, decision.kind = scopes[int(reply[1])].name, str(reply[2])
+        decision.retry_after = float(reply[3])
+    if reply[4] != "":
+        decision.remaining_requests, decision.reset_requests = int(float(reply[4])), float(reply[5])
+    if reply[6] != "":
+        decision.remaining_tokens, decision.reset_tokens = max(0, int(float(reply[6]))), float(reply[7])
+    return decision

@@ -1,15 +1,18 @@
 """Pipeline step: admit a request under its key's and its model's limits, and settle up when it ends.
 
 Admission is one call to the limiter (one Redis round trip when shared); the release (slot back, token
-reservation settled against the real usage) runs off the request path. While the shared store is down, each
-limit kind follows its `on_store_failure` mode: fail_closed answers 503, fail_open admits and counts in this
-process alone (logged once per outage).
+reservation settled against the real usage) runs off the request path. While the shared store is down (an
+outage, or a failover until the new primary answers), each limit kind follows its `on_store_failure` mode:
+fail_closed answers 503 with Retry-After, fail_open admits and counts in this process alone. Each admission
+the store could not record is counted (llm_gateway_store_unavailable) and logged (at most a line a second).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 
 from policies.config import Policy
 from policies.errors import RateLimited, StateUnavailable
@@ -30,6 +33,7 @@ from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.ratelimit")
 
+RELEASE_RETRY_SECONDS = 30.0  # a failover is over well within this; an outage longer leaves it to the lease
 WHAT = {REQUESTS: "requests per minute", TOKENS: "tokens per minute", CONCURRENCY: "concurrent requests"}
 
 
@@ -45,7 +49,8 @@ class RateLimit:
         self.model_scopes = {
             m.name: Scope(f"model:{m.name}", **m.limits.model_dump()) for m in policy.models if m.limits
         }
-        self.outage_logged = False
+        self.outage_logged_at = -1.0
+        self.outage_unlogged = 0
         self.scope_cache: dict[tuple[str, str], tuple[object, tuple[Scope, ...]]] = {}
 
     def scopes(self, call: Call) -> tuple[Scope, ...]:
@@ -83,8 +88,6 @@ class RateLimit:
         except StoreUnavailable:
             limiter = self.local
             decision = await self.outage(scopes, cost, member)
-        else:
-            self.outage_logged = False
         call.response_headers.update(headers(call.key.limits, decision))
         if not decision.allowed:
             self.refuse(call, decision)
@@ -94,12 +97,24 @@ class RateLimit:
         modes = self.config.on_store_failure
         kinds = {k for s in scopes for k, v in ((REQUESTS, s.requests_per_minute), (TOKENS, s.tokens_per_minute),
                                                   (CONCURRENCY, s.max_concurrent)) if v}
-        if any(getattr(modes, kind) == "fail_closed" for kind in kinds):
+        closed = any(getattr(modes, kind) == "fail_closed" for kind in kinds)
+        self.metrics.store_unavailable.labels("rate_limit", "fail_closed" if closed else "fail_open").inc()
+        self.note_outage(closed)
+        if closed:
             raise StateUnavailable("the rate-limit store is unavailable; try again shortly")
-        if not self.outage_logged:
-            self.outage_logged = True
-            log.warning("rate-limit store unavailable: limits fail open, counted in this process only")
         return await self.local.acquire(scopes, cost, member, self.config.lease_seconds)
+
+    def note_outage(self, closed: bool) -> None:
+        """A log line for each admission the store could not record, at most one a second (with how many
+        more there were), so an outage under load is visible without flooding the log."""
+        self.outage_unlogged += 1
+        now = time.monotonic()
+        if now - self.outage_logged_at < 1.0:
+            return
+        what = "refused (fail_closed)" if closed else "served, counted in this process only (fail_open)"
+        log.warning("rate-limit store unavailable: %d admission(s) not recorded in it, %s",
+                    self.outage_unlogged, what)
+        self.outage_logged_at, self.outage_unlogged = now, 0
 
     def refuse(self, call: Call, decision: Decision) -> None:
         scope_type, _, name = decision.scope.partition(":")
@@ -128,10 +143,18 @@ class RateLimit:
             self.background(self.release(ticket, used))
 
     async def release(self, ticket: Ticket, used: int) -> None:
-        try:
-            await ticket.limiter.release(ticket, used)
-        except StoreUnavailable:
-            log.warning("could not release a rate-limit slot while the store is down; its lease will expire")
+        """Off the request path; while the store is away (a failover takes seconds) try again for a while, so
+        a slot comes back when the new primary answers rather than when its lease expires."""
+        deadline = time.monotonic() + RELEASE_RETRY_SECONDS
+        while True:
+            try:
+                await ticket.limiter.release(ticket, used)
+                return
+            except StoreUnavailable:
+                if time.monotonic() >= deadline:
+                    log.warning("could not release a rate-limit slot while the store is down; its lease will expire")
+                    return
+                await asyncio.sleep(0.5)
 
 
 def headers(limits, decision: Decision) -> dict[str, str]:

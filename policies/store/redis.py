@@ -1,17 +1,20 @@
 """The shared store: Redis, so every gateway replica sees the same keys and usage.
 
-Layout, every name under `prefix` (default "llmgw:"):
+Layout, with P = `prefix` (default "llmgw:"); the braces are literal, a Redis Cluster hash tag:
 
-    {prefix}key:{id}        string   the KeyRecord as JSON
-    {prefix}keys            zset     id -> created_at: the index list_keys walks, already in order
-    {prefix}last_used       zset     id -> latest touch_key time (ZADD GT), kept apart so a touch is one command
-    {prefix}usage:{id}      hash     "{model}:{field}" -> count, field one of USAGE_FIELDS (model names may
+    {P}key:<id>             string   the KeyRecord as JSON
+    {P}keys                 zset     id -> created_at: the index list_keys walks, already in order
+    {P}last_used            zset     id -> latest touch_key time (ZADD GT), kept apart so a touch is one command
+    P usage:<id>            hash     "{model}:{field}" -> count, field one of USAGE_FIELDS (model names may
                                      hold ':'; the field is what follows the last one)
 
-Writes that must move together (record + index) run as small Lua scripts, usage as one MULTI of HINCRBYs.
-A dead or hung server must cost a request a bounded wait, not a stuck worker: sockets have connect and read
-timeouts, a failed command is retried once on a fresh connection (which is also how the pool heals after
-Redis restarts), and an overall deadline caps each call. Any of that failing is StoreUnavailable.
+The same names on one server, behind Sentinel or in a Cluster (see redis_client for reaching each). Every key
+record and both indexes share the hash tag `{P}`, so they sit in one Cluster slot and the writes that must
+move together (record + index) still run as one Lua script; a usage hash is one key, moved by one MULTI.
+A dead or hung server, or a failover in progress, must cost a request a bounded wait, not a stuck worker:
+sockets have connect and read timeouts, a failed command is retried once on a fresh connection (which is how
+the pool finds a restarted server or a promoted replica), and an overall deadline caps each call. Any of that
+failing is StoreUnavailable.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from redis import exceptions as redis_errors
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from policies.keys import KeyRecord
 from policies.store.base import (
@@ -35,6 +37,7 @@ from policies.store.base import (
     usage_increments,
     with_last_used,
 )
+from policies.store.redis_client import TLSFiles, connect
 
 DEFAULT_PREFIX = "llmgw:"
 
@@ -59,13 +62,16 @@ UNREACHABLE = (
     redis_errors.ConnectionError,  # refused, reset, LOADING, pool exhausted
     redis_errors.TimeoutError,
     redis_errors.ReadOnlyError,  # a replica mid-failover
+    redis_errors.ClusterDownError,  # a Cluster whose slots are not all served yet
+    redis_errors.TryAgainError,  # a Cluster slot being moved
+    redis_errors.MasterDownError,
     TimeoutError,  # our own deadline
     OSError,
 )
 
 
 class RedisStore:
-    """Store on a Redis server (standalone; every key of one store lives under one prefix)."""
+    """Store on Redis: one server, a Sentinel-watched primary or a Cluster (every key under one prefix)."""
 
     def __init__(
         self,
@@ -76,39 +82,43 @@ class RedisStore:
         deadline: float = 2.5,
         max_connections: int = 64,
         password: str | None = None,
+        sentinel_password: str | None = None,
+        tls_files: TLSFiles | None = None,
     ) -> None:
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("the redis prefix must not hold braces: the store adds its own hash tags")
         self.prefix = prefix
         self._deadline = deadline
         self._closed = False
-        pool = BlockingConnectionPool.from_url(
-            url,
-            password=password,  # a password in the URL wins (the policy refuses both at once)
-            decode_responses=True,
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),
-            max_connections=max_connections,
-            timeout=deadline,  # waiting for a free connection counts against the same budget
-        )
-        self._redis = Redis.from_pool(pool)
+        self._redis = connect(url, password=password, sentinel_password=sentinel_password, tls_files=tls_files,
+                              timeout=timeout, deadline=deadline, max_connections=max_connections)
+        # A Cluster client's pools refuse a connection past the bound rather than wait for one: callers queue
+        # here instead, as they do in the standalone and Sentinel pools, and the wait counts against the deadline.
+        self._turns = asyncio.Semaphore(max_connections) if self.cluster else contextlib.nullcontext()
         self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
 
     @property
-    def client(self) -> Redis:
-        """The connection pool, for other shared state (rate limits) kept beside the keys."""
+    def client(self) -> Redis | RedisCluster:
+        """The client (one server, Sentinel's primary or a Cluster), for other shared state kept beside the
+        keys (rate limits). A script run through it must keep its keys in one hash slot (see `tag`)."""
         return self._redis
 
+    @property
+    def cluster(self) -> bool:
+        """Keys in different hash slots may live on different servers: no script may span them."""
+        return isinstance(self._redis, RedisCluster)
+
     def _key(self, key_id: str) -> str:
-        return f"{self.prefix}key:{key_id}"
+        return f"{{{self.prefix}}}key:{key_id}"
 
     @property
     def _index(self) -> str:
-        return f"{self.prefix}keys"
+        return f"{{{self.prefix}}}keys"
 
     @property
     def _last_used(self) -> str:
-        return f"{self.prefix}last_used"
+        return f"{{{self.prefix}}}last_used"
 
     def _usage(self, key_id: str) -> str:
         return f"{self.prefix}usage:{key_id}"
@@ -119,7 +129,7 @@ class RedisStore:
         if self._closed:
             raise StoreError(f"redis {op}: the store is closed")
         try:
-            async with asyncio.timeout(self._deadline):
+            async with asyncio.timeout(self._deadline), self._turns:
                 yield
         except UNREACHABLE as exc:
             raise StoreUnavailable(f"redis {op}: server unreachable ({type(exc).__name__})") from exc
@@ -146,8 +156,9 @@ class RedisStore:
             ids = await self._redis.zrange(self._index, 0, -1)
             if not ids:
                 return []
-            async with self._redis.pipeline(transaction=False) as pipe:
-                raws, touched = await pipe.mget([self._key(i) for i in ids]).zmscore(self._last_used, ids).execute()
+            # two calls, not a pipeline: a Cluster client refuses MGET in one (the keys share a slot, so it works)
+            raws = await self._redis.mget([self._key(i) for i in ids])
+            touched = await self._redis.zmscore(self._last_used, ids)
         return [
             with_last_used(KeyRecord.model_validate_json(raw), when)
             for raw, when in zip(raws, touched)

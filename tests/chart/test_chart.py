@@ -17,7 +17,7 @@ import yaml
 from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
-EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "kserve.yaml", "providers.yaml"]
+EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
@@ -323,3 +323,74 @@ def test_dashboard_queries_only_metrics_that_exist():
         assert topic in titles, topic
     assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
     assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"
+
+
+@pytest.mark.parametrize("external, store_key", [
+    ({"sentinel": {"addresses": ["redis-sentinel.data:26379"], "masterName": "gw",
+                   "existingSecret": "sentinel-auth"}}, "sentinel"),
+    ({"cluster": {"nodes": ["redis-0.data:6379", "redis-1.data:6379"]}, "tls": True}, "cluster"),
+])
+def test_external_sentinel_or_cluster(tmp_path, external, store_key):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "gateway": {"replicas": 3},
+        "redis": {"external": {**external, "existingSecret": "redis-auth", "cidrs": ["10.30.0.0/24"]}},
+        "models": [{"name": "m", "backend": "external", "external": [{"url": "http://10.20.0.11:8000"}]}],
+    }))
+    docs = render(str(values))
+    for doc in docs:
+        validate(doc)
+    store = policy_of(docs)["store"]
+    assert "url" not in store and store["password_env"] == "LLM_GATEWAY_REDIS_PASSWORD"
+    env = {e["name"]: e for e in find(docs, "Deployment", "rel-llm-gateway")[0]["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["LLM_GATEWAY_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+    egress = find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+    redis_rule = next(r for r in egress if r["to"][0].get("ipBlock", {}).get("cidr") == "10.30.0.0/24")
+    ports = sorted(p["port"] for p in redis_rule["ports"])
+    if store_key == "sentinel":
+        assert store["sentinel"] == {"addresses": ["redis-sentinel.data:26379"], "master_name": "gw",
+                                     "password_env": "LLM_GATEWAY_REDIS_SENTINEL_PASSWORD"}
+        assert env["LLM_GATEWAY_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "sentinel-auth"
+        assert ports == [6379, 26379]  # the sentinels' port as well as the servers'
+    else:
+        assert store["cluster"] == {"nodes": ["redis-0.data:6379", "redis-1.data:6379"]} and store["tls"] is True
+        assert ports == [6379]
+    assert not find(docs, "StatefulSet")  # nothing bundled
+    # a secret is only ever named (env var, Secret key), never carried
+    text = json.dumps(docs).lower()
+    for named in ("password_env", "redis_password", "sentinel_password", "redis-password", "sentinel-password"):
+        text = text.replace(named, "")
+    assert "password" not in text
+
+
+def test_two_ways_to_reach_redis_fail_the_render(tmp_path):
+    with pytest.raises(RenderError, match="choose one Redis"):
+        render("minimal.yaml", sets={"redis.enabled": True, "redis.external.cluster.nodes[0]": "r:6379"})
+
+
+def test_bundled_sentinel():
+    docs = list(rendered("ha-sentinel.yaml"))
+    (redis,) = find(docs, "StatefulSet", "rel-llm-gateway-redis")
+    pod = redis["spec"]["template"]["spec"]
+    assert redis["spec"]["replicas"] == 3 and redis["spec"]["serviceName"] == "rel-llm-gateway-redis-headless"
+    assert [c["name"] for c in pod["containers"]] == ["redis", "sentinel"]
+    assert find(docs, "Service", "rel-llm-gateway-redis-headless")[0]["spec"]["clusterIP"] == "None"
+    store = policy_of(docs)["store"]
+    assert store["sentinel"]["addresses"] == [
+        f"rel-llm-gateway-redis-{i}.rel-llm-gateway-redis-headless.{NAMESPACE}.svc.cluster.local:26379"
+        for i in range(3)]
+    assert "url" not in store and store["password_env"] == "LLM_GATEWAY_REDIS_PASSWORD"
+    (config,) = [d for d in find(docs, "ConfigMap", "rel-llm-gateway-redis")]
+    assert "sentinel monitor mymaster $primary 6379 2" in config["data"]["start-sentinel.sh"]  # quorum: majority
+    assert "sentinel down-after-milliseconds mymaster 3000" in config["data"]["start-sentinel.sh"]
+    # the sentinel port is open: gateway -> Redis pods, and among the Redis pods (replication, gossip)
+    policies = {d["metadata"]["name"]: d["spec"] for d in find(docs, "NetworkPolicy")}
+    gateway_ports = [sorted(p["port"] for p in rule["ports"]) for rule in policies["rel-llm-gateway-gateway"]["egress"]]
+    assert [6379, 26379] in gateway_ports
+    redis_policy = policies["rel-llm-gateway-redis"]
+    assert [sorted(p["port"] for p in rule["ports"]) for rule in redis_policy["ingress"]] == [[6379, 26379]] * 2
+    # the password reaches both containers from the Secret, never as a value in a manifest
+    for container in pod["containers"]:
+        env = {e["name"]: e for e in container["env"]}
+        assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]

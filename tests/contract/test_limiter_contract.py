@@ -12,7 +12,7 @@ from policies.store import open_store
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-sentinel", "redis-cluster"])
 async def limiter(request):
     if request.param == "memory":
         yield MemoryLimiter()

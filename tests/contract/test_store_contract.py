@@ -12,7 +12,7 @@ from policies.store import USAGE_FIELDS, KeyExists, KeyNotFound, Store, StoreErr
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "redis-sentinel", "redis-cluster"])
 async def store(request, tmp_path):
     if request.param == "sqlite":
         opened = open_store("sqlite", path=str(tmp_path / "gateway.db"))

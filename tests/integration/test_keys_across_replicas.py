@@ -77,15 +77,20 @@ def test_rotation_grace_across_replicas(pair):
 def test_keys_survive_a_redis_restart_and_an_outage_is_a_clear_503(pair):
     (one, two), cli, redis = pair.urls, pair.cli, pair.redis
     key = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "durable").stdout)["key"]
+    unseen = json.loads(cli("keys", "--url", one, "--json", "create", "--name", "unseen").stdout)["key"]
     redis.restart()  # append-only file: the key comes back with the server
     time.sleep(CACHE_SECONDS)
     assert works(one, key) and works(two, key)
 
     redis.stop()
     time.sleep(CACHE_SECONDS)  # past the cache: the replicas must ask the store
+    # a key this replica verified (within auth.stale_seconds) still works while the store is away ...
+    assert works(two, key)
+    # ... one it never saw cannot be checked: a clear 503 that says when to retry
     r = httpx.post(f"{two}/v1/chat/completions", json={"model": "m", "messages": HELLO},
-                   headers={"authorization": f"Bearer {key}"}, timeout=10)
+                   headers={"authorization": f"Bearer {unseen}"}, timeout=10)
     assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+    assert int(r.headers["retry-after"]) >= 1
     assert httpx.get(f"{one}/health").status_code == 200
     admin = cli("keys", "--url", one, "list")
     assert admin.returncode == 1 and "503" in admin.stderr

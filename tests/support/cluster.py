@@ -53,11 +53,14 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, **policy_overrides) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, redis_setup=RedisServer,
+            **policy_overrides) -> Iterator[Cluster]:
+    """`redis_setup` builds the Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches it
+    by its `url`."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
-    with RedisServer() as redis:
+    with redis_setup() as redis:
         sim_port = free_port()
         sim_args = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
         procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
@@ -81,7 +84,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, **policy_over
                 result.urls.append(f"http://127.0.0.1:{port}")
                 result.logs.append(log_path)
             for url, proc in zip(result.urls, procs[1:]):
-                wait_http_ok(f"{url}/ready", proc, 30, "a gateway replica")
+                wait_http_ok(f"{url}/ready", proc, 90, "a gateway replica")  # generous: a loaded 2-core CI
             env["LLM_GATEWAY_ADMIN_TOKEN"] = mint_token(Admin(), 600, secret=secret)
             yield result
         finally:

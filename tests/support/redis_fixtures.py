@@ -2,8 +2,11 @@
 
     from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
-One server serves the whole session; tests stay independent by writing under their own `redis_prefix`.
-A test that stops or restarts Redis should start its own `RedisServer` rather than disturb the shared one.
+Three ways to run Redis (one server, a Sentinel set, a Cluster: see redis_ha), each started once per session
+when a test first needs it. `redis_server` is the one the test's parameters name: a suite parametrized with
+"redis", "redis-sentinel" and "redis-cluster" runs unchanged against all three (a test without such a
+parameter gets the standalone server). Tests stay independent by writing under their own `redis_prefix`. A
+test that stops, restarts or kills Redis should start its own rather than disturb the shared ones.
 """
 
 from __future__ import annotations
@@ -13,13 +16,36 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.redis_ha import ClusterSet, SentinelSet
 from tests.support.redis_server import RedisServer
+
+SETUPS = {"redis": "redis_standalone", "redis-sentinel": "redis_sentinel", "redis-cluster": "redis_cluster"}
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
+def redis_standalone() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[SentinelSet]:
+    with SentinelSet() as servers:
+        yield servers
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[ClusterSet]:
+    with ClusterSet() as servers:
+        yield servers
+
+
+@pytest.fixture
+def redis_server(request) -> RedisServer | SentinelSet | ClusterSet:
+    """The set-up this test's parameters name; each has a `url` that open_store("redis", url=...) takes."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    setup = next((SETUPS[v] for v in params.values() if isinstance(v, str) and v in SETUPS), "redis_standalone")
+    return request.getfixturevalue(setup)
 
 
 @pytest.fixture

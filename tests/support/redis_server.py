@@ -37,6 +37,7 @@ class RedisServer:
         executable: str | None = None,
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
+        extra_args: list[str] | tuple[str, ...] = (),
     ) -> None:
         found = executable or shutil.which("redis-server")
         if not found:
@@ -48,6 +49,7 @@ class RedisServer:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="redis-test-"))
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        self.extra_args = list(extra_args)  # e.g. --replicaof, --cluster-enabled
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,6 +76,7 @@ class RedisServer:
             "--daemonize", "no",
             "--logfile", str(self.log_path),
             "--loglevel", "notice",
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -122,6 +125,10 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self._kill()
         self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, as when its node is lost (nothing flushed, no goodbye)."""
+        self._kill()
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -72,14 +72,15 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{/* "redis" when the gateway's store is Redis (bundled or external), else "sqlite" */}}
 {{- define "llm-gateway.storeKind" -}}
-{{- if or .Values.redis.enabled .Values.redis.external.url -}}redis{{- else -}}sqlite{{- end -}}
+{{- $e := .Values.redis.external -}}
+{{- if or .Values.redis.enabled $e.url $e.sentinel.addresses $e.cluster.nodes -}}redis{{- else -}}sqlite{{- end -}}
 {{- end -}}
 
 {{/* The Secret and key holding the Redis password; empty when there is none */}}
 {{- define "llm-gateway.redisSecret" -}}
 {{- if .Values.redis.enabled -}}
 {{- dict "name" (.Values.redis.auth.existingSecret | default (include "llm-gateway.redisName" .)) "key" (ternary .Values.redis.auth.existingSecretKey "redis-password" (ne .Values.redis.auth.existingSecret "")) | toYaml -}}
-{{- else if and .Values.redis.external.url .Values.redis.external.existingSecret -}}
+{{- else if and .Values.redis.external.existingSecret (or .Values.redis.external.url .Values.redis.external.sentinel.addresses .Values.redis.external.cluster.nodes) -}}
 {{- dict "name" .Values.redis.external.existingSecret "key" .Values.redis.external.existingSecretKey | toYaml -}}
 {{- end -}}
 {{- end -}}
@@ -94,8 +95,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if and (eq (include "llm-gateway.storeKind" .) "sqlite") (or (gt (int $v.gateway.replicas) 1) $v.gateway.autoscaling.enabled) -}}
 {{- fail (printf "gateway.replicas is %d%s but the store is the embedded SQLite file: each replica would keep its own keys and rate limits. Set redis.enabled=true (bundled) or redis.external.url, or run one replica." (int $v.gateway.replicas) (ternary " with autoscaling" "" $v.gateway.autoscaling.enabled)) -}}
 {{- end -}}
-{{- if and $v.redis.enabled $v.redis.external.url -}}
-{{- fail "redis.enabled and redis.external.url are both set: choose the bundled Redis or an external one" -}}
+{{- $ways := 0 -}}
+{{- range $set := list $v.redis.enabled $v.redis.external.url $v.redis.external.sentinel.addresses $v.redis.external.cluster.nodes -}}{{- if $set -}}{{- $ways = add1 $ways -}}{{- end -}}{{- end -}}
+{{- if gt $ways 1 -}}
+{{- fail "choose one Redis: redis.enabled (bundled), redis.external.url, redis.external.sentinel.addresses or redis.external.cluster.nodes" -}}
 {{- end -}}
 {{- if and $v.redis.external.url (regexMatch "^rediss?://[^/@]*:[^/@]*@" $v.redis.external.url) -}}
 {{- fail "redis.external.url carries a password: it would land in the policy ConfigMap; put it in a Secret and name it in redis.external.existingSecret" -}}
@@ -158,8 +161,24 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- $_ := set $server "shutdown_timeout" $shutdown -}}
 {{- $_ := set $p "server" $server -}}
 {{- if eq (include "llm-gateway.storeKind" .) "redis" -}}
-{{- $url := $v.redis.external.url | default (printf "redis://%s.%s.svc.cluster.local:6379/0" (include "llm-gateway.redisName" .) $ns) -}}
-{{- $store := dict "kind" "redis" "url" $url -}}
+{{- $e := $v.redis.external -}}
+{{- $store := dict "kind" "redis" -}}
+{{- if and $v.redis.enabled $v.redis.sentinel.enabled -}}
+{{- $rn := include "llm-gateway.redisName" . -}}
+{{- $addresses := list -}}
+{{- range $i := until (int $v.redis.sentinel.replicas) -}}{{- $addresses = append $addresses (printf "%s-%d.%s-headless.%s.svc.cluster.local:26379" $rn $i $rn $ns) -}}{{- end -}}
+{{- $_ := set $store "sentinel" (dict "addresses" $addresses "master_name" $v.redis.sentinel.masterName) -}}
+{{- else if $e.sentinel.addresses -}}
+{{- $sentinel := dict "addresses" $e.sentinel.addresses "master_name" $e.sentinel.masterName -}}
+{{- if $e.sentinel.existingSecret -}}{{- $_ := set $sentinel "password_env" "LLM_GATEWAY_REDIS_SENTINEL_PASSWORD" -}}{{- end -}}
+{{- $_ := set $store "sentinel" $sentinel -}}
+{{- $_ := set $store "tls" $e.tls -}}
+{{- else if $e.cluster.nodes -}}
+{{- $_ := set $store "cluster" (dict "nodes" $e.cluster.nodes) -}}
+{{- $_ := set $store "tls" $e.tls -}}
+{{- else -}}
+{{- $_ := set $store "url" ($e.url | default (printf "redis://%s.%s.svc.cluster.local:6379/0" (include "llm-gateway.redisName" .) $ns)) -}}
+{{- end -}}
 {{- if include "llm-gateway.redisSecret" . -}}{{- $_ := set $store "password_env" "LLM_GATEWAY_REDIS_PASSWORD" -}}{{- end -}}
 {{- $_ := set $p "store" $store -}}
 {{- else -}}

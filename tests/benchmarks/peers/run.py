@@ -76,6 +76,11 @@ ROUTING_COMPARE = [  # (column, routing profile): two replicas per model, so the
     ("gateway x2 default routing", "default"),
     ("gateway x2 least-in-flight", "least-in-flight"),
 ]
+STORE_COMPARE = [  # (column, Redis set-up from tests/support): the same gateway on each way to reach Redis
+    ("gateway redis", "RedisServer"),
+    ("gateway redis-sentinel", "SentinelSet"),
+    ("gateway redis-cluster", "ClusterSet"),
+]
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),
@@ -509,10 +514,42 @@ def parse_args(argv=None):
     p.add_argument("--routing-compare", action="store_true",
                    help="also measure the gateway with two replicas per model under the default routing profile and"
                         " under least-in-flight alone (what routing costs per request)")
+    p.add_argument("--store-compare", action="store_true",
+                   help="also measure the gateway on a standalone Redis, a Sentinel set and a Redis Cluster (each"
+                        " built on core 0 from Debian's redis-server), as extra columns")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
     return p.parse_args(argv)
+
+
+def start_store_variants(procs, work: Path, standin, env: dict, args) -> list[System]:
+    """The gateway once per Redis set-up (their servers inherit this process's core, LOAD_CORE); each set-up
+    is stopped at exit."""
+    from tests.support import redis_ha, redis_server
+
+    systems = []
+    for label, setup in STORE_COMPARE:
+        log(f"starting {label} on core {SUT_CORE} (its Redis on core {LOAD_CORE})")
+        servers = getattr(redis_ha, setup, None) or getattr(redis_server, setup)
+        servers = servers()
+        atexit.register(servers.close)
+        servers.start()
+        systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                                     args=args.gateway_arg, store={"kind": "redis", "url": servers.url}))
+        systems[-1].name = label
+    return systems
+
+
+def within_10_percent(samples: dict[str, Samples], label: str, baseline: str, target: str) -> None:
+    """One MET/MISSED line: requests/s at c=64 of `label` against `baseline`, measured in the same rounds."""
+    if label not in samples or baseline not in samples or not median(samples[baseline].rps):
+        return
+    a, b = samples[label], samples[baseline]
+    ratio = median(a.rps) / median(b.rps)
+    print(f"{'MET   ' if ratio >= 0.9 else 'MISSED'} {target}: {median(a.rps):,.0f} vs {median(b.rps):,.0f} req/s"
+          f" at c=64 = {ratio:.1%} (per round: " + ", ".join(f"{x / y:.0%}" for x, y in zip(a.rps, b.rps) if y)
+          + f"); CPU ms per request {median(a.cpu_ms):.3f} vs {median(b.cpu_ms):.3f}")
 
 
 def main(argv=None) -> int:
@@ -561,6 +598,8 @@ def main(argv=None) -> int:
                 systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
                                              args=args.gateway_arg, routing=profile, replicas=2))
                 systems[-1].name = label
+        if args.store_compare and "gateway" in wanted:
+            systems += start_store_variants(procs, work, standin, env, args)
         for system in systems:
             smoke(system)
         by_name = {s.name: s for s in systems}
@@ -616,13 +655,10 @@ def main(argv=None) -> int:
     for label, ok, detail in checks:
         print(f"{'MET   ' if ok else 'MISSED'} {label}: {detail}")
     (dflt, _), (lif, _) = ROUTING_COMPARE
-    if dflt in samples and lif in samples and median(samples[lif].rps):
-        ratio = median(samples[dflt].rps) / median(samples[lif].rps)
-        print(f"{'MET   ' if ratio >= 0.9 else 'MISSED'} default routing profile within 10% of least-in-flight:"
-              f" {median(samples[dflt].rps):,.0f} vs {median(samples[lif].rps):,.0f} req/s at c=64 ="
-              f" {ratio:.1%} (per round: "
-              + ", ".join(f"{a / b:.0%}" for a, b in zip(samples[dflt].rps, samples[lif].rps) if b)
-              + f"); CPU ms per request {median(samples[dflt].cpu_ms):.3f} vs {median(samples[lif].cpu_ms):.3f}")
+    within_10_percent(samples, dflt, lif, "default routing profile within 10% of least-in-flight")
+    (standalone, _), *others = STORE_COMPARE
+    for label, _ in others:
+        within_10_percent(samples, label, standalone, f"{label} within 10% of {standalone}")
     rounds = per_round(samples)
     if rounds:
         print(rounds)

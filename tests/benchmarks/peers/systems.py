@@ -74,10 +74,11 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
-                  routing: str | None = None, replicas: int = 1) -> System:
+                  routing: str | None = None, replicas: int = 1, store: dict | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
-    profile has candidates to score (they share one stand-in, so the backend's speed is the same)."""
+    profile has candidates to score (they share one stand-in, so the backend's speed is the same). `store`
+    replaces the SQLite store (e.g. a Redis one)."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -86,7 +87,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     port = free_port()
     policy = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "store": {"kind": "sqlite", "path": str(dir / "keys.db")},
+        "store": store or {"kind": "sqlite", "path": str(dir / "keys.db")},
         "models": [
             {"name": MODEL, "limits": HIGH, "queue": {"max_depth": 10_000},
              "backends": [{"url": f"http://127.0.0.1:{standin.json_port}"}] * replicas},

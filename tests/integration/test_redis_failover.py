@@ -1,0 +1,143 @@
+"""Killing the Redis primary under load: three gateway processes on a real Sentinel set (a primary, two replicas,
+three sentinels) or a real Cluster (3 primaries + 3 replicas), the simulator as backend, steady bounded load on
+a rate-limited key; SIGKILL the primary (in the Cluster, the one holding that key's rate-limit slot).
+
+What must hold (docs/redis-ha.md says why these bounds):
+- fail_open: requests keep being served; the backend never sees more than the limit allows over the run plus
+  what each gateway may admit on its own during the failover window (a full local bucket and its refill);
+- fail_closed: the only failures are 503s with Retry-After, all inside the window;
+- both: within 10 s of the promotion no gateway reaches for the store in vain any more, no concurrency slot
+  is held once the load stops, and every key issued before the kill still authenticates on every gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from policies.keys import key_id_of
+from tests.support.cluster import cluster
+from tests.support.redis_ha import ClusterSet, SentinelSet, wait_for
+
+RPM = 60  # the key's limit: a bucket of 60, refilled at 1 a second
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+WORKERS = 6  # requests in flight at once, spread over the gateways: bounded load
+RECOVERY = 10.0  # seconds after the promotion
+
+
+def unavailable_total(urls: list[str]) -> float:
+    text = "".join(httpx.get(f"{u}/metrics", timeout=10).text for u in urls)
+    return sum(float(v) for v in re.findall(r"llm_gateway_store_unavailable_total\{[^}]*\} (\S+)", text))
+
+
+def served_at_backend(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)", text, re.M))
+
+
+async def load(urls: list[str], key: str, stop: asyncio.Event, log: list[tuple[float, str, int, str]]):
+    """WORKERS loops, each one request at a time round-robin over the gateways, until `stop` (or 90 s)."""
+    deadline = time.monotonic() + 90
+
+    async def worker(n: int) -> None:
+        async with httpx.AsyncClient(headers={"authorization": f"Bearer {key}"}, timeout=15) as http:
+            i = n
+            while not stop.is_set() and time.monotonic() < deadline:
+                url = urls[i % len(urls)]
+                i += 1
+                try:
+                    r = await http.post(f"{url}/v1/chat/completions", json=BODY)
+                    log.append((time.monotonic(), url, r.status_code, r.headers.get("retry-after", "")))
+                except httpx.HTTPError:
+                    log.append((time.monotonic(), url, 0, ""))
+                await asyncio.sleep(0.02)
+
+    await asyncio.gather(*(worker(n) for n in range(WORKERS)))
+
+
+def works(url: str, key: str) -> bool:
+    r = httpx.post(f"{url}/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer {key}"}, timeout=15)
+    return r.status_code in (200, 429)  # authenticated: served or rate-limited, not 401/503
+
+
+@pytest.mark.parametrize("setup, mode", [(SentinelSet, "fail_open"), (SentinelSet, "fail_closed"),
+                                         (ClusterSet, "fail_closed")], ids=["sentinel-open", "sentinel-closed",
+                                                                            "cluster-closed"])
+def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
+    modes = {"requests": mode, "tokens": mode, "concurrency": mode}
+    with cluster(tmp_path, replicas=3, redis_setup=setup, auth={"cache_seconds": 2},
+                 rate_limits={"on_store_failure": modes, "lease_seconds": 120}) as c:
+        servers: SentinelSet | ClusterSet = c.redis
+        keys = [c.issue_key(name=f"k{i}") for i in range(4)]
+        loaded = c.issue_key(limits={"requests_per_minute": RPM, "max_concurrent": 4})
+        for url in c.urls:  # the loaded key in every gateway's cache; the others only in the store
+            assert works(url, loaded)
+        # the keys reached the replicas before the kill (replication is asynchronous)
+        wait_for(servers.caught_up, 10, "replicas caught up")
+        bucket = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:requests"
+        backend = re.search(r"url: (http://\S+)", c.config.read_text()).group(1)
+        served_before = served_at_backend(backend)
+
+        async def run() -> tuple[list, float, float, float, float]:
+            stop, log = asyncio.Event(), []
+            task = asyncio.create_task(load(c.urls, loaded, stop, log))
+            started = time.monotonic()
+            await asyncio.sleep(3)  # steady state first
+            old = servers.primary(bucket)
+            killed = time.monotonic()
+            old.kill()
+            while servers.primary(bucket).port == old.port:  # the set's verdict: promotion done
+                assert time.monotonic() - killed < 30, "no promotion within 30 s"
+                await asyncio.sleep(0.05)
+            promoted = time.monotonic()
+            await asyncio.sleep(RECOVERY)
+            settled = await asyncio.to_thread(unavailable_total, c.urls)
+            await asyncio.sleep(4)  # the load goes on: no gateway may miss the store any more
+            stop.set()
+            await task
+            return log, started, killed, promoted, settled
+
+        log, started, killed, promoted, settled = asyncio.run(run())
+        ended = time.monotonic()
+        assert unavailable_total(c.urls) == settled, "a gateway still could not reach the store 10 s after promotion"
+        after = [entry for entry in log if entry[0] > promoted + RECOVERY]
+        assert {url for _, url, _, _ in after} == set(c.urls) and {code for _, _, code, _ in after} <= {200, 429}
+
+        window = [entry for entry in log if killed <= entry[0] <= promoted + RECOVERY]
+        codes = [code for _, _, code, _ in log]
+        if mode == "fail_open":
+            assert {code for _, _, code, _ in window} <= {200, 429} and any(e[2] == 200 for e in window)
+        else:
+            assert set(codes) <= {200, 429, 503}
+            refused = [e for e in log if e[2] == 503]
+            assert all(killed <= t <= promoted + RECOVERY and int(retry) >= 1 for t, _, _, retry in refused)
+        assert 0 not in codes  # no connection ever failed: the gateways stayed up
+
+        # Counted where it matters, at the backend. The store-enforced bucket admits at most its capacity plus
+        # its refill over the run; while the store is away, fail_open lets each gateway admit from its own full
+        # bucket (and its refill) for the window. fail_closed admits nothing then.
+        served = served_at_backend(backend) - served_before
+        run_seconds, window_seconds = ended - started, promoted + RECOVERY - killed
+        allowed = RPM + RPM * run_seconds / 60
+        if mode == "fail_open":
+            allowed += len(c.urls) * (RPM + RPM * window_seconds / 60)
+        timeline = {}
+        for t, _, code, _ in log:
+            timeline.setdefault(round(t - killed), []).append(code)
+        per_second = {s: (cs.count(200), cs.count(503)) for s, cs in sorted(timeline.items())}
+        assert codes.count(200) <= served <= allowed, (served, allowed, codes.count(200), per_second)
+
+        # no concurrency slot stays held once the load has stopped (releases retry until the new primary answers)
+        primary = servers.client()
+        inflight = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:inflight"  # an empty set is no key at all
+        wait_for(lambda: primary.zcount(inflight, f"({time.time()}", "+inf") == 0, 35,
+                 "every concurrency slot given back")
+
+        for key in [*keys, loaded]:
+            for url in c.urls:
+                assert works(url, key), "a key issued before the kill no longer authenticates"
+        assert "Traceback" not in c.log_text()
