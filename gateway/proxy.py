@@ -171,14 +171,23 @@ class Proxy:
         """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
-        body = self.upstream_body(call, target.served_name)
+        body = self.upstream_body(call, target)
         call.sent_at = time.perf_counter()
         return await self.upstreams[target].open(call.endpoint, body, call.request_id)
 
-    def upstream_body(self, call: Call, served_name: str) -> bytes:
-        """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
+    def upstream_body(self, call: Call, target: Replica) -> bytes:
+        """The client's body untouched but for `model`, on streams the usage the gateway needs, and the
+        priority class as vLLM's `priority` for a backend that schedules by it (the Classify step already
+        dropped a `priority` the key may not send; a rented API never gets one)."""
         body = call.body
-        body["model"] = served_name
+        body["model"] = target.served_name
+        if target.rented:
+            body.pop("priority", None)
+        elif not call.client_priority:  # ours to set (or to take back after a retry on another replica)
+            if target.priority_scheduling and call.priority is not None:
+                body["priority"] = call.priority.vllm_priority
+            else:
+                body.pop("priority", None)
         if call.stream:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}

@@ -26,6 +26,8 @@ class Call:
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     body: dict[str, Any] = field(default_factory=dict)
     key: Any = None  # the caller's KeyRecord, once authenticated
+    priority: Any = None  # its PriorityClass (policies/priority.py); None: the policy's default
+    client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     ticket: Any = None  # what the rate limiter took, to give back
     prompt_estimate: int = 0
