@@ -285,6 +285,11 @@ class FleetModelQueue(ModelQueue):
         if self.depth:
             self.spawn(self.pump())
 
+    def push(self, waiter, front: bool = False) -> None:
+        super().push(waiter, front)
+        if self.poller is None:  # someone waits here now: ask the fleet until nobody does
+            self.poller = asyncio.get_running_loop().create_task(self.poll())
+
     async def pump(self) -> None:
         """Serve waiters from the head of the line for as long as the fleet has room for them."""
         if self.pumping:
@@ -312,8 +317,6 @@ class FleetModelQueue(ModelQueue):
                     waiter.future.set_result(replica)
         finally:
             self.pumping = False
-        if self.depth and self.poller is None:
-            self.poller = asyncio.get_running_loop().create_task(self.poll())
 
     async def poll(self) -> None:
         try:
