@@ -132,3 +132,32 @@ def test_a_thousand_streams_aborted_at_random_leave_no_slot_held(tmp_path):
         texts = [httpx.get(f"{u}/metrics").text for u in c.urls]
         assert sum(metric_sum(t, "llm_gateway_queue_depth") for t in texts) == 0
         assert "Traceback" not in c.log_text()
+
+
+@pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
+def test_while_redis_is_down_caps_follow_on_store_failure_loudly(tmp_path, mode):
+    with cluster(tmp_path, replicas=2, backend={"cap": 2}, auth={"cache_seconds": 60},
+                 rate_limits={"on_store_failure": {"concurrency": mode}}) as c:
+        key = c.issue_key()
+
+        async def one(url: str) -> int:
+            async with httpx.AsyncClient(timeout=30) as http:
+                return await stream(http, url, key, 3)
+
+        assert [asyncio.run(one(u)) for u in c.urls] == [200, 200]  # the key is in both replicas' caches
+        c.redis.stop()
+        codes = [asyncio.run(one(u)) for u in c.urls for _ in range(2)]
+        texts = [httpx.get(f"{u}/metrics").text for u in c.urls]
+        failures = sum(metric_sum(t, "llm_gateway_cap_store_failures_total", mode=mode) for t in texts)
+        assert failures == 4  # every admission without the fleet's count is counted
+        if mode == "fail_open":
+            assert codes == [200] * 4
+            assert c.log_text().count("fail open, counted in this process only") == 2  # once per replica
+        else:
+            assert codes == [503] * 4
+        c.redis.start()
+        deadline = time.monotonic() + 15
+        while [asyncio.run(one(u)) for u in c.urls] != [200, 200]:
+            assert time.monotonic() < deadline, "no recovery after Redis returned"
+            time.sleep(0.2)
+        assert "Traceback" not in c.log_text()
