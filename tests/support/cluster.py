@@ -56,17 +56,20 @@ class Cluster:
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict | None = None,
-            sim_args: tuple[str, ...] = (), **policy_overrides) -> Iterator[Cluster]:
-    """`backend`: more settings of the one backend (e.g. its cap); `sim_args`: more simulator flags."""
+            sim_args: tuple[str, ...] = (), upstream: str | None = None, **policy_overrides) -> Iterator[Cluster]:
+    """`backend`: more settings of the one backend (e.g. its cap); `sim_args`: more simulator flags;
+    `upstream`: a backend already running (a real vLLM) instead of the simulator."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     with RedisServer() as redis:
-        sim_port = free_port()
-        speed = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
-        procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
-                                       "--model", "m", "--log-level", "warning", *speed, *sim_args]))
-        backend_url = f"http://127.0.0.1:{sim_port}"
+        backend_url = upstream
+        if upstream is None:
+            sim_port = free_port()
+            speed = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
+            procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
+                                           "--model", "m", "--log-level", "warning", *speed, *sim_args]))
+            backend_url = f"http://127.0.0.1:{sim_port}"
         policy = {
             "store": {"kind": "redis", "url": redis.url},
             "health": {"interval": 0.5},
@@ -86,7 +89,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict
                 result.gateways.append(procs[-1])
                 result.urls.append(f"http://127.0.0.1:{port}")
                 result.logs.append(log_path)
-            for url, proc in zip(result.urls, procs[1:]):
+            for url, proc in zip(result.urls, result.gateways):
                 wait_http_ok(f"{url}/ready", proc, 30, "a gateway replica")
             env["LLM_GATEWAY_ADMIN_TOKEN"] = mint_token(Admin(), 600, secret=secret)
             yield result
