@@ -8,7 +8,10 @@ every script touches one Redis Cluster slot:
 
 Taking a slot is one script (one round trip): drop expired leases, count, and add a lease if the count plus
 the claims of processes waiting longer (or in a better class) is under the limit. A request that finds room
-in the fleet therefore costs one Redis call; a release is one more, off the request path. Leases last
+in the fleet therefore costs one Redis call. Releases are off the request path and batched: a lease given
+back travels with the process's next acquire for that backend, or within 2 ms in one call with every other
+lease given back meanwhile (at once, with the acquire for its own head waiter, when the process has one).
+Leases last
 `caps.lease_seconds` and each process renews its own every third of that, so a gateway that dies gives its
 slots back within one lease.
 
@@ -46,17 +49,20 @@ from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.caps")
 
+RETURN_AFTER = 0.002  # seconds a given-back lease may wait to travel with an acquire or other releases
+
 NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 
-# KEYS: leases, waiting. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale.
-# Returns {1 granted / 0 refused, leases held after}.
+# KEYS: leases, waiting. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale, then leases
+# this process gives back first. Returns {1 granted / 0 refused, leases held after}.
 ACQUIRE = NOW + """
 local limit, lease, stale = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[8])
 local me = ARGV[4]
 local claim = tonumber(ARGV[5]) * 1e10 + now - tonumber(ARGV[6])
+if #ARGV > 8 then redis.call('ZREM', KEYS[1], unpack(ARGV, 9)) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
 local ahead = 0
@@ -82,9 +88,9 @@ end
 return {0, held}
 """
 
-# KEYS: leases. ARGV: member. Returns the leases held after.
+# KEYS: leases. ARGV: the members given back. Returns the leases held after.
 RELEASE = NOW + """
-redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[1], unpack(ARGV))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZCARD', KEYS[1])
 """
@@ -141,18 +147,21 @@ class FleetSlots:
             self.down_until = time.monotonic() + 1.0
             raise
 
-    async def acquire(self, backend: str, limit: int, rank: int, waited: float, register: bool) -> tuple[str | None, int]:
-        """(the new lease's member, or None when the fleet has no room for this process now; leases held)."""
+    async def acquire(self, backend: str, limit: int, rank: int, waited: float, register: bool,
+                      give_back: Sequence[str] = ()) -> tuple[str | None, int]:
+        """(the new lease's member, or None when the fleet has no room for this process now; leases held).
+        `give_back`: leases of this process to release first, in the same round trip."""
         member = f"{self.process}:{next(self.members)}"
         async with self.guard("cap_acquire"):
             granted, held = await self._acquire(
                 keys=[self.leases(backend), self.waiting(backend)],
-                args=[limit, member, self.lease, self.process, rank, f"{waited:.6f}", int(register), self.stale])
+                args=[limit, member, self.lease, self.process, rank, f"{waited:.6f}", int(register), self.stale,
+                      *give_back])
         return (member if int(granted) else None), int(held)
 
-    async def release(self, backend: str, member: str) -> int:
+    async def release(self, backend: str, members: Sequence[str]) -> int:
         async with self.guard("cap_release"):
-            return int(await self._release(keys=[self.leases(backend)], args=[member]))
+            return int(await self._release(keys=[self.leases(backend)], args=list(members)))
 
     async def renew(self, backend: str, members: Sequence[str]) -> tuple[int, int]:
         async with self.guard("cap_renew"):
@@ -190,6 +199,8 @@ class FleetModelQueue(ModelQueue):
         self.held: dict[Replica, list[str | None]] = {r: [] for r in self.replicas}  # None: counted locally only
         self.fleet_count: dict[Replica, int] = dict.fromkeys(self.replicas, 0)
         self.claimed: set[Replica] = set()  # backends where this process left a waiting claim
+        self.returning: dict[Replica, list[str]] = {}  # leases given back but not yet sent to Redis
+        self.flusher: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task] = set()
         self.poller: asyncio.Task | None = None
         self.pumping = self.pump_again = False
@@ -231,10 +242,12 @@ class FleetModelQueue(ModelQueue):
                 return self.take(replica)  # no cap: nothing to share
             if self.fleet.down:
                 return self.take_locally(call, exclude, candidates)
+            give_back = self.returning.pop(replica, ())
             try:
-                member, held = await self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register)
+                member, held = await self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register,
+                                                        give_back)
             except StoreUnavailable:
-                return self.take_locally(call, exclude, candidates)
+                return self.take_locally(call, exclude, candidates)  # what it gave back ends with its lease
             self.outage_logged = False
             self.seen(replica, held)
             if member is not None:
@@ -269,16 +282,29 @@ class FleetModelQueue(ModelQueue):
         member = held.pop() if held else None
         if member is None:
             self.held_gauge(replica.name).set(max(self.fleet_count[replica], replica.in_flight))
-            self.dispatch()
         else:
-            self.spawn(self.give_back(replica, member))
+            # Sent with the next acquire for this backend, or on its own RETURN_AFTER from now with every other
+            # lease given back meanwhile: under load that saves most release round trips, and the count in
+            # Redis only ever runs high (never past the cap) for those few milliseconds.
+            self.returning.setdefault(replica, []).append(member)
+            if self.flusher is None:
+                self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
+        self.dispatch()  # waiters here: the pump's acquire carries the lease back at once
 
-    async def give_back(self, replica: Replica, member: str) -> None:
-        try:
-            self.seen(replica, await self.fleet.release(replica.name, member))
-        except StoreUnavailable:
-            log.warning("could not give back a slot of backend %s while the store is down; its lease will expire",
-                        replica.name)
+    def flush_soon(self) -> None:
+        self.flusher = None
+        self.spawn(self.flush())
+
+    async def flush(self) -> None:
+        for replica in list(self.returning):
+            members = self.returning.pop(replica, None)
+            if not members:
+                continue
+            try:
+                self.seen(replica, await self.fleet.release(replica.name, members))
+            except StoreUnavailable:
+                log.warning("could not give back %d slot(s) of backend %s while the store is down; their leases"
+                            " will expire", len(members), replica.name)
         await self.pump()
 
     def dispatch(self) -> None:
@@ -348,5 +374,9 @@ class FleetModelQueue(ModelQueue):
     async def close(self) -> None:
         if self.poller is not None:
             self.poller.cancel()
+        if self.flusher is not None:
+            self.flusher.cancel()
+            self.flusher = None
+        await self.flush()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=5)

@@ -33,8 +33,17 @@ async def test_racing_processes_get_exactly_the_cap_and_releases_give_it_back(st
     assert len(granted) == 8 and await procs[0].held("b") == 8
     assert max(held for _, held in results) == 8
     for proc, member in granted:
-        await proc.release("b", member)
+        await proc.release("b", [member])
     assert await procs[0].held("b") == 0
+
+
+async def test_leases_given_back_with_an_acquire_make_room_for_it_in_the_same_call(store):
+    a = fleet(store)
+    held = [(await a.acquire("e", 2, 0, 0.0, False))[0] for _ in range(2)]
+    assert (await a.acquire("e", 2, 0, 0.0, False))[0] is None  # full
+    member, count = await a.acquire("e", 2, 0, 0.0, False, give_back=held)
+    assert member is not None and count == 1  # both went back, then one was taken
+    assert await a.release("e", [member]) == 0
 
 
 async def test_leases_of_a_process_that_stops_renewing_end_and_renewed_ones_stay(store):
@@ -55,7 +64,7 @@ async def test_the_longest_waiting_process_is_served_first(store):
     a, b = fleet(store), fleet(store)
     first = (await a.acquire("b", 1, 0, 0.0, False))[0]
     assert (await b.acquire("b", 1, 0, 2.0, True))[0] is None  # b waits (2 s already) and says so
-    await a.release("b", first)
+    await a.release("b", [first])
     assert (await a.acquire("b", 1, 0, 0.5, True))[0] is None  # a asks first, but its waiter is fresher
     assert (await b.acquire("b", 1, 0, 2.1, True))[0] is not None
     assert await store.client.hlen(b.waiting("b")) == 1  # b's claim went with its slot; a's stays
@@ -65,7 +74,7 @@ async def test_a_better_class_goes_first_however_long_the_other_waited(store):
     a, b = fleet(store), fleet(store)
     held = (await a.acquire("c", 1, 0, 0.0, False))[0]
     assert (await b.acquire("c", 1, 1, 60.0, True))[0] is None  # batch (rank 1), waiting a minute
-    await a.release("c", held)
+    await a.release("c", [held])
     assert (await a.acquire("c", 1, 0, 0.0, False))[0] is not None  # interactive, just arrived: first
 
 
