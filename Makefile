@@ -54,7 +54,7 @@ bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router
 	$(VENV)/bin/python -m tests.benchmarks.peers.run
 
 bench-overload: venv  # not part of `make test`: a minute of load at twice a backend's knee
-	$(VENV)/bin/python -m tests.benchmarks.overload
+	$(VENV)/bin/python -m tests.benchmarks.overload $(ARGS)
 
 # not part of `make test`: routing profiles over two real CPU vLLM servers, an agent-like workload (~10-15 min);
 # builds the larger `bench` model once (scripts/build_tiny_model.py --size bench, offline, seeded)

@@ -29,6 +29,7 @@ class Replica:
     cap: int | None = None  # most requests in flight to it (the knee); None: unlimited
     health_path: str = "/health"  # what the health check GETs (200 = healthy)
     rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
+    priority_scheduling: bool = False  # vLLM runs --scheduling-policy priority: requests may carry `priority`
     adaptive: Any = None  # an Adaptive setting (floor, target_ttft) when the limit follows the observed TTFT
     limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
     in_flight: int = 0

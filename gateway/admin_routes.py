@@ -21,6 +21,7 @@ from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from policies.errors import NotFound
 from policies.keys import (
     CIDR_PATTERN,
+    CLASS_NAME,
     DataPolicy,
     KeyLimits,
     KeyRecord,
@@ -38,6 +39,8 @@ READS = ("GET", "HEAD", "OPTIONS")
 # The pattern is for the document; the validator below checks the same form with a readable message.
 Cidr = Annotated[str, KwargDefinition(pattern=CIDR_PATTERN,
                                       description="a network, e.g. 10.0.0.0/8 or 2001:db8::/32")]
+# The key record checks the form (a 400 naming the field); the pattern here is for the document.
+ClassName = Annotated[str, KwargDefinition(pattern=CLASS_NAME, description="a priority class, e.g. batch")]
 
 
 class KeyChanges(BaseModel):
@@ -53,6 +56,11 @@ class KeyChanges(BaseModel):
     allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
                                             " omit or null for any")
     limits: KeyLimits | None = None
+    priority_class: ClassName | None = Field(None, description="the key's priority class (the"
+                                       " policy's priorities.classes; a name it does not declare is served as its"
+                                       " default); null for the default (interactive)")
+    client_priority: bool | None = Field(None, description="whether its clients may pick a class by header and"
+                                         " send vLLM's `priority` field; null: no")
 
     @field_validator("allowed_cidrs")
     @classmethod
@@ -82,6 +90,8 @@ class KeyView(BaseModel):
     data_policy: str
     allowed_cidrs: list[str] | None
     limits: KeyLimits
+    priority_class: str | None
+    client_priority: bool
     created_at: float
     last_used_at: float | None
     previous_valid_until: float | None = Field(description="while set and in the future, the pre-rotation secret works")
@@ -147,12 +157,12 @@ def admin_router(gateway) -> Router:
     async def show_key(key_id: str = KeyId) -> KeyView:
         return KeyView.of(await load(key_id))
 
-    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks or limits",
+    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks, limits or priority class",
            responses=errors(400, 401, 403, 404, 413, 503))
     async def update_key(data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
         record = await load(key_id)
         changes = data.model_dump(exclude_unset=True)
-        for field in ("data_policy", "limits"):  # null: back to the default, as when the key was issued
+        for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when the key was issued
             if field in changes and changes[field] is None:
                 changes[field] = KeyRecord.model_fields[field].get_default()
         return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))

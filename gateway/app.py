@@ -54,6 +54,7 @@ from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
 from policies.pipeline import Pipeline
+from policies.priority import Classify
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Stats
@@ -77,11 +78,11 @@ class Gateway:
                                on_scrape=self._scraped)
         self.profiles = routing_profiles(policy, Stats(self.scraper.stats if scrape.enabled else None),
                                          self.metrics)
-        self.admission = Admission(policy, self.replicas, self.profiles, self.metrics)
-        self.rented = rented_providers(policy)
         store = policy.store
         options = redis_options(store) if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.redis_url(), **options)
+        self.admission = Admission(policy, self.replicas, self.profiles, self.metrics, open_fleet(self.store, policy))
+        self.rented = rented_providers(policy)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(
@@ -96,6 +97,7 @@ class Gateway:
             self.authenticate,
             ResolveModel(policy),
             Authorize(),
+            Classify(policy),
             RateLimit(policy, self.limiter, self.background.run, self.metrics),
             self.record_usage,
         ])
@@ -153,7 +155,8 @@ class Gateway:
         )
         overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
         self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
-        loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
+        loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check)),
+                 asyncio.create_task(self.admission.maintain())]
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         try:
@@ -166,6 +169,7 @@ class Gateway:
                     await loop
             self.proxy.access_log.flush()
             self.background.run(self.record_usage.flush())
+            await self.admission.close()
             await self.background.drain(timeout=5)
             await client.aclose()
             await self.store.close()
@@ -192,6 +196,17 @@ def open_limiter(store):
 
         return RedisLimiter(store)
     return MemoryLimiter()
+
+
+def open_fleet(store, policy: Policy):
+    """Caps count every gateway replica's requests when the store is shared; None: this process's own."""
+    from policies.store.redis import RedisStore
+
+    if isinstance(store, RedisStore):
+        from policies.fleet_caps import FleetSlots
+
+        return FleetSlots(store, policy.caps)
+    return None
 
 
 def openai_error(exc: GatewayError) -> Response:

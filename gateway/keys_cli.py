@@ -66,13 +66,18 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpm", type=int, help="requests per minute")
     parser.add_argument("--tpm", type=int, help="tokens per minute")
     parser.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    parser.add_argument("--priority-class", help="e.g. interactive or batch (the policy's priorities.classes)")
+    parser.add_argument("--client-priority", choices=["yes", "no"],
+                        help="may its clients pick a class by header and send vLLM's `priority` field")
 
 
 def settings(args: argparse.Namespace) -> dict:
     body: dict = {}
-    for field in ("name", "owner", "data_policy"):
+    for field in ("name", "owner", "data_policy", "priority_class"):
         if getattr(args, field, None) is not None:
             body[field] = getattr(args, field)
+    if args.client_priority is not None:
+        body["client_priority"] = args.client_priority == "yes"
     if args.models is not None:
         body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.allowed_cidrs is not None:
@@ -149,10 +154,11 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 def key_row(k: dict) -> list[str]:
     state = "revoked" if k["revoked"] else "active"
     return [k["id"], k["name"], state, ",".join(k["models"]) if k["models"] is not None else "*",
-            k["data_policy"], when(k["expires_at"]), when(k["last_used_at"])]
+            k["data_policy"], k.get("priority_class") or "(default)", when(k["expires_at"]),
+            when(k["last_used_at"])]
 
 
-KEY_HEADER = ["ID", "NAME", "STATE", "MODELS", "DATA POLICY", "EXPIRES", "LAST USED"]
+KEY_HEADER = ["ID", "NAME", "STATE", "MODELS", "DATA POLICY", "CLASS", "EXPIRES", "LAST USED"]
 
 
 def render(action: str, data) -> str:

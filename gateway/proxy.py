@@ -197,12 +197,21 @@ class Proxy:
         return await self.upstreams[target].open(route.upstream_path(call.params), body, call.request_id, method)
 
     def upstream_body(self, call: Call, target: Replica) -> bytes:
-        """The client's body untouched but for `model`, on streams the usage the gateway needs, and whatever the
-        route adds for the chosen replica (a Responses id that leads back to it)."""
+        """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the
+        route adds for the chosen replica (a Responses id that leads back to it), and the priority class as
+        vLLM's `priority` for a backend that schedules by it (the Classify step already dropped a `priority` the
+        key may not send; a rented API never gets one)."""
         body = call.body
         route = call.route
         if "model" in body:
             body["model"] = target.served_name
+        if target.rented:
+            body.pop("priority", None)
+        elif not call.client_priority:  # ours to set (or to take back after a retry on another replica)
+            if target.priority_scheduling and call.priority is not None:
+                body["priority"] = call.priority.vllm_priority
+            else:
+                body.pop("priority", None)
         if call.stream and route.stream_usage:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from backends.replicas import Replica, ReplicaSet
-from policies.config import Policy, Queue
+from policies.config import Policy, Priorities, PriorityClass, Queue
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
@@ -60,23 +60,105 @@ class Waiter:
     owner: str
     exclude: Sequence[Replica]
     call: Call | None = None
+    rank: int = 0  # its priority class's place in the policy's list: lower is served first
+    started: float = 0.0  # monotonic
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class WaitLine:
+    """Waiters by class rank, then round-robin across owners (API keys), FIFO within an owner."""
+
+    def __init__(self, ranks: int) -> None:
+        self.by_owner: list[dict[str, deque[Waiter]]] = [{} for _ in range(ranks)]
+        self.turns: list[deque[str]] = [deque() for _ in range(ranks)]  # owners with waiters, in turn order
+        self.depths = [0] * ranks
+        self.depth = 0
+
+    def ahead_of(self, rank: int) -> int:
+        """Waiters that would be served before a new one of `rank`."""
+        return sum(self.depths[: rank + 1])
+
+    def push(self, waiter: Waiter, front: bool = False) -> None:
+        """Queue a waiter; `front` puts it (and its owner's turn) first again, undoing a pop."""
+        by_owner, turns = self.by_owner[waiter.rank], self.turns[waiter.rank]
+        queue = by_owner.setdefault(waiter.owner, deque())
+        if front:
+            queue.appendleft(waiter)
+            if waiter.owner in turns:
+                turns.remove(waiter.owner)
+            turns.appendleft(waiter.owner)
+        else:
+            if not queue:
+                turns.append(waiter.owner)
+            queue.append(waiter)
+        self.depths[waiter.rank] += 1
+        self.depth += 1
+
+    def pop(self) -> Waiter:
+        rank = next(i for i, d in enumerate(self.depths) if d)
+        by_owner, turns = self.by_owner[rank], self.turns[rank]
+        owner = turns.popleft()
+        queue = by_owner[owner]
+        waiter = queue.popleft()
+        if queue:
+            turns.append(owner)  # this owner's next request waits for everyone else's turn
+        else:
+            del by_owner[owner]
+        self.depths[rank] -= 1
+        self.depth -= 1
+        return waiter
+
+    def head(self) -> Waiter | None:
+        for rank, depth in enumerate(self.depths):
+            if depth:
+                return self.by_owner[rank][self.turns[rank][0]][0]
+        return None
+
+    def remove(self, waiter: Waiter) -> bool:
+        by_owner = self.by_owner[waiter.rank]
+        queue = by_owner.get(waiter.owner)
+        if queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        if not queue:
+            del by_owner[waiter.owner]
+            self.turns[waiter.rank].remove(waiter.owner)
+        self.depths[waiter.rank] -= 1
+        self.depth -= 1
+        return True
+
+
 class ModelQueue:
+    """One model's replicas and queue, counting slots in this process (the embedded store's behaviour)."""
+
     def __init__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, priorities: Priorities | None = None) -> None:
         self.model = model
         self.replicas = replicas
         self.config = config
         self.profile = profile
         self.metrics = metrics
-        self.by_owner: dict[str, deque[Waiter]] = {}
-        self.turns: deque[str] = deque()  # owners with waiters, in round-robin order
-        self.depth = 0
+        self.priorities = priorities or Priorities()
+        self.classes = self.priorities.classes
+        self.default = self.priorities.named(self.priorities.default)
+        self.line = WaitLine(len(self.classes))
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
         self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, model))  # by replica name
+        self.held_gauge = Memo(partial(metrics.slots_held.labels, model))  # by replica name
+        self.depth_gauges = [metrics.queue_depth.labels(model, c.name) for c in self.classes]
+        self.wait_histograms = [metrics.queue_wait.labels(model, c.name) for c in self.classes]
+
+    @property
+    def depth(self) -> int:
+        return self.line.depth
+
+    def class_of(self, call: Call | None) -> tuple[int, PriorityClass]:
+        chosen = (call.priority if call is not None else None) or self.default
+        for rank, klass in enumerate(self.classes):
+            if klass.name == chosen.name:
+                return rank, klass
+        return self.classes.index(self.default), self.default
 
     def free_replica(self, call: Call | None, exclude: Sequence[Replica]) -> Replica | None:
         return self.profile.pick(call, [r for r in self.replicas if r.has_room], exclude=exclude)
@@ -84,25 +166,38 @@ class ModelQueue:
     def take(self, replica: Replica) -> Replica:
         replica.in_flight += 1
         self.in_flight_gauge(replica.name).inc()
+        self.held_gauge(replica.name).set(replica.in_flight)
         return replica
+
+    async def take_now(self, call: Call | None, exclude: Sequence[Replica], rank: int, will_wait: bool) -> Replica | None:
+        """A slot at once, or None (then the caller waits); here without a suspension point."""
+        replica = self.free_replica(call, exclude)
+        return None if replica is None else self.take(replica)
+
+    def busy(self, replica: Replica) -> int:
+        """Requests in flight to the replica, as its cap counts them."""
+        return replica.in_flight
 
     async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None,
                       call: Call | None = None) -> Replica:
         if not any(r.routable and r not in exclude for r in self.replicas):
             raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
-        if self.depth == 0:
-            replica = self.free_replica(call, exclude)
+        rank, klass = self.class_of(call)
+        if klass.rent_first and spill_after is not None:
+            spill_after = 0.0  # this class leaves owned capacity to the others when it can rent
+        if self.line.ahead_of(rank) == 0:
+            replica = await self.take_now(call, exclude, rank, will_wait=spill_after is None)
             if replica is not None:
-                return self.take(replica)
-        if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after() > spill_after):
+                return replica
+        if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after(rank) > spill_after):
             raise WouldWait
         if self.depth >= self.config.max_depth:
-            self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full")
-        waiter = Waiter(owner, exclude, call)
+            self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full", rank)
+        max_wait = klass.max_wait or self.config.max_wait
+        waiter = Waiter(owner, exclude, call, rank, time.monotonic())
         self.push(waiter)
-        started = time.monotonic()
         try:
-            async with asyncio.timeout(self.config.max_wait):
+            async with asyncio.timeout(max_wait):
                 replica = await asyncio.shield(waiter.future)
         except TimeoutError:
             self.remove(waiter)
@@ -110,14 +205,14 @@ class ModelQueue:
                 replica = waiter.future.result()  # the slot arrived with the deadline: use it
             else:
                 waiter.future.cancel()
-                self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {self.config.max_wait:g} s")
+                self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", rank)
         except asyncio.CancelledError:  # the client went away while waiting
             self.remove(waiter)
             if waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result())
             waiter.future.cancel()
             raise
-        self.metrics.queue_wait.labels(self.model).observe(time.monotonic() - started)
+        self.wait_histograms[rank].observe(time.monotonic() - waiter.started)
         return replica
 
     def observe(self, replica: Replica, ttft: float) -> None:
@@ -130,7 +225,7 @@ class ModelQueue:
             if now - self.last_cut.get(replica, 0.0) >= 1.0:
                 self.last_cut[replica] = now
                 replica.limit = max(float(adaptive.floor), replica.limit * 0.9)
-        elif replica.in_flight >= int(replica.limit):
+        elif self.busy(replica) >= int(replica.limit):
             before = int(replica.limit)
             replica.limit = min(float(replica.cap), replica.limit + 1.0 / replica.limit)
             if int(replica.limit) > before:
@@ -140,11 +235,12 @@ class ModelQueue:
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
+        self.held_gauge(replica.name).set(replica.in_flight)
         self.drain.tick(time.monotonic())
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters, fairly, for as long as there are both."""
+        """Hand free slots to waiters, class by class and fairly within one, for as long as there are both."""
         skipped: list[Waiter] = []  # waiters whose only free replica is one they already failed on
         while self.depth and any(r.routable and r.has_room for r in self.replicas):
             waiter = self.pop()
@@ -157,52 +253,28 @@ class ModelQueue:
             self.push(waiter, front=True)
 
     def push(self, waiter: Waiter, front: bool = False) -> None:
-        """Queue a waiter; `front` puts it (and its owner's turn) first again, undoing a pop."""
-        queue = self.by_owner.setdefault(waiter.owner, deque())
-        if front:
-            queue.appendleft(waiter)
-            if waiter.owner in self.turns:
-                self.turns.remove(waiter.owner)
-            self.turns.appendleft(waiter.owner)
-        else:
-            if not queue:
-                self.turns.append(waiter.owner)
-            queue.append(waiter)
-        self.depth += 1
-        self.metrics.queue_depth.labels(self.model).set(self.depth)
+        self.line.push(waiter, front)
+        self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
 
     def pop(self) -> Waiter:
-        owner = self.turns.popleft()
-        queue = self.by_owner[owner]
-        waiter = queue.popleft()
-        if queue:
-            self.turns.append(owner)  # this owner's next request waits for everyone else's turn
-        else:
-            del self.by_owner[owner]
-        self.depth -= 1
-        self.metrics.queue_depth.labels(self.model).set(self.depth)
+        waiter = self.line.pop()
+        self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
         return waiter
 
     def remove(self, waiter: Waiter) -> None:
-        queue = self.by_owner.get(waiter.owner)
-        if queue is None or waiter not in queue:
-            return
-        queue.remove(waiter)
-        if not queue:
-            del self.by_owner[waiter.owner]
-            self.turns.remove(waiter.owner)
-        self.depth -= 1
-        self.metrics.queue_depth.labels(self.model).set(self.depth)
+        if self.line.remove(waiter):
+            self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
 
-    def retry_after(self) -> float:
+    def retry_after(self, rank: int | None = None) -> float:
         rate = self.drain.per_second(time.monotonic())
         if rate is None:
             return self.config.max_wait
-        return (self.depth + 1) / rate
+        ahead = self.depth if rank is None else self.line.ahead_of(rank)
+        return (ahead + 1) / rate
 
-    def refuse(self, reason: str, message: str) -> None:
+    def refuse(self, reason: str, message: str, rank: int | None = None) -> None:
         self.metrics.admission_rejected.labels(self.model, reason).inc()
-        wait = max(0.001, self.retry_after())
+        wait = max(0.001, self.retry_after(rank))
         raise RateLimited(
             f"{message}; try again in {wait:.1f} s",
             code="model_at_capacity",
@@ -212,14 +284,37 @@ class ModelQueue:
 
 
 class Admission:
+    """Every model's queue. With `fleet` (the Redis store's shared slots, policies/fleet_caps.py) a cap counts
+    the requests of every gateway replica; without it, this process's own."""
+
     def __init__(self, policy: Policy, replicas: ReplicaSet, profiles: dict[str, Profile],
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, fleet=None) -> None:
+        self.fleet = fleet
+        if fleet is None:
+            make = ModelQueue
+        else:
+            from policies.fleet_caps import FleetModelQueue
+
+            make = partial(FleetModelQueue, fleet=fleet, caps=policy.caps,
+                           on_store_failure=policy.rate_limits.on_store_failure.concurrency)
         self.queues = {
-            m.name: ModelQueue(m.name, replicas.by_model[m.name], m.queue, profiles[m.name], metrics)
+            m.name: make(m.name, replicas.by_model[m.name], m.queue, profiles[m.name], metrics, policy.priorities)
             for m in policy.models
         }
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
+
+    async def maintain(self) -> None:
+        """Runs for the process's lifetime: keeps the fleet's leases of this process alive (nothing embedded)."""
+        if self.fleet is not None:
+            await self.fleet.renew_forever(list(self.queues.values()))
+
+    async def close(self) -> None:
+        """Give back what is still held (leases end by themselves anyway) and wait for pending releases."""
+        for queue in self.queues.values():
+            closing = getattr(queue, "close", None)
+            if closing is not None:
+                await closing()
 
     async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = (),
                       spill_after: float | None = None, call: Call | None = None) -> Replica:

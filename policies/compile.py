@@ -27,6 +27,7 @@ def replicas_of(model: Model) -> list[Replica]:
             cap=backend.cap,
             health_path=backend.health_path,
             adaptive=backend.adaptive,
+            priority_scheduling=backend.scheduling_policy == "priority",
         )
         for i, backend in enumerate(model.backends)
     ]

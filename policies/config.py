@@ -342,6 +342,9 @@ class Adaptive(Strict):
 
 class Backend(Strict):
     url: str
+    # vLLM's --scheduling-policy on this backend: with "priority" the gateway sends each request's class as
+    # vLLM's `priority` field (lower is served first)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     name: str | None = Field(None, pattern=NAME)
     served_name: str | None = Field(None, pattern=NAME)
     cap: int | None = Field(None, ge=1, le=100_000)  # most requests in flight to it: its measured knee
@@ -368,6 +371,44 @@ class Queue(Strict):
     max_wait: Seconds = 30.0  # waited this long: 429 with a Retry-After from the observed drain rate
 
 
+class PriorityClass(Strict):
+    """A class of traffic: waiting requests are served class by class (in the order the policy lists them),
+    fairly across keys within a class."""
+
+    name: str = Field(pattern=NAME)
+    max_wait: Seconds | None = None  # its own bound on the wait for a slot (default: the model's queue.max_wait)
+    vllm_priority: int = 0  # sent as vLLM's `priority` to backends with scheduling_policy: priority
+    rent_first: bool = False  # a key allowed to rent spills to the rented provider rather than wait at all
+
+
+class Priorities(Strict):
+    default: str = Field("interactive", pattern=NAME)  # the class of a key that names none
+    header: str = Field("x-priority-class", pattern=r"^[a-z0-9-]{1,64}$")  # where a permitted client picks one
+    classes: list[PriorityClass] = Field([
+        PriorityClass(name="interactive"),
+        PriorityClass(name="batch", max_wait=300, vllm_priority=10, rent_first=True),
+    ], min_length=1, max_length=16)
+
+    @model_validator(mode="after")
+    def known_default(self) -> Priorities:
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError("priority class names must be unique")
+        if self.default not in names:
+            raise ValueError(f"default {self.default!r} is not one of the classes: {', '.join(names)}")
+        return self
+
+    def named(self, name: str | None) -> PriorityClass | None:
+        return next((c for c in self.classes if c.name == name), None)
+
+
+class Caps(Strict):
+    """Backend caps shared by every gateway replica (with the Redis store): slots are leases in Redis."""
+
+    lease_seconds: Seconds = 15.0  # renewed every third of it; a dead gateway's slots come back after this
+    poll_interval: float = Field(0.02, ge=0.001, le=5)  # how often a process with waiters retries the fleet
+
+
 class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
@@ -389,6 +430,8 @@ class Policy(Strict):
     auth: Auth = Auth()
     admin: Admin = Admin()
     rate_limits: RateLimits = RateLimits()
+    priorities: Priorities = Priorities()
+    caps: Caps = Caps()
     network: Network = Network()
     providers: list[Provider] = []
     models: list[Model] = Field(min_length=1)

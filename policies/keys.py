@@ -25,6 +25,7 @@ SECRET_LENGTH = 43
 ALPHABET = string.ascii_letters + string.digits
 KEY_PATTERN = re.compile(rf"^sk-([0-9a-f]{{{ID_LENGTH}}})-([A-Za-z0-9]{{{SECRET_LENGTH}}})$")
 
+CLASS_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # a priority class's name, as the policy spells them
 DataPolicy = Literal["private_only", "allow_rented"]
 
 
@@ -80,6 +81,8 @@ class KeyRecord(BaseModel):
     data_policy: DataPolicy = "private_only"
     allowed_cidrs: list[str] | None = None
     limits: KeyLimits = KeyLimits()
+    priority_class: str | None = Field(None, pattern=CLASS_NAME)  # None (or a class the policy lacks): default
+    client_priority: bool = False  # the client may pick its class by header and send vLLM's `priority`
     created_at: float
     last_used_at: float | None = None
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")

@@ -68,11 +68,28 @@ class GatewayMetrics:
             ["model", "scope", "kind"], registry=r,
         )
         self.queue_depth = Gauge(
-            "llm_gateway_queue_depth", "Requests waiting for a backend slot, per model.", ["model"], registry=r,
+            "llm_gateway_queue_depth", "Requests waiting in this process for a backend slot, per model and priority"
+            " class.", ["model", "class"], registry=r,
         )
         self.queue_wait = Histogram(
-            "llm_gateway_queue_wait_seconds", "Time admitted requests waited for a backend slot.", ["model"],
-            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+            "llm_gateway_queue_wait_seconds", "Time admitted requests waited for a backend slot, per priority class.",
+            ["model", "class"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.slots_held = Gauge(
+            "llm_gateway_backend_slots_held", "Slots of a backend's cap held across every gateway replica (Redis"
+            " store; as last seen by this one), or by this process (embedded store).", ["model", "backend"],
+            registry=r,
+        )
+        self.cap_store_failures = Counter(
+            "llm_gateway_cap_store_failures_total", "Admissions made or refused while the shared slot store was"
+            " unreachable: fail_open counted them in this process alone (the fleet may exceed a cap), fail_closed"
+            " refused them.", ["model", "mode"], registry=r,
+        )
+        self.cap_leases_lost = Counter(
+            "llm_gateway_cap_leases_lost_total", "Slot leases found expired while their request still ran (the"
+            " process stalled past caps.lease_seconds): the fleet may briefly exceed the cap.", ["model", "backend"],
+            registry=r,
         )
         self.backend_limit = Gauge(
             "llm_gateway_backend_limit", "Most requests the gateway sends to a backend at once (its cap; -1: none).",

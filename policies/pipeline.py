@@ -32,6 +32,8 @@ class Call:
     asked_model: Any = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     key: Any = None  # the caller's KeyRecord, once authenticated
+    priority: Any = None  # its PriorityClass (policies/priority.py); None: the policy's default
+    client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     ticket: Any = None  # what the rate limiter took, to give back
     prompt_estimate: int = 0

@@ -11,6 +11,14 @@ Three closed-loop runs of streaming requests (every request produces the same nu
      client's TTFT minus the time it waited in the gateway's queue, i.e. what the backend itself delivered.
 Passes when, in run 3, backend TTFT p99 <= 1.5x run 1's, throughput >= 95% of the peak, and no request
 failed except with a clean 429. Prints the runs side by side; exit status 1 when a check fails.
+
+    python -m tests.benchmarks.overload --classes            # priority classes at twice the knee
+
+With --classes, run 3 is replaced by two closed loops at once through the gateway, each at the knee's
+concurrency (2x in all): one with a key of class `interactive`, one with a key of class `batch`. Interactive
+requests are served first from the queue, so their client-side TTFT (queue included) stays near the at-knee
+value while batch requests absorb the wait. Passes when interactive TTFT p99 <= 1.5x run 1's, the two
+together keep >= 95% of the peak throughput, and batch waited longer in the queue than interactive.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class Run:
     concurrency: int
     ttft: list[float] = field(default_factory=list)  # client-side
     backend_ttft: list[float] = field(default_factory=list)  # minus the gateway's queue wait
+    queued: list[float] = field(default_factory=list)  # the gateway's queue wait
     tokens: int = 0
     ok: int = 0
     refused: int = 0  # clean 429s
@@ -78,6 +87,8 @@ async def one(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, r
                 run.failed.append(f"HTTP {r.status_code}: {text!r}")
             return
         queued = float(r.headers.get("x-gateway-queue-ms", "0")) / 1000
+        if measuring():
+            run.queued.append(queued)
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -128,7 +139,8 @@ async def closed_loop(url: str, model: str, key: str | None, concurrency: int, o
     return run
 
 
-def start_gateway(backend_url: str, model: str, cap: int, work: Path) -> tuple[subprocess.Popen, str, str]:
+def start_gateway(backend_url: str, model: str, cap: int, work: Path,
+                  priority_class: str | None = None) -> tuple[subprocess.Popen, str, str]:
     secret = secrets.token_urlsafe(32)
     port = free_port()
     policy = {
@@ -149,20 +161,28 @@ def start_gateway(backend_url: str, model: str, cap: int, work: Path) -> tuple[s
     from policies.config import Admin
 
     token = mint_token(Admin(), 600, secret=secret)
-    r = httpx.post(f"{url}/admin/keys", json={"name": "overload"}, headers={"authorization": f"Bearer {token}"})
+    proc.admin_token = token  # for more keys (--classes)
+    return proc, url, issue_key(url, token, priority_class)
+
+
+def issue_key(url: str, token: str, priority_class: str | None = None) -> str:
+    r = httpx.post(f"{url}/admin/keys", json={"name": f"overload-{priority_class or 'default'}",
+                                              "priority_class": priority_class},
+                   headers={"authorization": f"Bearer {token}"})
     r.raise_for_status()
-    return proc, url, r.json()["key"]
+    return r.json()["key"]
 
 
 def table(runs: list[Run]) -> str:
     def ms(v):
         return "-" if v is None else f"{v * 1000:,.0f}"
 
-    rows = [["run", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "backend TTFT p99 ms", "ok",
-             "429", "failed"]]
+    rows = [["run", "concurrency", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "backend TTFT p99 ms",
+             "queue p99 ms", "ok", "429", "failed"]]
     for r in runs:
         rows.append([r.name, str(r.concurrency), f"{r.throughput:,.0f}", ms(r.p(r.ttft, 50)), ms(r.p(r.ttft, 99)),
-                     ms(r.p(r.backend_ttft, 99)), str(r.ok), str(r.refused), str(len(r.failed))])
+                     ms(r.p(r.backend_ttft, 99)), ms(r.p(r.queued, 99)), str(r.ok), str(r.refused),
+                     str(len(r.failed))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -176,8 +196,16 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path) -> l
                               "direct, 2x the knee")]
     proc, url, key = start_gateway(backend_url, model, cap, work)
     try:
-        runs.append(await closed_loop(url, model, key, 2 * cap, args.output_tokens, args.warmup, args.duration,
-                                      "gateway (cap = knee), 2x"))
+        if args.classes:
+            batch = issue_key(url, proc.admin_token, "batch")
+            runs += await asyncio.gather(
+                closed_loop(url, model, key, cap, args.output_tokens, args.warmup, args.duration,
+                            "gateway, interactive half of 2x"),
+                closed_loop(url, model, batch, cap, args.output_tokens, args.warmup, args.duration,
+                            "gateway, batch half of 2x"))
+        else:
+            runs.append(await closed_loop(url, model, key, 2 * cap, args.output_tokens, args.warmup, args.duration,
+                                          "gateway (cap = knee), 2x"))
     finally:
         proc.terminate()
         proc.wait(10)
@@ -185,6 +213,8 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path) -> l
 
 
 def verdict(runs: list[Run]) -> list[tuple[str, bool]]:
+    if len(runs) == 4:
+        return class_verdict(runs)
     knee, direct2x, gw = runs
     ref = knee.p(knee.ttft, 99)
     peak = max(knee.throughput, direct2x.throughput)
@@ -196,6 +226,21 @@ def verdict(runs: list[Run]) -> list[tuple[str, bool]]:
     ]
 
 
+def class_verdict(runs: list[Run]) -> list[tuple[str, bool]]:
+    knee, direct2x, interactive, batch = runs
+    ref = knee.p(knee.ttft, 99)
+    peak = max(knee.throughput, direct2x.throughput)
+    both = interactive.throughput + batch.throughput
+    return [
+        (f"interactive TTFT p99 (queue included) <= 1.5x at-knee ({ref * 1500:,.0f} ms)",
+         interactive.p(interactive.ttft, 99) <= 1.5 * ref),
+        (f"both classes together >= 95% of peak ({0.95 * peak:,.0f} tok/s)", both >= 0.95 * peak),
+        ("no failures but clean 429s through the gateway", not interactive.failed and not batch.failed),
+        ("batch absorbs the queue (its queue p99 > interactive's)",
+         (batch.p(batch.queued, 99) or 0) > (interactive.p(interactive.queued, 99) or 0)),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", action="store_true", help="a real CPU vLLM instead of the simulator")
@@ -204,6 +249,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--classes", action="store_true",
+                        help="through the gateway, half the load interactive and half batch")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
@@ -219,7 +266,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"backend": label, "runs": [r.__dict__ for r in runs],
                                                "checks": checks}, default=str, indent=2))
-    return 0 if all(ok for _, ok in checks[:3]) else 1
+    return 0 if all(ok for _, ok in (checks if args.classes else checks[:3])) else 1
 
 
 def run_simulator(args, work: Path) -> tuple[list[Run], str]:

@@ -38,6 +38,8 @@ def full_record(created_at: float = 1712345678.123456, **changes) -> KeyRecord:
         "data_policy": "allow_rented",
         "allowed_cidrs": ["10.0.0.0/8", "fd00::/8"],
         "limits": KeyLimits(requests_per_minute=60, tokens_per_minute=90_000, max_concurrent=4),
+        "priority_class": "batch",
+        "client_priority": True,
         "created_at": created_at,
         "last_used_at": 1712345999.000001,
         "hash": hash_key(new_key(key_id)),

@@ -23,7 +23,15 @@ import pytest
 import yaml
 
 from tests.support.probes import metric_sum, wait_http_ok
-from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, free_port, start_many, stop_all
+from tests.e2e.vllm_procs import (
+    VLLMServer,
+    default_model_dir,
+    default_vllm_venv,
+    free_port,
+    running_servers,
+    start_many,
+    stop_all,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -63,6 +71,28 @@ def vllm_servers(tmp_path_factory, request):
         start_many(servers.values(), timeout=240)
     yield servers
     stop_all(servers.values())
+
+
+@pytest.fixture(scope="module")
+def capped_vllm(tmp_path_factory):
+    """A vLLM of the module's own with `--max-num-seqs 8` (a knee within a CPU's reach), on core 0 alone: the
+    shared servers, should any run, are paused while it does. For `sweep` tests, which load it to saturation."""
+    venv, model = default_vllm_venv(), default_model_dir()
+    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
+        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    others = running_servers()
+    for other in others:
+        other.pause()
+    server = VLLMServer(model, "tiny-knee", core=0, extra_args=("--max-num-seqs", "8"),
+                        log_dir=tmp_path_factory.mktemp("vllm-knee-logs"), log_requests=False)
+    server.start()
+    try:
+        server.wait_ready(240)
+        yield server
+    finally:
+        server.stop()
+        for other in others:
+            other.resume()
 
 
 def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:

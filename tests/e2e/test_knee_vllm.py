@@ -1,6 +1,6 @@
 """`llm-gateway knee` against a real CPU vLLM with `--max-num-seqs 8`: a queue forms past 8, the knee is found.
 
-The server is this module's own, not the session's shared a/b servers: a sweep loads a server to saturation
+The server (tests/e2e/conftest.py, `capped_vllm`) is this module's own, not the session's shared a/b servers: a sweep loads a server to saturation
 and would disturb the state other tests rely on, and a sweep whose server shares its core with another vLLM
 measures that neighbour as much as its own server. So the test is marked `sweep`, which runs it before the
 shared servers start (tests/e2e/conftest.py); should any be running anyway, they are paused for the sweep.
@@ -18,30 +18,9 @@ import matplotlib.image
 import pytest
 import yaml
 
-from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, running_servers
 
 LEVELS = (1, 4, 8, 16, 32)
 MIN_REQUESTS = 8
-
-
-@pytest.fixture(scope="module")
-def capped_vllm(tmp_path_factory):
-    venv, model = default_vllm_venv(), default_model_dir()
-    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
-    others = running_servers()
-    for other in others:
-        other.pause()
-    server = VLLMServer(model, "tiny-knee", core=0, extra_args=("--max-num-seqs", "8"),
-                        log_dir=tmp_path_factory.mktemp("vllm-knee-logs"), log_requests=False)
-    server.start()
-    try:
-        server.wait_ready(240)
-        yield server
-    finally:
-        server.stop()
-        for other in others:
-            other.resume()
 
 
 @pytest.mark.sweep

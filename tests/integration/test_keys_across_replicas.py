@@ -53,6 +53,13 @@ def test_cli_keys_work_on_every_replica_and_revocation_reaches_all(pair):
     assert key not in listing.stdout and key.split("-")[2] not in listing.stdout
     shown = cli("keys", "--url", two, "--json", "show", key_id)
     assert json.loads(shown.stdout)["models"] == ["m"]
+    assert json.loads(shown.stdout)["priority_class"] is None  # the policy's default class
+    changed = cli("keys", "--url", two, "--json", "update", key_id, "--priority-class", "batch",
+                  "--client-priority", "yes")
+    assert changed.returncode == 0, changed.stderr
+    assert (json.loads(changed.stdout)["priority_class"], json.loads(changed.stdout)["client_priority"]) == \
+        ("batch", True)
+    assert "batch" in cli("keys", "--url", one, "list").stdout
 
     revoked = cli("keys", "--url", one, "revoke", key_id)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout

@@ -34,6 +34,8 @@ class Cluster:
     env: dict[str, str]
     config: Path
     logs: list[Path] = field(default_factory=list)
+    gateways: list[subprocess.Popen] = field(default_factory=list)  # one per url
+    backend_url: str = ""  # the simulator
 
     @property
     def admin_token(self) -> str:
@@ -53,27 +55,32 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, redis_setup=RedisServer,
+def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict | None = None,
+            sim_args: tuple[str, ...] = (), upstream: str | None = None, redis_setup=RedisServer,
             **policy_overrides) -> Iterator[Cluster]:
-    """`redis_setup` builds the Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches it
-    by its `url`."""
+    """`backend`: more settings of the one backend (e.g. its cap); `sim_args`: more simulator flags;
+    `upstream`: a backend already running (a real vLLM) instead of the simulator; `redis_setup` builds the
+    Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches it by its `url`."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     with redis_setup() as redis:
-        sim_port = free_port()
-        sim_args = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
-        procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
-                                       "--model", "m", "--log-level", "warning", *sim_args]))
+        backend_url = upstream
+        if upstream is None:
+            sim_port = free_port()
+            speed = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
+            procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
+                                           "--model", "m", "--log-level", "warning", *speed, *sim_args]))
+            backend_url = f"http://127.0.0.1:{sim_port}"
         policy = {
             "store": {"kind": "redis", "url": redis.url},
             "health": {"interval": 0.5},
-            "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{sim_port}"}]}],
+            "models": [{"name": "m", "backends": [{"url": backend_url, **(backend or {})}]}],
             **policy_overrides,
         }
         config = tmp_path / "policy.yaml"
         config.write_text(yaml.safe_dump(policy))
-        result = Cluster([], redis, env, config)
+        result = Cluster([], redis, env, config, backend_url=backend_url)
         try:
             for i in range(replicas):
                 port = free_port()
@@ -81,9 +88,10 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, redis_setup=R
                 with open(log_path, "wb") as log:
                     procs.append(subprocess.Popen([CLI, "serve", "--config", str(config), "--port", str(port)],
                                                   env=env, stdout=log, stderr=subprocess.STDOUT))
+                result.gateways.append(procs[-1])
                 result.urls.append(f"http://127.0.0.1:{port}")
                 result.logs.append(log_path)
-            for url, proc in zip(result.urls, procs[1:]):
+            for url, proc in zip(result.urls, result.gateways):
                 wait_http_ok(f"{url}/ready", proc, 90, "a gateway replica")  # generous: a loaded 2-core CI
             env["LLM_GATEWAY_ADMIN_TOKEN"] = mint_token(Admin(), 600, secret=secret)
             yield result

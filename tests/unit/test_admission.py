@@ -138,3 +138,67 @@ def test_adaptive_limit_moves_between_floor_and_cap():
     q.observe(r, ttft=2.0)
     q.observe(r, ttft=2.0)
     assert r.limit == pytest.approx(7.2)  # two slow answers within a second: one cut
+
+
+def classed(name: str):
+    """A call of priority class `name`, as the Classify step leaves it."""
+    from policies.config import Priorities
+    from policies.pipeline import Call
+
+    call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    call.priority = Priorities().named(name)
+    return call
+
+
+async def test_waiters_are_served_class_first_then_round_robin_across_keys():
+    q, (r,) = make(caps=(1,))
+    first = await q.acquire("a", ())
+    order: list[str] = []
+
+    async def request(owner: str, klass: str, n: int):
+        replica = await q.acquire(owner, (), call=classed(klass))
+        order.append(f"{klass[0]}-{owner}{n}")
+        await asyncio.sleep(0)
+        q.release(replica)
+
+    tasks = [asyncio.create_task(request("a", "batch", i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    tasks += [asyncio.create_task(request(o, "interactive", i)) for i in range(2) for o in ("a", "b")]
+    await asyncio.sleep(0.01)
+    assert q.line.depths == [4, 2]
+    q.release(first)
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    # the batch requests came first but wait for every interactive one; keys take turns within a class
+    assert order == ["i-a0", "i-b0", "i-a1", "i-b1", "b-a0", "b-a1"]
+
+
+async def test_each_class_has_its_own_max_wait_and_retry_after_counts_only_those_ahead():
+    from policies.config import Priorities, PriorityClass
+
+    q, (r,) = make(caps=(1,), max_wait=0.1)
+    q.priorities = Priorities(classes=[PriorityClass(name="interactive"), PriorityClass(name="batch", max_wait=5)])
+    q.classes = q.priorities.classes
+    held = await q.acquire("k", ())
+    batch = asyncio.create_task(q.acquire("k", (), call=classed("batch")))
+    interactive = asyncio.create_task(q.acquire("k", (), call=classed("interactive")))
+    with pytest.raises(RateLimited) as late:
+        await interactive  # gave up after the model's 0.1 s
+    assert late.value.param == "queue_timeout"
+    assert not batch.done()  # still within its own 5 s
+    assert q.line.ahead_of(0) == 0 and q.line.ahead_of(1) == 1
+    q.release(held)
+    assert await asyncio.wait_for(batch, 1) is r
+
+
+async def test_a_class_that_rents_first_spills_instead_of_waiting():
+    from policies.admission import WouldWait
+
+    q, (r,) = make(caps=(1,))
+    held = await q.acquire("k", ())
+    with pytest.raises(WouldWait):  # batch: straight to the rented provider (its key may rent)
+        await q.acquire("k", (), spill_after=30.0, call=classed("batch"))
+    waiting = asyncio.create_task(q.acquire("k", (), spill_after=30.0, call=classed("interactive")))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and q.depth == 1  # interactive: the expected wait is within its 30 s
+    q.release(held)
+    assert await asyncio.wait_for(waiting, 1) is r

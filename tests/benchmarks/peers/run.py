@@ -66,6 +66,7 @@ from tests.benchmarks.peers.systems import (
     start_floor,
     start_gateway,
     start_litellm,
+    start_redis,
     start_router,
     start_standin,
 )
@@ -354,7 +355,8 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(samples: dict[str, Samples], soak_result: dict | None) -> str:
-    variants = [name for name in samples if name.startswith("gateway ")]  # --knobs: the same gateway, other settings
+    # gateway-redis: the Redis store; --knobs: the same gateway, other settings
+    variants = [name for name in samples if name.startswith("gateway ") or name == "gateway-redis"]
     cols = ["direct", "gateway", *variants, *PEERS]
     m = {name: s for name, s in samples.items()}
 
@@ -411,6 +413,10 @@ def targets(samples: dict[str, Samples], soak_result: dict | None) -> list[tuple
     if g and vr:
         r = median(g.events) / median(vr.events)
         check("streaming events/s >= 40% of vllm-router", f"{r * 100:.1f}%", ">= 40%", r >= 0.40)
+    gr = samples.get("gateway-redis")
+    if g and gr:
+        r = median(gr.rps) / median(g.rps)
+        check("requests/s with the Redis store >= 80% of the embedded store", f"{r * 100:.1f}%", ">= 80%", r >= 0.8)
     if soak_result:
         v = soak_result["growth_pct"]
         n1, n2 = soak_result["requests_first"], soak_result["requests_total"]
@@ -504,8 +510,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-native", action="store_true",
                    help="py-spy --native: C frames too (uvloop, httptools, syscalls); the raw profile is kept")
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--systems", default="gateway,LiteLLM,vllm-router,nginx",
-                   help="comma-separated subset of gateway,LiteLLM,vllm-router,nginx")
+    p.add_argument("--systems", default="gateway,gateway-redis,LiteLLM,vllm-router,nginx",
+                   help="comma-separated subset of gateway,gateway-redis (the Redis store, every request taking a"
+                        " fleet-wide cap slot),LiteLLM,vllm-router,nginx")
     p.add_argument("--gateway-arg", action="append", default=[],
                    help="extra argument for `llm-gateway serve` (repeatable), e.g. --gateway-arg=--log-level=warning")
     p.add_argument("--gateway-env", action="append", default=[], help="NAME=VALUE for the gateway (repeatable)")
@@ -555,7 +562,7 @@ def within_10_percent(samples: dict[str, Samples], label: str, baseline: str, ta
 def main(argv=None) -> int:
     args = parse_args(argv)
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(wanted) - {"gateway", *PEERS}
+    unknown = set(wanted) - {"gateway", "gateway-redis", *PEERS}
     if unknown:
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
     if len(os.sched_getaffinity(0)) < 2 or not {LOAD_CORE, SUT_CORE} <= os.sched_getaffinity(0):
@@ -583,7 +590,9 @@ def main(argv=None) -> int:
         starters = {"gateway": lambda: start_gateway(procs, work, standin, env_extra=env, args=args.gateway_arg),
                     "LiteLLM": lambda: start_litellm(procs, work, standin),
                     "vllm-router": lambda: start_router(procs, work, standin),
-                    "nginx": lambda: start_floor(procs, work, standin)}
+                    "nginx": lambda: start_floor(procs, work, standin),
+                    "gateway-redis": lambda: start_gateway(procs, work, standin, name="gateway-redis", env_extra=env,
+                                                           args=args.gateway_arg, redis_url=start_redis(procs, work))}
         for name in wanted:
             log(f"starting {name} on core {SUT_CORE}")
             systems.append(starters[name]())

@@ -74,25 +74,32 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
-                  routing: str | None = None, replicas: int = 1, store: dict | None = None) -> System:
+                  routing: str | None = None, replicas: int = 1, redis_url: str | None = None,
+                  store: dict | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
-    profile has candidates to score (they share one stand-in, so the backend's speed is the same). `store`
-    replaces the SQLite store (e.g. a Redis one)."""
+    profile has candidates to score (they share one stand-in, so the backend's speed is the same).
+    `redis_url`: the Redis store instead of SQLite, as N replicas run it (keys, limits and the backends' cap
+    slots in Redis); each backend then has a cap far above the load, so every request takes a fleet slot.
+    `store`: these store settings as they are (e.g. Redis behind Sentinel or a Cluster), no caps."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
     dir = work / name
     dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    if store is None:
+        store = {"kind": "redis", "url": redis_url, "prefix": f"bench-{name}:"} if redis_url else \
+            {"kind": "sqlite", "path": str(dir / "keys.db")}
+    cap = {"cap": 100_000} if redis_url else {}
     policy = {
         "listen": {"host": "127.0.0.1", "port": port},
-        "store": store or {"kind": "sqlite", "path": str(dir / "keys.db")},
+        "store": store,
         "models": [
             {"name": MODEL, "limits": HIGH, "queue": {"max_depth": 10_000},
-             "backends": [{"url": f"http://127.0.0.1:{standin.json_port}"}] * replicas},
+             "backends": [{"url": f"http://127.0.0.1:{standin.json_port}", **cap}] * replicas},
             {"name": STREAM_MODEL, "limits": HIGH, "queue": {"max_depth": 10_000},
-             "backends": [{"url": f"http://127.0.0.1:{standin.sse_port}"}] * replicas},
+             "backends": [{"url": f"http://127.0.0.1:{standin.sse_port}", **cap}] * replicas},
         ],
     }
     if routing is not None:
@@ -110,6 +117,25 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
                    headers={"authorization": f"Bearer {token}"}, timeout=10, trust_env=False)
     r.raise_for_status()
     return System(name, url, url, MODEL, STREAM_MODEL, f"Bearer {r.json()['key']}", [proc])
+
+
+def start_redis(procs: Procs, work: Path) -> str:
+    """Debian's redis-server on the load core (beside the stand-in: a server the gateway talks to, not part of
+    the system under test), no persistence; its URL."""
+    port = free_port()
+    proc = procs.start("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no", "--dir", str(work)], LOAD_CORE)
+    wait_until(lambda: _redis_ping(port), proc, 20, "redis-server")
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def start_litellm(procs: Procs, work: Path, standin: StandIn) -> System:

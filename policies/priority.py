@@ -1,0 +1,46 @@
+"""Pipeline step: which priority class a request belongs to, and what it may say about it.
+
+A key carries a class (`priority_class`, else the policy's default). A key with `client_priority` may pick
+another class per request with the policy's header (x-priority-class) and may send vLLM's own `priority`
+field; from any other key that field is dropped and the header ignored, so a client cannot buy itself a
+better place in a queue its key does not allow. Admission serves waiting requests class by class; backends
+that run vLLM's priority scheduling get the class's `vllm_priority` (policies/admission.py, gateway/proxy.py).
+"""
+
+from __future__ import annotations
+
+from policies.config import Policy, PriorityClass
+from policies.errors import BadRequest
+from policies.pipeline import Call
+
+
+class Classify:
+    name = "priority"
+
+    def __init__(self, policy: Policy) -> None:
+        self.config = policy.priorities
+        self.default = self.config.named(self.config.default)
+
+    def of(self, call: Call) -> PriorityClass:
+        key = call.key
+        if key.client_priority:
+            asked = call.headers.get(self.config.header)
+            if asked:
+                chosen = self.config.named(asked.strip())
+                if chosen is None:
+                    raise BadRequest(f"unknown priority class in {self.config.header}; known: "
+                                     f"{', '.join(c.name for c in self.config.classes)}", param=self.config.header,
+                                     code="unknown_priority_class")
+                return chosen
+        # a class the policy no longer has (renamed since the key was set) falls back to the default
+        return self.config.named(key.priority_class) or self.default
+
+    async def enter(self, call: Call) -> None:
+        call.priority = self.of(call)
+        if call.key.client_priority:
+            call.client_priority = "priority" in call.body
+        else:
+            call.body.pop("priority", None)
+
+    async def leave(self, call: Call) -> None:
+        pass

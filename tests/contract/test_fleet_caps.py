@@ -1,0 +1,98 @@
+"""The Redis side of fleet-wide caps, on a real redis-server: exact counts under races, leases that end,
+claims that make the fleet serve the longest waiter first, and one hash slot per backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.crc import key_slot
+
+from policies.config import Caps
+from policies.fleet_caps import FleetSlots
+from policies.store import open_store
+from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+
+
+@pytest.fixture
+async def store(redis_server, redis_prefix):  # noqa: F811
+    store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
+    yield store
+    await store.close()
+
+
+def fleet(store, lease=30.0, poll=0.02) -> FleetSlots:
+    """One gateway process's view (each has its own process id)."""
+    return FleetSlots(store, Caps(lease_seconds=lease, poll_interval=poll))
+
+
+async def test_racing_processes_get_exactly_the_cap_and_releases_give_it_back(store):
+    procs = [fleet(store) for _ in range(3)]
+    results = await asyncio.gather(*(procs[i % 3].acquire("b", 8, 0, 0.0, False) for i in range(60)))
+    granted = [(procs[i % 3], m) for i, (m, _) in enumerate(results) if m is not None]
+    assert len(granted) == 8 and await procs[0].held("b") == 8
+    assert max(held for _, held in results) == 8
+    for proc, member in granted:
+        await proc.release("b", [member])
+    assert await procs[0].held("b") == 0
+
+
+async def test_leases_given_back_with_an_acquire_make_room_for_it_in_the_same_call(store):
+    a = fleet(store)
+    held = [(await a.acquire("e", 2, 0, 0.0, False))[0] for _ in range(2)]
+    assert (await a.acquire("e", 2, 0, 0.0, False))[0] is None  # full
+    member, count = await a.acquire("e", 2, 0, 0.0, False, give_back=held)
+    assert member is not None and count == 1  # both went back, then one was taken
+    assert await a.release("e", [member]) == 0
+
+
+async def test_leases_of_a_process_that_stops_renewing_end_and_renewed_ones_stay(store):
+    alive, dead = fleet(store, lease=1.0), fleet(store, lease=1.0)
+    kept = [(await alive.acquire("b", 4, 0, 0.0, False))[0] for _ in range(2)]
+    for _ in range(2):
+        await dead.acquire("b", 4, 0, 0.0, False)
+    assert await alive.held("b") == 4
+    for _ in range(4):  # 1.2 s: past the dead process's leases; the live one renews every third of a lease
+        await asyncio.sleep(0.3)
+        held, lost = await alive.renew("b", kept)
+        assert lost == 0
+    assert held == 2 and await alive.held("b") == 2
+    assert (await dead.acquire("b", 4, 0, 0.0, False))[0] is not None  # the room came back
+
+
+async def test_the_longest_waiting_process_is_served_first(store):
+    a, b = fleet(store), fleet(store)
+    first = (await a.acquire("b", 1, 0, 0.0, False))[0]
+    assert (await b.acquire("b", 1, 0, 2.0, True))[0] is None  # b waits (2 s already) and says so
+    await a.release("b", [first])
+    assert (await a.acquire("b", 1, 0, 0.5, True))[0] is None  # a asks first, but its waiter is fresher
+    assert (await b.acquire("b", 1, 0, 2.1, True))[0] is not None
+    assert await store.client.hlen(b.waiting("b")) == 1  # b's claim went with its slot; a's stays
+
+
+async def test_a_better_class_goes_first_however_long_the_other_waited(store):
+    a, b = fleet(store), fleet(store)
+    held = (await a.acquire("c", 1, 0, 0.0, False))[0]
+    assert (await b.acquire("c", 1, 1, 60.0, True))[0] is None  # batch (rank 1), waiting a minute
+    await a.release("c", [held])
+    assert (await a.acquire("c", 1, 0, 0.0, False))[0] is not None  # interactive, just arrived: first
+
+
+async def test_a_claim_not_refreshed_holds_nobody_back(store):
+    a, gone = fleet(store), fleet(store)
+    now = float((await store.client.time())[0])
+    await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now:.6f}")  # waiting since 1970
+    assert (await a.acquire("d", 1, 0, 0.0, False))[0] is None  # a live claim ahead: no room for a
+    await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now - 5:.6f}")  # its process died
+    assert (await a.acquire("d", 1, 0, 0.0, False))[0] is not None
+    assert await store.client.hlen(gone.waiting("d")) == 0
+
+
+def test_every_key_of_a_backend_is_in_one_cluster_slot():
+    class Store:
+        prefix = "llmgw:"
+        client = type("C", (), {"register_script": lambda self, s: None})()
+
+    f = FleetSlots(Store(), Caps())
+    assert key_slot(f.leases("chat-0").encode()) == key_slot(f.waiting("chat-0").encode())
+    assert key_slot(f.leases("chat-0").encode()) != key_slot(f.leases("chat-1").encode())

@@ -1,0 +1,60 @@
+"""Priority classes at the edges: set on a key by the admin API, picked per request only where the key allows,
+and sent as vLLM's `priority` only to backends that schedule by it (never a client's own unless allowed)."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.admin_auth import mint_token
+from policies.config import Admin
+from tests.support.gateway import running_gateway
+from tests.support.recorder import Recorder
+from tests.support.servers import serve_app
+
+SECRET = "priority-test-secret-0123456789abcdef"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def policy(prio_url: str, plain_url: str) -> dict:
+    return {"models": [
+        {"name": "m", "backends": [{"url": prio_url, "scheduling_policy": "priority"}]},
+        {"name": "plain", "backends": [{"url": plain_url}]},
+    ]}
+
+
+async def test_the_class_reaches_a_priority_backend_and_only_allowed_clients_choose(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    admin = {"authorization": f"Bearer {mint_token(Admin(), 600)}"}
+    prio, plain = Recorder(), Recorder()
+    async with serve_app(prio) as p_url, serve_app(plain) as q_url, \
+            running_gateway(policy(p_url, q_url), issue_test_key=False) as gw, \
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        r = await http.post("/admin/keys", json={"name": "batch-app", "priority_class": "batch"}, headers=admin)
+        assert r.status_code == 201 and r.json()["record"]["priority_class"] == "batch"
+        batch = {"authorization": f"Bearer {r.json()['key']}"}
+        r = await http.post("/admin/keys", json={"name": "chat-app"}, headers=admin)
+        chat_id, chat = r.json()["record"]["id"], {"authorization": f"Bearer {r.json()['key']}"}
+        assert r.json()["record"]["priority_class"] is None and r.json()["record"]["client_priority"] is False
+
+        async def sent(headers, body=BODY, extra=None, rec=prio) -> dict:
+            r = await http.post("/v1/chat/completions", json=body, headers={**headers, **(extra or {})})
+            assert r.status_code == 200, r.text
+            return rec.requests[-1]["body"]
+
+        assert (await sent(batch))["priority"] == 10  # the batch class's vllm_priority
+        assert (await sent(chat))["priority"] == 0  # the default class, interactive
+        # not allowed: the header is ignored and a client's own `priority` is replaced by the class's
+        assert (await sent(chat, {**BODY, "priority": -100}, {"x-priority-class": "batch"}))["priority"] == 0
+        # a backend without priority scheduling never gets the field
+        assert "priority" not in await sent(batch, {**BODY, "model": "plain", "priority": -5}, rec=plain)
+
+        r = await http.patch(f"/admin/keys/{chat_id}", json={"client_priority": True}, headers=admin)
+        assert r.json()["client_priority"] is True
+        gw.state.forget_key(chat_id)
+        assert (await sent(chat, extra={"x-priority-class": "batch"}))["priority"] == 10
+        assert (await sent(chat, {**BODY, "priority": -100}))["priority"] == -100  # now its own
+        r = await http.post("/v1/chat/completions", json=BODY, headers={**chat, "x-priority-class": "urgent"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_priority_class"
+
+        r = await http.patch(f"/admin/keys/{chat_id}", json={"priority_class": ""}, headers=admin)
+        assert r.status_code == 400 and "priority_class" in r.json()["error"]["message"]
