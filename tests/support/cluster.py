@@ -56,8 +56,10 @@ class Cluster:
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict | None = None,
-            sim_args: tuple[str, ...] = (), upstream: str | None = None, **policy_overrides) -> Iterator[Cluster]:
-    """`backend`: more settings of the one backend (e.g. its cap); `sim_args`: more simulator flags;
+            sim_args: tuple[str, ...] = (), upstream: str | None = None, model: dict | None = None,
+            **policy_overrides) -> Iterator[Cluster]:
+    """`backend`: more settings of the one backend (e.g. its cap); `model`: more of the model (its queue);
+    `sim_args`: more simulator flags;
     `upstream`: a backend already running (a real vLLM) instead of the simulator."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
@@ -73,7 +75,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict
         policy = {
             "store": {"kind": "redis", "url": redis.url},
             "health": {"interval": 0.5},
-            "models": [{"name": "m", "backends": [{"url": backend_url, **(backend or {})}]}],
+            "models": [{"name": "m", "backends": [{"url": backend_url, **(backend or {})}], **(model or {})}],
             **policy_overrides,
         }
         config = tmp_path / "policy.yaml"
