@@ -56,11 +56,12 @@ class Cluster:
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict | None = None,
-            sim_args: tuple[str, ...] = (), upstream: str | None = None, redis_setup=RedisServer,
-            **policy_overrides) -> Iterator[Cluster]:
-    """`backend`: more settings of the one backend (e.g. its cap); `sim_args`: more simulator flags;
-    `upstream`: a backend already running (a real vLLM) instead of the simulator; `redis_setup` builds the
-    Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches it by its `url`."""
+            sim_args: tuple[str, ...] = (), upstream: str | None = None, model: dict | None = None,
+            redis_setup=RedisServer, **policy_overrides) -> Iterator[Cluster]:
+    """`backend`: more settings of the one backend (e.g. its cap); `model`: more of the model (its queue);
+    `sim_args`: more simulator flags; `upstream`: a backend already running (a real vLLM) instead of the
+    simulator; `redis_setup` builds the Redis (a RedisServer, or a redis_ha set) with `with`; the policy reaches
+    it by its `url`."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
@@ -75,7 +76,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict
         policy = {
             "store": {"kind": "redis", "url": redis.url},
             "health": {"interval": 0.5},
-            "models": [{"name": "m", "backends": [{"url": backend_url, **(backend or {})}]}],
+            "models": [{"name": "m", "backends": [{"url": backend_url, **(backend or {})}], **(model or {})}],
             **policy_overrides,
         }
         config = tmp_path / "policy.yaml"
