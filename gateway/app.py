@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.egress import Resolver, SystemResolver
-from backends.replicas import DOWN, Replica
+from backends.replicas import Replica
 from backends.upstream import new_client
 from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
@@ -72,6 +72,7 @@ class Gateway:
         self.replicas = replica_set(policy, on_change=self._replica_changed)
         for replica in self.replicas:
             self._replica_changed(replica)
+        self.replicas.on_drained = self._replica_drained
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped)
@@ -122,10 +123,20 @@ class Gateway:
         self.authenticate.cache.drop(key_id)
 
     def _replica_changed(self, replica: Replica) -> None:
-        self.metrics.backend_up.labels(replica.model, replica.name).set(0 if replica.state == DOWN else 1)
+        if not replica.draining:
+            self.metrics.backend_up.labels(replica.model, replica.name).set(1 if replica.routable else 0)
+            self.metrics.backend_limit.labels(replica.model, replica.name).set(
+                -1 if replica.limit is None else int(replica.limit))
         admission = getattr(self, "admission", None)  # absent while the replica set is being built
         if admission is not None:
             admission.replica_changed(replica)
+
+    def _replica_drained(self, replica: Replica) -> None:
+        for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica.model, replica.name)
+        if self.proxy is not None:
+            self.proxy.forget(replica)
 
     def _scraped(self, replica: Replica, stats, error: str | None) -> None:
         self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
