@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Literal
 
 import orjson
@@ -25,7 +26,8 @@ from litestar.plugins.pydantic import PydanticInitPlugin
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from backends.egress import Resolver, SystemResolver
+from backends.egress import GuardedDialer, Resolver, SystemResolver
+from backends.http1 import Client
 from backends.replicas import Replica
 from backends.upstream import new_client
 from backends.vllm_stats import Scraper
@@ -35,10 +37,10 @@ from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
+from gateway.reload import PolicyReloader
 from policies.accounting import RecordUsage
-from policies.admission import Admission
-from policies.auth import Authenticate, Authorize
-from policies.compile import rented_providers, replica_set, routing_profiles
+from policies.auth import Authenticate
+from policies.compile import replica_set
 from policies.config import Policy
 from policies.egress import check_backends, exempt_origins
 from policies.errors import (
@@ -50,13 +52,11 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
+from policies.live_metrics import LiveMetrics
 from policies.metrics import GatewayMetrics
-from policies.models import ResolveModel
-from policies.network import ClientNetwork
-from policies.pipeline import Pipeline
 from policies.ratelimit import MemoryLimiter
-from policies.ratelimit.step import RateLimit
 from policies.routing import Stats
+from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
@@ -65,9 +65,10 @@ log = logging.getLogger("gateway")
 class Gateway:
     """Everything one gateway process holds for its lifetime."""
 
-    def __init__(self, policy: Policy, resolver: Resolver | None = None) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy, resolver: Resolver | None = None, policy_path: str | None = None,
+                 version: str | None = None) -> None:
         self.resolver = resolver or SystemResolver()  # tests inject one whose answers they control
+        self.policy_path = policy_path  # the file a reload reads (gateway/reload.py); None: never reloaded
         self.metrics = GatewayMetrics()
         self.replicas = replica_set(policy, on_change=self._replica_changed)
         for replica in self.replicas:
@@ -76,10 +77,6 @@ class Gateway:
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped)
-        self.profiles = routing_profiles(policy, Stats(self.scraper.stats if scrape.enabled else None),
-                                         self.metrics)
-        self.admission = Admission(policy, self.replicas, self.profiles, self.metrics)
-        self.rented = rented_providers(policy)
         store = policy.store
         options = {"prefix": store.prefix, "password": store.password()} if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.url, **options)
@@ -87,19 +84,42 @@ class Gateway:
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(self.store, policy.auth.cache_seconds, self.background.run)
         self.limiter = open_limiter(self.store)
-        self.client_network = ClientNetwork(policy.network)
         self.record_usage = RecordUsage(self.store, self.background.run)
-        self.pipeline = Pipeline([
-            self.client_network,
-            self.authenticate,
-            ResolveModel(policy),
-            Authorize(),
-            RateLimit(policy, self.limiter, self.background.run, self.metrics),
-            self.record_usage,
-        ])
+        self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
+                             self.limiter, self.authenticate, self.record_usage, self.background.run)
+        if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
+            version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
+        self.snapshot = compile_snapshot(policy, None, self.shared, version)
+        self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
+        self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
+        self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
+
+    # What a request runs under: read from the live snapshot, which a reload replaces whole.
+    policy = property(lambda self: self.snapshot.policy)
+    profiles = property(lambda self: self.snapshot.profiles)
+    admission = property(lambda self: self.snapshot.admission)
+    rented = property(lambda self: self.snapshot.rented)
+    client_network = property(lambda self: self.snapshot.client_network)
+    pipeline = property(lambda self: self.snapshot.pipeline)
+
+    def install(self, snapshot: Snapshot) -> None:
+        """Serve new requests under `snapshot` (one reference swap; those in flight keep the proxy they have)."""
+        old = self.proxy
+        self.snapshot = snapshot
+        if self.client is None:
+            return  # not serving yet: the lifespan builds the proxy
+        policy = snapshot.policy
+        if isinstance(self.client.dialer, GuardedDialer):
+            self.client.dialer.set_rules(policy.network.private_cidrs, exempt_origins(policy))
+        overflow = {m.name: m.overflow for m in policy.models if m.overflow}
+        proxy = Proxy(self.replicas, snapshot.admission, snapshot.pipeline, self.metrics, self.client,
+                      snapshot.rented, overflow)
+        if old is not None:
+            proxy.access_log = old.access_log  # one batched log for the process
+        self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:
         """/v1/models: only the models this key may use."""
@@ -153,9 +173,11 @@ class Gateway:
             t.connect, t.read, t.write, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
             exempt=exempt_origins(self.policy), on_refused=self._egress_refused,
         )
-        overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
-        self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
+        self.client = client
+        self.install(self.snapshot)
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
+        if self.policy_path is not None:
+            loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         try:
@@ -242,8 +264,10 @@ class Readiness(BaseModel):
     models: dict[str, bool]
 
 
-def create_app(policy: Policy, resolver: Resolver | None = None):
-    gateway = Gateway(policy, resolver)
+def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: str | None = None,
+               version: str | None = None):
+    """`policy_path`: the file the policy came from, watched for changes (and reread on SIGHUP)."""
+    gateway = Gateway(policy, resolver, policy_path, version)
 
     @get("/health", sync_to_thread=False)
     def health() -> Liveness:
