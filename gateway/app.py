@@ -42,6 +42,7 @@ from policies.accounting import RecordUsage
 from policies.auth import Authenticate
 from policies.compile import replica_set
 from policies.config import Policy
+from policies.discovery import Discovery
 from policies.egress import check_backends, exempt_origins
 from policies.errors import (
     BadRequest,
@@ -92,6 +93,7 @@ class Gateway:
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
         self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
+        self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
@@ -152,6 +154,8 @@ class Gateway:
             admission.replica_changed(replica)
 
     def _replica_drained(self, replica: Replica) -> None:
+        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.model, ())):
+            return  # came back under the same name: its series are the live one's
         for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
             with contextlib.suppress(KeyError):
                 gauge.remove(replica.model, replica.name)
@@ -175,6 +179,7 @@ class Gateway:
         )
         self.client = client
         self.install(self.snapshot)
+        self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
@@ -183,6 +188,7 @@ class Gateway:
         try:
             yield
         finally:
+            self.discovery.stop()
             for loop in loops:
                 loop.cancel()
             for loop in loops:

@@ -64,6 +64,7 @@ class PolicyReloader:
             later = restart_needed(live.policy, policy)
             apply_static_replicas(policy, self.gateway.replicas)
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
+            self.gateway.discovery.sync(policy)
             self.gateway.live_metrics.reloaded(OK, version)
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
             if later:

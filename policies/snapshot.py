@@ -99,10 +99,14 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
 
 
 def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:
-    """Bring the live set to the policy's `backends:` lists; models the policy no longer has are drained."""
+    """Bring the live set to the policy's `backends:` lists; models the policy no longer has are drained.
+    Models found by discovery get their replicas from their source (policies/discovery.py)."""
     wanted = {m.name for m in policy.models}
     for model in policy.models:
-        replicas.apply(model.name, replicas_of(model))
+        if model.discovery is None:
+            replicas.apply(model.name, replicas_of(model))
+        else:  # its source (policies/discovery.py) fills it
+            replicas.by_model.setdefault(model.name, [])
     for name in list(replicas.by_model):
         if name not in wanted:
             replicas.remove_model(name)
