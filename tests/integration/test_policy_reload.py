@@ -9,6 +9,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +27,10 @@ from gateway.app import create_app
 from policies.config import Admin, load_policy
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record
 from tests.support.probes import metric_sum
-from tests.support.servers import serve_app
+from tests.support.probes import wait_http_ok
+from tests.support.servers import free_port, serve_app
+
+CLI = str(Path(sys.executable).with_name("llm-gateway"))
 
 SIM = SimConfig(model="served", step_base_ms=5)
 
@@ -55,8 +61,8 @@ def policy(store: str, models: list[dict]) -> dict:
 class Load:
     """Workers streaming chat completions until stopped (bounded); every failure is kept."""
 
-    def __init__(self, url: str, model: str, workers: int = 4) -> None:
-        self.client = AsyncOpenAI(base_url=f"{url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30)
+    def __init__(self, url: str, model: str, workers: int = 4, api_key: str = TEST_KEY) -> None:
+        self.client = AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=30)
         self.model, self.workers = model, workers
         self.done, self.failures = 0, []
         self.stop = asyncio.Event()
@@ -181,3 +187,79 @@ def metric_sum_sync(app, name, **labels) -> float:
     from prometheus_client import generate_latest
 
     return metric_sum(generate_latest(app.state.metrics.registry).decode(), name, **labels)
+
+
+async def test_sighup_reloads_a_real_gateway_process_under_load_and_a_broken_file_keeps_the_old(tmp_path):
+    secret = "r" * 40
+    env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    ports = [free_port() for _ in range(3)]
+    sims = [subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(p), "--model", "served",
+                              "--log-level", "warning", "--step-base-ms", "5"]) for p in ports[:2]]
+    url = f"http://127.0.0.1:{ports[2]}"
+    backends = [{"url": f"http://127.0.0.1:{p}", "name": n} for p, n in zip(ports, "ab")]
+    base = {"listen": {"host": "127.0.0.1", "port": ports[2]}, "health": {"interval": 0.5, "backoff_initial": 0.2},
+            "store": {"kind": "sqlite", "path": str(tmp_path / "k.db")}}
+    config = tmp_path / "policy.yaml"
+    config.write_text(yaml.safe_dump({**base, "models": [{"name": "m", "served_name": "served",
+                                                          "backends": backends}]}))
+    log_path = tmp_path / "gateway.log"
+    with open(log_path, "wb") as log:
+        gateway = subprocess.Popen([CLI, "serve", "--config", str(config)], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    try:
+        for p, sim in zip(ports, sims):
+            wait_http_ok(f"http://127.0.0.1:{p}/health", sim, 60, "the simulator")
+        wait_http_ok(f"{url}/ready", gateway, 60, "the gateway")
+        admin = {"authorization": f"Bearer {mint_token(Admin(), 600, secret=secret)}"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            key = (await http.post(f"{url}/admin/keys", json={"name": "reload"}, headers=admin)).json()["key"]
+            auth = {"authorization": f"Bearer {key}"}
+            first = (await http.get(f"{url}/admin/policy", headers=admin)).json()["version"]
+            async with Load(url, "m", api_key=key).running() as load:
+                await until(lambda: load.done >= 10, 30)
+                models = [{"name": "m", "served_name": "served", "limits": {"requests_per_minute": 100000},
+                           "backends": [{**backends[0], "cap": 3}, backends[1]]},
+                          {"name": "n", "served_name": "served", "backends": [{**backends[1], "name": "n-b"}]}]
+                config.write_text(yaml.safe_dump({**base, "models": models}))
+                gateway.send_signal(signal.SIGHUP)
+                started = time.monotonic()
+                while {d["id"] for d in (await http.get(f"{url}/v1/models", headers=auth)).json()["data"]} \
+                        != {"m", "n"}:
+                    assert time.monotonic() - started < 5, "/v1/models did not follow the file within 5 s"
+                    await asyncio.sleep(0.1)
+
+                models[0]["backends"] = models[0]["backends"][:1]  # remove a backend
+                config.write_text(yaml.safe_dump({**base, "models": models}))
+                gateway.send_signal(signal.SIGHUP)
+
+                async def only_a() -> bool:
+                    replicas = (await http.get(f"{url}/admin/replicas", headers=admin)).json()
+                    return [(r["name"], r["draining"]) for r in replicas["m"]] == [("a", False)]
+
+                deadline = time.monotonic() + 10
+                while not await only_a():
+                    assert time.monotonic() < deadline, "the removed backend did not drain"
+                    await asyncio.sleep(0.1)
+                live = (await http.get(f"{url}/admin/policy", headers=admin)).json()["version"]
+
+                config.write_text("models: [{name: m, backends: [{url: 'http://10.0.0.1', cpa: 3}]}]\n")
+                gateway.send_signal(signal.SIGHUP)
+                deadline = time.monotonic() + 10
+                while b"refused" not in log_path.read_bytes():
+                    assert time.monotonic() < deadline, "the broken file was not refused"
+                    await asyncio.sleep(0.1)
+                assert (await http.get(f"{url}/admin/policy", headers=admin)).json()["version"] == live != first
+                before = load.done
+                await until(lambda: load.done >= before + 10, 30)  # the old policy keeps serving
+            assert load.failures == [] and load.done > 20
+            metrics = (await http.get(f"{url}/metrics")).text
+            assert metric_sum(metrics, "llm_gateway_policy_reload_total", result="invalid") >= 1
+            assert metric_sum(metrics, "llm_gateway_policy_reload_total", result="ok") == 2
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        for sim in sims:
+            sim.terminate()
+            sim.wait(30)
+    text = log_path.read_text()
+    assert "cpa: unknown field" in text and "keeps serving" in text, text[-3000:]
