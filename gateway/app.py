@@ -291,7 +291,9 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         models = gateway.replicas.ready()
         if gateway.draining:  # shutting down: still serving, but take this replica out of the Service
             return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
-        ok = all(models.values())
+        # a discovered model with no endpoint (scaled to zero, not Ready) is the cluster's state, the same from
+        # every gateway pod: it does not take this one out of the Service
+        ok = all(up for model, up in models.items() if model not in gateway.discovery.models)
         body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
 

@@ -60,7 +60,14 @@ class Discovery:
                 continue
             if running is not None:
                 running[1].stop()
-            source = self.make_source(model.discovery, policy.kubernetes.kubeconfig)
+            try:
+                source = self.make_source(model.discovery, policy.kubernetes.kubeconfig)
+            except Exception as exc:  # noqa: BLE001 - no kubeconfig, not in a cluster: this model has no replicas
+                self.running.pop(name, None)
+                log.error("model %s: discovery (%s) cannot reach the Kubernetes API, the model gets no replica: %s"
+                          " (set kubernetes.kubeconfig, or run in a pod with a service account)",
+                          name, model.discovery.kind, exc)
+                continue
             self.running[name] = (target, source)
             source.start(lambda endpoints, name=name, source=source: self.emit(name, source, endpoints))
 

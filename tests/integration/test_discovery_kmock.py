@@ -175,6 +175,8 @@ async def test_inference_service_not_ready_gets_no_new_requests():
             await call(custom.patch_namespaced_custom_object, "serving.kserve.io", "v1beta1", NS,
                        "inferenceservices", "chat", {"status": inference_service("chat", ready=False)["status"]})
             await until(lambda: not gw.replicas.by_model["chat"], 5)
+            ready = await http.get(f"{url}/ready")  # the model has nothing to serve, in every gateway pod alike
+            assert ready.status_code == 200 and ready.json()["models"] == {"chat": False}
             refused = await http.post(f"{url}/v1/completions", json=body)
             assert refused.status_code == 503 and refused.json()["error"]["message"]
             assert await sim_served(http, s) == served

@@ -70,3 +70,16 @@ async def test_endpoints_become_replicas_and_public_addresses_are_refused():
     assert replicas.by_model["m"] == [] and refused == ["8.8.8.8"]  # logged and counted once
     discovery.sync(parse_policy("models: [{name: n, backends: [{url: 'http://10.0.0.1'}]}]"))
     assert fake.stopped and discovery.running == {}
+
+
+async def test_a_source_that_cannot_start_leaves_the_model_empty_and_says_why(caplog):
+    policy = parse_policy("models: [{name: m, discovery: {kind: kubernetes, namespace: llm, service: vllm}}]")
+
+    def no_cluster(config, kubeconfig):
+        raise RuntimeError("Service host/port is not set")
+
+    replicas = ReplicaSet({"m": []}, HealthTimings())
+    discovery = Discovery(replicas, source_factory=no_cluster)
+    discovery.sync(policy)
+    assert discovery.running == {} and replicas.by_model["m"] == []
+    assert "model m: discovery (kubernetes) cannot reach the Kubernetes API" in caplog.text
