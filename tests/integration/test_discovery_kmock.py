@@ -104,7 +104,7 @@ async def test_endpoints_scale_up_and_down_under_load_and_a_public_address_is_re
         gw = app.state
         await gw.store.create_key(default_key_record())
         async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-            await until(lambda: gw.replicas.ready().get("m"), 10)
+            await until(lambda: gw.replicas.ready().get("m"), 30)
             assert replica_names(gw, "m") == [f"m@{hosts[0]}:{port}"]
             assert gw.replicas.by_model["m"][0].source == "kubernetes"
             async with Load(url, "m", workers=6).running() as load:
@@ -167,7 +167,8 @@ async def test_inference_service_not_ready_gets_no_new_requests():
         await gw.store.create_key(default_key_record())
         body = {"model": "chat", "prompt": "x", "max_tokens": 2}
         async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=30) as http:
-            await until(lambda: gw.replicas.ready().get("chat"), 10)
+            # the first time, the watch thread imports the kserve SDK: seconds, more on a busy machine
+            await until(lambda: gw.replicas.ready().get("chat"), 90)
             assert gw.replicas.by_model["chat"][0].source == "kserve"
             assert (await http.post(f"{url}/v1/completions", json=body)).status_code == 200
             served = await sim_served(http, s)
@@ -183,7 +184,7 @@ async def test_inference_service_not_ready_gets_no_new_requests():
 
             await call(custom.patch_namespaced_custom_object, "serving.kserve.io", "v1beta1", NS,
                        "inferenceservices", "chat", {"status": inference_service("chat", ready=True)["status"]})
-            await until(lambda: gw.replicas.ready().get("chat"), 10)
+            await until(lambda: gw.replicas.ready().get("chat"), 30)
             assert (await http.post(f"{url}/v1/completions", json=body)).status_code == 200
 
 
