@@ -111,11 +111,15 @@ class GuardedDialer:
         on_refused: Callable[[str, int, str], None] | None = None,
         inner: Dialer | None = None,
     ) -> None:
-        self.nets = networks(private_cidrs)
         self.resolver = resolver
-        self.exempt = {(host.lower(), port) for host, port in exempt}
+        self.set_rules(private_cidrs, exempt)
         self.on_refused = on_refused
         self.inner = inner or SocketDialer()
+
+    def set_rules(self, private_cidrs: Iterable[str], exempt: Iterable[tuple[str, int]] = ()) -> None:
+        """The networks owned hosts must resolve into and the exempt origins (replaced by a policy reload)."""
+        self.nets = networks(private_cidrs)
+        self.exempt = {(host.lower(), port) for host, port in exempt}
 
     async def dial(self, host, port, *, tls, server_name, timeout, factory):
         if (host.lower(), port) in self.exempt:

@@ -415,6 +415,13 @@ class Client:
                 conn.close()
         self.idle.clear()
 
+    def close_origin(self, url: str) -> None:
+        """Close the pooled connections to one origin (a replica that was drained and removed)."""
+        origin = parse_origin(url)
+        for key in [o for o in self.idle if (o.host, o.port, o.tls) == (origin.host, origin.port, origin.tls)]:
+            for conn in self.idle.pop(key):
+                conn.close()
+
     # -- the pool -----------------------------------------------------------------------------------------
 
     async def _dial(self, origin: Origin, timeout: float | None) -> Connection:

@@ -3,6 +3,11 @@
 A replica is `unknown` until its first health check or request, `up` after a success and `down` after
 `failure_threshold` consecutive failures (connect errors, 5xx). A down replica gets no traffic; it is probed
 again after a backoff that doubles with every failed probe, and one successful probe brings it back.
+
+The set is live: `ReplicaSet.apply(model, desired)` makes a model's replicas the desired ones, by stable name.
+A replica that is new is `pending` (no traffic) until its first health probe passes; one that is gone is
+drained: it gets no new request, those in flight finish, and then its pooled connections are closed. A replica
+that stays keeps its state, counters and slots; only its settings (cap, served name, health path) change.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from backends.http1 import Client, UpstreamError
 
 log = logging.getLogger("gateway.health")
 
-UNKNOWN, UP, DOWN = "unknown", "up", "down"
+UNKNOWN, UP, DOWN, PENDING = "unknown", "up", "down", "pending"
 
 
 @dataclass(eq=False)
@@ -36,10 +41,12 @@ class Replica:
     state: str = UNKNOWN
     failures: int = 0
     probe_at: float = 0.0  # monotonic time of the next health probe while down
+    source: str = "static"  # where the replica came from: static, kubernetes, kserve
+    draining: bool = False  # removed from the set: no new requests, those in flight finish
 
     @property
     def routable(self) -> bool:
-        return self.state != DOWN
+        return self.state != DOWN and self.state != PENDING and not self.draining
 
     def __post_init__(self) -> None:
         if self.limit is None:
@@ -48,6 +55,17 @@ class Replica:
     @property
     def has_room(self) -> bool:
         return self.limit is None or self.in_flight < int(self.limit)
+
+    def take_settings(self, other: Replica) -> None:
+        """Adopt `other`'s settings (same name and URL): its state, counters and slots stay."""
+        self.served_name, self.health_path, self.source = other.served_name, other.health_path, other.source
+        self.cap, self.adaptive = other.cap, other.adaptive
+        if other.cap is None:
+            self.limit = None
+        elif other.adaptive is None or self.limit is None:
+            self.limit = other.cap
+        else:  # an adaptive limit keeps what it learned, within the new bounds
+            self.limit = min(float(other.cap), max(float(other.adaptive.floor), self.limit))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +83,58 @@ class ReplicaSet:
         self.health = health
         self.by_model = by_model
         self._on_change = on_change or (lambda replica: None)
+        self.draining: list[Replica] = []  # removed replicas whose requests in flight have not all finished
+        self.on_drained = lambda replica: None  # called once a drained replica's connections are closed
+
+    def apply(self, model: str, desired: list[Replica]) -> None:
+        """Make `model`'s replicas the `desired` ones, by name: new ones wait for a health probe before they get
+        traffic, gone ones drain, the others take the new settings and keep their state. The model's list is
+        changed in place, so whoever holds it (the admission queue) sees the change at once."""
+        current = self.by_model.setdefault(model, [])
+        wanted = {r.name: r for r in desired}
+        keep: list[Replica] = []
+        for replica in current:
+            new = wanted.pop(replica.name, None)
+            if new is not None and new.url == replica.url:
+                replica.take_settings(new)
+                keep.append(replica)
+                self._on_change(replica)  # a larger cap may have room for waiters
+                continue
+            if new is not None:
+                wanted[new.name] = new  # same name, another URL: the old one drains, the new one is probed
+            self.drain(replica)
+        for new in wanted.values():
+            new.state = PENDING
+            keep.append(new)
+            log.info("backend %s (%s) of model %s added from %s: probing before it gets traffic",
+                     new.name, new.url, model, new.source)
+            self._on_change(new)
+        current[:] = keep
+
+    def remove_model(self, model: str) -> None:
+        """Drain every replica of a model that is no longer served."""
+        for replica in self.by_model.pop(model, []):
+            self.drain(replica)
+
+    def drain(self, replica: Replica) -> None:
+        replica.draining = True
+        self.draining.append(replica)
+        log.info("backend %s (%s) of model %s removed: draining %d request(s) in flight",
+                 replica.name, replica.url, replica.model, replica.in_flight)
+        self._on_change(replica)
+
+    def finish_drains(self, client: Client | None = None) -> None:
+        """Drained replicas with nothing in flight close their pooled connections and are forgotten."""
+        done = [r for r in self.draining if r.in_flight <= 0]
+        if not done:
+            return
+        self.draining = [r for r in self.draining if r.in_flight > 0]
+        live = {r.url for r in self}
+        for replica in done:
+            if client is not None and replica.url not in live:
+                client.close_origin(replica.url)
+            log.info("backend %s (%s) drained: its connections are closed", replica.name, replica.url)
+            self.on_drained(replica)
 
     def __iter__(self):
         for replicas in self.by_model.values():
@@ -106,7 +176,8 @@ class ReplicaSet:
         return ok
 
     async def check_due(self, client: Client, timeout: float) -> None:
-        """One round: every replica that is not down, and every down one whose backoff has passed."""
+        """One round: every replica that is not down, and every down one whose backoff has passed (pending
+        ones included)."""
         now = time.monotonic()
         due = [r for r in self if r.state != DOWN or r.probe_at <= now]
         await asyncio.gather(*(self.check(client, r, timeout) for r in due))
@@ -119,9 +190,10 @@ class ReplicaSet:
             if now - last_full >= self.health.interval:
                 last_full = now
                 await self.check_due(client, timeout)
-            else:
-                down_due = [r for r in self if r.state == DOWN and r.probe_at <= now]
-                await asyncio.gather(*(self.check(client, r, timeout) for r in down_due))
+            else:  # between rounds: the down ones whose backoff has passed, and new ones waiting for a first probe
+                due = [r for r in self if r.state == PENDING or (r.state == DOWN and r.probe_at <= now)]
+                await asyncio.gather(*(self.check(client, r, timeout) for r in due))
+            self.finish_drains(client)
             await asyncio.sleep(min(self.health.interval, 0.5))
 
 

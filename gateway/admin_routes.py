@@ -17,6 +17,7 @@ from litestar.enums import HttpMethod
 from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.admin_live import live_handlers
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from policies.errors import NotFound
 from policies.keys import (
@@ -198,7 +199,8 @@ def admin_router(gateway) -> Router:
                 total[name] = total.get(name, 0) + value
         return Usage(id=key_id, models=models, total=total)
 
-    handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage]
+    handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
+                *live_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

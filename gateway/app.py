@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Literal
 
 import orjson
@@ -25,8 +26,9 @@ from litestar.plugins.pydantic import PydanticInitPlugin
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from backends.egress import Resolver, SystemResolver
-from backends.replicas import DOWN, Replica
+from backends.egress import GuardedDialer, Resolver, SystemResolver
+from backends.http1 import Client
+from backends.replicas import Replica
 from backends.upstream import new_client
 from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
@@ -35,11 +37,12 @@ from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
+from gateway.reload import PolicyReloader
 from policies.accounting import RecordUsage
-from policies.admission import Admission
-from policies.auth import Authenticate, Authorize
-from policies.compile import rented_providers, replica_set, routing_profiles
+from policies.auth import Authenticate
+from policies.compile import replica_set
 from policies.config import Policy
+from policies.discovery import Discovery
 from policies.egress import check_backends, exempt_origins
 from policies.errors import (
     BadRequest,
@@ -50,14 +53,11 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
+from policies.live_metrics import LiveMetrics
 from policies.metrics import GatewayMetrics
-from policies.models import ResolveModel
-from policies.network import ClientNetwork
-from policies.pipeline import Pipeline
-from policies.priority import Classify
 from policies.ratelimit import MemoryLimiter
-from policies.ratelimit.step import RateLimit
 from policies.routing import Stats
+from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
@@ -66,23 +66,22 @@ log = logging.getLogger("gateway")
 class Gateway:
     """Everything one gateway process holds for its lifetime."""
 
-    def __init__(self, policy: Policy, resolver: Resolver | None = None) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy, resolver: Resolver | None = None, policy_path: str | None = None,
+                 version: str | None = None) -> None:
         self.resolver = resolver or SystemResolver()  # tests inject one whose answers they control
+        self.policy_path = policy_path  # the file a reload reads (gateway/reload.py); None: never reloaded
         self.metrics = GatewayMetrics()
         self.replicas = replica_set(policy, on_change=self._replica_changed)
         for replica in self.replicas:
             self._replica_changed(replica)
+        self.replicas.on_drained = self._replica_drained
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped)
-        self.profiles = routing_profiles(policy, Stats(self.scraper.stats if scrape.enabled else None),
-                                         self.metrics)
         store = policy.store
         options = redis_options(store) if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.redis_url(), **options)
-        self.admission = Admission(policy, self.replicas, self.profiles, self.metrics, open_fleet(self.store, policy))
-        self.rented = rented_providers(policy)
+        self.fleet = open_fleet(self.store, policy)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)
         self.authenticate = Authenticate(
@@ -90,20 +89,43 @@ class Gateway:
             on_outage=lambda outcome: self.metrics.store_unavailable.labels("auth", outcome).inc(),
         )
         self.limiter = open_limiter(self.store)
-        self.client_network = ClientNetwork(policy.network)
         self.record_usage = RecordUsage(self.store, self.background.run)
-        self.pipeline = Pipeline([
-            self.client_network,
-            self.authenticate,
-            ResolveModel(policy),
-            Authorize(),
-            Classify(policy),
-            RateLimit(policy, self.limiter, self.background.run, self.metrics),
-            self.record_usage,
-        ])
+        self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
+                             self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet)
+        if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
+            version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
+        self.snapshot = compile_snapshot(policy, None, self.shared, version)
+        self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
+        self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
+        self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
+        self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
+
+    # What a request runs under: read from the live snapshot, which a reload replaces whole.
+    policy = property(lambda self: self.snapshot.policy)
+    profiles = property(lambda self: self.snapshot.profiles)
+    admission = property(lambda self: self.snapshot.admission)
+    rented = property(lambda self: self.snapshot.rented)
+    client_network = property(lambda self: self.snapshot.client_network)
+    pipeline = property(lambda self: self.snapshot.pipeline)
+
+    def install(self, snapshot: Snapshot) -> None:
+        """Serve new requests under `snapshot` (one reference swap; those in flight keep the proxy they have)."""
+        old = self.proxy
+        self.snapshot = snapshot
+        if self.client is None:
+            return  # not serving yet: the lifespan builds the proxy
+        policy = snapshot.policy
+        if isinstance(self.client.dialer, GuardedDialer):
+            self.client.dialer.set_rules(policy.network.private_cidrs, exempt_origins(policy))
+        overflow = {m.name: m.overflow for m in policy.models if m.overflow}
+        proxy = Proxy(self.replicas, snapshot.admission, snapshot.pipeline, self.metrics, self.client,
+                      snapshot.rented, overflow)
+        if old is not None:
+            proxy.access_log = old.access_log  # one batched log for the process
+        self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:
         """/v1/models: only the models this key may use."""
@@ -133,10 +155,22 @@ class Gateway:
         self.authenticate.cache.drop(key_id)
 
     def _replica_changed(self, replica: Replica) -> None:
-        self.metrics.backend_up.labels(replica.model, replica.name).set(0 if replica.state == DOWN else 1)
+        if not replica.draining:
+            self.metrics.backend_up.labels(replica.model, replica.name).set(1 if replica.routable else 0)
+            self.metrics.backend_limit.labels(replica.model, replica.name).set(
+                -1 if replica.limit is None else int(replica.limit))
         admission = getattr(self, "admission", None)  # absent while the replica set is being built
         if admission is not None:
             admission.replica_changed(replica)
+
+    def _replica_drained(self, replica: Replica) -> None:
+        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.model, ())):
+            return  # came back under the same name: its series are the live one's
+        for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica.model, replica.name)
+        if self.proxy is not None:
+            self.proxy.forget(replica)
 
     def _scraped(self, replica: Replica, stats, error: str | None) -> None:
         self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
@@ -153,15 +187,20 @@ class Gateway:
             t.connect, t.read, t.write, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
             exempt=exempt_origins(self.policy), on_refused=self._egress_refused,
         )
-        overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
-        self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
-        loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check)),
-                 asyncio.create_task(self.admission.maintain())]
+        self.client = client
+        self.install(self.snapshot)
+        self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
+        loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
+        if self.policy_path is not None:
+            loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
+        if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
+            loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         try:
             yield
         finally:
+            self.discovery.stop()
             for loop in loops:
                 loop.cancel()
             for loop in loops:
@@ -267,8 +306,10 @@ class Readiness(BaseModel):
     models: dict[str, bool]
 
 
-def create_app(policy: Policy, resolver: Resolver | None = None):
-    gateway = Gateway(policy, resolver)
+def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: str | None = None,
+               version: str | None = None):
+    """`policy_path`: the file the policy came from, watched for changes (and reread on SIGHUP)."""
+    gateway = Gateway(policy, resolver, policy_path, version)
 
     @get("/health", sync_to_thread=False)
     def health() -> Liveness:
@@ -286,7 +327,9 @@ def create_app(policy: Policy, resolver: Resolver | None = None):
         models = gateway.replicas.ready()
         if gateway.draining:  # shutting down: still serving, but take this replica out of the Service
             return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
-        ok = all(models.values())
+        # a discovered model with no endpoint (scaled to zero, not Ready) is the cluster's state, the same from
+        # every gateway pod: it does not take this one out of the Service
+        ok = all(up for model, up in models.items() if model not in gateway.discovery.models)
         body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
 

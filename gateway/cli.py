@@ -96,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     configure_logging(args.log_level)
     try:
-        app = create_app(policy)
+        app = create_app(policy, policy_path=args.config)  # the file is watched: edits and SIGHUP reload it
     except PolicyError as exc:  # e.g. store.password_env names a variable that is not set
         print(exc, file=sys.stderr)
         return 1

@@ -81,6 +81,7 @@ class Proxy:
         self.metrics = metrics
         self.rented = rented
         self.overflow = {model: rule for model, rule in overflow.items() if model in rented.targets}
+        self.client = client
         self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
@@ -194,7 +195,19 @@ class Proxy:
         body = self.upstream_body(call, target) if route.body == JSON else b""
         call.sent_at = time.perf_counter()
         method = "POST" if route.body != NONE else route.methods[0]
-        return await self.upstreams[target].open(route.upstream_path(call.params), body, call.request_id, method)
+        upstream = self.upstreams.get(target) or self.add_upstream(target)
+        return await upstream.open(route.upstream_path(call.params), body, call.request_id, method)
+
+    def add_upstream(self, replica: Replica) -> Upstream:
+        """A replica that joined the live set after this proxy was built (backends/replicas.py)."""
+        self.renames[replica] = model_rename(replica.served_name, replica.model)
+        upstream = self.upstreams[replica] = Upstream(self.client, f"{replica.url}/v1")
+        return upstream
+
+    def forget(self, replica: Replica) -> None:
+        """A drained replica is gone for good."""
+        self.upstreams.pop(replica, None)
+        self.renames.pop(replica, None)
 
     def upstream_body(self, call: Call, target: Replica) -> bytes:
         """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the

@@ -304,11 +304,6 @@ class Admission:
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
 
-    async def maintain(self) -> None:
-        """Runs for the process's lifetime: keeps the fleet's leases of this process alive (nothing embedded)."""
-        if self.fleet is not None:
-            await self.fleet.renew_forever(list(self.queues.values()))
-
     async def close(self) -> None:
         """Give back what is still held (leases end by themselves anyway) and wait for pending releases."""
         for queue in self.queues.values():

@@ -409,6 +409,40 @@ class Caps(Strict):
     poll_interval: float = Field(0.02, ge=0.001, le=5)  # how often a process with waiters retries the fleet
 
 
+DNS_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class Discovery(Strict):
+    """Where a model's replicas are found in a cluster instead of a `backends:` list (backends/sources/).
+
+    kubernetes: the ready endpoints of a Service's EndpointSlices; kserve: an InferenceService, while it is
+    Ready, through the EndpointSlices of its predictor Service (`NAME-predictor`). Every endpoint gets the
+    settings below; an endpoint outside network.private_cidrs is refused."""
+
+    kind: Literal["kubernetes", "kserve"]
+    namespace: str = Field(pattern=DNS_NAME, max_length=63)
+    service: str | None = Field(None, pattern=DNS_NAME, max_length=63)  # kind kubernetes: the Service's name
+    inference_service: str | None = Field(None, pattern=DNS_NAME, max_length=63)  # kind kserve
+    port: int | str | None = None  # the EndpointSlice port (number or name); default: its first port
+    scheme: Literal["http", "https"] = "http"
+    cap: int | None = Field(None, ge=1, le=100_000)  # per endpoint, as a backend's cap
+    health_path: str = Field("/health", pattern=r"^/[A-Za-z0-9._~:@!$&'()*+,;=/%-]*$", max_length=256)
+
+    @model_validator(mode="after")
+    def names_its_target(self) -> Discovery:
+        if self.kind == "kubernetes" and (self.service is None or self.inference_service is not None):
+            raise ValueError("kind kubernetes needs `service` (and no inference_service)")
+        if self.kind == "kserve" and (self.inference_service is None or self.service is not None):
+            raise ValueError("kind kserve needs `inference_service` (and no service)")
+        return self
+
+
+class KubernetesAccess(Strict):
+    """How the gateway reaches the Kubernetes API for discovery: its service account, or a kubeconfig file."""
+
+    kubeconfig: str | None = None  # None: the in-cluster service account
+
+
 class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
@@ -417,7 +451,14 @@ class Model(Strict):
     queue: Queue = Queue()
     overflow: Overflow | None = None  # None: this model never leaves the cluster
     routing: str | None = Field(None, pattern=NAME)  # a routing profile's name (default: routing.default_profile)
-    backends: list[Backend] = Field(min_length=1)
+    backends: list[Backend] = []
+    discovery: Discovery | None = None  # instead of backends: replicas found in the cluster, watched
+
+    @model_validator(mode="after")
+    def backends_or_discovery(self) -> Model:
+        if bool(self.backends) == (self.discovery is not None):
+            raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
+        return self
 
 
 class Policy(Strict):
@@ -433,6 +474,7 @@ class Policy(Strict):
     priorities: Priorities = Priorities()
     caps: Caps = Caps()
     network: Network = Network()
+    kubernetes: KubernetesAccess = KubernetesAccess()
     providers: list[Provider] = []
     models: list[Model] = Field(min_length=1)
 

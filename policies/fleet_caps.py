@@ -38,7 +38,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from backends.replicas import Replica
 from policies.admission import ModelQueue
@@ -178,11 +178,12 @@ class FleetSlots:
         async with self.guard("cap_held"):
             return int(await self.store.client.zcount(self.leases(backend), f"({time.time()}", "+inf"))
 
-    async def renew_forever(self, queues: list[FleetModelQueue]) -> None:
-        """Every third of a lease: extend this process's leases and refresh the fleet-wide counts."""
+    async def renew_forever(self, queues: Callable[[], list[FleetModelQueue]]) -> None:
+        """Every third of a lease: extend this process's leases and refresh the fleet-wide counts, for the
+        queues `queues()` names now (a reloaded policy brings new ones)."""
         while True:
             await asyncio.sleep(self.lease / 3)
-            for queue in queues:
+            for queue in queues():
                 try:
                     await queue.renew()
                 except Exception:  # one bad round must not end the renewals (and so every lease)

@@ -394,3 +394,39 @@ def test_bundled_sentinel():
     for container in pod["containers"]:
         env = {e["name"]: e for e in container["env"]}
         assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]
+
+
+def test_kserve_discovery_grants_only_reads_of_endpointslices_and_inferenceservices(tmp_path, capsys):
+    plain = render("kserve.yaml")
+    assert not find(plain, "Role") and not find(plain, "RoleBinding")  # no discovery: no API access at all
+    (deploy,) = find(plain, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+    docs = render("kserve.yaml", sets={"kserveDefaults.discover": True})
+    for doc in docs:
+        validate(doc)
+    (role,) = find(docs, "Role")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["serving.kserve.io"], "resources": ["inferenceservices"], "verbs": ["get", "list", "watch"]},
+    ]
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    (binding,) = find(docs, "RoleBinding")
+    (account,) = find(docs, "ServiceAccount")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    (deploy,) = find(docs, "Deployment")
+    assert deploy["spec"]["template"]["spec"]["automountServiceAccountToken"] is True  # in-cluster config
+    models = {m["name"]: m for m in policy_of(docs)["models"]}
+    assert models["qwen3-4b"]["discovery"] == {
+        "kind": "kserve", "namespace": NAMESPACE, "inference_service": "rel-llm-gateway-qwen3-4b", "cap": 32,
+        "health_path": "/v1/models/rel-llm-gateway-qwen3-4b"}
+    assert "backends" not in models["qwen3-4b"]
+    gateway_np = [n for n in find(docs, "NetworkPolicy") if "gateway" in n["metadata"]["name"]][0]
+    api_rule = [r for r in gateway_np["spec"]["egress"] if {"port": 6443, "protocol": "TCP"} in r.get("ports", [])]
+    assert api_rule, "the gateway may not reach the Kubernetes API"
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_of(docs)))
+    assert gateway_cli(["check", str(path), "--no-resolve"]) == 0, capsys.readouterr().err

@@ -21,12 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app, port: int | None = None, **uvicorn_kwargs) -> AsyncIterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1 and yield its base URL; stop it on exit."""
+async def serve_app(app, port: int | None = None, host: str = "127.0.0.1", **uvicorn_kwargs) -> AsyncIterator[str]:
+    """Serve `app` with uvicorn on `host` (a loopback address) and yield its base URL; stop it on exit."""
     port = port or free_port()
     # a request stuck in the app (a test that found a bug) must not hold the shutdown, and the test, forever
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", 10)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on", **uvicorn_kwargs)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
@@ -38,7 +38,7 @@ async def serve_app(app, port: int | None = None, **uvicorn_kwargs) -> AsyncIter
     else:
         raise TimeoutError("server did not start")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         await task

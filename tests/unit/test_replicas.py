@@ -1,7 +1,11 @@
+import asyncio
 import time
+from dataclasses import replace
 
+from backends.http1 import Client
 from backends.replicas import (
     DOWN,
+    PENDING,
     UNKNOWN,
     UP,
     HealthTimings,
@@ -9,6 +13,7 @@ from backends.replicas import (
     ReplicaSet,
     backoff,
 )
+from policies.config import Adaptive
 
 
 def replica_set(threshold=1):
@@ -68,3 +73,96 @@ async def test_health_check_gets_the_replicas_health_path():
     client = Client()
     assert await rs.check(client, kserve, timeout=1) and await rs.check(client, plain, timeout=1)
     assert client.asked == ["http://10.0.0.2/v1/models/m", "http://10.0.0.1/health"]
+
+
+def spec(name, url, cap=None, source="kubernetes"):
+    return Replica(name=name, model="m", url=url, served_name="m", cap=cap, source=source)
+
+
+def test_apply_adds_pending_replicas_keeps_the_others_and_drains_the_removed():
+    rs, changes = replica_set()
+    held = rs.by_model["m"]  # the admission queue holds this very list
+    kept, gone = held
+    kept.state, kept.in_flight = UP, 2
+    gone.in_flight = 1
+    rs.apply("m", [spec("m-0", kept.url, cap=4), spec("m-9", "http://10.0.0.9:8000")])
+    assert rs.by_model["m"] is held and [r.name for r in held] == ["m-0", "m-9"]
+    assert held[0] is kept and kept.state == UP and kept.in_flight == 2 and kept.cap == 4 and kept.limit == 4
+    new = held[1]
+    assert new.state == PENDING and not new.routable  # no traffic before its first probe passes
+    assert gone.draining and not gone.routable and rs.draining == [gone]
+    assert gone in changes and new in changes
+    drained = []
+    rs.on_drained = drained.append
+    rs.finish_drains()
+    assert drained == [] and rs.draining == [gone]  # its request is still in flight
+    gone.in_flight = 0
+    rs.finish_drains()
+    assert drained == [gone] and rs.draining == []
+    rs.succeeded(new)
+    assert new.state == UP and new.routable
+
+
+def test_apply_with_a_new_url_under_the_same_name_replaces_the_replica():
+    rs, _ = replica_set()
+    old = rs.by_model["m"][0]
+    rs.apply("m", [spec("m-0", "http://10.0.0.7:8000"), spec("m-1", rs.by_model["m"][1].url)])
+    new = {r.name: r for r in rs.by_model["m"]}["m-0"]
+    assert old.draining and new is not old and new.state == PENDING and new.url == "http://10.0.0.7:8000"
+
+
+def test_adaptive_limit_keeps_what_it_learned_within_the_new_cap():
+    rs, _ = replica_set()
+    r = rs.by_model["m"][0]
+    r.cap, r.adaptive, r.limit = 10, Adaptive(floor=2, target_ttft=1), 7.5
+    rs.apply("m", [replace(r, cap=5), rs.by_model["m"][1]])
+    assert r.limit == 5
+    rs.apply("m", [replace(r, cap=20), rs.by_model["m"][1]])
+    assert r.limit == 5  # learned, not reset to the cap
+
+
+def test_remove_model_drains_all_its_replicas():
+    rs, _ = replica_set()
+    replicas = list(rs.by_model["m"])
+    rs.remove_model("m")
+    assert "m" not in rs.by_model and all(r.draining for r in replicas) and rs.ready() == {}
+
+
+async def test_pending_replica_is_probed_between_rounds_and_drained_connections_close():
+    closed = asyncio.Event()
+
+    async def serve(reader, writer):
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            if await reader.read(0) == b"" and reader.at_eof():
+                break
+        closed.set()
+
+    async def serve_until_eof(reader, writer):
+        try:
+            await serve(reader, writer)
+        except asyncio.IncompleteReadError:
+            closed.set()
+
+    server = await asyncio.start_server(serve_until_eof, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = Client(2.0, 2.0)
+    rs = ReplicaSet({"m": []}, HealthTimings(interval=60))
+    rs.apply("m", [spec("m-a", f"http://127.0.0.1:{port}")])
+    loop = asyncio.create_task(rs.run_checks(client, timeout=2.0))
+    try:
+        async with asyncio.timeout(10):
+            while rs.by_model["m"][0].state != UP:
+                await asyncio.sleep(0.05)
+        assert client.idle  # the probe's connection is pooled
+        drained = asyncio.Event()
+        rs.on_drained = lambda replica: drained.set()
+        rs.apply("m", [])
+        async with asyncio.timeout(10):
+            await drained.wait()
+            await closed.wait()  # the server saw its pooled connection close
+        assert not client.idle
+    finally:
+        loop.cancel()
+        server.close()

@@ -215,10 +215,19 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- $ks := include "llm-gateway.kserve" (dict "root" $root "model" $m) | fromYaml -}}
 {{- $isvc := include "llm-gateway.isvcName" (dict "root" $root "model" $m) -}}
 {{- /* raw deployment: status.address.url is http://NAME-predictor.NAMESPACE.svc.cluster.local, one Service over every replica */ -}}
+{{- if $ks.discover -}}
+{{- /* each predictor pod, from the InferenceService and its predictor Service's EndpointSlices (watched) */ -}}
+{{- $d := dict "kind" "kserve" "namespace" $ns "inference_service" $isvc -}}
+{{- if eq $ks.runtime "huggingface" -}}{{- $_ := set $d "health_path" (printf "/v1/models/%s" $isvc) -}}{{- end -}}
+{{- if $m.cap -}}{{- $_ := set $d "cap" (int $m.cap) -}}{{- end -}}
+{{- $_ := set $entry "served_name" $isvc -}}
+{{- $_ := set $entry "discovery" $d -}}
+{{- else -}}
 {{- $b := dict "name" $isvc "url" (printf "http://%s-predictor.%s.svc.cluster.local" $isvc $ns) "served_name" $isvc -}}
 {{- if eq $ks.runtime "huggingface" -}}{{- $_ := set $b "health_path" (printf "/v1/models/%s" $isvc) -}}{{- end -}}
 {{- if $m.cap -}}{{- $_ := set $b "cap" (mul (int $m.cap) (int $ks.replicas)) -}}{{- end -}}
 {{- $backends = append $backends $b -}}
+{{- end -}}
 {{- else -}}
 {{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
 {{- range $b := $m.external -}}
@@ -227,7 +236,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- $backends = append $backends $b -}}
 {{- end -}}
 {{- end -}}
-{{- $_ := set $entry "backends" $backends -}}
+{{- if $backends -}}{{- $_ := set $entry "backends" $backends -}}{{- end -}}
 {{- $models = append $models $entry -}}
 {{- end -}}
 {{- $_ := set $p "models" $models -}}
@@ -239,4 +248,14 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 - podSelector:
     matchLabels:
       {{- include "llm-gateway.selectorLabels" (dict "root" . "component" "gateway") | nindent 6 }}
+{{- end -}}
+
+{{/* non-empty when some model's replicas are discovered in the cluster: the gateway then reads the Kubernetes API */}}
+{{- define "llm-gateway.discovers" -}}
+{{- range $m := .Values.models -}}
+{{- if eq $m.backend "kserve" -}}
+{{- $ks := include "llm-gateway.kserve" (dict "root" $ "model" $m) | fromYaml -}}
+{{- if $ks.discover -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}

@@ -1,0 +1,57 @@
+"""Admin views of what changes while the gateway serves: the live policy's version and every model's replicas.
+
+Read-only (a `viewer` token is enough); mounted under /admin with the key routes (gateway/admin_routes.py).
+"""
+
+from __future__ import annotations
+
+from litestar import get
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.openapi import errors
+
+
+class PolicyVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(description="sha256 of the policy file's text (first 16 hex digits)")
+    loaded_at: float = Field(description="unix seconds when this version was swapped in")
+    path: str | None = Field(description="the watched policy file; null when the policy came from no file")
+    models: list[str]
+
+
+class ReplicaView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    url: str
+    source: str = Field(description="static, kubernetes or kserve")
+    state: str = Field(description="pending (not probed yet), unknown, up or down")
+    draining: bool = Field(description="removed: takes no new request, finishes those in flight")
+    in_flight: int
+    limit: int | None = Field(description="most requests in flight to it; null: unlimited")
+
+
+def live_handlers(gateway) -> list:
+    @get("/policy", summary="The live policy's version (hash) and when it was loaded", sync_to_thread=False,
+         responses=errors(401))
+    def policy_version() -> PolicyVersion:
+        snapshot = gateway.snapshot
+        return PolicyVersion(version=snapshot.version, loaded_at=snapshot.loaded_at, path=gateway.policy_path,
+                             models=[m.name for m in snapshot.policy.models])
+
+    @get("/replicas", summary="Every model's replicas: source, state, drain", sync_to_thread=False,
+         responses=errors(401))
+    def replicas() -> dict[str, list[ReplicaView]]:
+        out: dict[str, list[ReplicaView]] = {}
+        for model, members in gateway.replicas.by_model.items():
+            out[model] = [view(r) for r in members]
+        for replica in gateway.replicas.draining:
+            out.setdefault(replica.model, []).append(view(replica))
+        return out
+
+    return [policy_version, replicas]
+
+
+def view(replica) -> ReplicaView:
+    return ReplicaView(name=replica.name, url=replica.url, source=replica.source, state=replica.state,
+                       draining=replica.draining, in_flight=replica.in_flight,
+                       limit=None if replica.limit is None else int(replica.limit))

@@ -1,0 +1,110 @@
+"""The models whose replicas are found in a cluster: one source each (backends/sources/), kept in step with
+the policy, feeding the live replica set.
+
+Each endpoint a source reports becomes a replica named `MODEL@ADDRESS:PORT` (stable while the endpoint is),
+with the model's `discovery` settings (cap, health path). An address outside `network.private_cidrs` is
+refused: logged once, counted in llm_gateway_egress_refused_total, never added. Sources report from their
+own threads; the set is changed on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from backends.egress import inside, networks
+from backends.replicas import Replica, ReplicaSet
+from backends.sources.base import Endpoint, Source
+from policies.config import Discovery as DiscoveryConfig
+from policies.config import Model, Policy
+
+log = logging.getLogger("gateway.discovery")
+
+
+def make_source(config: DiscoveryConfig, kubeconfig: str | None) -> Source:
+    from backends.sources.kubernetes import KubernetesSource, api_client
+
+    if config.kind == "kubernetes":
+        return KubernetesSource(api_client(kubeconfig), config.namespace, config.service, config.port)
+    from backends.sources.kserve import KServeSource
+
+    return KServeSource(api_client(kubeconfig), kubeconfig, config.namespace, config.inference_service, config.port)
+
+
+class Discovery:
+    def __init__(self, replicas: ReplicaSet, on_refused=None, source_factory=make_source) -> None:
+        self.replicas = replicas
+        self.on_refused = on_refused or (lambda address: None)
+        self.make_source = source_factory
+        self.running: dict[str, tuple[tuple, Source]] = {}  # model -> (what it watches, the source)
+        self.models: dict[str, Model] = {}
+        self.last: dict[str, list[Endpoint]] = {}
+        self.refused: set[str] = set()
+        self.nets = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def sync(self, policy: Policy) -> None:
+        """Start, keep or stop each model's source to match `policy` (at start and at every reload)."""
+        self.loop = asyncio.get_running_loop()
+        self.nets = networks(policy.network.private_cidrs)
+        self.models = {m.name: m for m in policy.models if m.discovery is not None}
+        for name in [n for n in self.running if n not in self.models]:
+            self.running.pop(name)[1].stop()
+            self.last.pop(name, None)
+        for name, model in self.models.items():
+            target = (model.discovery.kind, model.discovery.namespace, model.discovery.service,
+                      model.discovery.inference_service, model.discovery.port, policy.kubernetes.kubeconfig)
+            running = self.running.get(name)
+            if running is not None and running[0] == target:
+                self.apply(name, self.last.get(name, []))  # same endpoints, maybe new settings
+                continue
+            if running is not None:
+                running[1].stop()
+            try:
+                source = self.make_source(model.discovery, policy.kubernetes.kubeconfig)
+            except Exception as exc:  # noqa: BLE001 - no kubeconfig, not in a cluster: this model has no replicas
+                self.running.pop(name, None)
+                log.error("model %s: discovery (%s) cannot reach the Kubernetes API, the model gets no replica: %s"
+                          " (set kubernetes.kubeconfig, or run in a pod with a service account)",
+                          name, model.discovery.kind, exc)
+                continue
+            self.running[name] = (target, source)
+            source.start(lambda endpoints, name=name, source=source: self.emit(name, source, endpoints))
+
+    def emit(self, model: str, source: Source, endpoints: list[Endpoint]) -> None:
+        """From a source's thread: hand the new desired list to the event loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.changed, model, source, endpoints)
+
+    def changed(self, model: str, source: Source, endpoints: list[Endpoint]) -> None:
+        running = self.running.get(model)
+        if running is None or running[1] is not source:
+            return  # a source that was replaced or stopped: its last words do not count
+        self.last[model] = endpoints
+        self.apply(model, endpoints)
+
+    def apply(self, name: str, endpoints: list[Endpoint]) -> None:
+        model = self.models[name]
+        config = model.discovery
+        desired = []
+        for endpoint in endpoints:
+            if not inside(endpoint.address, self.nets):
+                if endpoint.address not in self.refused:
+                    self.refused.add(endpoint.address)
+                    log.warning("refused: endpoint %s of model %s (%s %s/%s) is outside network.private_cidrs;"
+                                " never routed to", endpoint.address, name, config.kind, config.namespace,
+                                config.service or config.inference_service)
+                    self.on_refused(endpoint.address)
+                continue
+            desired.append(Replica(
+                name=f"{name}@{endpoint.address}:{endpoint.port}", model=name, url=endpoint.url(config.scheme),
+                served_name=model.served_name or name, cap=config.cap, health_path=config.health_path,
+                source=config.kind,
+            ))
+        self.replicas.apply(name, desired)
+
+    def stop(self) -> None:
+        for _, source in self.running.values():
+            source.stop()
+        self.running.clear()

@@ -1,0 +1,61 @@
+"""Metrics of what changes while the gateway serves: the policy's version and reloads, and the live replicas.
+
+The replica counts are read from the live set when /metrics is scraped (a collector), so nothing on the
+request path or in the replica set keeps them up to date.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+
+from backends.replicas import ReplicaSet
+
+
+class LiveMetrics:
+    def __init__(self, registry: CollectorRegistry, replicas: ReplicaSet) -> None:
+        self.reloads = Counter(
+            "llm_gateway_policy_reload", "Policy reloads by result (ok, invalid: refused, the old one serves).",
+            ["result"], registry=registry,
+        )
+        self.loaded = Gauge(
+            "llm_gateway_policy_loaded_timestamp_seconds", "When the live policy was loaded, by its version (hash).",
+            ["version"], registry=registry,
+        )
+        registry.register(ReplicaCollector(replicas))
+
+    def reloaded(self, result: str, version: str | None = None) -> None:
+        self.reloads.labels(result).inc()
+        if version is not None:
+            self.serving(version)
+
+    def serving(self, version: str, loaded_at: float | None = None) -> None:
+        self.loaded.clear()
+        self.loaded.labels(version).set(loaded_at or time.time())
+
+
+class ReplicaCollector:
+    """llm_gateway_replicas{model,source,state} and llm_gateway_replicas_draining{model}, from the live set."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+
+    def describe(self):
+        return []  # collected live; nothing to check at registration
+
+    def collect(self):
+        counts = GaugeMetricFamily("llm_gateway_replicas", "Owned replicas per model, by source and state.",
+                                   labels=["model", "source", "state"])
+        draining = GaugeMetricFamily("llm_gateway_replicas_draining",
+                                     "Removed replicas still finishing requests in flight, per model.",
+                                     labels=["model"])
+        tally = Tally((r.model, r.source, r.state) for r in self.replicas)
+        for (model, source, state), n in sorted(tally.items()):
+            counts.add_metric([model, source, state], n)
+        for model, n in sorted(Tally(r.model for r in self.replicas.draining).items()):
+            draining.add_metric([model], n)
+        yield counts
+        yield draining

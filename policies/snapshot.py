@@ -1,0 +1,126 @@
+"""A policy snapshot: everything one version of the policy file implies, built once and swapped in whole.
+
+`compile_snapshot(policy, previous, ...)` builds the pieces a request runs through (routing profiles, the
+admission queues, the pipeline's steps, the rented providers) and reuses what must outlive a reload, by name:
+a model's admission queue (its waiters and drain rate) and its routing profile when its configuration did not
+change (learning scorers keep their state). Rate-limit state lives in the limiter, keyed by scope name, which
+every snapshot shares. The owned replicas are not part of a snapshot: the one live set
+(backends/replicas.py) is brought to what the policy says by `apply_static_replicas`.
+
+A request reads the snapshot once when it starts and runs under it to the end, so a swap never changes the
+rules under a request in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from backends.rented import RentedProviders
+from backends.replicas import ReplicaSet
+from policies.accounting import RecordUsage
+from policies.admission import Admission
+from policies.auth import Authenticate, Authorize
+from policies.compile import rented_providers, replicas_of
+from policies.config import Policy, profile_of
+from policies.metrics import GatewayMetrics
+from policies.models import ResolveModel
+from policies.network import ClientNetwork
+from policies.pipeline import Pipeline
+from policies.priority import Classify
+from policies.ratelimit.base import Limiter
+from policies.ratelimit.step import RateLimit
+from policies.routing import Profile, Stats, build_profile
+
+# Parts of the policy that are read once at start (listener, store, timeouts of the shared client, health
+# timings, scraping, admin tokens): a reload that changes them is applied for the rest and says so.
+NEEDS_RESTART = ("listen", "server", "timeouts", "health", "store", "auth", "admin")
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    policy: Policy
+    version: str  # sha256 of the policy file's text (the first 16 hex digits)
+    loaded_at: float  # unix seconds
+    profiles: dict[str, Profile]
+    admission: Admission
+    rented: RentedProviders
+    client_network: ClientNetwork
+    pipeline: Pipeline
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every snapshot of one process uses: state that is not the policy's to replace."""
+
+    replicas: ReplicaSet
+    stats: Stats
+    metrics: GatewayMetrics
+    limiter: Limiter
+    authenticate: Authenticate
+    record_usage: RecordUsage
+    background: object  # gateway.background.Background.run
+    fleet: object = None  # policies.fleet_caps.FleetSlots when caps count every gateway replica (Redis store)
+
+
+def version_of(text: str | bytes) -> str:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, version: str) -> Snapshot:
+    """Build the snapshot of `policy`; the replicas of its models must already be in `shared.replicas`."""
+    profiles = {}
+    for model in policy.models:
+        name, config = profile_of(policy, model)
+        if previous is not None and model.name in previous.profiles and _same_profile(previous.policy, policy,
+                                                                                     model.name):
+            profiles[model.name] = previous.profiles[model.name]
+        else:
+            profiles[model.name] = build_profile(config, model.name, shared.stats, shared.metrics, name=name)
+    admission = Admission(policy, shared.replicas, profiles, shared.metrics, shared.fleet)
+    if previous is not None:
+        for model in policy.models:
+            queue = previous.admission.queues.get(model.name)
+            if queue is not None:  # waiters, drain rate and adaptive cuts carry over; the settings are new
+                queue.config, queue.profile = model.queue, profiles[model.name]
+                queue.replicas = shared.replicas.by_model[model.name]
+                admission.queues[model.name] = queue
+    client_network = ClientNetwork(policy.network)
+    pipeline = Pipeline([
+        client_network,
+        shared.authenticate,
+        ResolveModel(policy),
+        Authorize(),
+        Classify(policy),
+        RateLimit(policy, shared.limiter, shared.background, shared.metrics),
+        shared.record_usage,
+    ])
+    return Snapshot(policy, version, time.time(), profiles, admission, rented_providers(policy), client_network,
+                    pipeline)
+
+
+def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:
+    """Bring the live set to the policy's `backends:` lists; models the policy no longer has are drained.
+    Models found by discovery get their replicas from their source (policies/discovery.py)."""
+    wanted = {m.name for m in policy.models}
+    for model in policy.models:
+        if model.discovery is None:
+            replicas.apply(model.name, replicas_of(model))
+        else:  # its source (policies/discovery.py) fills it
+            replicas.by_model.setdefault(model.name, [])
+    for name in list(replicas.by_model):
+        if name not in wanted:
+            replicas.remove_model(name)
+
+
+def restart_needed(old: Policy, new: Policy) -> list[str]:
+    return [field for field in NEEDS_RESTART if getattr(old, field) != getattr(new, field)] + (
+        ["routing.scrape"] if old.routing.scrape != new.routing.scrape else [])
+
+
+def _same_profile(old: Policy, new: Policy, model: str) -> bool:
+    before = next((m for m in old.models if m.name == model), None)
+    after = next(m for m in new.models if m.name == model)
+    return before is not None and profile_of(old, before) == profile_of(new, after)

@@ -1,0 +1,85 @@
+import asyncio
+
+import pytest
+
+from backends.replicas import HealthTimings, ReplicaSet
+from backends.sources.base import Endpoint
+from backends.sources.kserve import is_ready
+from backends.sources.kubernetes import ready_endpoints
+from policies.config import PolicyError, parse_policy
+from policies.discovery import Discovery
+
+
+def test_ready_endpoints_skip_not_ready_and_terminating_and_pick_the_named_port():
+    slices = [
+        {"ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+         "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                       {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+                       {"addresses": ["10.0.0.3"], "conditions": {"ready": True, "terminating": True}},
+                       {"addresses": ["10.0.0.4"]}]},  # no conditions: ready, as Kubernetes reads it
+        {"ports": [{"name": "http", "port": 8000}], "endpoints": [{"addresses": ["10.0.0.1"]}]},  # a duplicate
+        {"ports": [{"name": "other", "port": 7000}], "endpoints": [{"addresses": ["10.0.0.9"]}]},
+    ]
+    assert ready_endpoints(slices, "http") == [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.4", 8000)]
+    assert ready_endpoints(slices[:1], None) == [Endpoint("10.0.0.1", 9000), Endpoint("10.0.0.4", 9000)]
+    assert ready_endpoints(slices, 1234) == []
+
+
+def test_inference_service_readiness_is_its_ready_condition():
+    assert is_ready({"status": {"conditions": [{"type": "PredictorReady", "status": "True"},
+                                               {"type": "Ready", "status": "True"}]}})
+    assert not is_ready({"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+    assert not is_ready({"status": {}}) and not is_ready(None)
+
+
+def test_discovery_settings_are_checked():
+    with pytest.raises(PolicyError, match="needs `service`"):
+        parse_policy("models: [{name: m, discovery: {kind: kubernetes, namespace: llm}}]")
+    with pytest.raises(PolicyError, match="either a non-empty `backends` list or `discovery`"):
+        parse_policy("models: [{name: m}]")
+    with pytest.raises(PolicyError, match="namespace"):
+        parse_policy("models: [{name: m, discovery: {kind: kserve, namespace: Not_DNS, inference_service: x}}]")
+
+
+async def test_endpoints_become_replicas_and_public_addresses_are_refused():
+    policy = parse_policy("models: [{name: m, served_name: s, discovery: {kind: kubernetes, namespace: llm, "
+                          "service: vllm, cap: 4, health_path: /ready}}]")
+
+    class Fake:
+        kind = "kubernetes"
+
+        def start(self, emit):
+            self.emit = emit
+
+        def stop(self):
+            self.stopped = True
+
+    fake = Fake()
+    replicas = ReplicaSet({"m": []}, HealthTimings())
+    refused = []
+    discovery = Discovery(replicas, refused.append, source_factory=lambda config, kubeconfig: fake)
+    discovery.sync(policy)
+    fake.emit([Endpoint("10.1.2.3", 8000), Endpoint("8.8.8.8", 8000)])
+    await asyncio.sleep(0.01)  # emitted from "another thread": applied on the loop
+    [replica] = replicas.by_model["m"]
+    assert (replica.name, replica.url, replica.cap, replica.health_path, replica.served_name, replica.source) == \
+        ("m@10.1.2.3:8000", "http://10.1.2.3:8000", 4, "/ready", "s", "kubernetes")
+    assert refused == ["8.8.8.8"]
+    fake.emit([Endpoint("8.8.8.8", 8000)])
+    await asyncio.sleep(0.01)
+    assert replicas.by_model["m"] == [] and refused == ["8.8.8.8"]  # logged and counted once
+    discovery.sync(parse_policy("models: [{name: n, backends: [{url: 'http://10.0.0.1'}]}]"))
+    assert fake.stopped and discovery.running == {}
+
+
+async def test_a_source_that_cannot_start_leaves_the_model_empty_and_says_why(caplog):
+    policy = parse_policy("models: [{name: m, discovery: {kind: kubernetes, namespace: llm, service: vllm}}]")
+
+    def no_cluster(config, kubeconfig):
+        raise RuntimeError("Service host/port is not set")
+
+    replicas = ReplicaSet({"m": []}, HealthTimings())
+    discovery = Discovery(replicas, source_factory=no_cluster)
+    discovery.sync(policy)
+    assert discovery.running == {} and replicas.by_model["m"] == []
+    assert "model m: discovery (kubernetes) cannot reach the Kubernetes API" in caplog.text
