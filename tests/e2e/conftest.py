@@ -71,7 +71,8 @@ def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
     """The tiny model as a pooling model, started (not waited for) once per session; stopped when the session
     ends. It is started in the background as soon as the shared generation servers are ready (not before: the
     sweeps that run first need the cores to themselves, and the shared servers start sooner alone), so its
-    ~50 s start overlaps the tests on those; only the `pooling` fixture waits for it."""
+    ~50 s start overlaps the tests on those; only the `pooling` fixture waits for it. It runs niced, so it
+    warms up on the cores' idle time and never slows the restarts that the tests before it wait on."""
     server = getattr(config, "_pooling_server", None)
     if server is None:
         server = VLLMServer(default_model_dir(), "tiny-pool", core=1,
@@ -79,6 +80,8 @@ def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
         config._pooling_server = server
         config.add_cleanup(lambda: stop_all([server]))
         server.start()
+        with contextlib.suppress(OSError):  # its own process group: the engine processes it spawns inherit it
+            os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
     return server
 
 
