@@ -13,6 +13,8 @@ What it does, and only that:
 - closing a response before its end closes the connection, so the backend sees the client go (vLLM aborts);
 - connect timeout per new connection, read timeout per wait for the next bytes, write timeout while a request
   body cannot be handed to the kernel (the backend is not reading);
+- a request body may also be streamed (chunked encoding, `request(..., body_stream=)`): each chunk is handed to
+  the kernel before the next is pulled, so an upload flows through at the backend's pace, never held whole;
 - errors are `UpstreamError`s with a `kind`: connect (nothing reached the server: safe to retry elsewhere),
   timeout, broken (failed mid-exchange).
 Connections are made by a `Dialer`; the egress guard (backends/egress.py) is one that checks addresses first.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -132,7 +135,7 @@ class Response:
 
     __slots__ = ("_conn", "_client", "_timeout", "status", "raw_headers", "headers", "_chunks", "_buffered",
                  "_paused", "complete", "keep_alive", "_error", "_waiter", "_headers_done", "_got_bytes",
-                 "_until_close", "_closed")
+                 "_until_close", "_closed", "_reusable")
 
     def __init__(self, conn: Connection, client: Client, timeout: float | None) -> None:
         self._conn = conn
@@ -152,6 +155,7 @@ class Response:
         self._got_bytes = False
         self._until_close = False
         self._closed = False
+        self._reusable = True  # False when the request's body was not sent whole (the backend answered first)
 
     # -- the reader's side ------------------------------------------------------------------------------
 
@@ -187,7 +191,7 @@ class Response:
         self._closed = True
         conn = self._conn
         conn.response = None
-        if self.complete and self.keep_alive and self._error is None and not conn.closed:
+        if self.complete and self.keep_alive and self._reusable and self._error is None and not conn.closed:
             self._client._release(conn)
         else:
             conn.close()
@@ -245,6 +249,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.write_timer: asyncio.TimerHandle | None = None
+        self.drained: asyncio.Future | None = None  # set while the kernel's buffer is full (see drain)
 
     def send(self, head: bytes, body: bytes, timeout: float | None) -> Response:
         response = self.response = Response(self, self.client, timeout)
@@ -270,12 +275,22 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=0)  # told at once when a write cannot go out whole (write timeout)
 
+    async def drain(self) -> None:
+        """Wait until what was written went to the kernel (or the connection closed)."""
+        while self.drained is not None and not self.closed:
+            await asyncio.shield(self.drained)
+
     def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = self.client.loop.create_future()
         timeout = self.client.write_timeout
         if timeout and self.response is not None and self.write_timer is None:
             self.write_timer = self.client.loop.call_later(timeout, self._write_timed_out)
 
     def resume_writing(self) -> None:
+        drained, self.drained = self.drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
         if self.write_timer is not None:
             self.write_timer.cancel()
             self.write_timer = None
@@ -394,6 +409,36 @@ class Client:
                 response.close()
                 raise
             return response
+
+    async def request_streamed(self, origin: Origin, head: bytes, chunks: AsyncIterator[bytes], *,
+                               read_timeout: float | None = None, connect_timeout: float | None = None) -> Response:
+        """Send `head` (which must say `transfer-encoding: chunked`) and the body `chunks` as they come; return
+        once the answer's status and headers are in. Always on a fresh connection: a body read as it streams
+        cannot be sent again after the keep-alive race. An exception from `chunks` (the client's upload broke
+        or went over its limit) closes the connection, so the backend drops the half-sent request, and is
+        raised as it is. A backend that answers before the body is whole (an early 4xx) gets no more of it."""
+        timeout = read_timeout if read_timeout is not None else self.read_timeout
+        conn = await self._dial(origin, connect_timeout)
+        response = conn.send(head, b"", timeout)
+        try:
+            async for chunk in chunks:
+                if response._headers_done or response._error is not None or conn.closed:
+                    response._reusable = False
+                    break
+                conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                await conn.drain()
+            else:
+                if not conn.closed:
+                    conn.transport.write(b"0\r\n\r\n")
+            await response._wait_headers()
+        except BaseException:
+            response.close()
+            raise
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return response
 
     async def get(self, url: str, timeout: float | None = None) -> tuple[int, bytes]:
         origin = self._origins.get(url) or self._origins.setdefault(url, parse_origin(url))

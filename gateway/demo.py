@@ -99,6 +99,10 @@ llm-gateway demo: simulated vLLM backends behind the gateway at {base}
   c = OpenAI(base_url="{base}/v1")  # reads OPENAI_API_KEY
   print(c.chat.completions.create(model="qwen3-4b", messages=[{{"role": "user", "content": "Hello"}}]))'
 
+  also served (the README lists them all): /v1/responses, /v1/embeddings, /v1/messages (Anthropic),
+  /tokenize, /rerank, /score, /pooling, /v1/audio/transcriptions and /translations, e.g.
+  curl {base}/v1/audio/transcriptions -H "Authorization: Bearer $OPENAI_API_KEY" -F model=qwen3-4b -F file=@a.wav
+
   LLM_GATEWAY_ADMIN_TOKEN=<admin token> llm-gateway keys --url {base} list
   metrics: {base}/metrics   readiness: {base}/ready   API schema: {base}/schema   Ctrl-C stops everything.
 """

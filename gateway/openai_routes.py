@@ -13,7 +13,7 @@ import logging
 import time
 
 from gateway.endpoints import Registry
-from gateway.endpoints.base import Route, openai_error_body
+from gateway.endpoints.base import MULTIPART, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import check_key_source
 from policies.errors import (
@@ -36,6 +36,51 @@ class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
 
+class BodyStream:
+    """A request body as it arrives, for the routes that stream theirs through (multipart uploads): at most
+    `limit` bytes (413 past it, at once when Content-Length says so), `on_end` called once it is all in."""
+
+    def __init__(self, receive, headers: dict[str, str], limit: int, on_end) -> None:
+        check_length(headers, limit)
+        self.receive, self.limit, self.on_end = receive, limit, on_end
+        self.size = 0
+        self.ended = False
+        self.gone = False  # the client hung up before its body was in
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self.ended:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                raise asyncio.CancelledError  # as when the watch sees the client go: the call is dropped
+            chunk = message.get("body", b"")
+            self.size += len(chunk)
+            if self.size > self.limit:
+                raise too_large(self.limit)
+            if not message.get("more_body", False):
+                self.ended = True
+                self.on_end()
+            if chunk:
+                return chunk
+        raise StopAsyncIteration
+
+
+def too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is larger than the {limit} bytes this gateway accepts")
+
+
+def check_length(headers: dict[str, str], limit: int) -> None:
+    declared = headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest("invalid Content-Length header")
+        if int(declared) > limit:
+            raise too_large(limit)
+
+
 def header_map(scope) -> dict[str, str]:
     headers: dict[str, str] = {}
     for key, value in scope["headers"]:
@@ -48,12 +93,7 @@ def header_map(scope) -> dict[str, str]:
 
 
 async def read_body(receive, headers: dict[str, str], limit: int) -> bytes:
-    declared = headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise BadRequest("invalid Content-Length header")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"the request body is larger than the {limit} bytes this gateway accepts")
+    check_length(headers, limit)
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -62,7 +102,7 @@ async def read_body(receive, headers: dict[str, str], limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"the request body is larger than the {limit} bytes this gateway accepts")
+            raise too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -157,17 +197,23 @@ class OpenAIRoutes:
             route=route,
             params=params,
         )
+        policy = self.gateway.policy
+        limit = route.max_body(policy) if route.max_body is not None else policy.server.max_body_bytes
+        loop = self.loop or self._bind_loop()
+        task = asyncio.current_task(loop)
         try:
-            raw = await read_body(receive, headers, self.gateway.policy.server.max_body_bytes)
+            if route.body == MULTIPART:  # streamed through: the client's connection is watched once it is in
+                watch = Watch(loop, task, receive, armed=False)
+                raw = BodyStream(receive, headers, limit, watch.arm)
+            else:
+                raw = await read_body(receive, headers, limit)
+                watch = Watch(loop, task, receive)
         except ClientGone:
             return
         except GatewayError as exc:
             await send_error(send, exc, call.request_id, render=route.errors)
             return
 
-        loop = self.loop or self._bind_loop()
-        task = asyncio.current_task(loop)
-        watch = Watch(loop, task, receive)
         reply: Reply | None = None
         error: BaseException | None = None
         try:
@@ -180,9 +226,12 @@ class OpenAIRoutes:
             await send_error(send, exc, call.request_id, call.response_headers, render=route.errors)
         except asyncio.CancelledError as exc:
             error = exc
-            if not watch.gone:
+            if isinstance(raw, BodyStream) and raw.gone:
+                pass  # the client hung up mid-upload
+            elif not watch.gone:
                 raise  # not the client: the server is shutting down
-            task.uncancel()
+            else:
+                task.uncancel()
         except Exception as exc:
             error = exc
             log.exception("request %s failed inside the gateway", call.request_id)
@@ -215,12 +264,19 @@ class Watch:
 
     __slots__ = ("loop", "task", "receive", "gone", "closing", "timer", "watcher")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, receive) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, receive, armed: bool = True) -> None:
         self.loop, self.task, self.receive = loop, task, receive
         self.gone = False
         self.closing = False
         self.watcher: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER, self.start)
+        self.timer: asyncio.TimerHandle | None = None
+        if armed:
+            self.arm()
+
+    def arm(self) -> None:
+        """Start watching soon (a body streamed through is read by the call until its end: armed then)."""
+        if not self.closing and self.timer is None and self.watcher is None:
+            self.timer = self.loop.call_later(WATCH_AFTER, self.start)
 
     def start(self) -> None:
         self.timer = None

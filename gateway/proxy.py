@@ -26,7 +26,8 @@ from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
 from gateway.access_log import AccessLog
-from gateway.endpoints.base import JSON, NONE, parse_json
+from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
+from gateway.form_upload import FormUpload
 from gateway.relay import model_rename
 from policies.admission import Admission, WouldWait
 from policies.config import Overflow
@@ -86,12 +87,16 @@ class Proxy:
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
 
-    async def handle(self, call: Call, raw_body: bytes) -> Reply:
-        """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error."""
+    async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes]) -> Reply:
+        """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
+        A multipart route's body comes as its chunks (it is streamed through), any other's whole."""
         route = call.route
         try:
             if route.body == JSON:
                 call.body = parse_json(raw_body)
+            elif route.body == MULTIPART:
+                call.upload = FormUpload(raw_body, call.headers.get("content-type", ""))
+                call.body = await call.upload.read_head()
             if route.pin is not None:
                 call.pinned = route.pin(call, self.replicas)
             call.asked_model = route.model(call)
@@ -102,6 +107,8 @@ class Proxy:
                                  param="previous_response_id", code="model_mismatch")
             call.stream = route.streams(call.body)
             response = await self.forward(call)
+            if route.body == MULTIPART:  # the stream field may follow the file: the answer's type tells
+                call.stream = route.relay is not None and is_event_stream(response)
             if call.stream and response.status == 200:
                 return Reply(
                     200,
@@ -192,11 +199,16 @@ class Proxy:
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
         route = call.route
-        body = self.upstream_body(call, target) if route.body == JSON else b""
+        path = route.upstream_path(call.params)
         call.sent_at = time.perf_counter()
-        method = "POST" if route.body != NONE else route.methods[0]
         upstream = self.upstreams.get(target) or self.add_upstream(target)
-        return await upstream.open(route.upstream_path(call.params), body, call.request_id, method)
+        if route.body == MULTIPART:
+            served = target.served_name if "model" in call.body else None
+            return await upstream.open(path, b"", call.request_id, content_type=call.headers[
+                "content-type"], stream=call.upload.upload(served))
+        body = self.upstream_body(call, target) if route.body == JSON else b""
+        method = "POST" if route.body != NONE else route.methods[0]
+        return await upstream.open(path, body, call.request_id, method)
 
     def add_upstream(self, replica: Replica) -> Upstream:
         """A replica that joined the live set after this proxy was built (backends/replicas.py)."""
@@ -249,6 +261,8 @@ class Proxy:
             raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_text(raw)[1]}")
         if status >= 400:
             raise UpstreamStatus(status, raw)
+        if call.route.plain_text and not response.headers.get("content-type", "").startswith("application/json"):
+            return Reply(status, self.reply_headers(call, response), body=raw)  # text, srt, vtt transcripts
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -341,6 +355,10 @@ class Proxy:
         if content_type:
             headers["content-type"] = content_type
         return headers
+
+
+def is_event_stream(response: Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def upstream_error(kind: str, message: str) -> GatewayError:

@@ -60,6 +60,8 @@ class Health(Strict):
 
 class Server(Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
+    # the audio routes' multipart uploads, streamed through to the replica (OpenAI's own limit is 25 MB)
+    max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1024, le=16 * 1024**3)
     # SIGTERM (a rolling update) first drains: /ready answers 503 while every route keeps serving this long,
     # so the Service stops routing here before the listener closes. 0: close at once (a process nobody
     # reaches through a Service); the Helm chart sets it with shutdown_timeout from one value.

@@ -27,7 +27,8 @@ class Call:
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     route: Any = None  # its declaration in the gateway's endpoint registry
     params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
-    body: dict[str, Any] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
+    upload: Any = None  # a multipart body streamed through (gateway/form_upload.py)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
     asked_model: Any = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .audio import Audio
 from .config import SimConfig
 from .engine import Engine, GenRequest
 from .extras import Extras
@@ -44,18 +45,23 @@ class Http:
     def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]):
         self.receive, self.send = receive, send
         self.method, self.path = scope["method"], scope["path"]
-        request_id = dict(scope.get("headers") or []).get(b"x-request-id")
+        self.headers = dict(scope.get("headers") or [])
+        request_id = self.headers.get(b"x-request-id")
         self.echo_headers = [(b"x-request-id", request_id)] if request_id else []
 
-    async def read_json(self) -> Any:
-        body = bytearray()
+    async def chunks(self) -> AsyncIterator[bytes]:
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone
-            body += message.get("body", b"")
+            yield message.get("body", b"")
             if not message.get("more_body"):
-                break
+                return
+
+    async def read_json(self) -> Any:
+        body = bytearray()
+        async for chunk in self.chunks():
+            body += chunk
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -118,7 +124,9 @@ class SimulatorApp:
             "/metrics": ("GET", self.metrics),
         }
         self.extras = Extras(self)
-        self.routes.update({path: ("POST", handler) for path, handler in self.extras.routes.items()})
+        self.audio = Audio(self)
+        self.routes.update({path: ("POST", handler) for path, handler in {**self.extras.routes,
+                                                                          **self.audio.routes}.items()})
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":

@@ -6,7 +6,7 @@ and one line here.
 
 from __future__ import annotations
 
-from gateway.endpoints import (chat, completions, embeddings, messages, models, pooling, responses,
+from gateway.endpoints import (audio, chat, completions, embeddings, messages, models, pooling, responses,
                                tokenize)
 from gateway.endpoints.base import Route
 
@@ -30,6 +30,8 @@ ROUTES: tuple[Route, ...] = (
     pooling.CLASSIFY,
     messages.MESSAGES,
     messages.COUNT_TOKENS,
+    audio.TRANSCRIPTIONS,
+    audio.TRANSLATIONS,
 )
 
 

@@ -123,6 +123,7 @@ class Route:
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
     answer: Callable[[Any, Any, dict[str, str]], Awaitable[bytes]] | None = None  # answered by the gateway
     max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
+    plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
     pattern: re.Pattern | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,8 @@ def vllm_servers(tmp_path_factory, request):
     with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
         # generous: on a busy 2-core machine two servers starting together have taken ~55 s each
         start_many(servers.values(), timeout=240)
+        if any("pooling" in getattr(item, "fixturenames", ()) for item in request.session.items):
+            start_pooling_server(request.config, tmp_path_factory)  # warms up while the tests on these run
     yield servers
     stop_all(servers.values())
 
@@ -93,6 +95,24 @@ def capped_vllm(tmp_path_factory):
         server.stop()
         for other in others:
             other.resume()
+
+
+def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
+    """The tiny model as a pooling model, started (not waited for) once per session; stopped when the session
+    ends. It is started in the background as soon as the shared generation servers are ready (not before: the
+    sweeps that run first need the cores to themselves, and the shared servers start sooner alone), so its
+    ~50 s start overlaps the tests on those; only the `pooling` fixture waits for it. It runs niced, so it
+    warms up on the cores' idle time and never slows the restarts that the tests before it wait on."""
+    server = getattr(config, "_pooling_server", None)
+    if server is None:
+        server = VLLMServer(default_model_dir(), "tiny-pool", core=1,
+                            log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), extra_args=POOLING_ARGS)
+        config._pooling_server = server
+        config.add_cleanup(lambda: stop_all([server]))
+        server.start()
+        with contextlib.suppress(OSError):  # its own process group: the engine processes it spawns inherit it
+            os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
+    return server
 
 
 def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:
@@ -162,15 +182,18 @@ def gateway(vllm_servers, tmp_path_factory):
 @pytest.fixture(scope="session")
 def pooling(tmp_path_factory, request):
     """The tiny model served as a pooling model (embeddings, /pooling, /score, /rerank) and a gateway in front
-    (model `pool`): one more server, started only when a test asks for it, once per session."""
+    (model `pool`): one more server, once per session, usually started already (start_pooling_server)."""
     venv, model = default_vllm_venv(), default_model_dir()
     if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
         pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
-    server = VLLMServer(model, "tiny-pool", core=1, log_dir=tmp_path_factory.mktemp("vllm-pool-logs"),
-                        extra_args=POOLING_ARGS)
+    server = start_pooling_server(request.config, tmp_path_factory)
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
-        start_many([server], timeout=240)
+        try:
+            server.wait_ready(timeout=240)  # bounded: a server that never answers fails the test, not the run
+        except BaseException:
+            stop_all([server])
+            raise
     policy = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},

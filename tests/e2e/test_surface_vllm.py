@@ -105,9 +105,13 @@ def test_pooling_model_embeds_scores_and_reranks(pooling):
         ranked = c.post("/rerank", json={"model": "pool", "query": "river", "documents": ["water", "rock", "sky"]})
         assert ranked.status_code == 200 and sorted(r["index"] for r in ranked.json()["results"]) == [0, 1, 2]
         assert c.post("/v1/rerank", json={"model": "pool", "query": "q", "documents": ["d"]}).status_code == 200
+        v2 = c.post("/v2/rerank", json={"model": "pool", "query": "river", "documents": ["water", "rock"],
+                                        "top_n": 1})  # Cohere's v2 shape, which vLLM serves too
+        assert v2.status_code == 200 and len(v2.json()["results"]) == 1, v2.text
+        assert v2.json()["results"][0]["index"] in (0, 1) and v2.json()["usage"]["total_tokens"] > 0
         scored = c.post("/score", json={"model": "pool", "text_1": "river", "text_2": ["water", "rock"]})
         assert scored.status_code == 200 and len(scored.json()["data"]) == 2
         pooled = c.post("/pooling", json={"model": "pool", "input": "a river"})
         assert pooled.status_code == 200 and pooled.json()["data"]
-    assert pooling.metric("llm_gateway_requests_total", endpoint="rerank", status="200") == 2
+    assert pooling.metric("llm_gateway_requests_total", endpoint="rerank", status="200") == 3
     assert pooling.metric("llm_gateway_prompt_tokens_total", model="pool") > 0

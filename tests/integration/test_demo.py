@@ -54,6 +54,8 @@ def test_demo_serves_and_ctrl_c_stops_everything():
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True))
         assert text
+        heard = client.audio.transcriptions.create(model="qwen3-4b", file=("a.wav", b"\0" * 32000, "audio/wav"))
+        assert heard.text  # the banner's audio example works against the demo
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="sk-wrong", max_retries=0).models.list()
     finally:
@@ -62,7 +64,7 @@ def test_demo_serves_and_ctrl_c_stops_everything():
         output = proc.stdout.read()  # not communicate(): it would skip what the line reader buffered
     assert proc.returncode == 0, output
     output = "".join(seen) + output
-    for expected in ("curl", "OpenAI(base_url", "admin token"):
+    for expected in ("curl", "OpenAI(base_url", "admin token", "/v1/responses", "/v1/audio/transcriptions"):
         assert expected in output, output
     for pid in simulators:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -265,3 +265,78 @@ async def test_health_get_and_header_rules():
     assert parse_origin("http://[fd00::1]:8000/v1").host_header == "[fd00::1]:8000"
     with pytest.raises(ValueError):
         parse_origin("ftp://example.com")
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handle):
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield parse_origin(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    finally:
+        server.close()
+
+
+STREAMED_HEAD = b"POST /up HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_a_streamed_body_goes_chunked_as_it_comes():
+    got = asyncio.get_running_loop().create_future()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        got.set_result(await reader.readuntil(b"0\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def body():
+        for piece in (b"abc", b"\r\n--x\r\n", b"z" * 30000):
+            yield piece
+
+    client = Client(2, 5, write_timeout=5)
+    async with raw_server(handle) as origin:
+        response = await client.request_streamed(origin, STREAMED_HEAD, body())
+        assert response.status == 200 and await response.read() == b"ok"
+        response.close()
+    assert got.result() == b"3\r\nabc\r\n7\r\n\r\n--x\r\n\r\n" + b"7530\r\n" + b"z" * 30000 + b"\r\n0\r\n\r\n"
+
+
+async def test_a_backend_answering_before_the_body_is_whole_gets_no_more_of_it():
+    pulled = []
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 3\r\n\r\nno!")
+        await writer.drain()
+        await reader.read()  # keeps the connection until the client closes it
+
+    async def body():
+        for i in range(200):  # bounded: ~10 s at most
+            pulled.append(i)
+            yield b"x" * 1024
+            await asyncio.sleep(0.05)
+
+    client = Client(2, 5, write_timeout=5)
+    async with raw_server(handle) as origin:
+        response = await client.request_streamed(origin, STREAMED_HEAD, body())
+        assert response.status == 400 and await response.read() == b"no!"
+        response.close()
+        assert len(pulled) < 200 and not client.idle.get(origin)  # a half-sent request's connection is not reused
+
+
+async def test_a_failing_body_closes_the_connection_and_is_raised_as_it_is():
+    closed = asyncio.get_running_loop().create_future()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        closed.set_result(await reader.read())  # read to EOF: the client closed its side
+
+    async def body():
+        yield b"first"
+        raise LookupError("the upload went over its limit")
+
+    client = Client(2, 5, write_timeout=5)
+    async with raw_server(handle) as origin:
+        with pytest.raises(LookupError):
+            await client.request_streamed(origin, STREAMED_HEAD, body())
+        assert (await asyncio.wait_for(closed, 10)).startswith(b"5\r\nfirst\r\n")
+        assert not (await closed).endswith(b"0\r\n\r\n")
