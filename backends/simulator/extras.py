@@ -45,11 +45,14 @@ def _int(body: dict, name: str, default: int | None) -> int | None:
 
 
 class Extras:
+    # One vocabulary per process, shared by every simulated replica in it: replicas of one model share their
+    # tokenizer, so ids from one replica's /tokenize detokenize on another, as on vLLM.
+    vocab: dict[str, int] = {}
+    words: list[str] = []
+
     def __init__(self, app) -> None:
         self.app = app
         self.stored: OrderedDict[str, dict] = OrderedDict()
-        self.vocab: dict[str, int] = {}
-        self.words: list[str] = []
         self.routes = {
             "/v1/responses": self.responses, "/v1/messages": self.messages,
             "/v1/messages/count_tokens": self.count_tokens, "/tokenize": self.tokenize,
