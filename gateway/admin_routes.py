@@ -18,10 +18,12 @@ from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
+from gateway.report_routes import report_handlers
 from policies.errors import NotFound
 from policies.keys import (
     CIDR_PATTERN,
     DataPolicy,
+    KeyBudget,
     KeyLimits,
     KeyRecord,
     hash_key,
@@ -53,6 +55,7 @@ class KeyChanges(BaseModel):
     allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
                                             " omit or null for any")
     limits: KeyLimits | None = None
+    budget: KeyBudget | None = Field(None, description="rented spend and tokens per period; null for none")
 
     @field_validator("allowed_cidrs")
     @classmethod
@@ -82,6 +85,7 @@ class KeyView(BaseModel):
     data_policy: str
     allowed_cidrs: list[str] | None
     limits: KeyLimits
+    budget: KeyBudget | None
     created_at: float
     last_used_at: float | None
     previous_valid_until: float | None = Field(description="while set and in the future, the pre-rotation secret works")
@@ -188,7 +192,8 @@ def admin_router(gateway) -> Router:
                 total[name] = total.get(name, 0) + value
         return Usage(id=key_id, models=models, total=total)
 
-    handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage]
+    handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
+                *report_handlers(gateway, KeyId)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -38,6 +39,7 @@ from gateway.proxy import Proxy
 from policies.accounting import RecordUsage
 from policies.admission import Admission
 from policies.auth import Authenticate, Authorize
+from policies.budget import Budget, open_budgets
 from policies.compile import rented_providers, replica_set, routing_profiles
 from policies.config import Policy
 from policies.egress import check_backends, exempt_origins
@@ -50,6 +52,9 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
+from policies.ledger.gauges import ReportGauges
+from policies.ledger.record import RecordLedger, open_ledger
+from policies.ledger.report import build_report, costs_of
 from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
@@ -88,13 +93,20 @@ class Gateway:
         self.limiter = open_limiter(self.store)
         self.client_network = ClientNetwork(policy.network)
         self.record_usage = RecordUsage(self.store, self.background.run)
+        self.ledger = open_ledger(self.store, policy.ledger.bucket_seconds)
+        self.record_ledger = RecordLedger(self.ledger, policy.ledger, self.rented.cost, self.background.run,
+                                          lambda why: self.metrics.background_errors.labels(why).inc())
+        self.budgets = open_budgets(self.store, self.ledger)
+        self.report_gauges = ReportGauges(self.metrics.registry)
         self.pipeline = Pipeline([
             self.client_network,
             self.authenticate,
             ResolveModel(policy),
             Authorize(),
             RateLimit(policy, self.limiter, self.background.run, self.metrics),
+            Budget(policy, self.budgets, self.rented.cost, self.background.run),
             self.record_usage,
+            *([self.record_ledger] if policy.ledger.enabled else []),
         ])
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
@@ -111,6 +123,26 @@ class Gateway:
                 if allowed is None or m.name in allowed
             ],
         })
+
+    async def report(self, window: float, until: float | None = None) -> dict:
+        """The own-vs-rent report (policies/ledger/report.py) for the `window` seconds before `until` (default:
+        now), in whole ledger buckets; this replica's unwritten sums are written first."""
+        size = self.policy.ledger.bucket_seconds
+        now = time.time()
+        end = math.ceil(min(until or now, now) / size) * size
+        since = (end - window) // size * size
+        await self.record_ledger.flush()
+        rows = await self.ledger.read(since, end)
+        return build_report(rows, costs_of(self.policy), since, min(end, now), size)
+
+    async def refresh_report_gauges(self) -> None:
+        every = self.policy.ledger.report_every_seconds
+        while True:
+            try:
+                self.report_gauges.update(await self.report(self.policy.ledger.report_window_seconds))
+            except Exception:
+                log.warning("could not refresh the own-vs-rent gauges", exc_info=True)
+            await asyncio.sleep(every)
 
     def start_drain(self) -> None:
         """The process is going away: readiness fails at once so the Service stops routing here (a flag only,
@@ -147,6 +179,8 @@ class Gateway:
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
+        if self.policy.ledger.enabled:
+            loops.append(asyncio.create_task(self.refresh_report_gauges()))
         try:
             yield
         finally:
@@ -157,8 +191,10 @@ class Gateway:
                     await loop
             self.proxy.access_log.flush()
             self.background.run(self.record_usage.flush())
+            self.background.run(self.record_ledger.flush())
             await self.background.drain(timeout=5)
             await client.aclose()
+            await self.ledger.close()
             await self.store.close()
 
 

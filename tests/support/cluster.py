@@ -53,7 +53,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, **policy_overrides) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, model: dict | None = None,
+            backend: dict | None = None, **policy_overrides) -> Iterator[Cluster]:
+    """`model` and `backend` add settings to the one model `m` and its simulated backend."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
@@ -65,7 +67,8 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, **policy_over
         policy = {
             "store": {"kind": "redis", "url": redis.url},
             "health": {"interval": 0.5},
-            "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{sim_port}"}]}],
+            "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{sim_port}", **(backend or {})}],
+                        **(model or {})}],
             **policy_overrides,
         }
         config = tmp_path / "policy.yaml"
