@@ -52,7 +52,6 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
-from policies.ledger.gauges import ReportGauges
 from policies.ledger.record import RecordLedger, open_ledger
 from policies.ledger.report import build_report, costs_of
 from policies.metrics import GatewayMetrics
@@ -97,7 +96,6 @@ class Gateway:
         self.record_ledger = RecordLedger(self.ledger, policy.ledger, self.rented.cost, self.background.run,
                                           lambda why: self.metrics.background_errors.labels(why).inc())
         self.budgets = open_budgets(self.store, self.ledger)
-        self.report_gauges = ReportGauges(self.metrics.registry)
         self.pipeline = Pipeline([
             self.client_network,
             self.authenticate,
@@ -139,7 +137,7 @@ class Gateway:
         every = self.policy.ledger.report_every_seconds
         while True:
             try:
-                self.report_gauges.update(await self.report(self.policy.ledger.report_window_seconds))
+                self.metrics.report.update(await self.report(self.policy.ledger.report_window_seconds))
             except Exception:
                 log.warning("could not refresh the own-vs-rent gauges", exc_info=True)
             await asyncio.sleep(every)

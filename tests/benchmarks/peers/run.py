@@ -76,6 +76,9 @@ ROUTING_COMPARE = [  # (column, routing profile): two replicas per model, so the
     ("gateway x2 default routing", "default"),
     ("gateway x2 least-in-flight", "least-in-flight"),
 ]
+LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the cost ledger, for what it costs
+    ("gateway no ledger", {"ledger": {"enabled": False}}),
+]
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),
@@ -509,6 +512,9 @@ def parse_args(argv=None):
     p.add_argument("--routing-compare", action="store_true",
                    help="also measure the gateway with two replicas per model under the default routing profile and"
                         " under least-in-flight alone (what routing costs per request)")
+    p.add_argument("--ledger-compare", action="store_true",
+                   help="also measure the gateway with the cost ledger switched off (what the ledger costs per"
+                        " request)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -555,6 +561,12 @@ def main(argv=None) -> int:
                 log(f"starting {label} on core {SUT_CORE}")
                 systems.append(start_gateway(procs, work, standin, name=label, env_extra={**env, **extra_env},
                                              args=[*args.gateway_arg, *extra_args]))
+        if args.ledger_compare and "gateway" in wanted:
+            for label, sections in LEDGER_COMPARE:
+                log(f"starting {label} on core {SUT_CORE}")
+                systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                                             args=args.gateway_arg, policy_extra=sections))
+                systems[-1].name = label
         if args.routing_compare and "gateway" in wanted:
             for label, profile in ROUTING_COMPARE:
                 log(f"starting {label} on core {SUT_CORE}")
