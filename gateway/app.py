@@ -61,7 +61,7 @@ from policies.pipeline import Pipeline
 from policies.ratelimit import MemoryLimiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Stats
-from policies.store import StoreUnavailable, open_store
+from policies.store import StoreError, StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
 
@@ -138,8 +138,10 @@ class Gateway:
         while True:
             try:
                 self.metrics.report.update(await self.report(self.policy.ledger.report_window_seconds))
-            except Exception:
-                log.warning("could not refresh the own-vs-rent gauges", exc_info=True)
+            except StoreError as exc:  # the store is down: the gauges keep their last figures
+                log.warning("could not refresh the own-vs-rent gauges: %s", exc)
+            except Exception:  # a bug: say so, and keep the loop alive
+                log.exception("could not refresh the own-vs-rent gauges")
             await asyncio.sleep(every)
 
     def start_drain(self) -> None:

@@ -113,7 +113,7 @@ def write_png(report: dict, path: Path) -> None:
         if not points:
             continue
         times = [datetime.datetime.fromtimestamp(p["t"], datetime.timezone.utc) for p in points]
-        util.plot(times, [p["utilisation"] * 100 for p in points], color=color, lw=1.8,
+        util.plot(times, [p["utilisation"] * 100 for p in points], color=color, lw=1.8, drawstyle="steps-post",
                   label=f"{name} (window {_fmt(m['utilisation'], '%')})")
         owned, rent_all, rented = _cumulative(points, "owned_cost"), _cumulative(points, "rent_all_cost"), \
             _cumulative(points, "rented_cost")
@@ -132,7 +132,9 @@ def write_png(report: dict, path: Path) -> None:
     cost.grid(True, alpha=0.3)
     cost.legend(loc="upper left", fontsize=8)
     cost.set_title("Cost over the window: owned vs rented", fontsize=10)
-    cost.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+    locator = mdates.AutoDateLocator()
+    cost.xaxis.set_major_locator(locator)
+    cost.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     verdicts = "; ".join(f"{n}: {m['recommendation']['verdict']}" for n, m in report["models"].items())
     fig.suptitle(f"Own or rent, {_utc(report['since'])} to {_utc(report['until'])}\n{verdicts}", fontsize=12)
     fig.savefig(path, dpi=110)

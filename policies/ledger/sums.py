@@ -6,10 +6,12 @@ rented cost to their key's row. The backend's time goes to a row of its own (key
 flight, to set against the backend's cap), and `busy_seconds`, the time with at least one call in flight.
 
 Busy time is the union of the calls' intervals, computed exactly as they finish: a call ends at "now", so it
-ends after every interval seen so far and can only merge with the newest of them. The merged spans that stay
-apart are kept (the newest 64 per backend), so a call that outlives 64 idle gaps is the only approximation.
-A merge that swallows spans already counted subtracts them again: a bucket's busy_seconds may move down in a
-later flush, but every flush keeps the totals exact.
+ends after every interval seen so far and can only overlap the newest of them; only the part of it that no
+earlier call covered is added. The merged spans that stay apart are kept (the newest 64 per backend), so a
+call that outlives 64 idle gaps is the only approximation. Nothing is ever subtracted, so a bucket already
+written stays right.
+
+This runs for every finished call: rows are plain tuples until `take` (off the request path) names them.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ class Sums:
 
     def __init__(self, bucket_seconds: int) -> None:
         self.bucket_seconds = bucket_seconds
-        self.rows: dict[Row, list[float]] = {}
+        self.rows: dict[tuple, list[float]] = {}  # (bucket, model, backend, key id, served) -> COUNTERS
         self.spans: dict[tuple[str, str], list[list[float]]] = {}  # (model, backend) -> disjoint [start, end]
 
-    def counters(self, row: Row) -> list[float]:
+    def counters(self, row: tuple) -> list[float]:
         values = self.rows.get(row)
         if values is None:
             values = self.rows[row] = [0.0] * len(COUNTERS)
@@ -50,7 +52,7 @@ class Sums:
 
     def call(self, when: float, model: str, backend: str, key_id: str, rented: bool, prompt: int, completion: int,
              queue_seconds: float, cost: float) -> None:
-        values = self.counters(Row(self.bucket(when), model, backend, key_id, "rented" if rented else "owned"))
+        values = self.counters((self.bucket(when), model, backend, key_id, "rented" if rented else "owned"))
         values[REQUESTS] += 1
         values[PROMPT] += prompt
         values[COMPLETION] += completion
@@ -61,30 +63,44 @@ class Sums:
         """A call held the backend from `start` to `end` (wall seconds; `end` no earlier than any before)."""
         if end <= start:
             return
-        self.spread(model, backend, HELD, start, end, 1.0)
-        spans = self.spans.setdefault((model, backend), [])
-        merged = start
-        while spans and spans[-1][1] >= start:
+        self.spread(model, backend, HELD, start, end)
+        spans = self.spans.get((model, backend))
+        if spans is None:
+            spans = self.spans[(model, backend)] = []
+        cursor, merged = end, start
+        while spans and spans[-1][1] >= start:  # newest first: add the gaps between them, then before them
             old_start, old_end = spans.pop()
-            self.spread(model, backend, BUSY, old_start, old_end, -1.0)
-            merged = min(merged, old_start)
+            if old_end < cursor:
+                self.spread(model, backend, BUSY, old_end, cursor)
+            if old_start < cursor:
+                cursor = old_start
+            if old_start < merged:
+                merged = old_start
+        if cursor > start:
+            self.spread(model, backend, BUSY, start, cursor)
         spans.append([merged, end])
-        self.spread(model, backend, BUSY, merged, end, 1.0)
         if len(spans) > KEEP_SPANS:
             del spans[0]
 
-    def spread(self, model: str, backend: str, index: int, start: float, end: float, sign: float) -> None:
-        """Add sign x (the part of [start, end] in each bucket) to the backend's time row of that bucket."""
+    def spread(self, model: str, backend: str, index: int, start: float, end: float) -> None:
+        """Add the part of [start, end] in each bucket to the backend's time row of that bucket."""
         size = self.bucket_seconds
-        first = self.bucket(start)
+        first = int(start // size) * size
+        if end <= first + size:  # the usual case: one bucket (inlined: this runs for every call)
+            row = (first, model, backend, "", "")
+            values = self.rows.get(row)
+            if values is None:
+                values = self.rows[row] = [0.0] * len(COUNTERS)
+            values[index] += end - start
+            return
         for bucket in range(first, int(math.ceil(end / size)) * size, size):
             overlap = min(end, bucket + size) - max(start, bucket)
             if overlap > 0:
-                self.counters(Row(bucket, model, backend, "", ""))[index] += sign * overlap
+                self.counters((bucket, model, backend, "", ""))[index] += overlap
 
     def take(self) -> dict[Row, list[float]]:
         rows, self.rows = self.rows, {}
-        return rows
+        return {Row(*row): values for row, values in rows.items()}
 
     def put_back(self, rows: dict[Row, list[float]], limit: int) -> bool:
         """Merge a batch the store refused back in, unless that would pass `limit` rows (then it is lost)."""

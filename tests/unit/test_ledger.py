@@ -27,7 +27,7 @@ def test_busy_time_is_the_union_of_intervals_across_buckets_and_flushes():
     calls = [(1, 4), (3, 12), (2, 15), (30, 31), (25, 33), (40, 41)]
     for i, (start, end) in enumerate(calls):
         sums.in_flight("m", "b", start, end)
-        if i in (1, 3):  # a flush between calls: later merges correct buckets already written
+        if i in (1, 3):  # a flush between calls: later calls only add what no earlier one covered
             flushed.append(sums.take())
     flushed.append(sums.take())
     busy: dict[int, float] = {}
@@ -60,7 +60,7 @@ def test_put_back_is_bounded():
     sums = Sums(60)
     sums.call(5, "m", "b", "k", False, 10, 20, 0.5, 0.0)
     rows = sums.take()
-    assert sums.put_back(rows, limit=10) and sums.rows[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
+    assert sums.put_back(rows, limit=10) and sums.take()[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
     assert not sums.put_back({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)}, 10)
 
 
