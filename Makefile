@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
-	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, importlinter'
+	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, anthropic, importlinter'
 	touch $@
 
 venv: $(STAMP)

@@ -26,7 +26,11 @@ __all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "new_cli
 
 
 class Upstream:
-    """One OpenAI-compatible API: `api_base` ends in /v1 (an owned vLLM's URL + /v1, a provider's base_url)."""
+    """One OpenAI-compatible API: `api_base` ends in /v1 (an owned vLLM's URL + /v1, a provider's base_url).
+
+    Paths are vLLM's own (`/v1/chat/completions`, `/tokenize`): those under /v1/ go below `api_base`, the
+    others (vLLM's extras) below its root, the URL without the trailing /v1.
+    """
 
     def __init__(self, client: Client, api_base: str, headers: dict[str, str] | None = None,
                  timeout: float | None = None) -> None:
@@ -34,13 +38,19 @@ class Upstream:
         self.origin = parse_origin(api_base)
         self.read_timeout = timeout
         self.connect_timeout = min(timeout, 10.0) if timeout else None
-        self.prefix = self.origin.path.encode("latin-1") + b"/"
-        self.fixed = header_block({"host": self.origin.host_header, "content-type": "application/json",
-                                   "accept-encoding": "identity", **(headers or {})})
+        self.prefix = self.origin.path.encode("latin-1")
+        self.root = self.prefix.removesuffix(b"/v1")
+        self.fixed = header_block({"host": self.origin.host_header, "accept-encoding": "identity",
+                                   **(headers or {})})
 
-    async def open(self, path: str, body: bytes, request_id: str) -> Response:
-        head = b"POST %s%s HTTP/1.1\r\n%sx-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
-            self.prefix, path.encode("latin-1"), self.fixed, request_id.encode("latin-1"), len(body))
+    async def open(self, path: str, body: bytes, request_id: str, method: str = "POST",
+                   content_type: str = "application/json") -> Response:
+        """Send `method path` (a path and query the gateway built itself: no CR/LF can be in it)."""
+        raw = path.encode("latin-1")
+        target = self.prefix + raw[3:] if raw.startswith(b"/v1/") else self.root + raw
+        typed = b"content-type: %s\r\n" % content_type.encode("latin-1") if body else b""
+        head = b"%s %s HTTP/1.1\r\n%s%sx-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
+            method.encode("latin-1"), target, self.fixed, typed, request_id.encode("latin-1"), len(body))
         return await self.client.request(self.origin, head, body, read_timeout=self.read_timeout,
                                          connect_timeout=self.connect_timeout)
 

@@ -115,12 +115,18 @@ class Gateway:
         allowed = key.models
         return orjson.dumps({
             "object": "list",
-            "data": [
-                {"id": m.name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
-                for m in self.policy.models
-                if allowed is None or m.name in allowed
-            ],
+            "data": [self._model_object(m.name) for m in self.policy.models if allowed is None or m.name in allowed],
         })
+
+    def model_entry(self, key: KeyRecord, name: str) -> bytes | None:
+        """/v1/models/{model}: the model by its public name or an alias, if this key may use it."""
+        model = next((m for m in self.policy.models if name == m.name or name in m.aliases), None)
+        if model is None or (key.models is not None and model.name not in key.models):
+            return None
+        return orjson.dumps(self._model_object(model.name))
+
+    def _model_object(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
 
     async def report(self, window: float, until: float | None = None) -> dict:
         """The own-vs-rent report (policies/ledger/report.py) for the `window` seconds before `until` (default:

@@ -17,7 +17,10 @@ example:
   llm-gateway knee --url http://127.0.0.1:8001 --model Qwen/Qwen3-4B --slo-ttft-p99 0.5 \\
       --write-cap policy.yaml --backend gpu-a
 Writes knee-<model>-<time>.json and .png into --out, prints a table, and with --write-cap sets that
-backend's `cap:` (comments and layout of the file are kept)."""
+backend's `cap:` (comments and layout of the file are kept).
+
+  llm-gateway knee --compare knee-bf16.json knee-fp8.json --label bf16 --label fp8 --out .
+One table and one plot (knee-compare-<time>.png) of sweeps made earlier, the first one the baseline."""
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -45,8 +48,16 @@ def _positive(kind):
 def add_commands(sub) -> None:
     knee = sub.add_parser("knee", help="measure a backend's throughput knee; optionally write it as its cap",
                           description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    knee.add_argument("--url", required=True, help="the backend's base URL, e.g. http://127.0.0.1:8001")
-    knee.add_argument("--model", required=True, help="the model name the backend serves")
+    knee.add_argument("--url", help="the backend's base URL, e.g. http://127.0.0.1:8001 (required to sweep)")
+    knee.add_argument("--model", help="the model name the backend serves (required to sweep)")
+    knee.add_argument("--compare", nargs="+", metavar="SWEEP.json",
+                      help="compare sweeps made earlier instead of sweeping: one table and one plot")
+    knee.add_argument("--label", action="append", help="with --compare: a name per sweep, in order "
+                      "(default: from the file names)")
+    knee.add_argument("--per-process", type=_positive(int), default=64, metavar="N",
+                      help="streams one client process drives; larger levels spread over processes (default 64)")
+    knee.add_argument("--max-processes", type=_positive(int), metavar="N",
+                      help="client processes at most (default: the CPU count)")
     knee.add_argument("--levels", type=_levels, default=(1, 2, 4, 8, 16, 32, 64),
                       help="concurrency levels, comma-separated (default 1,2,4,8,16,32,64)")
     knee.add_argument("--prompt-tokens", type=_positive(int), default=256, help="prompt length (default 256)")
@@ -84,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     from backends.knee.sweep import Progress, SweepError, SweepSpec, run_sweep
     from policies.capfile import CapFileError, locate, write_cap
 
+    if args.compare:
+        return compare(args)
+    if not args.url or not args.model:
+        return _fail("--url and --model are required to sweep (or give --compare with sweep records)", 2)
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return _fail(f"--url must be an http:// or https:// base URL, got {args.url!r}", 2)
@@ -103,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                          prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                          duration=None if args.requests else (args.duration or 10.0), requests=args.requests,
                          min_requests=args.min_requests, max_level_time=args.max_level_time, warmup=args.warmup, api_key=args.api_key, request_timeout=args.request_timeout,
-                         max_time=args.max_time)
+                         max_time=args.max_time, per_process=args.per_process,
+                         max_processes=args.max_processes)
     except (OSError, ValueError) as exc:
         return _fail(str(exc), 2)
     try:
@@ -134,6 +150,34 @@ def run(args: argparse.Namespace) -> int:
     except CapFileError as exc:
         return _fail(str(exc), 1)
     print(f"{args.write_cap}: backend {args.backend}: cap {previous if previous is not None else 'unset'} -> {cap}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    import time
+
+    from backends.knee.compare import CompareError, format_compare, label_of, load, write_compare_png
+
+    paths = [Path(p) for p in args.compare]
+    labels = args.label or [label_of(p) for p in paths]
+    if len(labels) != len(paths):
+        return _fail(f"--label given {len(labels)} times for {len(paths)} sweeps: give one per sweep or none", 2)
+    try:
+        reports = [load(p) for p in paths]
+    except CompareError as exc:
+        return _fail(str(exc), 2)
+    print(format_compare(reports, labels))
+    out = Path(args.out)
+    png = out / f"knee-compare-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_compare_png(reports, labels, png)
+    except ModuleNotFoundError as exc:
+        print(f"no plot: {exc.name} is not installed (pip install 'llm-gateway[knee]')", file=sys.stderr)
+        return 0
+    except OSError as exc:
+        return _fail(f"cannot write {png}: {exc}", 1)
+    print(f"wrote {png}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The OpenAI surface (/v1/...) as a lean ASGI app: read the body, run the proxy, send the reply.
+"""The OpenAI surface (/v1/... and vLLM's extras, as the endpoint registry lists them) as a lean ASGI app:
+read the body, run the proxy, send the reply.
 
 Plain ASGI rather than framework handlers because this is the hot path and because it must own two things
 precisely: the body size limit while reading, and noticing a client that hangs up (http.disconnect), which
@@ -11,6 +12,8 @@ import asyncio
 import logging
 import time
 
+from gateway.endpoints import Registry
+from gateway.endpoints.base import Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import check_key_source
 from policies.errors import (
@@ -24,12 +27,6 @@ from policies.errors import (
 from policies.pipeline import Call
 
 log = logging.getLogger("gateway.http")
-
-ENDPOINTS = {
-    "/v1/chat/completions": "chat/completions",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
 
 
 WATCH_AFTER = 0.02  # seconds a call runs before its client's connection is watched (see Watch)
@@ -78,11 +75,12 @@ async def send_bytes(send, status: int, headers: dict[str, str], body: bytes) ->
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send, error: GatewayError, request_id: str | None = None, extra: dict | None = None) -> None:
+async def send_error(send, error: GatewayError, request_id: str | None = None, extra: dict | None = None,
+                     render=openai_error_body) -> None:
     headers = {"content-type": "application/json", **(extra or {}), **error.headers}
     if request_id:
         headers["x-request-id"] = request_id
-    await send_bytes(send, error.status, headers, error.body())
+    await send_bytes(send, error.status, headers, render(error))
 
 
 async def send_stream(send, reply: Reply) -> None:
@@ -95,33 +93,43 @@ async def send_stream(send, reply: Reply) -> None:
 
 
 class OpenAIRoutes:
-    """Serves /v1/*; hands every other request (and lifespan) to `fallback`, the ops/admin app."""
+    """Serves the routes of the endpoint registry and the rest of /v1/ (404s in OpenAI's shape); hands every
+    other request (and lifespan) to `fallback`, the ops/admin app."""
 
-    def __init__(self, gateway, fallback) -> None:
+    def __init__(self, gateway, fallback, registry: Registry | None = None) -> None:
         self.gateway = gateway
         self.fallback = fallback
+        self.registry = registry or Registry()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
-            await self.fallback(scope, receive, send)
+        found = self.registry.match(path) if scope["type"] == "http" else None
+        if found is None:
+            if scope["type"] == "http" and path.startswith("/v1/"):
+                await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"),
+                                 request_id_from(header_map(scope)))
+            else:
+                await self.fallback(scope, receive, send)
             return
-        endpoint = ENDPOINTS.get(path)
+        methods, params = found
         method = scope["method"]
         headers = header_map(scope)
-        if endpoint is not None and method == "POST":
-            await self.serve(endpoint, headers, scope, receive, send)
-        elif path == "/v1/models" and method == "GET":
-            await self.list_models(headers, scope, send)
-        elif endpoint is not None or path == "/v1/models":
-            allow = "POST" if endpoint is not None else "GET"  # RFC 9110: a 405 names the methods that work
-            await send_error(send, MethodNotAllowed(f"{method} is not allowed on {path}", headers={"allow": allow}),
-                             request_id_from(headers))
+        route = methods.get(method)
+        if route is None:
+            any_route = next(iter(methods.values()))  # RFC 9110: a 405 names the methods that work
+            error = MethodNotAllowed(f"{method} is not allowed on {path[:200]}", headers={"allow": ", ".join(methods)})
+            await send_error(send, error, request_id_from(headers), render=any_route.errors)
+            return
+        if route.key_header and "authorization" not in headers and route.key_header in headers:
+            headers["authorization"] = "Bearer " + headers[route.key_header]
+        if route.answer is not None:
+            await self.answer(route, params, headers, scope, send)
         else:
-            await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"), request_id_from(headers))
+            await self.serve(route, params, headers, scope, receive, send)
 
-    async def list_models(self, headers: dict[str, str], scope, send) -> None:
+    async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, send) -> None:
+        """A route the gateway answers itself (the model list): the key and its network are checked, no more."""
         request_id = request_id_from(headers)
         client = scope.get("client")
         try:
@@ -130,28 +138,31 @@ class OpenAIRoutes:
             network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
             check_key_source(key, host)
+            body = await route.answer(self.gateway, key, params)
         except GatewayError as exc:
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, render=route.errors)
             return
-        listing = self.gateway.models_listing(key)
-        await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, listing)
+        await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, body)
 
-    async def serve(self, endpoint: str, headers: dict[str, str], scope, receive, send) -> None:
+    async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
+                    send) -> None:
         proxy: Proxy = self.gateway.proxy
         client = scope.get("client")
         call = Call(
             request_id=request_id_from(headers),
-            endpoint=endpoint,
+            endpoint=route.name,
             headers=headers,
             client_host=client[0] if client else "",
             arrived=time.perf_counter(),
+            route=route,
+            params=params,
         )
         try:
             raw = await read_body(receive, headers, self.gateway.policy.server.max_body_bytes)
         except ClientGone:
             return
         except GatewayError as exc:
-            await send_error(send, exc, call.request_id)
+            await send_error(send, exc, call.request_id, render=route.errors)
             return
 
         loop = self.loop or self._bind_loop()
@@ -166,7 +177,7 @@ class OpenAIRoutes:
             else:
                 await send_stream(send, reply)
         except GatewayError as exc:
-            await send_error(send, exc, call.request_id, call.response_headers)
+            await send_error(send, exc, call.request_id, call.response_headers, render=route.errors)
         except asyncio.CancelledError as exc:
             error = exc
             if not watch.gone:
@@ -175,7 +186,8 @@ class OpenAIRoutes:
         except Exception as exc:
             error = exc
             log.exception("request %s failed inside the gateway", call.request_id)
-            await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id)
+            await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id,
+                             render=route.errors)
         except BaseException as exc:
             error = exc
             raise

@@ -1,5 +1,8 @@
 """The request path, top to bottom: parse -> pipeline steps -> pick a replica -> forward -> relay -> account.
 
+Every route runs the same path; what differs between them (body kind, model, token estimate, usage, stream
+relay, pinned replica) is read from the call's route declaration (gateway/endpoints/).
+
 Framework-free on purpose: the HTTP layer (gateway/openai_routes.py) hands over the body and gets a `Reply`
 back, so the path can be read, tested and measured on its own. A streamed Reply must be closed by the HTTP
 layer (`Reply.close`), however the stream ended: that closes the upstream connection (so vLLM aborts the
@@ -23,7 +26,8 @@ from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
 from gateway.access_log import AccessLog
-from gateway.relay import SSERelay, model_rename
+from gateway.endpoints.base import JSON, NONE, parse_json
+from gateway.relay import model_rename
 from policies.admission import Admission, WouldWait
 from policies.config import Overflow
 from policies.errors import (
@@ -33,6 +37,7 @@ from policies.errors import (
     OverBudget,
     UpstreamFailed,
     UpstreamStatus,
+    upstream_text,
     UpstreamTimeout,
 )
 from policies.ids import unique_id
@@ -82,11 +87,20 @@ class Proxy:
         self.access_log = AccessLog()
 
     async def handle(self, call: Call, raw_body: bytes) -> Reply:
-        """Serve one OpenAI request; raises GatewayError for anything the client must see as an error."""
+        """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error."""
+        route = call.route
         try:
-            call.body = parse_body(raw_body)
+            if route.body == JSON:
+                call.body = parse_json(raw_body)
+            if route.pin is not None:
+                call.pinned = route.pin(call, self.replicas)
+            call.asked_model = route.model(call)
+            call.tokens = route.tokens
             await self.pipeline.enter(call)
-            call.stream = call.body.get("stream") is True
+            if call.pinned is not None and call.pinned.model != call.model:
+                raise BadRequest(f"that response was made by model {call.pinned.model}, not {call.model}",
+                                 param="previous_response_id", code="model_mismatch")
+            call.stream = route.streams(call.body)
             response = await self.forward(call)
             if call.stream and response.status == 200:
                 return Reply(
@@ -107,14 +121,17 @@ class Proxy:
         made, once more to another one. A key allowed to rent may spill to the model's rented provider instead
         of waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
         tried: list[Replica] = []
+        others: list[Replica] = []  # a pinned call can be served by its replica alone
+        if call.pinned is not None:
+            others = [r for r in self.replicas.by_model[call.model] if r is not call.pinned]
         owner = call.key.id if call.key is not None else call.client_host
         overflow = self.overflow.get(call.model) if self.may_rent(call) else None
         for _ in range(MAX_ATTEMPTS):
             before = time.perf_counter()
             try:
                 replica = await self.admission.acquire(
-                    call.model, owner, exclude=tried, spill_after=overflow.when_wait_exceeds if overflow else None,
-                    call=call,
+                    call.model, owner, exclude=tried + others,
+                    spill_after=overflow.when_wait_exceeds if overflow else None, call=call,
                 )
             except WouldWait:
                 try:
@@ -154,9 +171,10 @@ class Proxy:
         raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
 
     def may_rent(self, call: Call) -> bool:
-        """Only keys whose data policy allows it, and only for models with a rented overflow."""
+        """Only keys whose data policy allows it (and whose budget does), only for models with a rented overflow,
+        only on routes OpenAI's API has, and never for a call pinned to its replica."""
         return (call.key is not None and call.key.data_policy == "allow_rented" and call.rent_allowed
-                and call.model in self.overflow)
+                and call.model in self.overflow and call.route.rentable and call.pinned is None)
 
     async def rent(self, call: Call, since: float) -> Response:
         """Serve from the model's rented provider: one attempt, no retries (it is the last resort)."""
@@ -180,20 +198,27 @@ class Proxy:
         """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
-        body = self.upstream_body(call, target.served_name)
+        route = call.route
+        body = self.upstream_body(call, target) if route.body == JSON else b""
         call.sent_at = time.perf_counter()
-        return await self.upstreams[target].open(call.endpoint, body, call.request_id)
+        method = "POST" if route.body != NONE else route.methods[0]
+        return await self.upstreams[target].open(route.upstream_path(call.params), body, call.request_id, method)
 
-    def upstream_body(self, call: Call, served_name: str) -> bytes:
-        """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
+    def upstream_body(self, call: Call, target: Replica) -> bytes:
+        """The client's body untouched but for `model`, on streams the usage the gateway needs, and whatever the
+        route adds for the chosen replica (a Responses id that leads back to it)."""
         body = call.body
-        body["model"] = served_name
-        if call.stream:
+        route = call.route
+        if "model" in body:
+            body["model"] = target.served_name
+        if call.stream and route.stream_usage:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
             call.wants_usage = options.get("include_usage") is True
             options["include_usage"] = True
             body["stream_options"] = options
+        if route.prepare is not None:
+            route.prepare(call, body, target)
         return orjson.dumps(body)
 
     async def read_whole(self, call: Call, response: Response) -> Reply:
@@ -207,7 +232,7 @@ class Proxy:
         received = time.perf_counter()
         status = response.status
         if status >= 500:
-            raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_message(raw)}")
+            raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_text(raw)[1]}")
         if status >= 400:
             raise UpstreamStatus(status, raw)
         try:
@@ -215,7 +240,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
         if isinstance(data, dict):
-            call.usage = data.get("usage")
+            call.usage = call.route.usage(data)
             if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
                 raw = orjson.dumps(data)
@@ -224,7 +249,7 @@ class Proxy:
 
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
-        relay = SSERelay(strip_usage=not call.wants_usage, rename=self.renames[call.replica])
+        relay = call.route.relay(call, self.renames[call.replica])
         first = True
         try:
             while chunk := await response.next_chunk():
@@ -242,7 +267,7 @@ class Proxy:
         except UpstreamError as exc:
             self.upstream_failed(call.replica, exc.kind, str(exc))
             call.error = upstream_error(exc.kind, f"the backend for model {call.model} broke off the stream")
-            yield b"data: " + call.error.body() + b"\n\n"
+            yield relay.error_frame(call.route.errors(call.error))
         finally:
             call.usage = relay.usage
             call.streamed_events = relay.events
@@ -290,9 +315,9 @@ class Proxy:
                     self.metrics.rented_cost.labels(model, call.replica.rented).inc(
                         self.rented.cost(call.replica.rented, prompt, completion))
             self.metrics.call_finished(model, backend, call.status, elapsed, call.overhead, prompt, completion,
-                                       served_by)
+                                       served_by, call.endpoint)
         else:
-            self.metrics.call_refused(model, backend, call.status)
+            self.metrics.call_refused(model, backend, call.status, call.endpoint)
         self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
@@ -307,23 +332,6 @@ class Proxy:
 def upstream_error(kind: str, message: str) -> GatewayError:
     """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502."""
     return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc.msg}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def upstream_message(raw: bytes) -> str:
-    try:
-        return str(orjson.loads(raw)["error"]["message"])[:500]
-    except Exception:
-        return raw[:200].decode("utf-8", "replace")
 
 
 def _count(value: Any) -> int:

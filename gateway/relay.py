@@ -3,10 +3,13 @@
 Bytes are passed on at event boundaries without re-encoding. Only the final usage event (`choices: []` with
 `usage`) is parsed, for token accounting, and dropped again when the client did not ask for usage. When the
 backend's served model name differs from the public one, `"model":"<served>"` is rewritten in place.
+`SSERelay` carries chat and completions streams (`data:` lines, a usage chunk, `[DONE]`); `EventRelay` the
+`event:` + `data:` frames of the Responses and Anthropic Messages APIs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -16,13 +19,10 @@ USAGE_MARK = b'"usage":{'
 EMPTY_CHOICES = b'"choices":[]'
 
 
-class SSERelay:
-    def __init__(self, strip_usage: bool, rename: tuple[bytes, bytes] | None = None) -> None:
-        self.strip_usage = strip_usage
-        self.rename = rename
-        self.usage: dict[str, Any] | None = None
-        self.pending = b""
-        self.events = 0  # events passed on before any usage: a stand-in for tokens when a stream ends without it
+class Frames:
+    """Cuts upstream bytes at event boundaries (a blank line): complete events go on, the rest waits."""
+
+    pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
@@ -39,6 +39,22 @@ class SSERelay:
         """Whatever is left when the upstream ends (a well-formed stream leaves nothing)."""
         rest, self.pending = self.pending, b""
         return self._process(rest) if rest else b""
+
+    def _process(self, events: bytes) -> bytes:
+        raise NotImplementedError
+
+
+class SSERelay(Frames):
+    def __init__(self, strip_usage: bool, rename: tuple[bytes, bytes] | None = None) -> None:
+        self.strip_usage = strip_usage
+        self.rename = rename
+        self.usage: dict[str, Any] | None = None
+        self.pending = b""
+        self.events = 0  # events passed on before any usage: a stand-in for tokens when a stream ends without it
+
+    @staticmethod
+    def error_frame(body: bytes) -> bytes:
+        return b"data: " + body + b"\n\n"
 
     def _process(self, events: bytes) -> bytes:
         mark = events.rfind(USAGE_MARK)  # from the end: the usage event is the last but [DONE]
@@ -72,3 +88,50 @@ def model_rename(served: str, public: str) -> tuple[bytes, bytes] | None:
     if served == public:
         return None
     return b'"model":' + orjson.dumps(served), b'"model":' + orjson.dumps(public)
+
+
+EVENT = b"event: "
+
+
+class EventRelay(Frames):
+    """Streams of `event: <type>` + `data: <json>` frames (the Responses API, Anthropic's Messages API), passed on
+    at frame boundaries as they come. Only the frames whose type is in `usage_events` are parsed: each maps the
+    frame's JSON to usage in the gateway's terms (prompt_tokens, completion_tokens), merged as they arrive
+    (Anthropic reports the prompt at the start and the output at the end). There is no `[DONE]`."""
+
+    def __init__(self, usage_events: dict[bytes, Callable[[dict[str, Any]], dict[str, Any] | None]],
+                 rename: tuple[bytes, bytes] | None = None) -> None:
+        self.usage_events = usage_events
+        self.rename = rename
+        self.usage: dict[str, Any] | None = None
+        self.pending = b""
+        self.events = 0
+
+    def _process(self, frames: bytes) -> bytes:
+        for name, extract in self.usage_events.items():
+            at = frames.find(EVENT + name + b"\n")
+            if at >= 0 and (at == 0 or frames[at - 1:at] == b"\n"):
+                self._take_usage(frames, at, extract)
+        if self.usage is None:
+            self.events += frames.count(SEP)
+        if self.rename is not None:
+            frames = frames.replace(*self.rename)
+        return frames
+
+    def _take_usage(self, frames: bytes, at: int, extract) -> None:
+        end = frames.find(SEP, at)
+        frame = frames[at:len(frames) if end < 0 else end]
+        for line in frame.split(b"\n"):
+            if line.startswith(b"data: "):
+                try:
+                    data = orjson.loads(line[6:])
+                except orjson.JSONDecodeError:
+                    return
+                found = extract(data) if isinstance(data, dict) else None
+                if found:
+                    self.usage = {**(self.usage or {}), **{k: v for k, v in found.items() if v}}
+                return
+
+    @staticmethod
+    def error_frame(body: bytes) -> bytes:
+        return b"event: error\ndata: " + body + b"\n\n"

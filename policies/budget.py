@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-from policies import tokens
 from policies.errors import RateLimited
 from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.pipeline import Call
@@ -36,6 +35,13 @@ from policies.store import StoreUnavailable
 log = logging.getLogger("gateway.budget")
 
 UTC = datetime.timezone.utc
+
+
+def estimate(call: Call, default_max_tokens: int) -> tuple[int, int, int]:
+    """(prompt, output, total) tokens the call may use, as its route prices it (policies/tokens.py)."""
+    prompt = call.tokens.prompt(call.body)
+    output = call.tokens.output(call.body, default_max_tokens)
+    return prompt, output, prompt + output
 
 
 def period_bounds(period: str, now: float) -> tuple[int, int]:
@@ -199,9 +205,7 @@ class Budget:
             call.before_rent = partial(self.reserve_rent, call, hold, provider)
         if budget.max_tokens_per_period is None and budget.when_spent != "reject":
             return  # only renting is budgeted, and it reserves when (if) the call spills
-        prompt = tokens.prompt_tokens(call.endpoint, call.body)
-        want = prompt + tokens.output_tokens(call.endpoint, call.body, self.default_max_tokens) \
-            if budget.max_tokens_per_period is not None else 0
+        want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
         verdict = await self.reserve(call, hold, -1 if budget.when_spent != "reject" else budget.max_rented_spend,
                                      0.0, budget.max_tokens_per_period, want)
         if verdict is None:
@@ -232,9 +236,8 @@ class Budget:
     async def reserve_rent(self, call: Call, hold: Hold, provider: str) -> bool:
         """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
         below the budget (so the spend ends within one request's cost of it)."""
-        body = call.body
-        cost = self.rented_cost(provider, tokens.prompt_tokens(call.endpoint, body),
-                                tokens.output_tokens(call.endpoint, body, self.default_max_tokens))
+        prompt, output, _ = estimate(call, self.default_max_tokens)
+        cost = self.rented_cost(provider, prompt, output)
         verdict = await self.reserve(call, hold, call.key.budget.max_rented_spend, cost, None, 0)
         if verdict is None or not verdict.rent_ok:
             call.rent_allowed = False

@@ -129,22 +129,38 @@ class UpstreamTimeout(GatewayError):
 
 
 class UpstreamStatus(GatewayError):
-    """A backend refused the request itself (4xx): its OpenAI error body reaches the client unchanged."""
+    """A backend refused the request itself (4xx): its OpenAI error body reaches the client unchanged; any other
+    body (vLLM's own `{"detail": "Not Found"}`, a proxy's HTML) is wrapped in an OpenAI error object with the
+    same status, its message taken from `detail` or the text and bounded."""
 
     type = "invalid_request_error"
 
     def __init__(self, status: int, raw_body: bytes) -> None:
-        super().__init__("upstream rejected the request")
-        self.status = status
         self.raw_body = raw_body
+        self.openai_shaped, message = upstream_text(raw_body)
+        super().__init__(message)
+        self.status = self.code = status  # vLLM's own errors carry the status as their code
 
     def body(self) -> bytes:
-        try:
-            parsed = orjson.loads(self.raw_body)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            return self.raw_body
-        # Not an OpenAI error object: wrap the text so the SDK still gets the shape it expects.
-        text = self.raw_body.decode("utf-8", "replace")[:2000]
-        return orjson.dumps({"error": {"message": text, "type": self.type, "param": None, "code": self.status}})
+        return self.raw_body if self.openai_shaped else super().body()
+
+
+MESSAGE_LIMIT = 500  # characters of a backend's own error text the client sees
+
+
+def upstream_text(raw: bytes) -> tuple[bool, str]:
+    """(whether `raw` is an OpenAI error object, the message to show)."""
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):  # OpenAI's shape, or Anthropic's ({"type": "error", "error": {...}})
+            message = error.get("message")
+            return parsed.get("type") != "error", (message if isinstance(message, str) else str(error))[:MESSAGE_LIMIT]
+        detail = parsed.get("detail", parsed)
+        text = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+    else:
+        text = raw.decode("utf-8", "replace").strip()
+    return False, (text[:MESSAGE_LIMIT] or "the backend refused the request")

@@ -15,6 +15,7 @@ from prometheus_client import (
 
 from policies.ledger.gauges import ReportGauges
 from policies.memo import Memo
+from policies.tally import TallyCounter
 
 disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
 
@@ -26,8 +27,9 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "llm_gateway_requests", "Requests answered, by public model, backend and HTTP status.",
-            ["model", "backend", "status"], registry=r,
+            "llm_gateway_requests", "Requests answered, by public model, backend, HTTP status and endpoint (the"
+            " route's name: chat/completions, responses, tokenize, rerank...).",
+            ["model", "backend", "status", "endpoint"], registry=r,
         )
         self.request_duration = Histogram(
             "llm_gateway_request_duration_seconds", "End-to-end request latency as the client sees it.",
@@ -107,12 +109,13 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
-        self.routing_decisions = Counter(
+        # counted in a plain dict (several per request, so no lock and no child lookup) and read at exposition
+        self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"
             " scorer's favourite was picked (agreed/overruled) or what it saw (prefix-affinity: hit, miss,"
-            " load_guard, no_prompt; session-affinity: pinned, no_session).", ["model", "scorer", "outcome"],
-            registry=r,
+            " load_guard, no_prompt; session-affinity: pinned, no_session).", ("model", "scorer", "outcome"),
         )
+        r.register(self.routing_decisions)
         self.prefix_match_chars = Histogram(
             "llm_gateway_routing_prefix_match_chars", "Prompt characters the chosen replica was expected to hold"
             " in its prefix cache (prefix-affinity's match).", ["model"],
@@ -136,13 +139,12 @@ class GatewayMetrics:
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
         self.requests_by = Memo(self.requests.labels)
         self.ttft_by = Memo(self.time_to_first_token.labels)
-        self.decisions_by = Memo(self.routing_decisions.labels)
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
-                      completion: int, served_by: str | None) -> None:
+                      completion: int, served_by: str | None, endpoint: str = "") -> None:
         """Everything one finished call moves, through children looked up once per (model, backend)."""
         series = self.series(model, backend)
-        self.requests_by(model, backend, str(status)).inc()
+        self.requests_by(model, backend, str(status), endpoint).inc()
         series.duration.observe(elapsed)
         series.overhead.observe(overhead)
         if prompt:
@@ -156,7 +158,7 @@ class GatewayMetrics:
                 tokens.inc(prompt + completion)
 
     def decision(self, model: str, scorer: str, outcome: str) -> None:
-        self.decisions_by(model, scorer, outcome).inc()
+        self.routing_decisions.add((model, scorer, outcome))
 
     def prefix_match(self, model: str, chars: int, ratio: float) -> None:
         self.prefix_match_chars.labels(model).observe(chars)
@@ -171,9 +173,9 @@ class GatewayMetrics:
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft_by(model).observe(seconds)
 
-    def call_refused(self, model: str, backend: str, status: int) -> None:
+    def call_refused(self, model: str, backend: str, status: int, endpoint: str = "") -> None:
         """A call that never got as far as a model (bad body, unknown key)."""
-        self.requests_by(model, backend, str(status)).inc()
+        self.requests_by(model, backend, str(status), endpoint).inc()
 
 
 class _Series:

@@ -17,7 +17,7 @@ class ResolveModel:
                 self.public[name] = model.name
 
     async def enter(self, call: Call) -> None:
-        requested = call.body.get("model")
+        requested = call.asked_model
         if not isinstance(requested, str) or not requested:
             raise BadRequest("you must provide a model parameter", param="model", code="missing_model")
         model = self.public.get(requested)

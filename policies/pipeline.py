@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.replicas import Replica
+from policies.tokens import FREE, Estimate
 
 log = logging.getLogger("gateway.pipeline")
 
@@ -19,12 +20,17 @@ log = logging.getLogger("gateway.pipeline")
 @dataclass(slots=True, eq=False)
 class Call:
     request_id: str
-    endpoint: str  # "chat/completions", "completions" or "embeddings"
+    endpoint: str  # the route's name: "chat/completions", "responses", "tokenize"... (gateway/endpoints/)
     headers: Any  # the client's request headers (case-insensitive mapping)
     client_host: str
     arrived: float  # perf_counter() when the request arrived
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
+    route: Any = None  # its declaration in the gateway's endpoint registry
+    params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
     body: dict[str, Any] = field(default_factory=dict)
+    tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
+    asked_model: Any = None  # the model the request names (its body's `model`, or what its route found)
+    pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     key: Any = None  # the caller's KeyRecord, once authenticated
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     ticket: Any = None  # what the rate limiter took, to give back

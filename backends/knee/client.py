@@ -30,6 +30,8 @@ class Sample:
     gaps: list[float] = field(default_factory=list)  # seconds between successive output chunks
     tokens: int = 0  # usage.completion_tokens (output chunks when the server sends no usage)
     chunks: int = 0  # chunks that carried output text
+    first_chunk: float = 0.0  # when the first and the last of them arrived
+    end_chunk: float = 0.0
     prompt_tokens: int | None = None
     error: str | None = None
 
@@ -88,9 +90,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, headers:
                                 on_chunk(now)
                             if last is None:
                                 sample.ttft = now - sample.start
+                                sample.first_chunk = now
                             else:
                                 sample.gaps.append(now - last)
-                            last = now
+                            last = sample.end_chunk = now
                         usage = event.get("usage")
                         if usage and not choices:
                             sample.tokens = int(usage.get("completion_tokens") or 0)

@@ -34,7 +34,28 @@ def build_report(result: SweepResult, slo_ttft_p99: float | None = None) -> dict
         "levels": [asdict(r) for r in result.levels],
         "stopped": result.stopped,
         "knee": knee.to_dict(),
+        "warnings": concurrency_warnings(result.levels),
     }
+
+
+HELD = 0.10  # the client's or vLLM's mean concurrency may stray this far from the level before a warning
+
+
+def concurrency_warnings(levels: list[LevelResult]) -> list[str]:
+    """Levels whose concurrency was not what was asked: the client did not keep it in flight, or vLLM did not
+    see it (running + waiting). Either way that level measured something else than its label says."""
+    out = []
+    for r in levels:
+        c = r.concurrency
+        if r.in_flight_mean is not None and abs(r.in_flight_mean - c) > HELD * c:
+            out.append(f"c={c}: the client held {r.in_flight_mean:.1f} requests in flight on average, not {c} "
+                       f"({r.processes} client process{'es' if r.processes > 1 else ''}): this level's figures "
+                       "are the client's limit, not the server's")
+        if r.running_mean is not None:
+            seen = r.running_mean + (r.waiting_mean or 0.0)
+            if abs(seen - c) > HELD * c:
+                out.append(f"c={c}: vLLM saw {seen:.1f} requests (running + waiting, mean) where {c} were sent")
+    return out
 
 
 def _iso(ts: float) -> str:
@@ -64,13 +85,14 @@ def _g(value: float | None, fmt: str = "{:.1f}") -> str:
 def format_table(report: dict) -> str:
     """A plain-text table of every level, the recommended cap marked, and the verdict below it."""
     cap = report["knee"]["recommended"]
-    head = ("c", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "running", "waiting", "KV max",
-            "errors", "")
-    rows = [head, ("", "", "", "ms", "ms", "ms", "ms", "mean/max", "mean/max", "%", "", "")]
+    head = ("c", "held", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "TPOT p50", "running", "waiting",
+            "KV max", "errors", "")
+    rows = [head, ("", "mean", "", "", "ms", "ms", "ms", "ms", "mean/max", "mean/max", "%", "", "")]
     for r in report["levels"]:
         rows.append((
-            str(r["concurrency"]), f"{r['output_tokens_per_s']:.0f}", f"{r['requests_per_s']:.2f}",
-            _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["itl_p50_s"]), _ms(r["itl_p99_s"]),
+            str(r["concurrency"]), _g(r.get("in_flight_mean")), f"{r['output_tokens_per_s']:.0f}",
+            f"{r['requests_per_s']:.2f}", _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["itl_p50_s"]),
+            _ms(r.get("tpot_p50_s")),
             f"{_g(r['running_mean'])}/{_g(r['running_max'], '{:g}')}",
             f"{_g(r['waiting_mean'])}/{_g(r['waiting_max'], '{:g}')}",
             _g(None if r["kv_cache_max"] is None else r["kv_cache_max"] * 100),
@@ -84,6 +106,7 @@ def format_table(report: dict) -> str:
     lines += ["", f"{verdict} ({knee['reason']})"]
     if report.get("stopped"):
         lines.append(f"note: {report['stopped']}")
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
     short = [r for r in report["levels"] if not r.get("complete", True)]
     if short:
         lines.append("note: the time limit closed the window before enough requests completed at "

@@ -19,6 +19,13 @@ percentiles over the requests that completed inside the window. Errors count eve
 level, warm-up included. vLLM's running/waiting/KV-cache gauges are scraped from /metrics
 about every `metrics_interval` seconds (jittered) during the window.
 
+The client must never be what limits the level. A level of more than `per_process` streams is spread over
+client processes (spread.py); every level records the client's own time-mean of requests in flight during the
+window (`in_flight_mean`) beside vLLM's running and waiting means, and the report warns when either strays
+more than 10% from the level. Token timing is taken per chunk as it is read; `tpot` (a request's last output
+chunk minus its first, over its chunks - 1) is the inter-token figure that stays honest when a busy client
+reads several chunks at once (the per-gap ITL then shows 0 ms gaps).
+
 Every wait is bounded: a request by `request_timeout`, a warm-up by warmup + request_timeout, a window by
 `duration` (or `max_level_time` with `requests` or `min_requests`), the whole sweep by `max_time`. A level whose
 window closed on `max_level_time` before its requests completed is marked `complete=False`.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
 import sys
 import time
@@ -66,6 +74,8 @@ class SweepSpec:
     metrics_interval: float = 0.5
     stop_on_errors: bool = True  # higher levels cannot be recommended once a level fails
     seed: int = 0
+    per_process: int = 64  # streams one client process drives; a level above it spreads over processes
+    max_processes: int | None = None  # at most this many client processes (default: the CPU count)
 
     def __post_init__(self) -> None:
         if not self.levels or any(c < 1 for c in self.levels):
@@ -78,9 +88,16 @@ class SweepSpec:
             raise ValueError("min_requests must be positive and goes with duration")
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError("prompt and output tokens must be positive")
+        if self.per_process < 1 or self.max_processes is not None and self.max_processes < 1:
+            raise ValueError("per_process and max_processes must be positive")
         if (self.warmup < 0 or self.request_timeout <= 0 or self.max_time <= 0 or self.metrics_interval <= 0
                 or self.max_level_time <= 0):
             raise ValueError("times must be positive")
+
+    def processes(self, concurrency: int) -> int:
+        """Client processes for a level: one per `per_process` streams, at most `max_processes`."""
+        most = self.max_processes or os.cpu_count() or 1
+        return max(1, min(most, math.ceil(concurrency / self.per_process), concurrency))
 
     def public(self) -> dict:
         """The inputs as the report records them: never the API key, nor credentials in the URL."""
@@ -115,6 +132,12 @@ class LevelResult:
     gauge_samples: int = 0
     complete: bool = True  # False: the window closed on a time limit before `requests` completed
     error_examples: list[str] = field(default_factory=list)
+    # per request (last output chunk - first) / (chunks - 1): unlike ITL it does not read 0 when a busy client
+    # takes several chunks in one read
+    tpot_p50_s: float | None = None
+    tpot_p99_s: float | None = None
+    in_flight_mean: float | None = None  # requests the client really held open during the window (time mean)
+    processes: int = 1  # client processes the level's streams were spread over
 
 
 @dataclass
@@ -175,6 +198,39 @@ class _Level:
         self.all_once = asyncio.Event()
         self.enough = asyncio.Event()
         self.gauges: list[dict[str, float]] = []
+        self.in_flight = 0  # requests open right now, and their integral over time (request-seconds)
+        self.area = 0.0
+        self.area_at = time.perf_counter()
+        self.window_area: list[float] = []  # the integral when the window opened, then when it closed
+        self.processes = 1
+
+    def _integrate(self, now: float) -> None:
+        if now > self.area_at:
+            self.area += self.in_flight * (now - self.area_at)
+            self.area_at = now
+
+    def sent(self) -> None:
+        self._integrate(time.perf_counter())
+        self.in_flight += 1
+
+    def returned(self) -> None:
+        self._integrate(time.perf_counter())
+        self.in_flight -= 1
+
+    def open(self, t0: float) -> None:
+        self._integrate(t0)
+        self.t0 = t0
+        self.window_area = [self.area]
+
+    def close(self, t1: float) -> None:
+        self._integrate(t1)
+        self.t1 = t1
+        self.window_area.append(self.area)
+
+    def in_flight_mean(self) -> float | None:
+        if len(self.window_area) < 2 or self.t0 is None or self.t1 is None or self.t1 <= self.t0:
+            return None
+        return (self.window_area[1] - self.window_area[0]) / (self.t1 - self.t0)
 
     def add(self, worker: int, sample: Sample) -> None:
         if self.closed:
@@ -192,7 +248,7 @@ class _Level:
         if self.t0 is not None and sample.end >= self.t0 and self.t1 is None:
             self.measured.append(sample)
             if self.spec.requests is not None and len(self.measured) >= self.spec.requests:
-                self.t1 = sample.end
+                self.close(sample.end)
                 self.enough.set()
             elif self.spec.min_requests is not None and len(self.measured) >= self.spec.min_requests:
                 self.enough.set()  # the window may close once its seconds are over too
@@ -235,7 +291,10 @@ class _Level:
             gauge_samples=len(self.gauges),
             complete=len(done) >= (self.spec.requests or self.spec.min_requests or 0),
             error_examples=self.examples,
+            in_flight_mean=self.in_flight_mean(), processes=self.processes,
         )
+        tpots = [(s.end_chunk - s.first_chunk) / (s.chunks - 1) for s in done if s.chunks > 1 and s.end_chunk]
+        out.tpot_p50_s, out.tpot_p99_s = percentile(tpots, 50), percentile(tpots, 99)
         for name, attr in zip(GAUGES, ("running", "waiting", "kv_cache")):
             values = [g[name] for g in self.gauges if name in g]
             if values:
@@ -285,8 +344,12 @@ async def calibrate(client: httpx.AsyncClient, spec: SweepSpec) -> int:
 async def _worker(index: int, level: _Level, client: httpx.AsyncClient, prompts: PromptMaker) -> None:
     spec, headers = level.spec, _headers(level.spec)
     while True:  # ends when the level cancels it; each pass is bounded by request_timeout
-        sample = await stream_chat(client, spec.url, chat_body(spec.model, prompts.next(), spec.output_tokens),
-                                   headers, spec.request_timeout, level.on_chunk)
+        level.sent()
+        try:
+            sample = await stream_chat(client, spec.url, chat_body(spec.model, prompts.next(), spec.output_tokens),
+                                       headers, spec.request_timeout, level.on_chunk)
+        finally:
+            level.returned()
         if sample.error is None and sample.tokens != spec.output_tokens:
             sample.error = f"short response: {sample.tokens} of {spec.output_tokens} output tokens"
         level.add(index, sample)
@@ -311,6 +374,14 @@ async def _show(level: _Level, progress: Progress, index: str) -> None:
         await asyncio.sleep(0.5)
 
 
+async def stop(level: _Level, tasks: list[asyncio.Task]) -> None:
+    """Close the level and cancel its workers (their requests are aborted) and helpers."""
+    level.closed = True
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int, prompts: PromptMaker,
                     progress: Progress, index: str = "", deadline: float = math.inf) -> LevelResult:
     level = _Level(spec, concurrency)
@@ -322,7 +393,7 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(level.all_once.wait(),
                                        min(spec.request_timeout, max(0.0, deadline - time.perf_counter())))
-        level.t0 = time.perf_counter()
+        level.open(time.perf_counter())
         tasks.append(asyncio.create_task(_sample_gauges(level, client)))
         limit = max(0.0, min(spec.duration or spec.max_level_time, deadline - level.t0))
         if spec.requests is None:
@@ -335,12 +406,9 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(level.enough.wait(), limit)
         if level.t1 is None:
-            level.t1 = time.perf_counter()
+            level.close(time.perf_counter())
     finally:
-        level.closed = True
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop(level, tasks)
     progress.done(level.status("done", level.t1, index))
     return level.result()
 
@@ -363,7 +431,13 @@ async def run_sweep(spec: SweepSpec, progress: Progress | None = None) -> SweepR
             if time.perf_counter() >= deadline:
                 stopped = f"the sweep's time limit ({spec.max_time:g} s) ran out before c={c}"
                 break
-            result = await run_level(client, spec, c, prompts, progress, f"[{i + 1}/{len(levels)}]", deadline)
+            where = f"[{i + 1}/{len(levels)}]"
+            if spec.processes(c) > 1:
+                from .spread import run_spread_level
+
+                result = await run_spread_level(client, spec, c, words, progress, where, deadline)
+            else:
+                result = await run_level(client, spec, c, prompts, progress, where, deadline)
             results.append(result)
             if result.errors and spec.stop_on_errors and c != levels[-1]:
                 stopped = f"stopped after c={c}: {result.errors} requests failed ({'; '.join(result.error_examples)})"

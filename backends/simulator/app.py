@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import SimConfig
 from .engine import Engine, GenRequest
+from .extras import Extras
 from .protocol import (ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, check_lengths,
                        completion_prompt, embedding_inputs, parse, refuse_unsupported, render_chat, tokenize)
 
@@ -116,6 +117,8 @@ class SimulatorApp:
             "/version": ("GET", self.version),
             "/metrics": ("GET", self.metrics),
         }
+        self.extras = Extras(self)
+        self.routes.update({path: ("POST", handler) for path, handler in self.extras.routes.items()})
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -124,7 +127,7 @@ class SimulatorApp:
         if scope["type"] != "http":
             return
         http = Http(scope, receive, send)
-        route = self.routes.get(http.path)
+        route = self.routes.get(http.path) or self._response_route(http.path)
         if route is None:
             await http.json(404, {"detail": "Not Found"})
         elif route[0] != http.method:
@@ -136,6 +139,15 @@ class SimulatorApp:
                 await http.json(exc.status, exc.body())
             except ClientGone:
                 pass
+
+    def _response_route(self, path: str) -> tuple[str, Callable[[Http], Awaitable[None]]] | None:
+        """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel."""
+        rest = path.removeprefix("/v1/responses/")
+        if rest == path or not rest:
+            return None
+        if rest.endswith("/cancel"):
+            return "POST", lambda http: self.extras.cancel(http, rest.removesuffix("/cancel"))
+        return "GET", lambda http: self.extras.retrieve(http, rest)
 
     async def _lifespan(self, receive, send) -> None:
         while True:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 
-from policies import tokens
 from policies.config import Policy
 from policies.errors import RateLimited, StateUnavailable
 from policies.ids import unique_id
@@ -74,8 +73,9 @@ class RateLimit:
         scopes = self.scopes(call)
         if not scopes:
             return
-        call.prompt_estimate = tokens.prompt_tokens(call.endpoint, call.body)
-        cost = call.prompt_estimate + tokens.output_tokens(call.endpoint, call.body, self.config.default_max_tokens)
+        estimate = call.tokens
+        call.prompt_estimate = estimate.prompt(call.body)
+        cost = call.prompt_estimate + estimate.output(call.body, self.config.default_max_tokens)
         member = f"{call.request_id}:{unique_id()}"
         limiter = self.limiter
         try:

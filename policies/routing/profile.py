@@ -38,22 +38,30 @@ class Profile:
         if len(candidates) == 1:
             chosen = candidates[0]
         else:
-            totals = [0.0] * len(candidates)
-            decisions = []
-            for scorer, weight in self.scorers:
-                scorer.outcome = None
-                scores = [min(1.0, max(0.0, s)) for s in scorer.score(call, candidates, self.stats)]
-                for i, s in enumerate(scores):
-                    totals[i] += weight * s
-                decisions.append((scorer, scores))
-            chosen = self.picker.pick(candidates, totals)
-            if self.metrics is not None:
-                index = candidates.index(chosen)
-                for scorer, scores in decisions:
-                    outcome = scorer.outcome or ("agreed" if scores[index] == max(scores) else "overruled")
-                    self.metrics.decision(self.model, scorer.name, outcome)
+            chosen = self.choose(call, candidates)
         for scorer in self.learners:
             scorer.picked(call, chosen)
+        return chosen
+
+    def choose(self, call: Call, candidates: list[Replica]) -> Replica:
+        totals = [0.0] * len(candidates)
+        decisions = []
+        for scorer, weight in self.scorers:
+            scorer.outcome = None
+            scores = scorer.score(call, candidates, self.stats)
+            low, high = min(scores), max(scores)
+            if low < 0.0 or high > 1.0:
+                scores = [min(1.0, max(0.0, s)) for s in scores]
+                high = min(1.0, max(0.0, high))
+            for i, s in enumerate(scores):
+                totals[i] += weight * s
+            decisions.append((scorer, scores, high))
+        chosen = self.picker.pick(candidates, totals)
+        if self.metrics is not None:
+            index = candidates.index(chosen)
+            for scorer, scores, high in decisions:
+                outcome = scorer.outcome or ("agreed" if scores[index] == high else "overruled")
+                self.metrics.decision(self.model, scorer.name, outcome)
         return chosen
 
 

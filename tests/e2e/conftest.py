@@ -26,6 +26,8 @@ from tests.support.probes import metric_sum, wait_http_ok
 from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, free_port, start_many, stop_all
 
 REPO = Path(__file__).resolve().parents[2]
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed")
 
 
 def pytest_collection_modifyitems(items):
@@ -49,7 +51,10 @@ def vllm_servers(tmp_path_factory, request):
         pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = {
-        "a": VLLMServer(model, "tiny-a", core=0, log_dir=logs),
+        # A also carries what the wider surface needs, so no extra generation server is started for it: tool
+        # calls (auto tool choice, the hermes parser) and the Responses store (a stored response can be retrieved)
+        "a": VLLMServer(model, "tiny-a", core=0, log_dir=logs, extra_args=TOOL_ARGS,
+                        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}),
         "b": VLLMServer(model, "tiny-b", core=1, log_dir=logs),
     }
     capture = request.config.pluginmanager.getplugin("capturemanager")
@@ -122,3 +127,28 @@ def gateway_process(policy: dict, work: Path) -> Iterator[GatewayProcess]:
 def gateway(vllm_servers, tmp_path_factory):
     with gateway_process(e2e_policy(vllm_servers, free_port()), tmp_path_factory.mktemp("gateway")) as gw:
         yield gw
+
+
+@pytest.fixture(scope="session")
+def pooling(tmp_path_factory, request):
+    """The tiny model served as a pooling model (embeddings, /pooling, /score, /rerank) and a gateway in front
+    (model `pool`): one more server, started only when a test asks for it, once per session."""
+    venv, model = default_vllm_venv(), default_model_dir()
+    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
+        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    server = VLLMServer(model, "tiny-pool", core=1, log_dir=tmp_path_factory.mktemp("vllm-pool-logs"),
+                        extra_args=POOLING_ARGS)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        start_many([server], timeout=240)
+    policy = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
+        "timeouts": {"connect": 2, "read": 120},
+        "models": [{"name": "pool", "served_name": "tiny-pool", "backends": [{"url": server.base_url}]}],
+    }
+    try:
+        with gateway_process(policy, tmp_path_factory.mktemp("pool-gateway")) as gw:
+            yield gw
+    finally:
+        stop_all([server])

@@ -101,6 +101,45 @@ async def test_request_count_windows_and_failing_levels():
     assert knee["recommended"] == 2 and "c=32 had" in knee["reason"]
 
 
+async def test_a_level_spread_over_client_processes_holds_its_concurrency(tmp_path):
+    """per_process=4: c=8 runs in 2 processes, c=16 in 4; merged, they measure what one process measures (the
+    simulator's batch cap of 8 holds, 16 queues) and the client really held each level in flight."""
+    async with serve_app(create_app(CAPPED)) as url:
+        quiet = Progress(io.StringIO(), live=False)
+        spread = await run_sweep(spec(url, levels=(2, 8, 16), per_process=4, max_processes=4), quiet)
+        single = await run_sweep(spec(url, levels=(16,)), quiet)
+    by_c = {r.concurrency: r for r in spread.levels}
+    assert [by_c[c].processes for c in (2, 8, 16)] == [1, 2, 4] and single.levels[0].processes == 1
+    for r in [*spread.levels, *single.levels]:
+        assert r.errors == 0 and r.complete and r.requests >= 8 and r.gauge_samples > 0
+        assert abs(r.in_flight_mean - r.concurrency) <= 0.1 * r.concurrency, (r.concurrency, r.in_flight_mean)
+        assert 0.005 < r.tpot_p50_s < 0.2  # ~10-20 ms simulated steps, not 0 and not the whole request
+    assert by_c[8].running_max <= 8 and by_c[16].waiting_max > 0  # the server saw the spread level
+    assert 0.6 < by_c[16].output_tokens_per_s / single.levels[0].output_tokens_per_s < 1.6
+    assert by_c[16].output_tokens_per_s > 1.5 * by_c[2].output_tokens_per_s
+    assert not [w for w in build_report(spread)["warnings"] if "client held" in w]
+
+    # the two sweeps compared by the CLI: one table (the first is the baseline) and one plot
+    write_json(build_report(spread), tmp_path / "a.json")
+    write_json(build_report(single), tmp_path / "b.json")
+    (tmp_path / "bad.json").write_text('{"kind": "something else"}')
+    code, out, err = await run_cli("--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                                   "--label", "spread", "--label", "single", "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    table = out.split("wrote")[0]
+    assert "spread" in table and "single" in table and "peak tok/s" in table
+    row16 = next(line for line in table.splitlines() if line.startswith("16 "))
+    ratio = by_c[16].output_tokens_per_s and single.levels[0].output_tokens_per_s / by_c[16].output_tokens_per_s
+    assert f"({ratio:.2f}x)" in row16  # the second sweep against the first, at the level both measured
+    [png] = (tmp_path / "cmp").iterdir()
+    assert png.name.startswith("knee-compare-")
+    assert_png(png)
+    code, _, err = await run_cli("--compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json"))
+    assert code == 2 and "bad.json: not an `llm-gateway knee` JSON record" in err
+    code, _, err = await run_cli("--compare", str(tmp_path / "a.json"), "--label", "x", "--label", "y", "--label", "z")
+    assert code == 2 and "--label given 3 times for 1 sweeps" in err
+
+
 POLICY = """\
 models:
   - name: m   # the simulated model

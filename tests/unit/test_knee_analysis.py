@@ -150,3 +150,23 @@ def test_report_form_is_json_ready(points):
     out = find_knee(points, slo_ttft_p99=0.5).to_dict()
     assert set(out) >= {"knee", "slo_level", "recommended", "reason", "method", "scores"}
     assert all(isinstance(k, str) for k in out["scores"])
+
+
+def test_levels_whose_concurrency_was_not_held_are_warned_about():
+    from backends.knee.report import concurrency_warnings
+    from backends.knee.sweep import LevelResult
+
+    def level(c, held, running, waiting=0.0, processes=1):
+        return LevelResult(c, 10.0, 100, 0, 1000.0, 10.0, 0.1, 0.2, 0.01, 0.02, 1.0, 256.0, running_mean=running,
+                           waiting_mean=waiting, in_flight_mean=held, processes=processes)
+
+    warnings = concurrency_warnings([
+        level(8, 7.9, 6.0, 1.5),  # held, and vLLM saw 7.5 of 8: within 10%
+        level(256, 166.0, 160.0, 6.0),  # a client that could not keep up (the H200 case)
+        level(64, 63.5, 40.0, 0.0, processes=2),  # the client held it, vLLM saw fewer
+        level(4, None, None),  # nothing recorded: nothing to say
+    ])
+    assert len(warnings) == 3
+    assert warnings[0].startswith("c=256: the client held 166.0 requests in flight on average, not 256 (1 client")
+    assert warnings[1].startswith("c=256: vLLM saw 166.0 requests")
+    assert warnings[2].startswith("c=64: vLLM saw 40.0 requests")

@@ -1,0 +1,141 @@
+"""What one route of the OpenAI surface declares, and the parts routes share.
+
+A `Route` is a declaration, not code: its path pattern and methods, how its body is read (JSON, multipart,
+none), where its model is, how its tokens are estimated for the rate limits, where its usage is in the answer,
+how its stream is relayed, its affinity (a replica it must go to), and the shape of its errors. The HTTP shell
+(gateway/openai_routes.py) looks a request's route up in the registry (gateway/endpoints/__init__.py) and the
+proxy (gateway/proxy.py) runs it; neither knows any route by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from backends.replicas import Replica
+from gateway.relay import EventRelay, SSERelay
+from policies.errors import BadRequest, GatewayError
+from policies.pipeline import Call
+from policies.tokens import FREE, Estimate
+
+JSON, MULTIPART, NONE = "json", "multipart", "none"
+PARAM = re.compile(r"\{(\w+)(:path)?\}")
+SEGMENT = r"[A-Za-z0-9_.\-]{1,200}"  # an id in a path: nothing that could bend the upstream request line
+MODEL_PATH = r"[^\x00-\x20\x7f]{1,256}"  # a model name in a path may hold slashes ("org/model")
+
+
+def body_model(call: Call) -> Any:
+    return call.body.get("model")
+
+
+def openai_usage(data: dict[str, Any]) -> dict[str, Any] | None:
+    """`usage` as chat, completions, embeddings and vLLM's pooling routes report it."""
+    usage = data.get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def io_usage(usage: Any) -> dict[str, int] | None:
+    """Responses' and Anthropic's `usage` ({input_tokens, output_tokens}) in the gateway's terms."""
+    if not isinstance(usage, dict):
+        return None
+    return {"prompt_tokens": _int(usage.get("input_tokens")), "completion_tokens": _int(usage.get("output_tokens"))}
+
+
+def no_usage(_data: dict[str, Any]) -> None:
+    return None
+
+
+def openai_error_body(error: GatewayError) -> bytes:
+    return error.body()
+
+
+# The body fields that change what the gateway does (stream or not, how many tokens to reserve): checked for type
+# before forwarding, so the gateway and the backend never read one body two ways (vLLM coerces "yes" to true).
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive(value: Any) -> bool:
+    return _count(value) and value >= 1
+
+
+def _stream_options(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        v is None or isinstance(v, bool) for k, v in value.items() if k in ("include_usage", "continuous_usage_stats"))
+
+
+FIELD_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("stream", _bool, "a boolean"),
+    ("stream_options", _stream_options, "an object whose include_usage is a boolean"),
+    ("n", _positive, "an integer of at least 1"),
+    ("max_tokens", _count, "a non-negative integer"),
+    ("max_completion_tokens", _count, "a non-negative integer"),
+    ("max_output_tokens", _count, "a non-negative integer"),
+)
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    for name, ok, what in FIELD_CHECKS:
+        value = body.get(name)
+        if value is not None and not ok(value):
+            raise BadRequest(f"'{name}' must be {what}", param=name, code="invalid_type")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc.msg}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", code="invalid_json")
+    check_fields(body)
+    return body
+
+
+def chat_relay(call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay:
+    return SSERelay(strip_usage=not call.wants_usage, rename=rename)
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    name: str  # the endpoint's name in metrics, the access log and usage ("chat/completions", "responses")
+    path: str  # the client's path; `{id}` is one segment, `{model:path}` may span several
+    methods: tuple[str, ...] = ("POST",)
+    upstream: str | None = None  # vLLM's path for it (`{id}` filled in), when it differs from `path`
+    body: str = JSON
+    tokens: Estimate = FREE  # the token estimate the rate limits reserve
+    model: Callable[[Call], Any] = body_model  # the model it names (before aliases are resolved)
+    usage: Callable[[dict[str, Any]], dict[str, Any] | None] = openai_usage  # from a whole JSON answer
+    relay: Callable[[Call, tuple[bytes, bytes] | None], SSERelay | EventRelay] | None = None  # None: never streams
+    stream_usage: bool = False  # ask the backend for the usage chunk (stripped again when the client did not)
+    pin: Callable[[Call, Any], Replica | None] | None = None  # affinity: the replica it must go to (or None)
+    prepare: Callable[[Call, dict[str, Any], Replica], None] | None = None  # last touches for the chosen replica
+    rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
+    errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
+    key_header: str | None = None  # a header that may carry the API key instead of Authorization
+    answer: Callable[[Any, Any, dict[str, str]], Awaitable[bytes]] | None = None  # answered by the gateway
+    max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
+    pattern: re.Pattern | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if "{" in self.path:
+            regex = PARAM.sub(lambda m: f"(?P<{m[1]}>{MODEL_PATH if m[2] else SEGMENT})", self.path)
+            object.__setattr__(self, "pattern", re.compile(f"^{regex}$"))
+
+    def upstream_path(self, params: dict[str, str]) -> str:
+        return (self.upstream or self.path).format(**params)
+
+    def streams(self, body: dict[str, Any]) -> bool:
+        return self.relay is not None and body.get("stream") is True
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

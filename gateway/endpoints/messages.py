@@ -1,0 +1,48 @@
+"""Anthropic's Messages API as vLLM serves it: POST /v1/messages (streamed as `event:` frames: the prompt's
+tokens in `message_start`, the output's in `message_delta`) and /v1/messages/count_tokens. Anthropic's SDK
+sends its key as `x-api-key`, so that header is accepted as the key here, and every error on these routes
+has Anthropic's shape ({"type": "error", "error": {"type", "message"}}) so that SDK raises the right class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.endpoints.base import Route, io_usage, no_usage
+from gateway.relay import EventRelay
+from policies.errors import GatewayError
+from policies.pipeline import Call
+from policies.tokens import Estimate, chat_prompt, max_output
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+         529: "overloaded_error"}
+
+
+def anthropic_error(error: GatewayError) -> bytes:
+    kind = TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+
+
+def start_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+    message = frame.get("message")
+    return io_usage(message.get("usage")) if isinstance(message, dict) else None
+
+
+def delta_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+    return io_usage(frame.get("usage"))
+
+
+def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
+    return EventRelay({b"message_start": start_usage, b"message_delta": delta_usage}, rename)
+
+
+def usage(data: dict[str, Any]) -> dict[str, int] | None:
+    return io_usage(data.get("usage"))
+
+
+MESSAGES = Route("messages", "/v1/messages", tokens=Estimate(chat_prompt, max_output("max_tokens")), usage=usage,
+                 relay=relay, errors=anthropic_error, key_header="x-api-key")
+COUNT_TOKENS = Route("messages/count_tokens", "/v1/messages/count_tokens", usage=no_usage, errors=anthropic_error,
+                     key_header="x-api-key")

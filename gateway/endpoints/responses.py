@@ -1,0 +1,96 @@
+"""The Responses API: POST /v1/responses (streamed as `event:` + `data:` frames, usage in `response.completed`),
+GET /v1/responses/{id} and POST /v1/responses/{id}/cancel.
+
+vLLM keeps a stored response in the memory of the one server that made it, so a response id must lead back
+to that replica, from any gateway replica, with no shared state: the gateway names each response itself
+(vLLM takes the id from the body's `request_id`) as `resp_<tag><random>`, where the tag is a hash of the
+replica's stable name. A retrieve, a cancel, or a new response continuing it (`previous_response_id`) goes to
+the replica whose tag the id carries; an id the gateway did not make, or whose replica is gone, is a 404.
+Responses served by a rented provider keep the provider's ids and cannot be retrieved through the gateway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any
+
+from backends.replicas import Replica
+from gateway.endpoints.base import NONE, Route, io_usage, no_usage
+from gateway.relay import EventRelay
+from policies.errors import NotFound
+from policies.pipeline import Call
+from policies.tokens import RESPONSES
+
+PREFIX = "resp_"
+TAG = 8  # hex characters of the replica's tag
+
+
+@lru_cache(maxsize=1024)
+def tag(replica_name: str) -> str:
+    return hashlib.blake2b(replica_name.encode(), digest_size=TAG // 2).hexdigest()
+
+
+def new_id(replica: Replica) -> str:
+    return f"{PREFIX}{tag(replica.name)}{secrets.token_hex(12)}"
+
+
+def replica_of(response_id: Any, replicas: Iterable[Replica]) -> Replica | None:
+    if not isinstance(response_id, str) or not response_id.startswith(PREFIX) or len(response_id) <= len(PREFIX) + TAG:
+        return None
+    wanted = response_id[len(PREFIX):len(PREFIX) + TAG]
+    return next((r for r in replicas if r.rented is None and tag(r.name) == wanted), None)
+
+
+def pin_by_path(call: Call, replicas: Iterable[Replica]) -> Replica:
+    response_id = call.params["id"]
+    replica = replica_of(response_id, replicas)
+    if replica is None:
+        raise NotFound(f"No response found with id '{response_id}'.", param="response_id", code="response_not_found")
+    return replica
+
+
+def pin_previous(call: Call, replicas: Iterable[Replica]) -> Replica | None:
+    previous = call.body.get("previous_response_id")
+    if previous is None:
+        return None
+    replica = replica_of(previous, replicas)
+    if replica is None:
+        raise NotFound(f"Previous response with id '{str(previous)[:200]}' not found.",
+                       param="previous_response_id", code="previous_response_not_found")
+    return replica
+
+
+def pinned_model(call: Call) -> str | None:
+    return call.pinned.model if call.pinned is not None else None
+
+
+def assign_id(_call: Call, body: dict[str, Any], replica: Replica) -> None:
+    if replica.rented is None:
+        body["request_id"] = new_id(replica)
+    else:
+        body.pop("request_id", None)
+
+
+def final_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+    response = frame.get("response")
+    return io_usage(response.get("usage")) if isinstance(response, dict) else None
+
+
+def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
+    return EventRelay({b"response.completed": final_usage, b"response.incomplete": final_usage,
+                       b"response.failed": final_usage}, rename)
+
+
+def usage(data: dict[str, Any]) -> dict[str, int] | None:
+    return io_usage(data.get("usage"))
+
+
+CREATE = Route("responses", "/v1/responses", tokens=RESPONSES, usage=usage, relay=relay, pin=pin_previous,
+               prepare=assign_id, rentable=True)
+RETRIEVE = Route("responses/retrieve", "/v1/responses/{id}", methods=("GET",), body=NONE, pin=pin_by_path,
+                 model=pinned_model, usage=no_usage)
+CANCEL = Route("responses/cancel", "/v1/responses/{id}/cancel", body=NONE, pin=pin_by_path, model=pinned_model,
+               usage=no_usage)

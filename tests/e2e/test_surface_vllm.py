@@ -1,0 +1,113 @@
+"""The wider surface through the gateway in front of real vLLM servers: model lookup, the Responses API (plain,
+streamed, a stored response retrieved), tokenize round trip, tool calls passed through, Anthropic's Messages
+API through the anthropic SDK, and the pooling routes against the tiny model served as a pooling model."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+HELLO = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def sdk(gateway):
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(gateway):
+    with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {gateway.key}"}, timeout=60) as c:
+        yield c
+
+
+def test_models_retrieve_is_answered_by_the_gateway(sdk):
+    assert sdk.models.retrieve("alpha").id == "alpha"
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("tiny-a")  # the served name is not a public one
+
+
+def test_responses_plain_stored_and_streamed(sdk, gateway):
+    before = gateway.metric("llm_gateway_completion_tokens_total", model="alpha")
+    made = sdk.responses.create(model="alpha", input="Tell me about rivers.", max_output_tokens=8, temperature=0)
+    assert made.model == "alpha" and made.output_text and made.usage.output_tokens == 8
+    stored = sdk.responses.retrieve(made.id)  # vLLM A runs with its store enabled
+    assert stored.id == made.id and stored.output_text == made.output_text
+
+    events = list(sdk.responses.create(model="alpha", input="Hello", max_output_tokens=5, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.usage.output_tokens == 5
+    # both answers' tokens are counted from the usage vLLM reported
+    assert gateway.metric("llm_gateway_completion_tokens_total", model="alpha") - before == 8 + 5
+    assert gateway.metric("llm_gateway_requests_total", endpoint="responses", status="200") >= 2
+
+
+def test_tokenize_detokenize_round_trip(http):
+    tokens = http.post("/tokenize", json={"model": "beta", "prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert http.post("/detokenize", json={"model": "beta", "tokens": tokens["tokens"]}).json()["prompt"] \
+        == "hello world"
+
+
+def test_tool_calls_pass_through(sdk):
+    # vLLM A runs with --enable-auto-tool-choice --tool-call-parser hermes: it takes the request (the tiny model
+    # cannot write a real call); vLLM B runs without them and refuses it with its own 400
+    reply = sdk.chat.completions.create(model="alpha", messages=HELLO, tools=TOOLS, tool_choice="auto",
+                                        max_tokens=8)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model="beta", messages=HELLO, tools=TOOLS, tool_choice="auto", max_tokens=8)
+    assert "tool" in refused.value.message
+
+
+def test_anthropic_sdk_messages_plain_and_streamed(gateway):
+    with anthropic.Anthropic(base_url=gateway.url, api_key=gateway.key, max_retries=0, timeout=60) as client:
+        message = client.messages.create(model="beta", max_tokens=6, messages=[{"role": "user", "content": "Hi"}])
+        assert message.model == "beta" and message.usage.output_tokens == 6 and message.content[0].text
+        with client.messages.stream(model="beta", max_tokens=5, messages=[{"role": "user", "content": "Hi"}]) as s:
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+        assert text and final.usage.output_tokens == 5
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+    with anthropic.Anthropic(base_url=gateway.url, api_key="sk-not-a-key", max_retries=0) as stranger:
+        with pytest.raises(anthropic.AuthenticationError):
+            stranger.messages.create(model="beta", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_malformed_bodies_get_4xx_from_gateway_or_vllm(http):
+    cases = [
+        {"model": "alpha", "messages": HELLO, "stream": "yes"},  # vLLM would coerce and stream: refused first
+        {"model": "alpha", "messages": "hi"},
+        {"model": "alpha", "messages": HELLO, "max_tokens": 100000},
+        {"model": "alpha", "messages": HELLO, "temperature": "hot"},
+        {"model": "alpha", "messages": HELLO, "n": 0},
+    ]
+    for body in cases:
+        answer = http.post("/v1/chat/completions", json=body)
+        assert 400 <= answer.status_code < 500 and isinstance(answer.json()["error"], dict), (body, answer.text)
+    on_generate = http.post("/v1/embeddings", json={"model": "alpha", "input": "x"})  # vLLM: {"detail":...}
+    assert on_generate.status_code == 404 and on_generate.json()["error"]["message"] == "Not Found"
+
+
+def test_pooling_model_embeds_scores_and_reranks(pooling):
+    with openai.OpenAI(base_url=f"{pooling.url}/v1", api_key=pooling.key, max_retries=0, timeout=60) as sdk:
+        vectors = sdk.embeddings.create(model="pool", input=["a river", "a mountain"])
+        assert len(vectors.data) == 2 and len(vectors.data[0].embedding) > 1 and vectors.usage.prompt_tokens > 0
+    with httpx.Client(base_url=pooling.url, headers={"authorization": f"Bearer {pooling.key}"}, timeout=60) as c:
+        ranked = c.post("/rerank", json={"model": "pool", "query": "river", "documents": ["water", "rock", "sky"]})
+        assert ranked.status_code == 200 and sorted(r["index"] for r in ranked.json()["results"]) == [0, 1, 2]
+        assert c.post("/v1/rerank", json={"model": "pool", "query": "q", "documents": ["d"]}).status_code == 200
+        scored = c.post("/score", json={"model": "pool", "text_1": "river", "text_2": ["water", "rock"]})
+        assert scored.status_code == 200 and len(scored.json()["data"]) == 2
+        pooled = c.post("/pooling", json={"model": "pool", "input": "a river"})
+        assert pooled.status_code == 200 and pooled.json()["data"]
+    assert pooling.metric("llm_gateway_requests_total", endpoint="rerank", status="200") == 2
+    assert pooling.metric("llm_gateway_prompt_tokens_total", model="pool") > 0
