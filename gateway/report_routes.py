@@ -61,6 +61,7 @@ class Point(Closed):
 
 class ModelFigures(Closed):
     utilisation: float
+    batch_fill: float | None
     backends: list[BackendFigures]
     owned: OwnedFigures
     rented: RentedFigures

@@ -7,7 +7,8 @@ to own the base load and rent the bursts.
 
 For each model over the window:
   utilisation            time its owned backends had at least one request in flight / (window x backends)
-  average in flight      requests in flight on average, against the backend's cap (how full its batch was)
+  average in flight      requests in flight on average, against the backend's cap (how full its batch was;
+                         `batch_fill` for all the model's capped backends together)
   owned cost             every owned backend's hourly price (+ power) x the window, busy or not
   owned cost per million owned cost / owned tokens x 10^6: what a token cost at that utilisation
   owned at rented price  the owned tokens priced at the rented provider's per-token price
@@ -116,6 +117,9 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
             "in_flight_vs_cap": _round(average / b.cap, 4) if b.cap else None,
         })
     utilisation = sum(min(seconds, busy.get(b.name, 0.0)) for b in model.backends) / (seconds * len(model.backends))
+    capped = [b for b in model.backends if b.cap]
+    batch_fill = sum(held.get(b.name, 0.0) for b in capped) / (seconds * sum(b.cap for b in capped)) if capped \
+        else None
     owned_tokens = owned["prompt_tokens"] + owned["completion_tokens"]
     price = model.rented
     owned_at_rented = None if price is None else \
@@ -128,6 +132,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
     burst = burstiness([s["requests"] for s in per_bucket.values()], seconds, bucket_seconds)
     figures = {
         "utilisation": _round(utilisation),
+        "batch_fill": _round(batch_fill),
         "backends": backends,
         "owned": {**owned, "queue_seconds": _round(owned["queue_seconds"], 3)},
         "rented": {**rented, "cost": _round(rented["cost"], 9), "provider": price.provider if price else None},
@@ -159,7 +164,8 @@ def burstiness(requests_per_bucket: list[float], seconds: float, bucket_seconds:
 
 def recommend(f: dict, tokens: int) -> dict:
     owned, rent_all, util, burst = f["owned_cost"], f["rent_all_cost"], f["utilisation"], f["burstiness"] or 0.0
-    numbers = (f"utilisation {util:.0%}, peak/mean {burst:.1f}, owned {_money(owned)} "
+    fill = f", batches {f['batch_fill']:.0%} of the cap" if f["batch_fill"] is not None else ""
+    numbers = (f"utilisation {util:.0%}{fill}, peak/mean {burst:.1f}, owned {_money(owned)} "
                f"vs renting everything {_money(rent_all)}")
     if owned is None:
         return {"verdict": "unknown", "reason": "no backend of this model declares cost.per_hour"}
@@ -176,7 +182,13 @@ def recommend(f: dict, tokens: int) -> dict:
                               f"replicas for the base load and let the bursts overflow; {numbers}"}
         return {"verdict": "own", "reason": f"steady traffic keeps the GPUs working: owning was cheaper; {numbers}"}
     break_even = f["break_even_utilisation"]
-    above = f"; owning pays off above {break_even:.0%} utilisation" if break_even is not None else ""
+    if break_even is None:
+        above = ""
+    elif break_even <= 1:
+        above = f"; owning pays off above {break_even:.0%} utilisation"
+    else:  # more tokens per busy hour (fuller batches) or a cheaper GPU would have to change the sums
+        above = (f"; even always busy at this batch size, owning would not pay off ({break_even:.0%} "
+                 "utilisation needed): fuller batches or cheaper GPUs would")
     if burst >= BURSTY or util < HIGH_UTILISATION:
         return {"verdict": "rent", "reason": f"the GPUs were idle most of the time or the traffic came in bursts: "
                                              f"renting would have been cheaper; {numbers}{above}"}

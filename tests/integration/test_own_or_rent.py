@@ -21,8 +21,10 @@ import pytest
 from backends.simulator import SimConfig, create_app
 from gateway.admin_auth import mint_token
 from policies.config import Admin
+from policies.keys import KeyBudget
 from tests.integration.test_overflow import issue, standin  # noqa: F401 - the stand-in provider fixture
 from tests.support.gateway import running_gateway
+from tests.support.rented_standin import read_log
 from tests.support.servers import serve_app
 
 CLI = str(Path(sys.executable).with_name("llm-gateway"))
@@ -183,3 +185,41 @@ async def cli(*args: str) -> tuple[int, str, str]:
                                                 stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_embedded_budget_stops_spilling_and_survives_a_restart(standin, tmp_path):  # noqa: F811
+    """One gateway on SQLite: the budget's counters live in the process and start from the ledger."""
+    rented_url, log, _ = standin
+    db = tmp_path / "gateway.db"
+    per_rented = (11 * PROMPT_PRICE + 5 * COMPLETION_PRICE) / 1e6  # what the stand-in reports, at its price
+    budget = 2.5 * per_rented
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 60}], "max_tokens": 10, "ignore_eos": True}
+    config = policy("", rented_url, db)
+    config["models"][0]["overflow"]["when_wait_exceeds"] = 0.05
+    config["models"][0]["backends"][0]["cap"] = 1
+
+    async def burst(url: str, key: str) -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            replies = await asyncio.gather(*(http.post(f"{url}/v1/chat/completions", json=body,
+                                                       headers={"authorization": f"Bearer {key}"})
+                                             for _ in range(4)))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.headers["x-gateway-served-by"] for r in replies]
+
+    async with serve_app(create_app(SLOW)) as owned:
+        config["models"][0]["backends"][0]["url"] = owned
+        async with running_gateway(config) as gw:
+            key = await issue(gw, "allow_rented")
+            record = await gw.state.store.get_key(key.split("-")[1])
+            await gw.state.store.put_key(record.model_copy(update={"budget": KeyBudget(max_rented_spend=budget)}))
+            rented = 0
+            for _ in range(20):
+                spilled = (await burst(gw.url, key)).count("rented")
+                rented += spilled
+                if spilled == 0 and rented * per_rented >= budget:
+                    break
+            assert budget <= rented * per_rented <= budget + per_rented
+            assert len(read_log(log)) == rented
+        async with running_gateway(config, issue_test_key=False) as gw:  # restarted: the spend is remembered
+            assert await burst(gw.url, key) == ["owned"] * 4
+            assert len(read_log(log)) == rented
