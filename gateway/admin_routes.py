@@ -19,11 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin_live import live_handlers
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
+from gateway.report_routes import report_handlers
 from policies.errors import NotFound
 from policies.keys import (
     CIDR_PATTERN,
     CLASS_NAME,
     DataPolicy,
+    KeyBudget,
     KeyLimits,
     KeyRecord,
     hash_key,
@@ -62,6 +64,7 @@ class KeyChanges(BaseModel):
                                        " default); null for the default (interactive)")
     client_priority: bool | None = Field(None, description="whether its clients may pick a class by header and"
                                          " send vLLM's `priority` field; null: no")
+    budget: KeyBudget | None = Field(None, description="rented spend and tokens per period; null for none")
 
     @field_validator("allowed_cidrs")
     @classmethod
@@ -93,6 +96,7 @@ class KeyView(BaseModel):
     limits: KeyLimits
     priority_class: str | None
     client_priority: bool
+    budget: KeyBudget | None
     created_at: float
     last_used_at: float | None
     previous_valid_until: float | None = Field(description="while set and in the future, the pre-rotation secret works")
@@ -200,7 +204,7 @@ def admin_router(gateway) -> Router:
         return Usage(id=key_id, models=models, total=total)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate
+from policies.budget import open_budgets
 from policies.compile import replica_set
 from policies.config import Policy
 from policies.discovery import Discovery
@@ -53,12 +55,14 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
+from policies.ledger.record import RecordLedger, open_ledger
+from policies.ledger.report import build_report, costs_of
 from policies.live_metrics import LiveMetrics
 from policies.metrics import GatewayMetrics
 from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
-from policies.store import StoreUnavailable, open_store
+from policies.store import StoreError, StoreUnavailable, open_store
 
 log = logging.getLogger("gateway")
 
@@ -90,8 +94,15 @@ class Gateway:
         )
         self.limiter = open_limiter(self.store)
         self.record_usage = RecordUsage(self.store, self.background.run)
+        self.ledger = open_ledger(self.store, policy.ledger.bucket_seconds)
+        # priced with the rented providers of whichever snapshot serves (a reload may change them)
+        self.record_ledger = RecordLedger(self.ledger, policy.ledger, lambda *a: self.rented.cost(*a),
+                                          self.background.run,
+                                          lambda why: self.metrics.background_errors.labels(why).inc())
+        self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
-                             self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet)
+                             self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet,
+                             self.budgets, self.record_ledger)
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -145,6 +156,28 @@ class Gateway:
     def _model_object(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
 
+    async def report(self, window: float, until: float | None = None) -> dict:
+        """The own-vs-rent report (policies/ledger/report.py) for the `window` seconds before `until` (default:
+        now), in whole ledger buckets; this replica's unwritten sums are written first."""
+        size = self.policy.ledger.bucket_seconds
+        now = time.time()
+        end = math.ceil(min(until or now, now) / size) * size
+        since = (end - window) // size * size
+        await self.record_ledger.flush()
+        rows = await self.ledger.read(since, end)
+        return build_report(rows, costs_of(self.policy), since, min(end, now), size)
+
+    async def refresh_report_gauges(self) -> None:
+        every = self.policy.ledger.report_every_seconds
+        while True:
+            try:
+                self.metrics.report.update(await self.report(self.policy.ledger.report_window_seconds))
+            except StoreError as exc:  # the store is down: the gauges keep their last figures
+                log.warning("could not refresh the own-vs-rent gauges: %s", exc)
+            except Exception:  # a bug: say so, and keep the loop alive
+                log.exception("could not refresh the own-vs-rent gauges")
+            await asyncio.sleep(every)
+
     def start_drain(self) -> None:
         """The process is going away: readiness fails at once so the Service stops routing here (a flag only,
         as it is called from a signal handler)."""
@@ -197,6 +230,8 @@ class Gateway:
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
+        if self.policy.ledger.enabled:
+            loops.append(asyncio.create_task(self.refresh_report_gauges()))
         try:
             yield
         finally:
@@ -209,8 +244,10 @@ class Gateway:
             self.proxy.access_log.flush()
             self.background.run(self.record_usage.flush())
             await self.admission.close()
+            self.background.run(self.record_ledger.flush())
             await self.background.drain(timeout=5)
             await client.aclose()
+            await self.ledger.close()
             await self.store.close()
 
 

@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import keys_cli, knee_cli
+    from gateway import keys_cli, knee_cli, report_cli
 
     keys_cli.add_commands(sub)
     knee_cli.add_commands(sub)
+    report_cli.add_commands(sub)
 
     args = parser.parse_args(argv)
     if args.command == "admin-token":
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return keys_cli.run_keys(args)
     if args.command == "knee":
         return knee_cli.run(args)
+    if args.command == "report":
+        return report_cli.run(args)
     if args.command == "check":
         return run_check(args.file, resolve=not args.no_resolve)
     if args.command == "serve":

@@ -50,7 +50,7 @@ def add_commands(sub) -> None:
     update.add_argument("--name")
     add_settings(update)
     actions.add_parser("list", help="list keys")
-    for action in ("show", "revoke", "usage"):
+    for action in ("show", "revoke", "usage", "budget"):
         actions.add_parser(action, help=f"{action} one key").add_argument("id")
     rotate = actions.add_parser("rotate", help="new secret; the old one keeps working during --grace")
     rotate.add_argument("id")
@@ -69,6 +69,11 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority-class", help="e.g. interactive or batch (the policy's priorities.classes)")
     parser.add_argument("--client-priority", choices=["yes", "no"],
                         help="may its clients pick a class by header and send vLLM's `priority` field")
+    parser.add_argument("--max-rented-spend", type=float, help="budget: rented spend per period (currency units)")
+    parser.add_argument("--max-tokens-per-period", type=int, help="budget: tokens per period")
+    parser.add_argument("--budget-period", choices=["day", "week", "month"], help="budget period (default month)")
+    parser.add_argument("--when-spent", choices=["owned_only", "reject"],
+                        help="once the rented budget is spent: stay owned (default) or answer 429 until the reset")
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -86,6 +91,11 @@ def settings(args: argparse.Namespace) -> dict:
                                 ("max_concurrent", args.max_concurrent)) if v is not None}
     if limits:
         body["limits"] = limits
+    budget = {k: v for k, v in (("max_rented_spend", args.max_rented_spend),
+                                ("max_tokens_per_period", args.max_tokens_per_period),
+                                ("period", args.budget_period), ("when_spent", args.when_spent)) if v is not None}
+    if budget:
+        body["budget"] = budget
     return body
 
 
@@ -115,6 +125,7 @@ def run_keys(args: argparse.Namespace) -> int:
         "list": lambda: ("GET", base, None),
         "show": lambda: ("GET", f"{base}/{args.id}", None),
         "usage": lambda: ("GET", f"{base}/{args.id}/usage", None),
+        "budget": lambda: ("GET", f"{base}/{args.id}/budget", None),
         "revoke": lambda: ("POST", f"{base}/{args.id}/revoke", None),
         "rotate": lambda: ("POST", f"{base}/{args.id}/rotate", {"grace_seconds": args.grace}),
     }
@@ -168,6 +179,13 @@ def render(action: str, data) -> str:
         rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
                 for m, c in sorted(data["models"].items())]
         return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
+    if action == "budget":
+        spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
+                                              is not None else "")
+        tokens = f"{data['tokens']}" + (f" of {data['max_tokens_per_period']}" if data["max_tokens_per_period"]
+                                        else "")
+        return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
+                     ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])
     if action in ("create", "rotate"):
         record = data["record"]
         note = "" if action == "create" else f"\nthe previous secret works until {when(record['previous_valid_until'])}"

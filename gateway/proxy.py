@@ -35,6 +35,7 @@ from policies.errors import (
     BadRequest,
     GatewayError,
     NoBackendAvailable,
+    OverBudget,
     UpstreamFailed,
     UpstreamStatus,
     upstream_text,
@@ -141,7 +142,11 @@ class Proxy:
                     spill_after=overflow.when_wait_exceeds if overflow else None, call=call,
                 )
             except WouldWait:
-                return await self.rent(call, before)
+                try:
+                    return await self.rent(call, before)
+                except OverBudget:  # the key may not spend more on renting: wait for an owned replica after all
+                    overflow = None
+                    continue
             except NoBackendAvailable:
                 if overflow is not None and (tried or overflow.when_unavailable):
                     return await self.rent(call, before)
@@ -149,6 +154,7 @@ class Proxy:
                     raise
                 break
             waited = time.perf_counter() - before
+            call.queue_wait += waited
             call.response_headers["x-gateway-queue-ms"] = f"{waited * 1000:.1f}"
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
@@ -173,14 +179,16 @@ class Proxy:
         raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
 
     def may_rent(self, call: Call) -> bool:
-        """Only keys whose data policy allows it, only for models with a rented overflow, only on routes OpenAI's
-        API has, and never for a call pinned to its replica."""
-        return (call.key is not None and call.key.data_policy == "allow_rented" and call.model in self.overflow
-                and call.route.rentable and call.pinned is None)
+        """Only keys whose data policy allows it (and whose budget does), only for models with a rented overflow,
+        only on routes OpenAI's API has, and never for a call pinned to its replica."""
+        return (call.key is not None and call.key.data_policy == "allow_rented" and call.rent_allowed
+                and call.model in self.overflow and call.route.rentable and call.pinned is None)
 
     async def rent(self, call: Call, since: float) -> Response:
         """Serve from the model's rented provider: one attempt, no retries (it is the last resort)."""
         target = self.rented.targets[call.model]
+        if call.before_rent is not None and not await call.before_rent():
+            raise OverBudget(f"no backend of model {call.model} has room and this key's rented budget is spent")
         if call.overhead == 0:
             call.overhead += since - call.arrived
         try:

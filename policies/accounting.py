@@ -17,9 +17,33 @@ from policies.store import Store
 FLUSH_EVERY = 0.25  # seconds
 
 
-def _tokens(usage: object, field: str) -> int:
+def usage_tokens(usage: object, field: str) -> int:
     value = usage.get(field) if isinstance(usage, dict) else None
     return value if isinstance(value, int) and value > 0 else 0
+
+
+class FlushTimer:
+    """Runs `flush()` on the background runner `every` seconds after something first waits for it (`arm`),
+    once per arming; a flush that failed re-arms with a longer delay. Shared by the usage and cost ledgers."""
+
+    def __init__(self, every: float, background, flush) -> None:
+        self.every = every
+        self.background = background
+        self.flush = flush
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self, factor: float = 1.0) -> None:
+        if self.handle is None:
+            self.handle = asyncio.get_running_loop().call_later(factor * self.every, self._fire)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _fire(self) -> None:
+        self.handle = None
+        self.background(self.flush())
 
 
 class RecordUsage:
@@ -29,7 +53,7 @@ class RecordUsage:
         self.store = store
         self.background = background
         self.pending: dict[tuple[str, str, bool], list[int]] = {}  # -> [requests, prompt, completion]
-        self.flush_handle: asyncio.TimerHandle | None = None
+        self.timer = FlushTimer(FLUSH_EVERY, background, self.flush)
 
     async def enter(self, call: Call) -> None:
         pass
@@ -38,9 +62,8 @@ class RecordUsage:
         if call.key is None or not call.model or call.replica is None:
             return  # refused before reaching a backend: nothing was used
         self.add((call.key.id, call.model, call.replica.rented is not None), 1,
-                 _tokens(call.usage, "prompt_tokens"), _tokens(call.usage, "completion_tokens"))
-        if self.flush_handle is None:
-            self.flush_handle = asyncio.get_running_loop().call_later(FLUSH_EVERY, self._flush_later)
+                 usage_tokens(call.usage, "prompt_tokens"), usage_tokens(call.usage, "completion_tokens"))
+        self.timer.arm()
 
     def add(self, pair: tuple[str, str, bool], requests: int, prompt: int, completion: int) -> None:
         totals = self.pending.get(pair)
@@ -51,15 +74,9 @@ class RecordUsage:
             totals[1] += prompt
             totals[2] += completion
 
-    def _flush_later(self) -> None:
-        self.flush_handle = None
-        self.background(self.flush())
-
     async def flush(self) -> None:
         """Write everything summed so far; what the store refuses goes back for the next flush."""
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
+        self.timer.cancel()
         batch, self.pending = self.pending, {}
         items = list(batch.items())
         for i, ((key_id, model, rented), (requests, prompt, completion)) in enumerate(items):
@@ -69,6 +86,5 @@ class RecordUsage:
             except BaseException:
                 for pair, totals in items[i:]:
                     self.add(pair, *totals)
-                if self.flush_handle is None:
-                    self.flush_handle = asyncio.get_running_loop().call_later(4 * FLUSH_EVERY, self._flush_later)
+                self.timer.arm(4)
                 raise

@@ -342,6 +342,13 @@ class Adaptive(Strict):
     target_ttft: Seconds  # time to first token the backend should keep; slower answers shrink the limit
 
 
+class OwnedCost(Strict):
+    """What an owned backend costs while it exists, busy or idle: GPU rent or amortised purchase, plus power."""
+
+    per_hour: float = Field(ge=0, le=1_000_000)  # currency units per hour
+    power_kw: float | None = Field(None, ge=0, le=10_000)  # average draw; priced at ledger.power_price_per_kwh
+
+
 class Backend(Strict):
     url: str
     # vLLM's --scheduling-policy on this backend: with "priority" the gateway sends each request's class as
@@ -353,6 +360,7 @@ class Backend(Strict):
     # the path probed for health: vLLM serves /health; KServe's Hugging Face runtime only /v1/models/<name>
     health_path: str = Field("/health", pattern=r"^/[A-Za-z0-9._~:@!$&'()*+,;=/%-]*$", max_length=256)
     adaptive: Adaptive | None = None  # optional: track the live knee below `cap` from observed TTFT
+    cost: OwnedCost | None = None  # optional: for the own-vs-rent report (policies/ledger/report.py)
 
     @model_validator(mode="after")
     def adaptive_needs_cap(self) -> Backend:
@@ -453,6 +461,8 @@ class Model(Strict):
     queue: Queue = Queue()
     overflow: Overflow | None = None  # None: this model never leaves the cluster
     routing: str | None = Field(None, pattern=NAME)  # a routing profile's name (default: routing.default_profile)
+    # the provider whose price the own-vs-rent report compares with (default: the overflow provider)
+    rented_price_from: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None  # instead of backends: replicas found in the cluster, watched
 
@@ -461,6 +471,21 @@ class Model(Strict):
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
         return self
+
+    def compared_provider(self) -> str | None:
+        return self.rented_price_from or (self.overflow.provider if self.overflow else None)
+
+
+class Ledger(Strict):
+    """The usage and cost ledger over time, behind `llm-gateway report` (policies/ledger/)."""
+
+    enabled: bool = True
+    bucket_seconds: int = Field(60, ge=1, le=3600)  # one row per model, backend and key per bucket
+    retention_days: float = Field(35.0, gt=0, le=3660)  # older buckets are deleted
+    flush_seconds: float = Field(1.0, ge=0.05, le=60)  # how often the summed figures are written
+    power_price_per_kwh: float | None = Field(None, ge=0, le=100)  # needed by any backend with cost.power_kw
+    report_window_seconds: float = Field(3600.0, ge=60, le=90 * 86400)  # the window of the Prometheus gauges
+    report_every_seconds: float = Field(60.0, ge=1, le=3600)  # how often those gauges are recomputed
 
 
 class Policy(Strict):
@@ -477,6 +502,7 @@ class Policy(Strict):
     caps: Caps = Caps()
     network: Network = Network()
     kubernetes: KubernetesAccess = KubernetesAccess()
+    ledger: Ledger = Ledger()
     providers: list[Provider] = []
     models: list[Model] = Field(min_length=1)
 
@@ -510,6 +536,14 @@ class Policy(Strict):
                 raise ValueError(f"model {model.name}: overflow provider {model.overflow.provider!r} is not declared")
             if model.name not in provider.models:
                 raise ValueError(f"model {model.name}: provider {provider.name} has no mapping for it")
+        for i, model in enumerate(self.models):
+            if model.rented_price_from is not None and model.rented_price_from not in providers:
+                raise ValueError(f"models[{i}](name={model.name}).rented_price_from: provider "
+                                 f"{model.rented_price_from!r} is not declared")
+            for j, backend in enumerate(model.backends):
+                if backend.cost and backend.cost.power_kw and self.ledger.power_price_per_kwh is None:
+                    raise ValueError(f"models[{i}](name={model.name}).backends[{j}].cost.power_kw: needs "
+                                     "ledger.power_price_per_kwh to price the power")
         return self
 
 

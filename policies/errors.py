@@ -14,6 +14,7 @@ The openai SDK picks its exception class from the HTTP status, so the status is 
      +-- InternalError          500   a bug in the gateway; never carries details
      +-- UpstreamFailed         502   the backend broke (5xx, reset, bad stream)   -> openai.APIStatusError
      +-- NoBackendAvailable     503   no healthy replica for the model             -> openai.APIStatusError
+     |   +-- OverBudget         503   none, and the key's rented budget is spent (else it waits for one)
      +-- StateUnavailable       503   the key/limit store (Redis) cannot be reached
      +-- UpstreamTimeout        504   the backend did not answer in time
 
@@ -106,6 +107,13 @@ class NoBackendAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_backend_available"
+
+
+class OverBudget(NoBackendAvailable):
+    """The call would have spilled to a rented provider, but its key's rented budget is spent: it waits for an
+    owned replica instead, or, when none is up, gets this 503."""
+
+    code = "rented_budget_spent"
 
 
 class StateUnavailable(GatewayError):

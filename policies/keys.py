@@ -68,6 +68,19 @@ class KeyLimits(BaseModel):
     max_concurrent: Count | None = Field(None, ge=1)
 
 
+class KeyBudget(BaseModel):
+    """What a key may spend per period (calendar day, ISO week or month, UTC), enforced by policies/budget.py."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_rented_spend: float | None = Field(None, ge=0, le=1e9, description="currency units of rented tokens per"
+                                           " period; once spent, see when_spent")
+    max_tokens_per_period: Count | None = Field(None, ge=1, description="prompt + completion tokens per period,"
+                                                " owned and rented; past it requests get 429 until the reset")
+    period: Literal["day", "week", "month"] = "month"
+    when_spent: Literal["owned_only", "reject"] = Field("owned_only", description="once max_rented_spend is spent:"
+                                                        " stay on owned backends, or answer 429 until the reset")
+
+
 class KeyRecord(BaseModel):
     """What the store keeps for one key. Never holds the key itself, only hashes of it."""
 
@@ -83,6 +96,7 @@ class KeyRecord(BaseModel):
     limits: KeyLimits = KeyLimits()
     priority_class: str | None = Field(None, pattern=CLASS_NAME)  # None (or a class the policy lacks): default
     client_priority: bool = False  # the client may pick its class by header and send vLLM's `priority`
+    budget: KeyBudget | None = None  # None: no budget
     created_at: float
     last_used_at: float | None = None
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")

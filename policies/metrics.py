@@ -13,6 +13,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from policies.ledger.gauges import ReportGauges
 from policies.memo import Memo
 from policies.tally import TallyCounter
 
@@ -156,6 +157,7 @@ class GatewayMetrics:
             "llm_gateway_vllm_scrape_age_seconds", "Seconds since the last good scrape of a backend's vLLM"
             " /metrics, as of the last attempt.", ["model", "backend"], registry=r,
         )
+        self.report = ReportGauges(r)  # the own-vs-rent report's figures (policies/ledger/gauges.py)
         # children looked up once (policies/memo.py): the calls below run for every request
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
         self.requests_by = Memo(self.requests.labels)

@@ -47,6 +47,10 @@ class Call:
     status: int = 0
     usage: dict[str, Any] | None = None
     overhead: float = 0.0  # seconds the gateway itself spent on this call
+    queue_wait: float = 0.0  # seconds it waited for a slot on an owned backend
+    rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
+    before_rent: Any = None  # async () -> bool, set by a step: may this call spill to a rented provider now?
+    budget_hold: Any = None  # what the budget step reserved, to settle when the call ends
     error: BaseException | None = None  # why a started stream ended badly, if it did
     finished: bool = False
     entered: list[Step] = field(default_factory=list)

@@ -22,6 +22,7 @@ from backends.replicas import ReplicaSet
 from policies.accounting import RecordUsage
 from policies.admission import Admission
 from policies.auth import Authenticate, Authorize
+from policies.budget import Budget
 from policies.compile import rented_providers, replicas_of
 from policies.config import Policy, profile_of
 from policies.metrics import GatewayMetrics
@@ -62,6 +63,8 @@ class Shared:
     record_usage: RecordUsage
     background: object  # gateway.background.Background.run
     fleet: object = None  # policies.fleet_caps.FleetSlots when caps count every gateway replica (Redis store)
+    budgets: object = None  # policies.budget's store of per-key spend
+    record_ledger: object = None  # policies.ledger.record.RecordLedger: the cost ledger's pipeline step
 
 
 def version_of(text: str | bytes) -> str:
@@ -88,6 +91,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
                 queue.replicas = shared.replicas.by_model[model.name]
                 admission.queues[model.name] = queue
     client_network = ClientNetwork(policy.network)
+    rented = rented_providers(policy)
     pipeline = Pipeline([
         client_network,
         shared.authenticate,
@@ -95,10 +99,11 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         Authorize(),
         Classify(policy),
         RateLimit(policy, shared.limiter, shared.background, shared.metrics),
+        *([Budget(policy, shared.budgets, rented.cost, shared.background)] if shared.budgets is not None else []),
         shared.record_usage,
+        *([shared.record_ledger] if shared.record_ledger is not None and policy.ledger.enabled else []),
     ])
-    return Snapshot(policy, version, time.time(), profiles, admission, rented_providers(policy), client_network,
-                    pipeline)
+    return Snapshot(policy, version, time.time(), profiles, admission, rented, client_network, pipeline)
 
 
 def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:

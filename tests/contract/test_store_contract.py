@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from policies.keys import KeyLimits, KeyRecord, hash_key, new_key, new_key_id
+from policies.keys import KeyBudget, KeyLimits, KeyRecord, hash_key, new_key, new_key_id
 from policies.store import USAGE_FIELDS, KeyExists, KeyNotFound, Store, StoreError, StoreUnavailable, open_store
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
@@ -40,6 +40,7 @@ def full_record(created_at: float = 1712345678.123456, **changes) -> KeyRecord:
         "limits": KeyLimits(requests_per_minute=60, tokens_per_minute=90_000, max_concurrent=4),
         "priority_class": "batch",
         "client_priority": True,
+        "budget": KeyBudget(max_rented_spend=12.5, max_tokens_per_period=10**8, period="week", when_spent="reject"),
         "created_at": created_at,
         "last_used_at": 1712345999.000001,
         "hash": hash_key(new_key(key_id)),

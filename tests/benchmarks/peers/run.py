@@ -82,6 +82,9 @@ STORE_COMPARE = [  # (column, Redis set-up from tests/support): the same gateway
     ("gateway redis-sentinel", "SentinelSet"),
     ("gateway redis-cluster", "ClusterSet"),
 ]
+LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the cost ledger, for what it costs
+    ("gateway no ledger", {"ledger": {"enabled": False}}),
+]
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),
@@ -524,6 +527,9 @@ def parse_args(argv=None):
     p.add_argument("--store-compare", action="store_true",
                    help="also measure the gateway on a standalone Redis, a Sentinel set and a Redis Cluster (each"
                         " built on core 0 from Debian's redis-server), as extra columns")
+    p.add_argument("--ledger-compare", action="store_true",
+                   help="also measure the gateway with the cost ledger switched off (what the ledger costs per"
+                        " request)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -601,6 +607,12 @@ def main(argv=None) -> int:
                 log(f"starting {label} on core {SUT_CORE}")
                 systems.append(start_gateway(procs, work, standin, name=label, env_extra={**env, **extra_env},
                                              args=[*args.gateway_arg, *extra_args]))
+        if args.ledger_compare and "gateway" in wanted:
+            for label, sections in LEDGER_COMPARE:
+                log(f"starting {label} on core {SUT_CORE}")
+                systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                                             args=args.gateway_arg, policy_extra=sections))
+                systems[-1].name = label
         if args.routing_compare and "gateway" in wanted:
             for label, profile in ROUTING_COMPARE:
                 log(f"starting {label} on core {SUT_CORE}")

@@ -75,13 +75,14 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
                   routing: str | None = None, replicas: int = 1, redis_url: str | None = None,
-                  store: dict | None = None) -> System:
+                  store: dict | None = None, policy_extra: dict | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
     profile has candidates to score (they share one stand-in, so the backend's speed is the same).
     `redis_url`: the Redis store instead of SQLite, as N replicas run it (keys, limits and the backends' cap
     slots in Redis); each backend then has a cap far above the load, so every request takes a fleet slot.
-    `store`: these store settings as they are (e.g. Redis behind Sentinel or a Cluster), no caps."""
+    `store`: these store settings as they are (e.g. Redis behind Sentinel or a Cluster), no caps.
+    `policy_extra` adds top-level sections to the policy (e.g. `ledger`)."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -104,6 +105,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     }
     if routing is not None:
         policy["routing"] = {"default_profile": routing}
+    policy.update(policy_extra or {})
     (dir / "policy.yaml").write_text(yaml.safe_dump(policy))
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, **(env_extra or {})}

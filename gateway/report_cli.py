@@ -1,0 +1,149 @@
+"""`llm-gateway report`: own or rent, from a running gateway's ledger (GET /admin/report, a viewer token is enough).
+
+Prints a table per model with the numbers behind the recommendation, `--json` for scripts, and `--png FILE`
+for a chart of utilisation and cost over the window (owned vs rented; matplotlib, the `knee` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+from gateway.keys_cli import seconds, table
+
+
+def add_commands(sub) -> None:
+    report = sub.add_parser("report", help="own or rent: utilisation and cost per model from the gateway's ledger")
+    report.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
+    report.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
+                        help="admin or viewer JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    report.add_argument("--window", type=seconds, default=86400.0, help="e.g. 1h, 7d (default 1d)")
+    report.add_argument("--until", type=int, help="end of the window, unix seconds (default: now)")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.add_argument("--png", type=Path, help="also write a chart of utilisation and cost over time")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.token:
+        print("report: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
+              "(mint one with `llm-gateway admin-token --role viewer`)", file=sys.stderr)
+        return 2
+    params = {"window": max(1, round(args.window)), **({"until": args.until} if args.until is not None else {})}
+    try:
+        response = httpx.get(args.url.rstrip("/") + "/admin/report", params=params, timeout=60,
+                             headers={"authorization": f"Bearer {args.token}"})
+    except httpx.HTTPError as exc:
+        print(f"report: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        print(f"report: HTTP {response.status_code}: {message}", file=sys.stderr)
+        return 1
+    report = response.json()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    if args.png:
+        try:
+            write_png(report, args.png)
+        except ModuleNotFoundError as exc:
+            print(f"report: the chart needs matplotlib (pip install 'llm-gateway[knee]'): {exc}", file=sys.stderr)
+            return 1
+        print(f"chart: {args.png}", file=sys.stderr)
+    return 0
+
+
+def _utc(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _fmt(value, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "%":
+        return f"{value:.1%}"
+    if kind == "x":
+        return f"{value:.2f}x"
+    return f"{value:,.4f}" if isinstance(value, float) else f"{value:,}"
+
+
+def render(report: dict) -> str:
+    out = [f"own or rent, {_utc(report['since'])} - {_utc(report['until'])} "
+           f"({report['window_seconds'] / 3600:.2f} h)", ""]
+    rows = []
+    for name, m in report["models"].items():
+        owned, rented = m["owned"], m["rented"]
+        rows.append([name, _fmt(m["utilisation"], "%"), _fmt(owned["prompt_tokens"] + owned["completion_tokens"]),
+                     _fmt(rented["prompt_tokens"] + rented["completion_tokens"]), _fmt(m["owned_cost"]),
+                     _fmt(m["owned_cost_per_million_tokens"]), _fmt(m["rented_price_per_million_tokens"]),
+                     _fmt(rented["cost"]), _fmt(m["rent_all_cost"]), _fmt(m["burstiness"], "x"),
+                     m["recommendation"]["verdict"]])
+    out.append(table(rows, ["MODEL", "UTILISATION", "OWNED TOKENS", "RENTED TOKENS", "OWNED COST", "OWNED /M",
+                            "RENTED /M", "RENTED COST", "RENT-ALL COST", "PEAK/MEAN", "RECOMMENDATION"]))
+    out.append("")
+    for name, m in report["models"].items():
+        out.append(f"{name}: {m['recommendation']['verdict']}: {m['recommendation']['reason']}")
+        for b in m["backends"]:
+            out.append(f"  {b['name']}: busy {_fmt(b['utilisation'], '%')}, {b['average_in_flight']:.2f} in flight"
+                       f" on average" + (f" of a cap of {b['cap']} ({b['in_flight_vs_cap']:.0%})" if b["cap"] else ""))
+    return "\n".join(out)
+
+
+def write_png(report: dict, path: Path) -> None:
+    """Two panels over the window: utilisation of the owned backends per model; cumulative cost, owned vs
+    renting everything vs the rented overflow actually paid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    fig, (util, cost) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, m) in enumerate(report["models"].items()):
+        color = colors[i % len(colors)]
+        points = m["series"]
+        if not points:
+            continue
+        times = [datetime.datetime.fromtimestamp(p["t"], datetime.timezone.utc) for p in points]
+        util.plot(times, [p["utilisation"] * 100 for p in points], color=color, lw=1.8, drawstyle="steps-post",
+                  label=f"{name} (window {_fmt(m['utilisation'], '%')})")
+        owned, rent_all, rented = _cumulative(points, "owned_cost"), _cumulative(points, "rent_all_cost"), \
+            _cumulative(points, "rented_cost")
+        cost.plot(times, owned, color=color, lw=2.2, label=f"{name}: owned (GPU hours)")
+        if m["rent_all_cost"] is not None:
+            cost.plot(times, rent_all, color=color, lw=1.8, ls="--", label=f"{name}: if all traffic were rented")
+        if m["rented"]["requests"]:
+            cost.plot(times, rented, color=color, lw=1.2, ls=":", label=f"{name}: rented overflow paid")
+    util.set_ylabel("owned backends busy (%)")
+    util.set_ylim(0, 105)
+    util.grid(True, alpha=0.3)
+    util.legend(loc="upper left", fontsize=8)
+    util.set_title("Utilisation of the owned backends (time with at least one request in flight)", fontsize=10)
+    cost.set_ylabel("cumulative cost (currency units)")
+    cost.set_xlabel("time (UTC)")
+    cost.grid(True, alpha=0.3)
+    cost.legend(loc="upper left", fontsize=8)
+    cost.set_title("Cost over the window: owned vs rented", fontsize=10)
+    locator = mdates.AutoDateLocator()
+    cost.xaxis.set_major_locator(locator)
+    cost.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    verdicts = "; ".join(f"{n}: {m['recommendation']['verdict']}" for n, m in report["models"].items())
+    fig.suptitle(f"Own or rent, {_utc(report['since'])} to {_utc(report['until'])}\n{verdicts}", fontsize=12)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cumulative(points: list[dict], field: str) -> list[float]:
+    total, out = 0.0, []
+    for p in points:
+        total += p[field] or 0.0
+        out.append(total)
+    return out

@@ -1,0 +1,140 @@
+"""GET /admin/report: the own-vs-rent report for a window (viewer role), and GET /admin/keys/{id}/budget.
+
+The answer's shape is declared here so the OpenAPI document describes it; the figures are computed in
+policies/ledger/report.py, whose docstring says what each one means.
+"""
+
+from __future__ import annotations
+
+import time
+
+from litestar import Request, get
+from litestar.params import Parameter
+from pydantic import BaseModel, ConfigDict
+
+from gateway.openapi import errors
+from policies.budget import period_bounds
+from policies.errors import BadRequest, NotFound
+
+
+class Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BackendFigures(Closed):
+    name: str
+    cost_per_hour: float | None
+    cap: int | None
+    utilisation: float
+    average_in_flight: float
+    in_flight_vs_cap: float | None
+
+
+class OwnedFigures(Closed):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    queue_seconds: float
+
+
+class RentedFigures(Closed):
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+    provider: str | None
+
+
+class Recommendation(Closed):
+    verdict: str
+    reason: str
+
+
+class Point(Closed):
+    t: int
+    requests: int
+    utilisation: float
+    owned_cost: float
+    rented_cost: float
+    rent_all_cost: float | None
+
+
+class ModelFigures(Closed):
+    utilisation: float
+    batch_fill: float | None
+    backends: list[BackendFigures]
+    owned: OwnedFigures
+    rented: RentedFigures
+    owned_cost: float | None
+    owned_cost_per_million_tokens: float | None
+    owned_tokens_at_rented_price: float | None
+    rented_price_per_million_tokens: float | None
+    rent_all_cost: float | None
+    actual_cost: float | None
+    break_even_utilisation: float | None
+    burstiness: float | None
+    peak_requests_per_minute: float
+    recommendation: Recommendation
+    series: list[Point]
+
+
+class KeyFigures(Closed):
+    requests: int
+    tokens: int
+    rented_requests: int
+    rented_cost: float
+
+
+class Report(Closed):
+    since: float
+    until: float
+    window_seconds: float
+    bucket_seconds: int
+    models: dict[str, ModelFigures]
+    keys: dict[str, KeyFigures]
+
+
+class BudgetStatus(Closed):
+    id: str
+    period: str
+    period_start: int
+    resets_at: int
+    rented_spend: float
+    max_rented_spend: float | None
+    tokens: int
+    max_tokens_per_period: int | None
+    when_spent: str
+
+
+def report_handlers(gateway, key_id_param) -> list:
+    @get("/report", summary="Own or rent: utilisation, owned vs rented cost and a recommendation per model",
+         responses=errors(400, 401, 503))
+    async def report(
+        request: Request,
+        window: int = Parameter(default=3600, ge=1, le=90 * 86400, description="seconds before `until`"),
+        until: int | None = Parameter(default=None, ge=1, le=10**11, description="unix seconds (default: now)"),
+    ) -> Report:
+        unknown = sorted(set(request.query_params) - {"window", "until"})
+        if unknown:
+            raise BadRequest(f"unknown query parameter {unknown[0]!r:.40}: expected window and until",
+                             param=unknown[0][:40])
+        return Report.model_validate(await gateway.report(window, until))
+
+    @get("/keys/{key_id:str}/budget", summary="What a key has spent of its budget this period",
+         responses=errors(400, 401, 404, 503))
+    async def key_budget(key_id: str = key_id_param) -> BudgetStatus:
+        record = await gateway.store.get_key(key_id)
+        if record is None:
+            raise NotFound(f"no API key with id {key_id}", code="key_not_found")
+        budget = record.budget
+        period = budget.period if budget else "month"
+        start, end = period_bounds(period, time.time())
+        spent, used = await gateway.budgets.status(key_id, start, end)
+        return BudgetStatus(
+            id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
+            max_rented_spend=budget.max_rented_spend if budget else None, tokens=int(used),
+            max_tokens_per_period=budget.max_tokens_per_period if budget else None,
+            when_spent=budget.when_spent if budget else "owned_only",
+        )
+
+    return [report, key_budget]

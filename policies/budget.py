@@ -1,0 +1,268 @@
+"""Pipeline step: per-key budgets per period: rented spend (`max_rented_spend`) and tokens (`max_tokens_per_period`).
+
+Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
+price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
+reservation is one atomic step (one Lua call on one Redis hash when the store is shared, so N replicas enforce
+one budget); the call's end settles it against the real cost and tokens, off the request path. Keys without a
+budget cost nothing here; a budget on rented spend alone costs nothing until a call spills.
+
+Rented spend: a call may rent while spent + reserved is below the budget, so the spend ends within one
+request's cost of it (when the estimate is not below the real cost: max_tokens bounds the completion, the
+prompt is estimated at 4 characters a token); a call that may not rent waits for an owned replica. Past that the key's requests stay on owned backends (`when_spent: owned_only`, the
+default) or get 429 with the time of the reset (`reject`). Tokens: a request is admitted while spent +
+reserved + its estimate fits (exact, as the tokens-per-minute limit), else 429 with the reset time.
+
+Embedded store: the counters live in this process and start each period from the ledger, so a restart keeps
+what was spent. While Redis is unreachable nothing is rented for budgeted keys (money fails closed) and token
+budgets admit (logged once). A replica that dies with reservations outstanding leaves them held until the
+period ends (they are at most its requests in flight).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from policies.errors import RateLimited
+from policies.ledger.sums import COMPLETION, COST, PROMPT
+from policies.pipeline import Call
+from policies.store import StoreUnavailable
+
+log = logging.getLogger("gateway.budget")
+
+UTC = datetime.timezone.utc
+
+
+def estimate(call: Call, default_max_tokens: int) -> tuple[int, int, int]:
+    """(prompt, output, total) tokens the call may use, as its route prices it (policies/tokens.py)."""
+    prompt = call.tokens.prompt(call.body)
+    output = call.tokens.output(call.body, default_max_tokens)
+    return prompt, output, prompt + output
+
+
+def period_bounds(period: str, now: float) -> tuple[int, int]:
+    """The calendar period (UTC) holding `now`: (start, end) in unix seconds."""
+    day = datetime.datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        start, end = day, day + datetime.timedelta(days=1)
+    elif period == "week":
+        start = day - datetime.timedelta(days=day.weekday())
+        end = start + datetime.timedelta(days=7)
+    else:
+        start = day.replace(day=1)
+        end = (start + datetime.timedelta(days=32)).replace(day=1)
+    return int(start.timestamp()), int(end.timestamp())
+
+
+@dataclass(slots=True)
+class Verdict:
+    tokens_ok: bool  # the token estimate fits (and is now reserved)
+    rent_ok: bool  # spent + reserved was below max_rented_spend (the cost estimate is now reserved)
+    spent: float
+    tokens: float
+
+
+@dataclass(slots=True)
+class Hold:
+    key_id: str
+    start: int
+    end: int
+    cost: float
+    tokens: int
+
+
+class MemoryBudgets:
+    """Budgets in this process (embedded store): per (key, period) [spent, reserved, tokens, reserved tokens]."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+        self.counts: dict[tuple[str, int], list[float]] = {}
+
+    async def counters(self, key_id: str, start: int) -> list[float]:
+        counts = self.counts.get((key_id, start))
+        if counts is None:
+            spent = used = 0.0
+            for _row, values in await self.ledger.read(start, time.time() + 86400 * 32, key_id=key_id):
+                spent += values[COST]
+                used += values[PROMPT] + values[COMPLETION]
+            counts = self.counts.setdefault((key_id, start), [spent, 0.0, used, 0.0])
+            for old in [k for k in self.counts if k[0] == key_id and k[1] != start]:
+                del self.counts[old]  # an earlier period is over
+        return counts
+
+    async def reserve(self, key_id, start, end, max_spend, cost, max_tokens, want_tokens) -> Verdict:
+        c = await self.counters(key_id, start)
+        if max_tokens is not None and c[2] + c[3] + min(want_tokens, max_tokens) > max_tokens:
+            return Verdict(False, False, c[0], c[2])
+        rent = max_spend is not None and c[0] + c[1] < max_spend
+        if rent:
+            c[1] += cost
+        if max_tokens is not None:
+            c[3] += want_tokens
+        return Verdict(True, rent, c[0], c[2])
+
+    async def settle(self, hold: Hold, cost: float, used: int) -> None:
+        c = await self.counters(hold.key_id, hold.start)
+        c[0] += cost
+        c[1] -= hold.cost
+        c[2] += used
+        c[3] -= hold.tokens
+
+    async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]:
+        c = await self.counters(key_id, start)
+        return c[0], c[2]
+
+
+# KEYS: the period's hash. ARGV: max spend (-1: none), cost to reserve, max tokens (-1: none), tokens to
+# reserve, expire at. Returns {tokens ok, rent ok, spent, tokens used}.
+RESERVE = """
+local v = redis.call('HMGET', KEYS[1], 's', 'h', 't', 'ht')
+local spent, held, used, held_t = tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3] or '0'),
+  tonumber(v[4] or '0')
+local max_spend, cost, max_t, want_t = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if max_t >= 0 and used + held_t + math.min(want_t, max_t) > max_t then
+  return {0, 0, tostring(spent), tostring(used)}
+end
+local rent = 0
+if max_spend >= 0 and spent + held < max_spend then
+  rent = 1
+  if cost > 0 then redis.call('HINCRBYFLOAT', KEYS[1], 'h', cost) end
+end
+if max_t >= 0 and want_t > 0 then redis.call('HINCRBYFLOAT', KEYS[1], 'ht', want_t) end
+redis.call('EXPIREAT', KEYS[1], ARGV[5])
+return {1, rent, tostring(spent), tostring(used)}
+"""
+# KEYS: the period's hash. ARGV: reserved cost, real cost, reserved tokens, real tokens, expire at.
+SETTLE = """
+redis.call('HINCRBYFLOAT', KEYS[1], 'h', -tonumber(ARGV[1]))
+redis.call('HINCRBYFLOAT', KEYS[1], 's', ARGV[2])
+redis.call('HINCRBYFLOAT', KEYS[1], 'ht', -tonumber(ARGV[3]))
+redis.call('HINCRBYFLOAT', KEYS[1], 't', ARGV[4])
+redis.call('EXPIREAT', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+class RedisBudgets:
+    """Budgets in Redis: one hash per key and period, {prefix}budget:{<key id>:<period start>} (its own hash
+    slot, so each script touches one slot and runs unchanged on Redis Cluster)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._reserve = store.client.register_script(RESERVE)
+        self._settle = store.client.register_script(SETTLE)
+
+    def name(self, key_id: str, start: int) -> str:
+        return f"{self.store.prefix}budget:{{{key_id}:{start}}}"
+
+    async def reserve(self, key_id, start, end, max_spend, cost, max_tokens, want_tokens) -> Verdict:
+        args = [-1 if max_spend is None else repr(float(max_spend)), repr(cost),
+                -1 if max_tokens is None else max_tokens, want_tokens, end + 86400]
+        async with self.store.guard("budget reserve"):
+            ok, rent, spent, used = await self._reserve(keys=[self.name(key_id, start)], args=args)
+        return Verdict(bool(ok), bool(rent), float(spent), float(used))
+
+    async def settle(self, hold: Hold, cost: float, used: int) -> None:
+        async with self.store.guard("budget settle"):
+            await self._settle(keys=[self.name(hold.key_id, hold.start)],
+                               args=[repr(hold.cost), repr(cost), hold.tokens, used, hold.end + 86400])
+
+    async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]:
+        async with self.store.guard("budget status"):
+            spent, used = await self.store.client.hmget(self.name(key_id, start), "s", "t")
+        return float(spent or 0), float(used or 0)
+
+
+def open_budgets(store, ledger):
+    from policies.store.redis import RedisStore
+
+    return RedisBudgets(store) if isinstance(store, RedisStore) else MemoryBudgets(ledger)
+
+
+class Budget:
+    name = "budget"
+
+    def __init__(self, policy, budgets, rented_cost, background) -> None:
+        self.budgets = budgets
+        self.rented_cost = rented_cost  # (provider, prompt, completion) -> currency units
+        self.background = background
+        self.default_max_tokens = policy.rate_limits.default_max_tokens
+        self.overflow = {m.name: m.overflow.provider for m in policy.models if m.overflow}
+        self.outage_logged = False
+
+    async def enter(self, call: Call) -> None:
+        budget = call.key.budget
+        if budget is None:
+            return
+        start, end = period_bounds(budget.period, time.time())
+        call.budget_hold = hold = Hold(call.key.id, start, end, 0.0, 0)
+        provider = self.overflow.get(call.model) if call.key.data_policy == "allow_rented" else None
+        if budget.max_rented_spend is not None and provider is not None:
+            call.before_rent = partial(self.reserve_rent, call, hold, provider)
+        if budget.max_tokens_per_period is None and budget.when_spent != "reject":
+            return  # only renting is budgeted, and it reserves when (if) the call spills
+        want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
+        verdict = await self.reserve(call, hold, -1 if budget.when_spent != "reject" else budget.max_rented_spend,
+                                     0.0, budget.max_tokens_per_period, want)
+        if verdict is None:
+            return
+        if not verdict.tokens_ok:
+            self.refuse(f"This API key has used its {budget.max_tokens_per_period} tokens for the {budget.period}",
+                        "token_budget_exceeded", end)
+        hold.tokens = want
+        if budget.when_spent == "reject" and budget.max_rented_spend is not None and not verdict.rent_ok:
+            await self.budgets.settle(hold, 0.0, 0)
+            self.refuse(f"This API key has spent its rented budget of {budget.max_rented_spend:g} for the "
+                        f"{budget.period}", "budget_exceeded", end)
+
+    async def reserve(self, call: Call, hold: Hold, max_spend, cost: float, max_tokens, want: int) -> Verdict | None:
+        """One atomic check-and-reserve; None while the store is down (then the call stays owned)."""
+        try:
+            verdict = await self.budgets.reserve(hold.key_id, hold.start, hold.end,
+                                                 None if max_spend == -1 else max_spend, cost, max_tokens, want)
+        except StoreUnavailable:
+            if not self.outage_logged:
+                self.outage_logged = True
+                log.warning("budget store unavailable: budgeted keys stay on owned backends, token budgets admit")
+            call.rent_allowed = False
+            return None
+        self.outage_logged = False
+        return verdict
+
+    async def reserve_rent(self, call: Call, hold: Hold, provider: str) -> bool:
+        """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
+        below the budget (so the spend ends within one request's cost of it)."""
+        prompt, output, _ = estimate(call, self.default_max_tokens)
+        cost = self.rented_cost(provider, prompt, output)
+        verdict = await self.reserve(call, hold, call.key.budget.max_rented_spend, cost, None, 0)
+        if verdict is None or not verdict.rent_ok:
+            call.rent_allowed = False
+            return False
+        hold.cost = cost
+        return True
+
+    def refuse(self, message: str, code: str, end: int) -> None:
+        wait = max(1, math.ceil(end - time.time()))
+        reset = datetime.datetime.fromtimestamp(end, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise RateLimited(f"{message}; it resets at {reset}.", code=code,
+                          headers={"retry-after": str(wait), "x-budget-reset": reset})
+
+    async def leave(self, call: Call) -> None:
+        hold: Hold | None = call.budget_hold
+        if hold is None:
+            return
+        call.budget_hold = None
+        usage = call.usage if isinstance(call.usage, dict) else {}
+        prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+        rented = call.replica.rented if call.replica is not None and call.status < 400 else None
+        cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
+        if not (hold.cost or hold.tokens or cost):
+            return  # nothing reserved, nothing spent
+        if isinstance(self.budgets, MemoryBudgets):
+            await self.budgets.settle(hold, cost, prompt + completion)
+        else:
+            self.background(self.budgets.settle(hold, cost, prompt + completion))

@@ -1,0 +1,240 @@
+"""Own or rent, per model, from a window of the ledger: the figures and a plain recommendation.
+
+The framework (docs/field-notes.md): an owned GPU costs the same whether it works or idles, so what a token
+costs on it depends on how busy it was; steady, high utilisation favours owning ("if it is not always
+working, what are you paying for?"), bursty, low traffic favours renting, and the usual answer in between is
+to own the base load and rent the bursts.
+
+For each model over the window:
+  utilisation            time its owned backends had at least one request in flight / (window x backends)
+  average in flight      requests in flight on average, against the backend's cap (how full its batch was;
+                         `batch_fill` for all the model's capped backends together)
+  owned cost             every owned backend's hourly price (+ power) x the window, busy or not
+  owned cost per million owned cost / owned tokens x 10^6: what a token cost at that utilisation
+  owned at rented price  the owned tokens priced at the rented provider's per-token price
+  rent-all cost          that, plus what the rented overflow actually cost: renting every request
+  burstiness             peak / mean of requests per minute over the window (1 = perfectly steady)
+  break-even utilisation the utilisation at which owning would have cost what renting did, if tokens grow
+                         with busy time
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.config import backend_name
+from policies.ledger.sums import BUSY, COMPLETION, COST, HELD, PROMPT, QUEUE, REQUESTS, Row
+
+BURSTY = 3.0  # peak-to-mean of requests per minute from which traffic counts as bursty
+HIGH_UTILISATION = 0.5
+
+
+@dataclass(frozen=True)
+class Prices:
+    input: float  # per million prompt tokens
+    output: float  # per million completion tokens
+    provider: str
+
+
+@dataclass(frozen=True)
+class BackendCost:
+    name: str
+    per_hour: float | None  # None: no price declared
+    cap: int | None
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    name: str
+    backends: list[BackendCost]
+    rented: Prices | None  # None: no provider to compare with
+
+
+def _round(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], since: float, until: float,
+                 bucket_seconds: int) -> dict:
+    """The report for [since, until) (unix seconds; `until` no later than now)."""
+    seconds = max(until - since, 1e-9)
+    out = {"since": since, "until": until, "window_seconds": seconds, "bucket_seconds": bucket_seconds,
+           "models": {}, "keys": {}}
+    by_model: dict[str, list[tuple[Row, list[float]]]] = {}
+    for row, values in rows:
+        by_model.setdefault(row.model, []).append((row, values))
+        if row.key_id:
+            key = out["keys"].setdefault(row.key_id, {"requests": 0, "tokens": 0, "rented_requests": 0,
+                                                      "rented_cost": 0.0})
+            key["requests"] += int(values[REQUESTS])
+            key["tokens"] += int(values[PROMPT] + values[COMPLETION])
+            if row.served == "rented":
+                key["rented_requests"] += int(values[REQUESTS])
+                key["rented_cost"] = round(key["rented_cost"] + values[COST], 9)
+    for model in models:
+        out["models"][model.name] = model_report(model, by_model.get(model.name, []), since, seconds,
+                                                 bucket_seconds)
+    return out
+
+
+def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: float, seconds: float,
+                 bucket_seconds: int) -> dict:
+    owned = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
+    rented = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+    busy: dict[str, float] = {}
+    held: dict[str, float] = {}
+    per_bucket: dict[int, dict[str, float]] = {}
+    for row, v in rows:
+        slot = per_bucket.setdefault(row.bucket, {"requests": 0, "busy": 0.0, "owned_prompt": 0, "owned_completion": 0,
+                                                  "rented_cost": 0.0})
+        if not row.served:
+            busy[row.backend] = busy.get(row.backend, 0.0) + v[BUSY]
+            held[row.backend] = held.get(row.backend, 0.0) + v[HELD]
+            slot["busy"] += v[BUSY]
+            continue
+        side = rented if row.served == "rented" else owned
+        side["requests"] += int(v[REQUESTS])
+        side["prompt_tokens"] += int(v[PROMPT])
+        side["completion_tokens"] += int(v[COMPLETION])
+        slot["requests"] += v[REQUESTS]
+        if row.served == "rented":
+            rented["cost"] += v[COST]
+            slot["rented_cost"] += v[COST]
+        else:
+            owned["queue_seconds"] += v[QUEUE]
+            slot["owned_prompt"] += v[PROMPT]
+            slot["owned_completion"] += v[COMPLETION]
+
+    hourly = [b.per_hour for b in model.backends if b.per_hour is not None]
+    owned_cost = sum(hourly) * seconds / 3600 if hourly else None
+    backends = []
+    for b in model.backends:
+        average = held.get(b.name, 0.0) / seconds
+        backends.append({
+            "name": b.name, "cost_per_hour": b.per_hour, "cap": b.cap,
+            "utilisation": _round(min(1.0, busy.get(b.name, 0.0) / seconds)),
+            "average_in_flight": _round(average, 4),
+            "in_flight_vs_cap": _round(average / b.cap, 4) if b.cap else None,
+        })
+    utilisation = sum(min(seconds, busy.get(b.name, 0.0)) for b in model.backends) / (seconds * len(model.backends))
+    capped = [b for b in model.backends if b.cap]
+    batch_fill = sum(held.get(b.name, 0.0) for b in capped) / (seconds * sum(b.cap for b in capped)) if capped \
+        else None
+    owned_tokens = owned["prompt_tokens"] + owned["completion_tokens"]
+    price = model.rented
+    owned_at_rented = None if price is None else \
+        (owned["prompt_tokens"] * price.input + owned["completion_tokens"] * price.output) / 1e6
+    rent_all = None if owned_at_rented is None else owned_at_rented + rented["cost"]
+    per_million = owned_cost / owned_tokens * 1e6 if owned_cost is not None and owned_tokens else None
+    rented_per_million = owned_at_rented / owned_tokens * 1e6 if owned_at_rented is not None and owned_tokens \
+        else None
+    break_even = utilisation * owned_cost / owned_at_rented if owned_cost is not None and owned_at_rented else None
+    burst = burstiness([s["requests"] for s in per_bucket.values()], seconds, bucket_seconds)
+    figures = {
+        "utilisation": _round(utilisation),
+        "batch_fill": _round(batch_fill),
+        "backends": backends,
+        "owned": {**owned, "queue_seconds": _round(owned["queue_seconds"], 3)},
+        "rented": {**rented, "cost": _round(rented["cost"], 9), "provider": price.provider if price else None},
+        "owned_cost": _round(owned_cost),
+        "owned_cost_per_million_tokens": _round(per_million),
+        "owned_tokens_at_rented_price": _round(owned_at_rented),
+        "rented_price_per_million_tokens": _round(rented_per_million),
+        "rent_all_cost": _round(rent_all),
+        "actual_cost": _round(None if owned_cost is None else owned_cost + rented["cost"]),
+        "break_even_utilisation": _round(break_even),
+        "burstiness": _round(burst, 3),
+        "peak_requests_per_minute": _round(max((s["requests"] for s in per_bucket.values()), default=0)
+                                           * 60 / bucket_seconds, 3),
+    }
+    figures["recommendation"] = recommend(figures, owned_tokens + rented["prompt_tokens"]
+                                          + rented["completion_tokens"])
+    figures["series"] = series(per_bucket, model, price, since, seconds, bucket_seconds)
+    return figures
+
+
+def burstiness(requests_per_bucket: list[float], seconds: float, bucket_seconds: int) -> float | None:
+    """Peak-to-mean of the request rate; empty buckets count in the mean (they are the valleys)."""
+    total = sum(requests_per_bucket)
+    if not total:
+        return None
+    mean = total / max(1.0, seconds / bucket_seconds)
+    return max(requests_per_bucket) / mean
+
+
+def recommend(f: dict, tokens: int) -> dict:
+    owned, rent_all, util, burst = f["owned_cost"], f["rent_all_cost"], f["utilisation"], f["burstiness"] or 0.0
+    fill = f", batches {f['batch_fill']:.0%} of the cap" if f["batch_fill"] is not None else ""
+    numbers = (f"utilisation {util:.0%}{fill}, peak/mean {burst:.1f}, owned {_money(owned)} "
+               f"vs renting everything {_money(rent_all)}")
+    if owned is None:
+        return {"verdict": "unknown", "reason": "no backend of this model declares cost.per_hour"}
+    if rent_all is None:
+        return {"verdict": "own", "reason": f"no rented price to compare with (no provider for this model), so it "
+                                            f"stays owned; {numbers}"}
+    if not tokens:
+        return {"verdict": "rent", "reason": f"no traffic in the window: the owned replicas cost {_money(owned)} "
+                                             "doing nothing; scale them down or rent"}
+    if owned <= rent_all:
+        if burst >= BURSTY:
+            return {"verdict": "own the base, rent the bursts",
+                    "reason": f"owning was cheaper, but the peaks are {burst:.1f}x the mean: size the owned "
+                              f"replicas for the base load and let the bursts overflow; {numbers}"}
+        return {"verdict": "own", "reason": f"steady traffic keeps the GPUs working: owning was cheaper; {numbers}"}
+    break_even = f["break_even_utilisation"]
+    if break_even is None:
+        above = ""
+    elif break_even <= 1:
+        above = f"; owning pays off above {break_even:.0%} utilisation"
+    else:  # more tokens per busy hour (fuller batches) or a cheaper GPU would have to change the sums
+        above = (f"; even always busy at this batch size, owning would not pay off ({break_even:.0%} "
+                 "utilisation needed): fuller batches or cheaper GPUs would")
+    if burst >= BURSTY or util < HIGH_UTILISATION:
+        return {"verdict": "rent", "reason": f"the GPUs were idle most of the time or the traffic came in bursts: "
+                                             f"renting would have been cheaper; {numbers}{above}"}
+    return {"verdict": "rent, or fill the GPUs", "reason": f"steady but too little traffic for the owned "
+                                                          f"replicas; {numbers}{above}"}
+
+
+def _money(value: float | None) -> str:
+    return "?" if value is None else f"{value:.4g}"
+
+
+def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Prices | None, since: float,
+           seconds: float, bucket_seconds: int) -> list[dict]:
+    """Per bucket of the window: utilisation, owned cost, rented cost, and what renting it all would have cost."""
+    hourly = sum(b.per_hour for b in model.backends if b.per_hour is not None)
+    first = int(since // bucket_seconds) * bucket_seconds
+    out = []
+    for bucket in range(first, int(since + seconds), bucket_seconds):
+        s = per_bucket.get(bucket, {"requests": 0, "busy": 0.0, "owned_prompt": 0, "owned_completion": 0,
+                                    "rented_cost": 0.0})
+        owned_at_rented = None if price is None else \
+            (s["owned_prompt"] * price.input + s["owned_completion"] * price.output) / 1e6
+        out.append({
+            "t": bucket,
+            "requests": int(s["requests"]),
+            "utilisation": _round(min(1.0, s["busy"] / (bucket_seconds * len(model.backends))), 4),
+            "owned_cost": _round(hourly * bucket_seconds / 3600),
+            "rented_cost": _round(s["rented_cost"], 9),
+            "rent_all_cost": _round(None if owned_at_rented is None else owned_at_rented + s["rented_cost"], 9),
+        })
+    return out
+
+
+def costs_of(policy) -> list[ModelCosts]:
+    """What the policy file says each model's backends cost and which rented price they compare with."""
+    providers = {p.name: p for p in policy.providers}
+    kwh = policy.ledger.power_price_per_kwh or 0.0
+    out = []
+    for model in policy.models:
+        backends = [
+            BackendCost(backend_name(model, i),
+                        None if b.cost is None else b.cost.per_hour + (b.cost.power_kw or 0.0) * kwh, b.cap)
+            for i, b in enumerate(model.backends)
+        ]
+        provider = providers.get(model.compared_provider() or "")
+        price = None if provider is None else Prices(provider.price_per_million_tokens.input,
+                                                     provider.price_per_million_tokens.output, provider.name)
+        out.append(ModelCosts(model.name, backends, price))
+    return out

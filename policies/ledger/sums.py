@@ -1,0 +1,113 @@
+"""Finished calls summed in memory per time bucket, until the next flush writes them to the ledger.
+
+A row is (bucket start, model, backend, key id, served) -> counters. Calls add requests, tokens, queue wait and
+rented cost to their key's row. The backend's time goes to a row of its own (key "" and served ""):
+`held_seconds`, the sum of every call's time in flight (divided by the bucket's length it is the average in
+flight, to set against the backend's cap), and `busy_seconds`, the time with at least one call in flight.
+
+Busy time is the union of the calls' intervals, computed exactly as they finish: a call ends at "now", so it
+ends after every interval seen so far and can only overlap the newest of them; only the part of it that no
+earlier call covered is added. The merged spans that stay apart are kept (the newest 64 per backend), so a
+call that outlives 64 idle gaps is the only approximation. Nothing is ever subtracted, so a bucket already
+written stays right.
+
+This runs for every finished call: rows are plain tuples until `take` (off the request path) names them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "queue_seconds", "rented_cost", "busy_seconds",
+            "held_seconds")
+REQUESTS, PROMPT, COMPLETION, QUEUE, COST, BUSY, HELD = range(len(COUNTERS))
+KEEP_SPANS = 64
+
+
+class Row(NamedTuple):
+    bucket: int  # unix seconds at which the bucket starts
+    model: str
+    backend: str
+    key_id: str  # "" on a backend's time row
+    served: str  # "owned" or "rented"; "" on a backend's time row
+
+
+class Sums:
+    """Counters per row since the last `take`; bounded by the rows a flush interval can touch."""
+
+    def __init__(self, bucket_seconds: int) -> None:
+        self.bucket_seconds = bucket_seconds
+        self.rows: dict[tuple, list[float]] = {}  # (bucket, model, backend, key id, served) -> COUNTERS
+        self.spans: dict[tuple[str, str], list[list[float]]] = {}  # (model, backend) -> disjoint [start, end]
+
+    def counters(self, row: tuple) -> list[float]:
+        values = self.rows.get(row)
+        if values is None:
+            values = self.rows[row] = [0.0] * len(COUNTERS)
+        return values
+
+    def bucket(self, when: float) -> int:
+        return int(when // self.bucket_seconds) * self.bucket_seconds
+
+    def call(self, when: float, model: str, backend: str, key_id: str, rented: bool, prompt: int, completion: int,
+             queue_seconds: float, cost: float) -> None:
+        values = self.counters((self.bucket(when), model, backend, key_id, "rented" if rented else "owned"))
+        values[REQUESTS] += 1
+        values[PROMPT] += prompt
+        values[COMPLETION] += completion
+        values[QUEUE] += queue_seconds
+        values[COST] += cost
+
+    def in_flight(self, model: str, backend: str, start: float, end: float) -> None:
+        """A call held the backend from `start` to `end` (wall seconds; `end` no earlier than any before)."""
+        if end <= start:
+            return
+        self.spread(model, backend, HELD, start, end)
+        spans = self.spans.get((model, backend))
+        if spans is None:
+            spans = self.spans[(model, backend)] = []
+        cursor, merged = end, start
+        while spans and spans[-1][1] >= start:  # newest first: add the gaps between them, then before them
+            old_start, old_end = spans.pop()
+            if old_end < cursor:
+                self.spread(model, backend, BUSY, old_end, cursor)
+            if old_start < cursor:
+                cursor = old_start
+            if old_start < merged:
+                merged = old_start
+        if cursor > start:
+            self.spread(model, backend, BUSY, start, cursor)
+        spans.append([merged, end])
+        if len(spans) > KEEP_SPANS:
+            del spans[0]
+
+    def spread(self, model: str, backend: str, index: int, start: float, end: float) -> None:
+        """Add the part of [start, end] in each bucket to the backend's time row of that bucket."""
+        size = self.bucket_seconds
+        first = int(start // size) * size
+        if end <= first + size:  # the usual case: one bucket (inlined: this runs for every call)
+            row = (first, model, backend, "", "")
+            values = self.rows.get(row)
+            if values is None:
+                values = self.rows[row] = [0.0] * len(COUNTERS)
+            values[index] += end - start
+            return
+        for bucket in range(first, int(math.ceil(end / size)) * size, size):
+            overlap = min(end, bucket + size) - max(start, bucket)
+            if overlap > 0:
+                self.counters((bucket, model, backend, "", ""))[index] += overlap
+
+    def take(self) -> dict[Row, list[float]]:
+        rows, self.rows = self.rows, {}
+        return {Row(*row): values for row, values in rows.items()}
+
+    def put_back(self, rows: dict[Row, list[float]], limit: int) -> bool:
+        """Merge a batch the store refused back in, unless that would pass `limit` rows (then it is lost)."""
+        if len(self.rows) + len(rows) > limit:
+            return False
+        for row, values in rows.items():
+            mine = self.counters(row)
+            for i, value in enumerate(values):
+                mine[i] += value
+        return True

@@ -1,0 +1,151 @@
+"""The ledger's arithmetic: busy time as a union of intervals split over buckets, the report's figures and
+recommendation, budget periods, and the policy fields that feed them."""
+
+import datetime
+import random
+
+import pytest
+
+from policies.budget import period_bounds
+from policies.config import PolicyError, parse_policy
+from policies.ledger.report import BackendCost, ModelCosts, Prices, build_report, burstiness, costs_of
+from policies.ledger.sums import BUSY, COUNTERS, HELD, Row, Sums
+
+
+def totals(rows: dict, index: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for row, values in rows.items():
+        if not row.served:
+            out[row.bucket] = out.get(row.bucket, 0.0) + values[index]
+    return out
+
+
+def test_busy_time_is_the_union_of_intervals_across_buckets_and_flushes():
+    sums = Sums(10)
+    flushed: list[dict] = []
+    # intervals as (start, end), reported in order of end, as calls finish
+    calls = [(1, 4), (3, 12), (2, 15), (30, 31), (25, 33), (40, 41)]
+    for i, (start, end) in enumerate(calls):
+        sums.in_flight("m", "b", start, end)
+        if i in (1, 3):  # a flush between calls: later calls only add what no earlier one covered
+            flushed.append(sums.take())
+    flushed.append(sums.take())
+    busy: dict[int, float] = {}
+    held: dict[int, float] = {}
+    for rows in flushed:
+        for bucket, value in totals(rows, BUSY).items():
+            busy[bucket] = busy.get(bucket, 0.0) + value
+        for bucket, value in totals(rows, HELD).items():
+            held[bucket] = held.get(bucket, 0.0) + value
+    # union: [1, 15] and [25, 33] and [40, 41] -> per 10 s bucket: 0: 9, 10: 5, 20: 5, 30: 3, 40: 1
+    assert busy == pytest.approx({0: 9, 10: 5, 20: 5, 30: 3, 40: 1})
+    assert sum(held.values()) == pytest.approx(sum(b - a for a, b in calls))
+
+
+def test_busy_time_matches_a_brute_force_union():
+    rng = random.Random(7)
+    calls = []
+    for _ in range(300):
+        start = rng.uniform(0, 500)
+        calls.append((start, start + rng.expovariate(1 / 3)))
+    calls.sort(key=lambda c: c[1])
+    sums = Sums(60)
+    for start, end in calls:
+        sums.in_flight("m", "b", start, end)
+    covered = sum(1 for t in range(0, 600 * 100) if any(a <= t / 100 < b for a, b in calls)) / 100
+    assert sum(totals(sums.take(), BUSY).values()) == pytest.approx(covered, abs=0.5)
+
+
+def test_put_back_is_bounded():
+    sums = Sums(60)
+    sums.call(5, "m", "b", "k", False, 10, 20, 0.5, 0.0)
+    rows = sums.take()
+    assert sums.put_back(rows, limit=10) and sums.take()[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
+    assert not sums.put_back({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)}, 10)
+
+
+def row(bucket, served, requests=0, prompt=0, completion=0, cost=0.0, busy=0.0, held=0.0, key="k"):
+    return (Row(bucket, "m", "gpu" if served != "rented" else "rented:p", "" if not served else key, served),
+            [requests, prompt, completion, 0.0, cost, busy, held])
+
+
+MODEL = ModelCosts("m", [BackendCost("gpu", 3.6, 8)], Prices(1.0, 2.0, "p"))
+
+
+def test_report_figures_for_a_steady_busy_hour():
+    rows = [row(b, "owned", requests=60, prompt=60_000, completion=60_000) for b in range(0, 3600, 60)]
+    rows += [row(b, "", busy=54.0, held=240.0) for b in range(0, 3600, 60)]
+    m = build_report(rows, [MODEL], 0, 3600, 60)["models"]["m"]
+    tokens = 60 * 120_000
+    assert m["utilisation"] == pytest.approx(0.9)
+    assert m["owned_cost"] == pytest.approx(3.6)
+    assert m["owned_cost_per_million_tokens"] == pytest.approx(3.6 / tokens * 1e6)
+    assert m["owned_tokens_at_rented_price"] == pytest.approx((60 * 60_000 * 1 + 60 * 60_000 * 2) / 1e6)
+    assert m["backends"][0]["average_in_flight"] == pytest.approx(4.0)
+    assert m["backends"][0]["in_flight_vs_cap"] == pytest.approx(0.5)
+    assert m["burstiness"] == pytest.approx(1.0)
+    assert m["recommendation"]["verdict"] == "own"  # 3.6 owned against 10.8 rented
+    assert len(m["series"]) == 60 and m["series"][0]["utilisation"] == pytest.approx(0.9)
+
+
+def test_report_recommends_renting_bursty_idle_traffic_and_names_the_break_even():
+    rows = [row(600, "owned", requests=30, prompt=3000, completion=3000), row(600, "", busy=30.0, held=30.0),
+            row(600, "rented", requests=10, prompt=1000, completion=1000, cost=0.003)]
+    m = build_report(rows, [MODEL], 0, 3600, 60)["models"]["m"]
+    assert m["burstiness"] == pytest.approx(40 / (40 / 60))  # all in one minute of sixty
+    assert m["rent_all_cost"] == pytest.approx(0.009 + 0.003)
+    assert m["recommendation"]["verdict"] == "rent"
+    assert m["break_even_utilisation"] == pytest.approx(30 / 3600 * 3.6 / 0.009)
+    assert "%" in m["recommendation"]["reason"]
+
+
+def test_report_without_a_price_or_traffic():
+    unpriced = ModelCosts("m", [BackendCost("gpu", None, None)], None)
+    assert build_report([], [unpriced], 0, 60, 60)["models"]["m"]["recommendation"]["verdict"] == "unknown"
+    private = ModelCosts("m", [BackendCost("gpu", 1.0, None)], None)
+    assert build_report([], [private], 0, 60, 60)["models"]["m"]["recommendation"]["verdict"] == "own"
+    idle = build_report([], [MODEL], 0, 3600, 60)["models"]["m"]
+    assert idle["recommendation"]["verdict"] == "rent" and "no traffic" in idle["recommendation"]["reason"]
+    assert burstiness([], 60, 60) is None
+
+
+@pytest.mark.parametrize("period, now, start, end", [
+    ("day", "2026-03-15T13:00:00", "2026-03-15T00:00:00", "2026-03-16T00:00:00"),
+    ("week", "2026-03-15T13:00:00", "2026-03-09T00:00:00", "2026-03-16T00:00:00"),  # a Sunday: Monday's week
+    ("month", "2026-12-31T23:59:59", "2026-12-01T00:00:00", "2027-01-01T00:00:00"),
+])
+def test_budget_periods_are_utc_calendar_periods(period, now, start, end):
+    def ts(text):
+        return datetime.datetime.fromisoformat(text).replace(tzinfo=datetime.timezone.utc).timestamp()
+
+    assert period_bounds(period, ts(now)) == (ts(start), ts(end))
+
+
+POLICY = """
+ledger: {power_price_per_kwh: 0.3}
+providers:
+  - {name: cloud, base_url: "https://api.example.com/v1", api_key_env: CLOUD_KEY, models: {m: big},
+     price_per_million_tokens: {input: 1, output: 4}}
+models:
+  - name: m
+    overflow: {provider: cloud}
+    backends: [{url: "http://10.0.0.1:8000", cost: {per_hour: 2.5, power_kw: 1.0}}, {url: "http://10.0.0.2:8000"}]
+"""
+
+
+def test_policy_costs_and_their_errors():
+    costs = costs_of(parse_policy(POLICY))
+    assert costs[0].backends[0].per_hour == pytest.approx(2.8) and costs[0].backends[1].per_hour is None
+    assert costs[0].rented == Prices(1.0, 4.0, "cloud")
+    for text, expected in [
+        (POLICY.replace("power_price_per_kwh: 0.3", "bucket_seconds: 60"),
+         "models[0](name=m).backends[0].cost.power_kw: needs ledger.power_price_per_kwh"),
+        (POLICY.replace("per_hour: 2.5", "per_hour: -1"), "cost.per_hour"),
+        (POLICY.replace("cost: {per_hour: 2.5,", "cost: {"), "cost.per_hour: required field is missing"),
+        (POLICY.replace("overflow: {provider: cloud}", "rented_price_from: nope"),
+         "models[0](name=m).rented_price_from: provider 'nope' is not declared"),
+        (POLICY.replace("{power_price_per_kwh: 0.3}", "{bucket_seconds: 0}"), "ledger.bucket_seconds"),
+    ]:
+        with pytest.raises(PolicyError) as info:
+            parse_policy(text, "p.yaml")
+        assert expected in str(info.value)
