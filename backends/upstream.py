@@ -38,9 +38,10 @@ class Upstream:
         self.fixed = header_block({"host": self.origin.host_header, "content-type": "application/json",
                                    "accept-encoding": "identity", **(headers or {})})
 
-    async def open(self, path: str, body: bytes, request_id: str) -> Response:
-        head = b"POST %s%s HTTP/1.1\r\n%sx-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
-            self.prefix, path.encode("latin-1"), self.fixed, request_id.encode("latin-1"), len(body))
+    async def open(self, path: str, body: bytes, request_id: str, extra: bytes = b"") -> Response:
+        """`extra`: more header lines, each ending in CRLF (the trace context)."""
+        head = b"POST %s%s HTTP/1.1\r\n%s%sx-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
+            self.prefix, path.encode("latin-1"), self.fixed, extra, request_id.encode("latin-1"), len(body))
         return await self.client.request(self.origin, head, body, read_timeout=self.read_timeout,
                                          connect_timeout=self.connect_timeout)
 

@@ -35,6 +35,7 @@ from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
+from gateway.tracing import tracing_for
 from policies.accounting import RecordUsage
 from policies.admission import Admission
 from policies.auth import Authenticate, Authorize
@@ -97,6 +98,7 @@ class Gateway:
             self.record_usage,
         ])
         self.proxy: Proxy | None = None
+        self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
 
@@ -144,6 +146,8 @@ class Gateway:
         )
         overflow = {m.name: m.overflow for m in self.policy.models if m.overflow}
         self.proxy = Proxy(self.replicas, self.admission, self.pipeline, self.metrics, client, self.rented, overflow)
+        self.proxy.tracing = self.tracing
+        self.proxy.access_log.json = self.policy.access_log.format == "json"
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
@@ -159,6 +163,7 @@ class Gateway:
             self.background.run(self.record_usage.flush())
             await self.background.drain(timeout=5)
             await client.aclose()
+            await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
 
 

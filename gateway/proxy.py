@@ -24,6 +24,7 @@ from backends.replicas import Replica, ReplicaSet
 from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
 from gateway.access_log import AccessLog
 from gateway.relay import SSERelay, model_rename
+from gateway.tracing import Off
 from policies.admission import Admission, WouldWait
 from policies.config import Overflow
 from policies.errors import (
@@ -79,6 +80,7 @@ class Proxy:
         self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
+        self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
 
     async def handle(self, call: Call, raw_body: bytes) -> Reply:
         """Serve one OpenAI request; raises GatewayError for anything the client must see as an error."""
@@ -124,6 +126,7 @@ class Proxy:
                     raise
                 break
             waited = time.perf_counter() - before
+            call.queue_wait += waited
             call.response_headers["x-gateway-queue-ms"] = f"{waited * 1000:.1f}"
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
@@ -172,8 +175,9 @@ class Proxy:
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
         body = self.upstream_body(call, target.served_name)
+        trace_headers = self.tracing.sending(call, target)
         call.sent_at = time.perf_counter()
-        return await self.upstreams[target].open(call.endpoint, body, call.request_id)
+        return await self.upstreams[target].open(call.endpoint, body, call.request_id, trace_headers)
 
     def upstream_body(self, call: Call, served_name: str) -> bytes:
         """The client's body untouched but for `model` and, on streams, the usage the gateway needs."""
@@ -206,6 +210,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
         if isinstance(data, dict):
+            call.response = data
             call.usage = data.get("usage")
             if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
@@ -221,9 +226,11 @@ class Proxy:
             while chunk := await response.next_chunk():
                 if first:
                     first = False
-                    now = time.perf_counter()
+                    now = call.first_token_at = time.perf_counter()
                     self.metrics.first_token(call.model, now - call.arrived)
                     self.admission.observe(call.replica, now - call.sent_at)
+                if call.tap is not None:
+                    call.tap.append(chunk)
                 out = relay.feed(chunk)
                 if out:
                     yield out
@@ -259,6 +266,7 @@ class Proxy:
         if call.finished:
             return
         call.finished = True
+        call.error = error
         if isinstance(error, GatewayError):
             call.status = error.status
         elif error is not None:
@@ -284,7 +292,8 @@ class Proxy:
                                        served_by)
         else:
             self.metrics.call_refused(model, backend, call.status)
-        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed)
+        self.tracing.finished(call)
+        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         headers = {"x-request-id": call.request_id, **call.response_headers,

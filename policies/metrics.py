@@ -107,6 +107,11 @@ class GatewayMetrics:
             " last-used time or a rate-limit release is not; the release's lease expires).", ["reason"],
             registry=r,
         )
+        self.spans_dropped = Counter(
+            "llm_gateway_trace_spans_dropped", "Finished spans that never reached the tracing collector, by reason:"
+            " queue_full (the export queue was full: the collector is slow or down) or export_failed (the"
+            " collector could not be reached or refused the batch).", ["reason"], registry=r,
+        )
         # counted in a plain dict (several per request, so no lock and no child lookup) and read at exposition
         self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"

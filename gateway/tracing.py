@@ -1,0 +1,308 @@
+"""Traces of every call (OpenTelemetry, GenAI semantic conventions), and the W3C trace context passed upstream.
+
+Two moments touch a call. When it is sent upstream (`sending`), the proxy asks for the headers that carry the
+trace on: the client's `traceparent` continued with a span id of the gateway's own (its upstream span), so
+the client's agent trace, the gateway's spans and vLLM's own OpenTelemetry spans are one trace. With tracing
+off the client's `traceparent` and `tracestate` pass through unchanged. When the call is finished (`finished`,
+an observer of the proxy), its spans are built after the fact from the call's perf_counter timestamps, with
+the ids chosen earlier, and handed to the export queue (gateway/span_export.py): nothing of the SDK runs
+while the request is in flight.
+
+One trace per request:
+  `{operation} {model}` (SERVER): the whole call, GenAI attributes (operation, request and response model,
+      token usage, finish reasons, server address) and the gateway's own (`llm_gateway.*`: key id, never the
+      key; backend; served_by; queue wait; retries; the replica's in-flight count and limit at admission)
+    `llm_gateway.queue` (INTERNAL): only when the call waited for a backend slot (at least `QUEUED`)
+    `{operation} {served model}` (CLIENT), one per upstream attempt: server address and port, an event at
+      the first streamed token; an attempt that was retried elsewhere ends in error
+Prompt and completion text (`gen_ai.input.messages`, `gen_ai.output.messages`) only for the models the
+policy names in `tracing.content_models`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import set_span_in_context
+
+from gateway.span_export import SpanPipe
+from policies.config import Tracing as TracingConfig
+from policies.metrics import GatewayMetrics
+
+# W3C Trace Context, version 00: a trace id and a parent id not all zeros, flags; later versions may append
+TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+TRACESTATE_MAX = 512  # W3C: a propagator may drop a longer one
+OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings"}
+QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
+SAMPLED, NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
+ERROR = Status(StatusCode.ERROR)
+
+
+def client_context(headers: Any) -> tuple[str, int, int, bool, str] | None:
+    """The client's valid traceparent as (header, trace id, parent span id, sampled, tracestate), else None."""
+    header = headers.get("traceparent")
+    if not header:
+        return None
+    match = TRACEPARENT.match(header)
+    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
+        return None
+    trace_id, parent = int(match[2], 16), int(match[3], 16)
+    if not trace_id or not parent:
+        return None
+    state = headers.get("tracestate") or ""
+    if len(state) > TRACESTATE_MAX or "\r" in state or "\n" in state:
+        state = ""
+    return header, trace_id, parent, bool(int(match[4], 16) & 1), state
+
+
+def passthrough(headers: Any) -> bytes:
+    """With tracing off: the client's trace context headers, unchanged, for the upstream request."""
+    found = client_context(headers)
+    if found is None:
+        return b""
+    header, _, _, _, state = found
+    out = b"traceparent: %s\r\n" % header.encode("latin-1")
+    return out + b"tracestate: %s\r\n" % state.encode("latin-1") if state else out
+
+
+class CallTrace:
+    """The ids of one call's trace, fixed before anything is sent, and its upstream attempts."""
+
+    __slots__ = ("trace_id", "parent", "span_id", "sampled", "state", "attempts", "tap")
+
+    def __init__(self, trace_id: int, parent: int, sampled: bool, state: str) -> None:
+        self.trace_id, self.parent, self.sampled, self.state = trace_id, parent, sampled, state
+        self.span_id = random.getrandbits(64) or 1
+        self.attempts: list[tuple[int, Any, float, int, float | None]] = []  # span id, replica, sent, in flight, limit
+        self.tap: Any = None
+
+
+def trace_id_of(call: Any) -> str:
+    """The call's trace id as 32 hex digits (for the access log), or "" when it has none."""
+    if call.trace is not None:
+        return f"{call.trace.trace_id:032x}"
+    found = client_context(call.headers)
+    return f"{found[1]:032x}" if found else ""
+
+
+class Off:
+    """Tracing disabled: only the client's trace context is passed on."""
+
+    enabled = False
+
+    def sending(self, call: Any, replica: Any) -> bytes:
+        return passthrough(call.headers)
+
+    def finished(self, call: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Tracer:
+    enabled = True
+
+    def __init__(self, config: TracingConfig, metrics: GatewayMetrics, pipe: SpanPipe | None = None) -> None:
+        self.sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
+        self.resource = Resource.create({"service.name": config.service_name})
+        self.scope = InstrumentationScope("llm-gateway")
+        self.content_models = frozenset(config.content_models)
+        self.pipe = pipe or SpanPipe(config, metrics)
+        self.timeout = config.export_timeout
+        self.addresses: dict[Any, tuple[str, int]] = {}
+
+    def context(self, call: Any) -> CallTrace:
+        trace = call.trace
+        if trace is None:
+            found = client_context(call.headers)
+            if found is None:
+                trace_id, parent, state, parent_ctx = random.getrandbits(128) or 1, 0, "", None
+            else:
+                _, trace_id, parent, sampled, state = found
+                remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
+                parent_ctx = set_span_in_context(NonRecordingSpan(remote))
+            decision = self.sampler.should_sample(parent_ctx, trace_id, call.endpoint, SpanKind.SERVER)
+            trace = call.trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
+        return trace
+
+    def sending(self, call: Any, replica: Any) -> bytes:
+        """The headers that carry the trace upstream; records the attempt for its span."""
+        trace = self.context(call)
+        span_id = random.getrandbits(64) or 1
+        trace.attempts.append((span_id, replica, time.perf_counter(), replica.in_flight, replica.limit))
+        if trace.sampled and call.stream and trace.tap is None:
+            content = call.model in self.content_models
+            call.tap = trace.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+        out = b"traceparent: 00-%032x-%016x-%s\r\n" % (trace.trace_id, span_id, b"01" if trace.sampled else b"00")
+        return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
+
+    def finished(self, call: Any) -> None:
+        trace = self.context(call)
+        if trace.sampled:
+            self.pipe.put(self.spans(call, trace))
+
+    def close(self) -> None:
+        self.pipe.close(self.timeout)
+
+    def spans(self, call: Any, trace: CallTrace) -> list[ReadableSpan]:
+        offset = time.time_ns() - time.perf_counter_ns()
+        end = time.perf_counter_ns() + offset
+
+        def wall(perf: float) -> int:
+            return int(perf * 1e9) + offset
+
+        operation = OPERATIONS.get(call.endpoint, call.endpoint)
+        model = call.model or (call.body.get("model") if isinstance(call.body.get("model"), str) else "")
+        root = SpanContext(trace.trace_id, trace.span_id, False, SAMPLED)
+        parent = SpanContext(trace.trace_id, trace.parent, True, SAMPLED) if trace.parent else None
+        attributes = self.call_attributes(call, trace, operation, model)
+        status = Status(StatusCode.ERROR, f"HTTP {call.status}") if call.status >= 500 else Status(StatusCode.UNSET)
+        spans = [ReadableSpan(f"{operation} {model}".strip(), root, parent, self.resource, attributes,
+                              kind=SpanKind.SERVER, status=status, start_time=wall(call.arrived), end_time=end,
+                              instrumentation_scope=self.scope)]
+        if call.queue_wait >= QUEUED and trace.attempts:
+            admitted = wall(trace.attempts[0][2])
+            spans.append(self.child("llm_gateway.queue", trace, SpanKind.INTERNAL, admitted - int(call.queue_wait * 1e9),
+                                    admitted, {"llm_gateway.queue.wait_s": call.queue_wait}))
+        last = len(trace.attempts) - 1
+        for i, (span_id, replica, sent, in_flight, limit) in enumerate(trace.attempts):
+            host, port = self.address(replica)
+            attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": replica.served_name,
+                     "server.address": host, "server.port": port, "llm_gateway.backend": replica.name,
+                     "llm_gateway.admission.in_flight": in_flight}
+            if limit is not None:
+                attrs["llm_gateway.admission.limit"] = int(limit)
+            events = ()
+            if i < last:
+                attrs["error.type"] = "connect"
+                attempt_end = wall(trace.attempts[i + 1][2])
+            else:
+                attempt_end = end
+                if call.first_token_at:
+                    events = (Event("gen_ai.first_token", timestamp=wall(call.first_token_at)),)
+            context = SpanContext(trace.trace_id, span_id, False, SAMPLED)
+            spans.append(ReadableSpan(f"{operation} {replica.served_name}", context, root, self.resource, attrs,
+                                      events, kind=SpanKind.CLIENT, status=ERROR if i < last else Status(),
+                                      start_time=wall(sent), end_time=attempt_end, instrumentation_scope=self.scope))
+        return spans
+
+    def child(self, name: str, trace: CallTrace, kind: SpanKind, start: int, end: int, attributes: dict) -> ReadableSpan:
+        context = SpanContext(trace.trace_id, random.getrandbits(64) or 1, False, SAMPLED)
+        parent = SpanContext(trace.trace_id, trace.span_id, False, SAMPLED)
+        return ReadableSpan(name, context, parent, self.resource, attributes, kind=kind, start_time=start,
+                            end_time=end, instrumentation_scope=self.scope)
+
+    def call_attributes(self, call: Any, trace: CallTrace, operation: str, model: str) -> dict[str, Any]:
+        body = call.body if isinstance(call.body, dict) else {}
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "http.request.method": "POST",
+            "url.path": f"/v1/{call.endpoint}",
+            "http.response.status_code": call.status,
+            "llm_gateway.request_id": call.request_id,
+            "llm_gateway.stream": call.stream,
+        }
+        if model:
+            attrs["gen_ai.request.model"] = model
+        for name in ("max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed"):
+            value = body.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                attrs[f"gen_ai.request.{name}"] = value
+        if isinstance(body.get("max_completion_tokens"), int):
+            attrs["gen_ai.request.max_tokens"] = body["max_completion_tokens"]
+        if call.key is not None:
+            attrs["llm_gateway.key_id"] = call.key.id
+        if call.status >= 400:
+            error = call.error if call.error is not None else None
+            attrs["error.type"] = getattr(error, "code", None) or getattr(error, "type", None) or str(call.status)
+        attrs["llm_gateway.queue.wait_s"] = call.queue_wait
+        if trace.attempts:
+            _, replica, _, in_flight, limit = trace.attempts[-1]
+            host, port = self.address(replica)
+            attrs["server.address"], attrs["server.port"] = host, port
+            attrs["llm_gateway.backend"] = replica.name
+            attrs["llm_gateway.served_by"] = "rented" if replica.rented else "owned"
+            attrs["llm_gateway.retries"] = len(trace.attempts) - 1
+            attrs["llm_gateway.admission.in_flight"] = in_flight
+            if limit is not None:
+                attrs["llm_gateway.admission.limit"] = int(limit)
+        usage = call.usage if isinstance(call.usage, dict) else {}
+        for ours, theirs in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+            if isinstance(usage.get(theirs), int):
+                attrs[f"gen_ai.usage.{ours}"] = usage[theirs]
+        response = call.response if isinstance(call.response, dict) else None
+        reasons: list[str] = []
+        if response is not None:
+            if isinstance(response.get("id"), str):
+                attrs["gen_ai.response.id"] = response["id"]
+            if isinstance(response.get("model"), str):
+                attrs["gen_ai.response.model"] = response["model"]
+            choices = response.get("choices")
+            if isinstance(choices, list):
+                reasons = [c["finish_reason"] for c in choices
+                           if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)]
+        elif trace.tap:
+            reasons = [m.decode() for m in FINISH_REASON.findall(b"".join(trace.tap))]
+            if call.status < 400 and model:
+                attrs["gen_ai.response.model"] = model
+        if reasons:
+            attrs["gen_ai.response.finish_reasons"] = tuple(reasons)
+        if model in self.content_models:
+            self.content(attrs, body, response, trace)
+        return attrs
+
+    @staticmethod
+    def content(attrs: dict[str, Any], body: dict, response: dict | None, trace: CallTrace) -> None:
+        """Prompt and completion text, for the models the policy names (tracing.content_models) only."""
+        prompt = body.get("messages", body.get("prompt", body.get("input")))
+        if prompt is not None:
+            attrs["gen_ai.input.messages"] = orjson.dumps(prompt).decode()
+        if response is not None and isinstance(response.get("choices"), list):
+            outputs = [c.get("message", c.get("text")) for c in response["choices"] if isinstance(c, dict)]
+            attrs["gen_ai.output.messages"] = orjson.dumps(outputs).decode()
+        elif isinstance(trace.tap, list):
+            attrs["gen_ai.output.messages"] = orjson.dumps([streamed_text(trace.tap)]).decode()
+
+    def address(self, replica: Any) -> tuple[str, int]:
+        found = self.addresses.get(replica)
+        if found is None:
+            parts = urlsplit(replica.url)
+            found = self.addresses[replica] = (parts.hostname or "", parts.port or (443 if parts.scheme == "https"
+                                                                                     else 80))
+        return found
+
+
+def streamed_text(chunks: list[bytes]) -> str:
+    """The text of a streamed answer, from its SSE events (chat deltas or completion text)."""
+    out = []
+    for line in b"".join(chunks).split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = orjson.loads(line[6:])
+        except orjson.JSONDecodeError:
+            continue
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text = delta.get("content") if isinstance(delta, dict) else None
+            text = text if isinstance(text, str) else choice.get("text")
+            if isinstance(text, str):
+                out.append(text)
+    return "".join(out)
+
+
+def tracing_for(config: TracingConfig, metrics: GatewayMetrics) -> Tracer | Off:
+    return Tracer(config, metrics) if config.enabled else Off()
