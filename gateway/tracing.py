@@ -5,8 +5,8 @@ trace on: the client's `traceparent` continued with a span id of the gateway's o
 the client's agent trace, the gateway's spans and vLLM's own OpenTelemetry spans are one trace. With tracing
 off the client's `traceparent` and `tracestate` pass through unchanged. When the call is finished (`finished`,
 an observer of the proxy), its spans are built after the fact from the call's perf_counter timestamps, with
-the ids chosen earlier, and handed to the export queue (gateway/span_export.py): nothing of the SDK runs
-while the request is in flight.
+the ids chosen earlier, written as OTLP protobuf (gateway/otlp_wire.py) and handed to the export queue
+(gateway/span_export.py): nothing of the SDK runs while the request is in flight.
 
 One trace per request:
   `{operation} {model}` (SERVER): the whole call, GenAI attributes (operation, request and response model,
@@ -30,13 +30,11 @@ from urllib.parse import urlsplit
 
 import orjson
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from opentelemetry.trace import set_span_in_context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
 
-from gateway.span_export import SpanPipe
+from gateway import otlp_wire as wire
+from gateway.span_export import Encoded, SpanPipe
 from policies.config import Tracing as TracingConfig
 from policies.metrics import GatewayMetrics
 
@@ -46,8 +44,10 @@ TRACESTATE_MAX = 512  # W3C: a propagator may drop a longer one
 OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings"}
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
 SAMPLED, NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+# attributes whose values differ on every call: encoded as they come (the others through otlp_wire's cache)
+UNIQUE = ("llm_gateway.request_id", "gen_ai.response.id", "llm_gateway.queue.wait_s", "gen_ai.input.messages",
+          "gen_ai.output.messages")
 FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
-ERROR = Status(StatusCode.ERROR)
 
 
 def client_context(headers: Any) -> tuple[str, int, int, bool, str] | None:
@@ -115,12 +115,11 @@ class Off:
 class Tracer:
     enabled = True
 
-    def __init__(self, config: TracingConfig, metrics: GatewayMetrics, pipe: SpanPipe | None = None) -> None:
+    def __init__(self, config: TracingConfig, metrics: GatewayMetrics) -> None:
         self.sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
-        self.resource = Resource.create({"service.name": config.service_name})
-        self.scope = InstrumentationScope("llm-gateway")
+        resource = Resource.create({"service.name": config.service_name})  # + OTEL_RESOURCE_ATTRIBUTES
         self.content_models = frozenset(config.content_models)
-        self.pipe = pipe or SpanPipe(config, metrics)
+        self.pipe = SpanPipe(config, metrics, wire.resource(resource.attributes), wire.scope("llm-gateway"))
         self.timeout = config.export_timeout
         self.addresses: dict[Any, tuple[str, int]] = {}
 
@@ -157,7 +156,7 @@ class Tracer:
     def close(self) -> None:
         self.pipe.close(self.timeout)
 
-    def spans(self, call: Any, trace: CallTrace) -> list[ReadableSpan]:
+    def spans(self, call: Any, trace: CallTrace) -> Encoded:
         offset = time.time_ns() - time.perf_counter_ns()
         end = time.perf_counter_ns() + offset
 
@@ -166,17 +165,18 @@ class Tracer:
 
         operation = OPERATIONS.get(call.endpoint, call.endpoint)
         model = call.model or (call.body.get("model") if isinstance(call.body.get("model"), str) else "")
-        root = SpanContext(trace.trace_id, trace.span_id, False, SAMPLED)
-        parent = SpanContext(trace.trace_id, trace.parent, True, SAMPLED) if trace.parent else None
-        attributes = self.call_attributes(call, trace, operation, model)
-        status = Status(StatusCode.ERROR, f"HTTP {call.status}") if call.status >= 500 else Status(StatusCode.UNSET)
-        spans = [ReadableSpan(f"{operation} {model}".strip(), root, parent, self.resource, attributes,
-                              kind=SpanKind.SERVER, status=status, start_time=wall(call.arrived), end_time=end,
-                              instrumentation_scope=self.scope)]
+        trace_id, root = trace.trace_id.to_bytes(16, "big"), trace.span_id
+        repeated = self.call_attributes(call, trace, operation, model)
+        unique = {key: repeated.pop(key) for key in UNIQUE if key in repeated}
+        failed = wire.ERROR if call.status >= 500 else wire.UNSET
+        spans = [wire.span(trace_id, root, trace.parent, f"{operation} {model}".strip(), wire.SERVER,
+                           wall(call.arrived), end, unique, status=failed, trace_state=trace.state,
+                           repeated=repeated)]
         if call.queue_wait >= QUEUED and trace.attempts:
             admitted = wall(trace.attempts[0][2])
-            spans.append(self.child("llm_gateway.queue", trace, SpanKind.INTERNAL, admitted - int(call.queue_wait * 1e9),
-                                    admitted, {"llm_gateway.queue.wait_s": call.queue_wait}))
+            spans.append(wire.span(trace_id, random.getrandbits(64) or 1, root, "llm_gateway.queue", wire.INTERNAL,
+                                   admitted - int(call.queue_wait * 1e9), admitted,
+                                   {"llm_gateway.queue.wait_s": call.queue_wait}))
         last = len(trace.attempts) - 1
         for i, (span_id, replica, sent, in_flight, limit) in enumerate(trace.attempts):
             host, port = self.address(replica)
@@ -185,25 +185,18 @@ class Tracer:
                      "llm_gateway.admission.in_flight": in_flight}
             if limit is not None:
                 attrs["llm_gateway.admission.limit"] = int(limit)
-            events = ()
-            if i < last:
+            events: tuple = ()
+            if i < last:  # only a connection that could not be made is retried elsewhere
                 attrs["error.type"] = "connect"
                 attempt_end = wall(trace.attempts[i + 1][2])
             else:
                 attempt_end = end
                 if call.first_token_at:
-                    events = (Event("gen_ai.first_token", timestamp=wall(call.first_token_at)),)
-            context = SpanContext(trace.trace_id, span_id, False, SAMPLED)
-            spans.append(ReadableSpan(f"{operation} {replica.served_name}", context, root, self.resource, attrs,
-                                      events, kind=SpanKind.CLIENT, status=ERROR if i < last else Status(),
-                                      start_time=wall(sent), end_time=attempt_end, instrumentation_scope=self.scope))
-        return spans
-
-    def child(self, name: str, trace: CallTrace, kind: SpanKind, start: int, end: int, attributes: dict) -> ReadableSpan:
-        context = SpanContext(trace.trace_id, random.getrandbits(64) or 1, False, SAMPLED)
-        parent = SpanContext(trace.trace_id, trace.span_id, False, SAMPLED)
-        return ReadableSpan(name, context, parent, self.resource, attributes, kind=kind, start_time=start,
-                            end_time=end, instrumentation_scope=self.scope)
+                    events = ((wall(call.first_token_at), "gen_ai.first_token"),)
+            spans.append(wire.span(trace_id, span_id, root, f"{operation} {replica.served_name}", wire.CLIENT,
+                                   wall(sent), attempt_end, {}, events, wire.ERROR if i < last else wire.UNSET,
+                                   repeated=attrs))
+        return Encoded(b"".join(spans), len(spans))
 
     def call_attributes(self, call: Any, trace: CallTrace, operation: str, model: str) -> dict[str, Any]:
         body = call.body if isinstance(call.body, dict) else {}

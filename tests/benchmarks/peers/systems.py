@@ -74,10 +74,11 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
-                  routing: str | None = None, replicas: int = 1) -> System:
+                  routing: str | None = None, replicas: int = 1, policy_extra: dict | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
-    profile has candidates to score (they share one stand-in, so the backend's speed is the same)."""
+    profile has candidates to score (they share one stand-in, so the backend's speed is the same).
+    `policy_extra`: more sections of the policy file (e.g. `tracing`)."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -96,6 +97,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     }
     if routing is not None:
         policy["routing"] = {"default_profile": routing}
+    policy.update(policy_extra or {})
     (dir / "policy.yaml").write_text(yaml.safe_dump(policy))
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, **(env_extra or {})}
