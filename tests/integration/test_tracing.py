@@ -211,3 +211,26 @@ async def test_traceparent_reaches_the_backend():
                 assert sent["tracestate"] == "vendor=1"
                 upstream = receiver.wait_for(lambda s: s.kind == CLIENT)[0]
                 assert upstream.span_id == span_id and upstream.trace_id == TRACE_ID
+
+
+async def test_prompt_and_completion_text_only_for_the_models_named():
+    rec = Recorder()
+    prompt = [{"role": "user", "content": "the plan for the launch"}]
+    with Receiver() as receiver:
+        async with httpx.AsyncClient(timeout=30, headers=AUTH) as http, serve_app(rec) as up:
+            policy = {"models": [{"name": name, "backends": [{"url": up}]} for name in ("m", "other")],
+                      "tracing": {"enabled": True, "endpoint": receiver.url, "schedule_delay": 0.1,
+                                  "content_models": ["m"]}}
+            async with running_gateway(policy) as gw:
+                for model in ("m", "other"):
+                    for stream in (False, True):
+                        r = await http.post(f"{gw.url}/v1/chat/completions",
+                                            json={"model": model, "messages": prompt, "stream": stream})
+                        assert r.status_code == 200
+                named = receiver.wait_for(lambda s: s.kind == SERVER and s.name == "chat m", count=2)
+                others = receiver.wait_for(lambda s: s.kind == SERVER and s.name == "chat other", count=2)
+    for root in named:  # the recorder answers "abc", whole or as the stream "a", "b", "c"
+        assert "the plan for the launch" in root.attributes["gen_ai.input.messages"]
+        assert "abc" in root.attributes["gen_ai.output.messages"]
+    for other in others:
+        assert "gen_ai.input.messages" not in other.attributes and "gen_ai.output.messages" not in other.attributes

@@ -68,12 +68,13 @@ class Receiver:
             self.headers.append(headers)
             self.spans.extend(spans)
 
-    def wait_for(self, predicate, timeout: float = 30.0) -> list[Span]:
+    def wait_for(self, predicate, timeout: float = 30.0, count: int = 1) -> list[Span]:
+        """The spans that match, once there are at least `count` of them."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
                 found = [s for s in self.spans if predicate(s)]
-            if found:
+            if len(found) >= count:
                 return found
             time.sleep(0.05)
         raise AssertionError(f"no such span within {timeout} s; have {[s.name for s in self.spans]}")
