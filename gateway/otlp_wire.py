@@ -87,16 +87,18 @@ def repeated_attributes(attrs: Mapping[str, Any]) -> bytes:
 
 def span(trace_id: bytes, span_id: int, parent_id: int, name: str, kind: int, start: int, end: int,
          attrs: Mapping[str, Any], events: Iterable[tuple[int, str]] = (), status: int = UNSET,
-         message: str = "", trace_state: str = "", repeated: Mapping[str, Any] | None = None) -> bytes:
+         message: str = "", trace_state: str = "", repeated: Mapping[str, Any] | None = None,
+         encoded: bytes = b"") -> bytes:
     """One Span, as an entry of ScopeSpans.spans (field 2). Times in ns since the epoch; ids as ints.
-    `attrs` are encoded as they come, `repeated` through the cache (see `repeated_attributes`)."""
+    `attrs` are encoded as they come, `repeated` through the cache (see `repeated_attributes`), `encoded` are
+    attributes already encoded (`attributes(b"\x4a", ...)`)."""
     out = [b"\x0a\x10", trace_id, b"\x12\x08", span_id.to_bytes(8, "big")]
     if trace_state:
         out.append(field(b"\x1a", trace_state.encode()))
     if parent_id:
         out += (b"\x22\x08", parent_id.to_bytes(8, "big"))
     out += (field(b"\x2a", name.encode()), b"\x30", varint(kind), b"\x39", _fixed64(start), b"\x41", _fixed64(end),
-            attributes(b"\x4a", attrs), repeated_attributes(repeated) if repeated else b"")
+            attributes(b"\x4a", attrs), repeated_attributes(repeated) if repeated else b"", encoded)
     for at, event in events:  # Event: time 1 (fixed64), name 2
         out.append(field(b"\x5a", b"\x09" + _fixed64(at) + field(b"\x12", event.encode())))
     if status:  # Status: message 2, code 3

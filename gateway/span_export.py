@@ -97,9 +97,12 @@ class SpanPipe:
             self.failed_since_log = 0
 
     def close(self, timeout: float) -> None:
-        """Export what is queued (at most `timeout` seconds), then stop the export thread."""
-        self.processor.force_flush(int(timeout * 1000))
-        self.processor.shutdown()
+        """Export what is queued and stop the export thread, waiting at most `timeout` seconds: with the
+        collector down the processor's own shutdown may wait for every queued batch to time out in turn, so it
+        runs on a daemon thread that the process does not wait for."""
+        closing = threading.Thread(target=self.processor.shutdown, name="tracing-shutdown", daemon=True)
+        closing.start()
+        closing.join(timeout)
 
 
 class WireExporter(OTLPSpanExporter):

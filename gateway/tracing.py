@@ -21,6 +21,7 @@ policy names in `tracing.content_models`.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
@@ -37,6 +38,8 @@ from gateway import otlp_wire as wire
 from gateway.span_export import Encoded, SpanPipe
 from policies.config import Tracing as TracingConfig
 from policies.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.tracing")
 
 # W3C Trace Context, version 00: a trace id and a parent id not all zeros, flags; later versions may append
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
@@ -116,29 +119,41 @@ class Tracer:
     enabled = True
 
     def __init__(self, config: TracingConfig, metrics: GatewayMetrics) -> None:
-        self.sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
+        self.ratio = TraceIdRatioBased(config.sampling_ratio)
+        self.sampler = ParentBased(self.ratio)  # a client's traceparent: its sampled flag decides
         resource = Resource.create({"service.name": config.service_name})  # + OTEL_RESOURCE_ATTRIBUTES
         self.content_models = frozenset(config.content_models)
         self.pipe = SpanPipe(config, metrics, wire.resource(resource.attributes), wire.scope("llm-gateway"))
         self.timeout = config.export_timeout
         self.addresses: dict[Any, tuple[str, int]] = {}
+        self.upstream_attrs: dict[tuple[Any, str], bytes] = {}  # (replica, operation) -> encoded attributes
 
     def context(self, call: Any) -> CallTrace:
         trace = call.trace
         if trace is None:
             found = client_context(call.headers)
-            if found is None:
-                trace_id, parent, state, parent_ctx = random.getrandbits(128) or 1, 0, "", None
+            if found is None:  # a new trace: TraceIdRatioBased's own test, without building a SamplingResult
+                trace_id = random.getrandbits(128) or 1
+                trace = CallTrace(trace_id, 0, trace_id & self.ratio.TRACE_ID_LIMIT < self.ratio.bound, "")
             else:
                 _, trace_id, parent, sampled, state = found
                 remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
-                parent_ctx = set_span_in_context(NonRecordingSpan(remote))
-            decision = self.sampler.should_sample(parent_ctx, trace_id, call.endpoint, SpanKind.SERVER)
-            trace = call.trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
+                decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
+                                                      call.endpoint, SpanKind.SERVER)
+                trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
+            call.trace = trace
         return trace
 
     def sending(self, call: Any, replica: Any) -> bytes:
         """The headers that carry the trace upstream; records the attempt for its span."""
+        try:
+            return self.attempt(call, replica)
+        except Exception:  # a tracing bug must never fail a request: the call goes on untraced
+            log.exception("tracing: could not start the trace of request %s", call.request_id)
+            call.trace = CallTrace(1, 0, False, "")  # not sampled: nothing more is recorded for it
+            return passthrough(call.headers)
+
+    def attempt(self, call: Any, replica: Any) -> bytes:
         trace = self.context(call)
         span_id = random.getrandbits(64) or 1
         trace.attempts.append((span_id, replica, time.perf_counter(), replica.in_flight, replica.limit))
@@ -149,9 +164,12 @@ class Tracer:
         return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
 
     def finished(self, call: Any) -> None:
-        trace = self.context(call)
-        if trace.sampled:
-            self.pipe.put(self.spans(call, trace))
+        try:
+            trace = self.context(call)
+            if trace.sampled:
+                self.pipe.put(self.spans(call, trace))
+        except Exception:  # a tracing bug must never fail a request: this call's trace is lost
+            log.exception("tracing: could not record the trace of request %s", call.request_id)
 
     def close(self) -> None:
         self.pipe.close(self.timeout)
@@ -179,10 +197,13 @@ class Tracer:
                                    {"llm_gateway.queue.wait_s": call.queue_wait}))
         last = len(trace.attempts) - 1
         for i, (span_id, replica, sent, in_flight, limit) in enumerate(trace.attempts):
-            host, port = self.address(replica)
-            attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": replica.served_name,
-                     "server.address": host, "server.port": port, "llm_gateway.backend": replica.name,
-                     "llm_gateway.admission.in_flight": in_flight}
+            static = self.upstream_attrs.get((replica, operation))
+            if static is None:
+                host, port = self.address(replica)
+                static = self.upstream_attrs[(replica, operation)] = wire.attributes(b"\x4a", {
+                    "gen_ai.operation.name": operation, "gen_ai.request.model": replica.served_name,
+                    "server.address": host, "server.port": port, "llm_gateway.backend": replica.name})
+            attrs = {"llm_gateway.admission.in_flight": in_flight}
             if limit is not None:
                 attrs["llm_gateway.admission.limit"] = int(limit)
             events: tuple = ()
@@ -195,7 +216,7 @@ class Tracer:
                     events = ((wall(call.first_token_at), "gen_ai.first_token"),)
             spans.append(wire.span(trace_id, span_id, root, f"{operation} {replica.served_name}", wire.CLIENT,
                                    wall(sent), attempt_end, {}, events, wire.ERROR if i < last else wire.UNSET,
-                                   repeated=attrs))
+                                   repeated=attrs, encoded=static))
         return Encoded(b"".join(spans), len(spans))
 
     def call_attributes(self, call: Any, trace: CallTrace, operation: str, model: str) -> dict[str, Any]:

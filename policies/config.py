@@ -327,9 +327,10 @@ class Tracing(Strict):
     headers_from_env: dict[str, EnvName] = {}  # header name -> the env var holding its value
     sampling_ratio: float = Field(1.0, ge=0, le=1)  # of traces the gateway starts; a client's traceparent decides
     service_name: str = Field("llm-gateway", min_length=1, max_length=128)
-    max_queue_size: int = Field(4096, ge=1, le=1_000_000)  # finished calls whose spans wait for export; more
+    max_queue_size: int = Field(8192, ge=1, le=1_000_000)  # finished calls whose spans wait for export; more
     # are dropped (and counted)
-    max_export_batch_size: int = Field(512, ge=1, le=100_000)  # calls' spans in one export request
+    # calls' spans in one export request (~1 KB each); larger batches spread the export's fixed cost thinner
+    max_export_batch_size: int = Field(2048, ge=1, le=100_000)
     schedule_delay: Seconds = 1.0  # seconds between exports of a partial batch
     export_timeout: Seconds = 5.0  # one export to the collector, retries included
     content_models: list[Annotated[str, Field(pattern=NAME)]] = []  # models whose prompt and completion text

@@ -38,7 +38,7 @@ class Call:
     status: int = 0
     usage: dict[str, Any] | None = None
     overhead: float = 0.0  # seconds the gateway itself spent on this call
-    error: BaseException | None = None  # why a started stream ended badly, if it did
+    error: BaseException | None = None  # why the call ended badly, if it did (a started stream: set as it ends)
     finished: bool = False
     entered: list[Step] = field(default_factory=list)
     # for the observers of the finished call (gateway/tracing.py): set by the proxy, read once it is finished
