@@ -44,16 +44,17 @@ class Upstream:
                                    **(headers or {})})
 
     async def open(self, path: str, body: bytes, request_id: str, method: str = "POST",
-                   content_type: str = "application/json", stream: AsyncIterator[bytes] | None = None) -> Response:
+                   content_type: str = "application/json", stream: AsyncIterator[bytes] | None = None,
+                   extra: bytes = b"") -> Response:
         """Send `method path` (a path and query the gateway built itself: no CR/LF can be in it) with `body`,
         or with the chunks of `stream` as they come (chunked encoding; `content_type` a header the HTTP
-        server parsed, so without CR/LF)."""
+        server parsed, so without CR/LF). `extra`: more header lines, each ending in CRLF (the trace context)."""
         raw = path.encode("latin-1")
         target = self.prefix + raw[3:] if raw.startswith(b"/v1/") else self.root + raw
         typed = b"content-type: %s\r\n" % content_type.encode("latin-1") if body or stream else b""
         length = b"transfer-encoding: chunked" if stream is not None else b"content-length: %d" % len(body)
-        head = b"%s %s HTTP/1.1\r\n%s%sx-request-id: %s\r\n%s\r\n\r\n" % (
-            method.encode("latin-1"), target, self.fixed, typed, request_id.encode("latin-1"), length)
+        head = b"%s %s HTTP/1.1\r\n%s%s%sx-request-id: %s\r\n%s\r\n\r\n" % (
+            method.encode("latin-1"), target, self.fixed, typed, extra, request_id.encode("latin-1"), length)
         if stream is not None:
             return await self.client.request_streamed(self.origin, head, stream, read_timeout=self.read_timeout,
                                                       connect_timeout=self.connect_timeout)

@@ -6,6 +6,9 @@ stderr) writes the lines itself: formatted like every other log line, buffered, 
 most every `FLUSH_EVERY` seconds. Elsewhere (a gateway embedded in another program, the tests) each line goes
 through the `gateway.access` logger as usual. Either way the line is written only when that logger is
 enabled for INFO.
+
+With the policy's `access_log.format: json` each line is one JSON object instead, with the call's trace id
+(its own, or the client's traceparent's when tracing is off), so a log pipeline can join lines to traces.
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ import asyncio
 import logging
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
+
+import orjson
+
+from gateway.tracing import trace_id_of
 
 log = logging.getLogger("gateway.access")
 
@@ -25,15 +32,19 @@ MAX_PENDING = 512  # lines buffered before a write is forced
 class AccessLog:
     stream: TextIO | None = None  # set by the CLI (gateway/cli.py): write there, batched
 
-    def __init__(self) -> None:
+    def __init__(self, json: bool = False) -> None:
+        self.json = json
         self.pending: list[str] = []
         self.flush_handle: asyncio.TimerHandle | None = None
         self._second = -1
         self._stamp = ""
 
     def write(self, request_id: str, endpoint: str, model: str, backend: str, status: int, stream: bool,
-              elapsed: float) -> None:
+              elapsed: float, call: Any = None) -> None:
         if not log.isEnabledFor(logging.INFO):
+            return
+        if self.json:
+            self.write_json(request_id, endpoint, model, backend, status, stream, elapsed, call)
             return
         message = (f"request_id={request_id} endpoint={endpoint} model={model} backend={backend} status={status}"
                    f" stream={stream} duration_ms={elapsed * 1000:.1f}")
@@ -41,6 +52,21 @@ class AccessLog:
             log.info("%s", message)
             return
         self.pending.append(f"{self.timestamp()} INFO gateway.access {message}\n")
+        if len(self.pending) >= MAX_PENDING:
+            self.flush()
+        elif self.flush_handle is None:
+            self.flush_handle = asyncio.get_running_loop().call_later(FLUSH_EVERY, self.flush)
+
+    def write_json(self, request_id: str, endpoint: str, model: str, backend: str, status: int, stream: bool,
+                   elapsed: float, call: Any) -> None:
+        record = {"time": time.time(), "level": "INFO", "logger": "gateway.access", "request_id": request_id,
+                  "trace_id": trace_id_of(call) if call is not None else "", "endpoint": endpoint, "model": model,
+                  "backend": backend, "status": status, "stream": stream, "duration_ms": round(elapsed * 1000, 1)}
+        line = orjson.dumps(record).decode()
+        if self.stream is None:
+            log.info("%s", line)
+            return
+        self.pending.append(line + "\n")
         if len(self.pending) >= MAX_PENDING:
             self.flush()
         elif self.flush_handle is None:

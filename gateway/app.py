@@ -39,6 +39,7 @@ from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
+from gateway.tracing import tracing_for
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate
 from policies.budget import open_budgets
@@ -111,6 +112,7 @@ class Gateway:
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
+        self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
 
@@ -136,6 +138,8 @@ class Gateway:
                       snapshot.rented, overflow)
         if old is not None:
             proxy.access_log = old.access_log  # one batched log for the process
+        proxy.access_log.json = policy.access_log.format == "json"
+        proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
         self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:
@@ -248,6 +252,7 @@ class Gateway:
             await self.background.drain(timeout=5)
             await client.aclose()
             await self.ledger.close()
+            await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
 
 

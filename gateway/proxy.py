@@ -29,6 +29,7 @@ from gateway.access_log import AccessLog
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
 from gateway.form_upload import FormUpload
 from gateway.relay import model_rename
+from gateway.tracing import Off
 from policies.admission import Admission, WouldWait
 from policies.config import Overflow
 from policies.errors import (
@@ -87,6 +88,7 @@ class Proxy:
         self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
+        self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes]) -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -208,15 +210,16 @@ class Proxy:
         call.replica, call.holds_replica = target, holds
         route = call.route
         path = route.upstream_path(call.params)
+        trace_headers = self.tracing.sending(call, target)
         call.sent_at = time.perf_counter()
         upstream = self.upstreams.get(target) or self.add_upstream(target)
         if route.body == MULTIPART:
             served = target.served_name if "model" in call.body else None
             return await upstream.open(path, b"", call.request_id, content_type=call.headers[
-                "content-type"], stream=call.upload.upload(served))
+                "content-type"], stream=call.upload.upload(served), extra=trace_headers)
         body = self.upstream_body(call, target) if route.body == JSON else b""
         method = "POST" if route.body != NONE else route.methods[0]
-        return await upstream.open(path, body, call.request_id, method)
+        return await upstream.open(path, body, call.request_id, method, extra=trace_headers)
 
     def add_upstream(self, replica: Replica) -> Upstream:
         """A replica that joined the live set after this proxy was built (backends/replicas.py)."""
@@ -276,6 +279,7 @@ class Proxy:
         except orjson.JSONDecodeError:
             raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
         if isinstance(data, dict):
+            call.response = data
             call.usage = call.route.usage(data)
             if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
@@ -291,9 +295,11 @@ class Proxy:
             while chunk := await response.next_chunk():
                 if first:
                     first = False
-                    now = time.perf_counter()
+                    now = call.first_token_at = time.perf_counter()
                     self.metrics.first_token(call.model, now - call.arrived)
                     self.admission.observe(call.replica, now - call.sent_at)
+                if call.tap is not None:
+                    call.tap.append(chunk)
                 out = relay.feed(chunk)
                 if out:
                     yield out
@@ -329,6 +335,7 @@ class Proxy:
         if call.finished:
             return
         call.finished = True
+        call.error = error
         if isinstance(error, GatewayError):
             call.status = error.status
         elif error is not None:
@@ -354,7 +361,8 @@ class Proxy:
                                        served_by, call.endpoint)
         else:
             self.metrics.call_refused(model, backend, call.status, call.endpoint)
-        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed)
+        self.tracing.finished(call)
+        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         headers = {"x-request-id": call.request_id, **call.response_headers,

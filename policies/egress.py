@@ -4,6 +4,8 @@ The rules, checked when the policy is loaded and again on every new connection:
 
 - an owned backend's host must resolve ONLY to addresses inside `network.private_cidrs` (an IP literal is
   checked as is; for a hostname every A/AAAA record counts, so one public record is enough to refuse it);
+- so must the tracing collector's endpoint, when tracing is on (checked at load only: the exporter is the
+  OpenTelemetry SDK's own HTTP client);
 - a rented provider is exempt from that rule, but the reverse holds for it: an address inside
   `private_cidrs` or not globally routable (loopback, RFC 1918, link-local such as cloud metadata, ULA, ...)
   is refused unless the provider says `allow_private_address: true`, so a typo cannot quietly send "rented"
@@ -51,6 +53,8 @@ async def check_backends(
     for i, provider in enumerate(policy.providers):
         targets.append((f"providers[{i}](name={provider.name})", provider.base_url, origin(provider.base_url),
                         provider.allow_private_address))
+    if policy.tracing.enabled:  # traces hold prompts' metadata (and text, where enabled): they stay inside too
+        targets.append(("tracing.endpoint", policy.tracing.endpoint, origin(policy.tracing.endpoint), None))
 
     skipped = [] if resolve else list(dict.fromkeys(
         host for _, _, (host, _), _ in targets if parse_address(host) is None))

@@ -132,6 +132,11 @@ class GatewayMetrics:
             " process), fail_closed (503), cached (key accepted from this process's cache), refused (503).",
             ["step", "outcome"], registry=r,
         )
+        self.spans_dropped = Counter(
+            "llm_gateway_trace_spans_dropped", "Finished spans that never reached the tracing collector, by reason:"
+            " queue_full (the export queue was full: the collector is slow or down) or export_failed (the"
+            " collector could not be reached or refused the batch).", ["reason"], registry=r,
+        )
         # counted in a plain dict (several per request, so no lock and no child lookup) and read at exposition
         self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"

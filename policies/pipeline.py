@@ -51,9 +51,15 @@ class Call:
     rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
     before_rent: Any = None  # async () -> bool, set by a step: may this call spill to a rented provider now?
     budget_hold: Any = None  # what the budget step reserved, to settle when the call ends
-    error: BaseException | None = None  # why a started stream ended badly, if it did
+    error: BaseException | None = None  # why the call ended badly, if it did (a started stream: set as it ends)
     finished: bool = False
     entered: list[Step] = field(default_factory=list)
+    # for the observers of the finished call (gateway/tracing.py): set by the proxy, read once it is finished
+    queue_wait: float = 0.0  # seconds waited for a backend slot
+    first_token_at: float = 0.0  # perf_counter() of the first streamed chunk
+    response: Any = None  # the parsed JSON answer of a call that was not streamed
+    tap: Any = None  # when a trace wants them, the streamed chunks are appended here
+    trace: Any = None  # the call's trace ids, once it has some
 
 
 class Step(Protocol):

@@ -77,6 +77,13 @@ async def test_public_ip_literal_is_refused_naming_model_backend_and_address(url
     assert "backends[0]" not in message
 
 
+async def test_a_public_tracing_collector_is_refused_when_tracing_is_on():
+    collector = {"endpoint": "https://8.8.8.8:4318/v1/traces"}
+    await check_backends(policy("http://10.0.0.1:8000", tracing=collector), FakeDNS())  # off: not used
+    message = await refused(policy("http://10.0.0.1:8000", tracing={**collector, "enabled": True}))
+    assert "tracing.endpoint" in message and "public address 8.8.8.8" in message
+
+
 async def test_hostname_resolving_privately_passes():
     dns = FakeDNS({"vllm-a.internal": ["10.1.2.3"], "vllm-b.internal": ["fd00::7", "192.168.0.9"]})
     await check_backends(policy("http://vllm-a.internal:8000", "http://vllm-b.internal:8000"), dns)

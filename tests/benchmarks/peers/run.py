@@ -63,6 +63,7 @@ from tests.benchmarks.peers.systems import (
     LOAD_CORE,
     SUT_CORE,
     System,
+    free_port,
     start_floor,
     start_gateway,
     start_litellm,
@@ -85,6 +86,7 @@ STORE_COMPARE = [  # (column, Redis set-up from tests/support): the same gateway
 LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the cost ledger, for what it costs
     ("gateway no ledger", {"ledger": {"enabled": False}}),
 ]
+TRACED = "gateway tracing 1.0"  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),
@@ -427,6 +429,19 @@ def targets(samples: dict[str, Samples], soak_result: dict | None) -> list[tuple
     return out
 
 
+def tracing_line(traced: Samples, plain: Samples, sink: dict | None) -> str:
+    """Tracing on at ratio 1.0 against the same gateway with tracing off, measured in the same rounds."""
+    rps = median(traced.rps) / median(plain.rps)
+    events = median(traced.events) / median(plain.events) if median(plain.events) else float("nan")
+    per_round_rps = ", ".join(f"{a / b:.0%}" for a, b in zip(traced.rps, plain.rps) if b)
+    got = f"; the sink got {sink['exports']:,} exports, {sink['bytes'] / 2**20:.1f} MiB" if sink else ""
+    return (f"{'MET   ' if rps >= 0.85 else 'MISSED'} tracing at ratio 1.0 within 15% of tracing off: "
+            f"{median(traced.rps):,.0f} vs {median(plain.rps):,.0f} req/s at c=64 = {rps:.1%} (per round: "
+            f"{per_round_rps}); SSE events/s {events:.1%}; added p50 at c=1 {median(traced.added_p50):.3f} vs "
+            f"{median(plain.added_p50):.3f} ms; CPU ms per request {median(traced.cpu_ms):.3f} vs "
+            f"{median(plain.cpu_ms):.3f}{got}")
+
+
 def per_round(samples: dict[str, Samples]) -> str:
     """gateway ÷ each peer round by round (each pair measured minutes apart at most): the spread shows how far
     the machine's own drift moves the medians."""
@@ -530,6 +545,9 @@ def parse_args(argv=None):
     p.add_argument("--ledger-compare", action="store_true",
                    help="also measure the gateway with the cost ledger switched off (what the ledger costs per"
                         " request)")
+    p.add_argument("--tracing-compare", action="store_true",
+                   help="also measure the gateway with tracing on at sampling ratio 1.0, exporting to a local OTLP/HTTP"
+                        " sink on the load core (what tracing costs per request)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -586,7 +604,7 @@ def main(argv=None) -> int:
     atexit.register(procs.stop_all)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     samples: dict[str, Samples] = {}
-    soak_result = prof = None
+    soak_result = prof = sink_stats = None
     ceiling_rows: list[dict] = []
     gateway_uses: dict[str, bool] = {}
     try:
@@ -621,6 +639,18 @@ def main(argv=None) -> int:
                 systems[-1].name = label
         if args.store_compare and "gateway" in wanted:
             systems += start_store_variants(procs, work, standin, env, args)
+        sink_url = None
+        if args.tracing_compare and "gateway" in wanted:
+            sink_port = free_port()
+            procs.start("otlp-sink", [sys.executable, "-m", "tests.benchmarks.peers.otlp_sink", str(sink_port)],
+                        LOAD_CORE, cwd=REPO)
+            sink_url = f"http://127.0.0.1:{sink_port}"
+            log(f"starting {TRACED} on core {SUT_CORE}")
+            systems.append(start_gateway(procs, work, standin, name=TRACED.replace(" ", "-"), env_extra=env,
+                                         args=args.gateway_arg, policy_extra={"tracing": {
+                                             "enabled": True, "sampling_ratio": 1.0,
+                                             "endpoint": f"{sink_url}/v1/traces"}}))
+            systems[-1].name = TRACED
         for system in systems:
             smoke(system)
         by_name = {s.name: s for s in systems}
@@ -641,6 +671,8 @@ def main(argv=None) -> int:
                 got = measure(system, samples[system.name], direct, scripts, args)
                 log(f"  {system.name}: {got['rps']:,.0f} req/s, p50 {got['p50']:.3f} ms, "
                     f"{got['events']:,.0f} events/s, {got['cpu_ms']:.3f} CPU ms/req")
+        if sink_url is not None:
+            sink_stats = httpx.get(f"{sink_url}/stats", timeout=10).json()
         for system in systems:
             samples[system.name].rss_mib = sum(p.rss_bytes() for p in system.procs) / 2**20
         if "gateway" in by_name and not args.no_profile:
@@ -680,6 +712,8 @@ def main(argv=None) -> int:
     (standalone, _), *others = STORE_COMPARE
     for label, _ in others:
         within_10_percent(samples, label, standalone, f"{label} within 10% of {standalone}")
+    if TRACED in samples and "gateway" in samples and median(samples["gateway"].rps):
+        print(tracing_line(samples[TRACED], samples["gateway"], sink_stats))
     rounds = per_round(samples)
     if rounds:
         print(rounds)
