@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
+import annotated_types
+
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import Components, Operation, SecurityScheme
 from litestar.plugins.pydantic import PydanticSchemaPlugin
@@ -57,13 +59,24 @@ def errors(*statuses: int) -> dict[int, ResponseSpec]:
 
 
 class StrictModels(PydanticSchemaPlugin):
-    """Litestar's pydantic schemas, plus `additionalProperties: false` where the model forbids extra fields."""
+    """Litestar's pydantic schemas, plus `additionalProperties: false` where the model forbids extra fields, and
+    the `ge`/`le` bounds of a field that litestar leaves out when the bound is 0 (it tests them for truth)."""
 
     def to_openapi_schema(self, field_definition, schema_creator):
         schema = super().to_openapi_schema(field_definition, schema_creator)
-        config = getattr(field_definition.annotation, "model_config", {})
+        model = field_definition.annotation
+        config = getattr(model, "model_config", {})
         if config.get("extra") == "forbid":
             schema.additional_properties = False
+        for name, field in getattr(model, "model_fields", {}).items():
+            prop = (schema.properties or {}).get(field.alias or name)
+            if prop is None or not hasattr(prop, "minimum"):
+                continue
+            for bound in field.metadata:
+                if isinstance(bound, annotated_types.Ge) and prop.minimum is None:
+                    prop.minimum = bound.ge
+                if isinstance(bound, annotated_types.Le) and prop.maximum is None:
+                    prop.maximum = bound.le
         return schema
 
 

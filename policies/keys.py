@@ -72,7 +72,7 @@ class KeyBudget(BaseModel):
     """What a key may spend per period (calendar day, ISO week or month, UTC), enforced by policies/budget.py."""
 
     model_config = ConfigDict(extra="forbid")
-    max_rented_spend: float | None = Field(None, ge=0, le=1e9, description="currency units of rented tokens per"
+    max_rented_spend: float | None = Field(None, ge=0.0, le=1e9, description="currency units of rented tokens per"
                                            " period; once spent, see when_spent")
     max_tokens_per_period: Count | None = Field(None, ge=1, description="prompt + completion tokens per period,"
                                                 " owned and rented; past it requests get 429 until the reset")
