@@ -116,7 +116,10 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
             "average_in_flight": _round(average, 4),
             "in_flight_vs_cap": _round(average / b.cap, 4) if b.cap else None,
         })
-    utilisation = sum(min(seconds, busy.get(b.name, 0.0)) for b in model.backends) / (seconds * len(model.backends))
+    # A model whose replicas are discovered lists none in the policy: no owned capacity to measure (and, with no
+    # cost.per_hour either, its verdict is "unknown").
+    utilisation = sum(min(seconds, busy.get(b.name, 0.0)) for b in model.backends) / (seconds * len(model.backends)) \
+        if model.backends else 0.0
     capped = [b for b in model.backends if b.cap]
     batch_fill = sum(held.get(b.name, 0.0) for b in capped) / (seconds * sum(b.cap for b in capped)) if capped \
         else None
@@ -214,7 +217,7 @@ def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Pr
         out.append({
             "t": bucket,
             "requests": int(s["requests"]),
-            "utilisation": _round(min(1.0, s["busy"] / (bucket_seconds * len(model.backends))), 4),
+            "utilisation": _round(min(1.0, s["busy"] / (bucket_seconds * max(1, len(model.backends)))), 4),
             "owned_cost": _round(hourly * bucket_seconds / 3600),
             "rented_cost": _round(s["rented_cost"], 9),
             "rent_all_cost": _round(None if owned_at_rented is None else owned_at_rented + s["rented_cost"], 9),

@@ -102,6 +102,9 @@ def test_report_recommends_renting_bursty_idle_traffic_and_names_the_break_even(
 def test_report_without_a_price_or_traffic():
     unpriced = ModelCosts("m", [BackendCost("gpu", None, None)], None)
     assert build_report([], [unpriced], 0, 60, 60)["models"]["m"]["recommendation"]["verdict"] == "unknown"
+    discovered = build_report([], [ModelCosts("m", [], Prices(1.0, 2.0, "p"))], 0, 60, 60)["models"]["m"]
+    assert discovered["utilisation"] == 0 and discovered["recommendation"]["verdict"] == "unknown"
+    assert discovered["series"][0]["utilisation"] == 0  # a model whose replicas come from discovery lists none
     private = ModelCosts("m", [BackendCost("gpu", 1.0, None)], None)
     assert build_report([], [private], 0, 60, 60)["models"]["m"]["recommendation"]["verdict"] == "own"
     idle = build_report([], [MODEL], 0, 3600, 60)["models"]["m"]
