@@ -1,4 +1,4 @@
-"""What a policy implies: the settings objects backends/ takes, and each model's routing profile.
+"""What a policy implies: the settings objects backends/ takes (routing profiles are built per snapshot).
 
 backends/ knows nothing of the policy file's schema; each piece it runs (the replicas and their health
 timings, the rented providers) is handed plain settings built here.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from backends.rented import Price, ProviderSettings, RentedProviders
 from backends.replicas import HealthTimings, Replica, ReplicaSet
-from policies.config import Health, Model, Policy, backend_name, profile_of
-from policies.routing import Profile, Stats, build_profile
+from policies.config import Health, Model, Policy, backend_name
 
 
 def health_timings(health: Health) -> HealthTimings:
@@ -46,12 +45,3 @@ def rented_providers(policy: Policy) -> RentedProviders:
         for p in policy.providers
     ]
     return RentedProviders(providers, {m.name: m.overflow.provider for m in policy.models if m.overflow})
-
-
-def routing_profiles(policy: Policy, stats: Stats, metrics=None) -> dict[str, Profile]:
-    """Per public model its own Profile (learning scorers keep per-model state)."""
-    profiles = {}
-    for model in policy.models:
-        name, config = profile_of(policy, model)
-        profiles[model.name] = build_profile(config, model.name, stats, metrics, name=name)
-    return profiles
