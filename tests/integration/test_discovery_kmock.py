@@ -25,7 +25,7 @@ from tests.integration.test_policy_reload import Load, sim_served, until
 from tests.support.gateway import AUTH, default_key_record
 from tests.support.servers import free_port, serve_app
 
-SIM = SimConfig(model="served", step_base_ms=5)
+SIM = SimConfig(model="served", step_base_ms=25)  # 8-token streams of ~0.2 s: still running when a replica is removed
 NS = "llm"
 
 
