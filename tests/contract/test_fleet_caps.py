@@ -33,7 +33,7 @@ async def test_racing_processes_get_exactly_the_cap_and_releases_give_it_back(st
     assert len(granted) == 8 and await procs[0].held("b") == 8
     assert max(held for _, held in results) == 8
     for proc, member in granted:
-        await proc.release("b", [member])
+        await proc.release("b", 8, [member])
     assert await procs[0].held("b") == 0
 
 
@@ -43,7 +43,7 @@ async def test_leases_given_back_with_an_acquire_make_room_for_it_in_the_same_ca
     assert (await a.acquire("e", 2, 0, 0.0, False))[0] is None  # full
     member, count = await a.acquire("e", 2, 0, 0.0, False, give_back=held)
     assert member is not None and count == 1  # both went back, then one was taken
-    assert await a.release("e", [member]) == 0
+    assert await a.release("e", 2, [member]) == 0
 
 
 async def test_leases_of_a_process_that_stops_renewing_end_and_renewed_ones_stay(store):
@@ -64,7 +64,7 @@ async def test_the_longest_waiting_process_is_served_first(store):
     a, b = fleet(store), fleet(store)
     first = (await a.acquire("b", 1, 0, 0.0, False))[0]
     assert (await b.acquire("b", 1, 0, 2.0, True))[0] is None  # b waits (2 s already) and says so
-    await a.release("b", [first])
+    await a.release("b", 1, [first])
     assert (await a.acquire("b", 1, 0, 0.5, True))[0] is None  # a asks first, but its waiter is fresher
     assert (await b.acquire("b", 1, 0, 2.1, True))[0] is not None
     assert await store.client.hlen(b.waiting("b")) == 1  # b's claim went with its slot; a's stays
@@ -74,7 +74,7 @@ async def test_a_better_class_goes_first_however_long_the_other_waited(store):
     a, b = fleet(store), fleet(store)
     held = (await a.acquire("c", 1, 0, 0.0, False))[0]
     assert (await b.acquire("c", 1, 1, 60.0, True))[0] is None  # batch (rank 1), waiting a minute
-    await a.release("c", [held])
+    await a.release("c", 1, [held])
     assert (await a.acquire("c", 1, 0, 0.0, False))[0] is not None  # interactive, just arrived: first
 
 
@@ -88,6 +88,26 @@ async def test_a_claim_not_refreshed_holds_nobody_back(store):
     assert await store.client.hlen(gone.waiting("d")) == 0
 
 
+@pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
+async def test_room_left_by_one_process_wakes_the_one_first_in_line(setup, store):
+    a, b, c = fleet(store), fleet(store), fleet(store)
+    held = (await a.acquire("w", 1, 0, 0.0, False))[0]
+    assert (await b.acquire("w", 1, 0, 3.0, True))[0] is None  # b waits longest
+    assert (await c.acquire("w", 1, 0, 1.0, True))[0] is None
+    assert not await b.woken("w", 0.05)  # nothing pushed yet: the wait times out
+    waiting = asyncio.create_task(b.woken("w", 2.0))
+    await asyncio.sleep(0.05)
+    await a.release("w", 1, [held])
+    assert await asyncio.wait_for(waiting, 1.0)  # b, first in line, was woken by a's release
+    assert not await c.woken("w", 0.05)  # c was not
+    # a process that gives back and is refused (others ahead) wakes the first in line too
+    held = (await b.acquire("w", 1, 0, 3.1, True))[0]
+    assert held is not None
+    assert (await b.acquire("w", 1, 0, 0.1, True, give_back=[held]))[0] is None  # c's waiter waited longer
+    assert await c.woken("w", 0.5)
+    assert not await b.woken("w", 0.05)
+
+
 def test_every_key_of_a_backend_is_in_one_cluster_slot():
     class Store:
         prefix = "llmgw:"
@@ -95,4 +115,5 @@ def test_every_key_of_a_backend_is_in_one_cluster_slot():
 
     f = FleetSlots(Store(), Caps())
     assert key_slot(f.leases("chat-0").encode()) == key_slot(f.waiting("chat-0").encode())
+    assert key_slot(f.leases("chat-0").encode()) == key_slot(f.wake_list("chat-0").encode())
     assert key_slot(f.leases("chat-0").encode()) != key_slot(f.leases("chat-1").encode())
