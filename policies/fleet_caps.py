@@ -152,10 +152,9 @@ class FleetSlots:
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.members = itertools.count()
         self.down_until = 0.0  # after a failure, skip Redis for a second instead of paying its deadline per request
-        client = store.client
-        self._acquire = client.register_script(ACQUIRE)
-        self._release = client.register_script(RELEASE)
-        self._renew = client.register_script(RENEW)
+        self._acquire = store.script(ACQUIRE)
+        self._release = store.script(RELEASE)
+        self._renew = store.script(RENEW)
 
     def leases(self, backend: str) -> str:
         return f"{self.prefix}{{{backend}}}"

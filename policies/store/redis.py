@@ -37,6 +37,7 @@ from policies.store.base import (
     usage_increments,
     with_last_used,
 )
+from policies.store.pipelined import Pipelined, Script
 from policies.store.redis_client import TLSFiles, connect
 
 DEFAULT_PREFIX = "llmgw:"
@@ -95,6 +96,7 @@ class RedisStore:
         # A Cluster client's pools refuse a connection past the bound rather than wait for one: callers queue
         # here instead, as they do in the standalone and Sentinel pools, and the wait counts against the deadline.
         self._turns = asyncio.Semaphore(max_connections) if self.cluster else contextlib.nullcontext()
+        self._fast = Pipelined.for_client(self._redis, timeout)
         self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
 
@@ -103,6 +105,11 @@ class RedisStore:
         """The client (one server, Sentinel's primary or a Cluster), for other shared state kept beside the
         keys (rate limits). A script run through it must keep its keys in one hash slot (see `tag`)."""
         return self._redis
+
+    def script(self, source: str) -> Script:
+        """A script for the request path: its calls share one pipelined connection per server (see
+        policies/store/pipelined.py); `await script(keys=[...], args=[...])` as with redis-py's."""
+        return Script(self._redis, self._fast, source)
 
     @property
     def cluster(self) -> bool:
@@ -205,5 +212,7 @@ class RedisStore:
 
     async def close(self) -> None:
         self._closed = True
+        if self._fast is not None:
+            await self._fast.close()
         with contextlib.suppress(Exception):
             await self._redis.aclose()

@@ -111,7 +111,9 @@ async def test_room_left_by_one_process_wakes_the_one_first_in_line(setup, store
 def test_every_key_of_a_backend_is_in_one_cluster_slot():
     class Store:
         prefix = "llmgw:"
-        client = type("C", (), {"register_script": lambda self, s: None})()
+
+        def script(self, source):
+            return None
 
     f = FleetSlots(Store(), Caps())
     assert key_slot(f.leases("chat-0").encode()) == key_slot(f.waiting("chat-0").encode())

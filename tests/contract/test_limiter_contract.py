@@ -145,3 +145,25 @@ def test_memory_limiter_is_atomic_because_it_never_suspends():
     assert first.allowed and not refused.allowed and refused.kind == "concurrency"
     finish_without_suspending(limiter.release(Ticket(scopes, "a", 10, limiter=limiter), used=5))
     assert finish_without_suspending(limiter.slots("key:a")) == 0
+
+
+@pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
+async def test_a_release_travels_with_the_next_admission_of_its_scopes(setup, redis_server, redis_prefix):  # noqa: F811
+    store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
+    limiter = RedisLimiter(store)
+    try:
+        scopes = [Scope("key:p", tokens_per_minute=1000, max_concurrent=1), Scope("model:p", max_concurrent=1)]
+        first, ticket = await take(limiter, scopes, cost=600, member="a")
+        assert first.allowed
+        releasing = asyncio.create_task(limiter.release(ticket, used=100))
+        await asyncio.sleep(0)  # the release is queued, not yet sent (it may wait up to 2 ms)
+        second, _ = await take(limiter, scopes, cost=800, member="b")
+        # the admission carried the release: the slot was free and the 500 tokens back before it was checked
+        assert second.allowed and second.remaining_tokens == 1000 - 600 + 500 - 800
+        await asyncio.wait_for(releasing, 5)
+        # alone, a release goes within its 2 ms in a call of its own, with the others queued meanwhile
+        tickets = [Ticket(tuple(scopes), "b", 800, limiter=limiter)]
+        await asyncio.wait_for(asyncio.gather(*(limiter.release(t, used=800) for t in tickets)), 5)
+        assert await limiter.slots("key:p") == 0 and await limiter.slots("model:p") == 0
+    finally:
+        await store.close()
