@@ -232,11 +232,16 @@ class ModelQueue:
                 self.dispatch()
         self.metrics.backend_limit.labels(self.model, replica.name).set(int(replica.limit))
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, call: Call | None = None) -> None:
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.held_gauge(replica.name).set(replica.in_flight)
         self.drain.tick(time.monotonic())
+        if call is not None and self.depth and self.priorities.hold and not self.line.ahead_of(self.class_of(call)[0]):
+            # only worse classes wait: keep the slot a moment for this class's next request, which takes it at
+            # once (take_now) if it comes; otherwise the worse class gets it when the moment is over
+            asyncio.get_running_loop().call_later(self.priorities.hold, self.dispatch)
+            return
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -317,8 +322,8 @@ class Admission:
         raises WouldWait instead of queueing longer than `spill_after` seconds, when given."""
         return await self.queues[model].acquire(owner, exclude, spill_after, call)
 
-    def release(self, replica: Replica) -> None:
-        self.queues[replica.model].release(replica)
+    def release(self, replica: Replica, call: Call | None = None) -> None:
+        self.queues[replica.model].release(replica, call)
 
     def observe(self, replica: Replica, ttft: float) -> None:
         queue = self.queues.get(replica.model)

@@ -330,7 +330,9 @@ class FleetModelQueue(ModelQueue):
         replica = self.profile.pick(call, [r for r in candidates if r.has_room], exclude=exclude)
         return None if replica is None else self.take(replica)
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, call: Call | None = None) -> None:
+        """(`call`: the per-process hold for a class's next request is not kept here: across processes the
+        freed lease goes to the longest claim, whatever this process's classes do.)"""
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())
