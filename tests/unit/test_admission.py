@@ -211,6 +211,8 @@ async def test_a_slot_freed_while_only_a_worse_class_waits_is_held_a_moment_for_
     batch = asyncio.create_task(q.acquire("b", (), call=classed("batch")))
     await asyncio.sleep(0.01)
     q.release(first, interactive)  # only batch waits: the slot is kept for interactive's next request
+    q.dispatch()  # as another release would: a held slot is not free for the waiting batch request
+    assert r.in_flight == 1 and q.depth == 1
     again = await asyncio.wait_for(q.acquire("a", (), call=classed("interactive")), 1)  # it came: straight in
     assert again is r and not batch.done()
     q.release(again, interactive)
