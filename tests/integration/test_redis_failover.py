@@ -7,7 +7,8 @@ What must hold (docs/redis-ha.md says why these bounds):
   what each gateway may admit on its own during the failover window (a full local bucket and its refill);
 - fail_closed: the only failures are 503s with Retry-After, all inside the window;
 - both: within 10 s of the promotion no gateway reaches for the store in vain any more, no concurrency slot
-  is held once the load stops, and every key issued before the kill still authenticates on every gateway.
+  and no slot of the backend's cap (leases in Redis) is held once the load stops, and every key issued before
+  the kill still authenticates on every gateway.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ RPM = 60  # the key's limit: a bucket of 60, refilled at 1 a second
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 WORKERS = 6  # requests in flight at once, spread over the gateways: bounded load
 RECOVERY = 10.0  # seconds after the promotion
+CAP, CAP_LEASE = 4, 10  # the backend's cap, held in Redis across the gateways (policies/fleet_caps.py)
 
 
 def unavailable_total(urls: list[str]) -> float:
@@ -65,11 +67,12 @@ def works(url: str, key: str) -> bool:
 
 
 @pytest.mark.parametrize("setup, mode", [(SentinelSet, "fail_open"), (SentinelSet, "fail_closed"),
-                                         (ClusterSet, "fail_closed")], ids=["sentinel-open", "sentinel-closed",
-                                                                            "cluster-closed"])
+                                         (ClusterSet, "fail_open"), (ClusterSet, "fail_closed")],
+                         ids=["sentinel-open", "sentinel-closed", "cluster-open", "cluster-closed"])
 def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
     modes = {"requests": mode, "tokens": mode, "concurrency": mode}
-    with cluster(tmp_path, replicas=3, redis_setup=setup, auth={"cache_seconds": 2},
+    with cluster(tmp_path, replicas=3, redis_setup=setup, auth={"cache_seconds": 2}, backend={"cap": CAP},
+                 caps={"lease_seconds": CAP_LEASE},
                  rate_limits={"on_store_failure": modes, "lease_seconds": 120}) as c:
         servers: SentinelSet | ClusterSet = c.redis
         keys = [c.issue_key(name=f"k{i}") for i in range(4)]
@@ -131,11 +134,15 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
         per_second = {s: (cs.count(200), cs.count(503)) for s, cs in sorted(timeline.items())}
         assert codes.count(200) <= served <= allowed, (served, allowed, codes.count(200), per_second)
 
-        # no concurrency slot stays held once the load has stopped (releases retry until the new primary answers)
+        # no concurrency slot stays held once the load has stopped (releases retry until the new primary answers,
+        # within 35 s of a 120 s lease), and no slot of the backend's cap: a cap slot whose release the store
+        # missed is a lease that runs out (CAP_LEASE), and every later one is given back
         primary = servers.client()
         inflight = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:inflight"  # an empty set is no key at all
         wait_for(lambda: primary.zcount(inflight, f"({time.time()}", "+inf") == 0, 35,
                  "every concurrency slot given back")
+        wait_for(lambda: primary.zcount("llmgw:cap:{m-0}", f"({time.time()}", "+inf") == 0, CAP_LEASE + 15,
+                 "every cap slot of the backend given back")
 
         for key in [*keys, loaded]:
             for url in c.urls:
