@@ -14,6 +14,7 @@ What must hold (docs/redis-ha.md says why these bounds):
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 
@@ -28,6 +29,10 @@ RPM = 60  # the key's limit: a bucket of 60, refilled at 1 a second
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 WORKERS = 6  # requests in flight at once, spread over the gateways: bounded load
 RECOVERY = 10.0  # seconds after the promotion
+# A server silent this long is judged down (sentinels' down-after-milliseconds, the Cluster's node timeout). A
+# busy 2-core machine stalls a live Redis for over a second at times (an AOF fsync behind other disk work):
+# judged dead, it would be failed over while still serving, and what it took meanwhile lost (docs/redis-ha.md).
+DOWN_AFTER_MS = 3000
 CAP, CAP_LEASE = 4, 10  # the backend's cap, held in Redis across the gateways (policies/fleet_caps.py)
 
 
@@ -71,7 +76,8 @@ def works(url: str, key: str) -> bool:
                          ids=["sentinel-open", "sentinel-closed", "cluster-open", "cluster-closed"])
 def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
     modes = {"requests": mode, "tokens": mode, "concurrency": mode}
-    with cluster(tmp_path, replicas=3, redis_setup=setup, auth={"cache_seconds": 2}, backend={"cap": CAP},
+    with cluster(tmp_path, replicas=3, redis_setup=functools.partial(setup, down_after_ms=DOWN_AFTER_MS),
+                 auth={"cache_seconds": 2}, backend={"cap": CAP},
                  caps={"lease_seconds": CAP_LEASE},
                  rate_limits={"on_store_failure": modes, "lease_seconds": 120}) as c:
         servers: SentinelSet | ClusterSet = c.redis
@@ -84,12 +90,16 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
         bucket = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:requests"
         backend = re.search(r"url: (http://\S+)", c.config.read_text()).group(1)
         served_before = served_at_backend(backend)
+        looker = servers.client()
 
         async def run() -> tuple[list, float, float, float, float]:
             stop, log = asyncio.Event(), []
             task = asyncio.create_task(load(c.urls, loaded, stop, log))
             started = time.monotonic()
-            await asyncio.sleep(3)  # steady state first
+            # steady state first: the load has spent the key's bucket, admissions follow its refill (1 a second)
+            while float(await asyncio.to_thread(looker.hget, bucket, "l") or RPM) >= 1:
+                assert time.monotonic() - started < 60, "the load did not spend the key's bucket within 60 s"
+                await asyncio.sleep(0.1)
             old = servers.primary(bucket)
             killed = time.monotonic()
             old.kill()
@@ -106,6 +116,12 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
 
         log, started, killed, promoted, settled = asyncio.run(run())
         ended = time.monotonic()
+        # The bounds below hold for the one failover this test caused. A primary failed over while it still
+        # served (judged down, not dead) takes writes that vanish when it is demoted: admissions forgotten,
+        # releases forgotten. Say so, rather than as a count over the bound.
+        assert servers.promotions() == 1, (
+            f"{servers.promotions()} promotions, not the 1 this test caused: a live primary was judged down "
+            f"(stalled over {DOWN_AFTER_MS} ms) and failed over while it served; the bounds do not hold then")
         assert unavailable_total(c.urls) == settled, "a gateway still could not reach the store 10 s after promotion"
         after = [entry for entry in log if entry[0] > promoted + RECOVERY]
         assert {url for _, url, _, _ in after} == set(c.urls) and {code for _, _, code, _ in after} <= {200, 429}
@@ -122,7 +138,9 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
 
         # Counted where it matters, at the backend. The store-enforced bucket admits at most its capacity plus
         # its refill over the run; while the store is away, fail_open lets each gateway admit from its own full
-        # bucket (and its refill) for the window. fail_closed admits nothing then.
+        # bucket (and its refill) for the window. fail_closed admits nothing then. A killed primary's writes are
+        # lost only when the kill falls between its reply and its write to the replicas (the same event-loop
+        # turn; loopback delivers at once): microseconds, at an admission a second, so none is counted here.
         served = served_at_backend(backend) - served_before
         run_seconds, window_seconds = ended - started, promoted + RECOVERY - killed
         allowed = RPM + RPM * run_seconds / 60
