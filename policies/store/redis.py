@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from redis import exceptions as redis_errors
@@ -69,6 +70,23 @@ UNREACHABLE = (
     TimeoutError,  # our own deadline
     OSError,
 )
+# What the event loop raises for a write on a connection the server already closed (uvloop: RuntimeError
+# "the handler is closed"; CPython 3.12+: TypeError or AttributeError), which redis-py's asyncio client lets
+# through instead of a ConnectionError, past its retries (redis-py issue 4287).
+LOOP_WRITE_ERRORS = (RuntimeError, TypeError, AttributeError)
+SENDER = os.path.join("redis", "asyncio", "connection.py")
+
+
+def broke_while_sending(exc: BaseException) -> bool:
+    """The error came out of redis-py writing a command to its connection: a connection the server (or a
+    failover, or anything in between) closed. Only that: the same types raised anywhere else are bugs."""
+    frame = exc.__traceback__
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        if code.co_name == "_send_packed_command" and code.co_filename.endswith(SENDER):
+            return True
+        frame = frame.tb_next
+    return False
 
 
 class RedisStore:
@@ -142,6 +160,11 @@ class RedisStore:
             raise StoreUnavailable(f"redis {op}: server unreachable ({type(exc).__name__})") from exc
         except redis_errors.RedisError as exc:
             raise StoreError(f"redis {op} failed ({type(exc).__name__})") from exc
+        except LOOP_WRITE_ERRORS as exc:
+            if not broke_while_sending(exc):
+                raise
+            # redis-py has already dropped that connection: the next call opens a fresh one
+            raise StoreUnavailable(f"redis {op}: server unreachable (connection closed)") from exc
 
     async def create_key(self, record: KeyRecord) -> None:
         if not await self.write(record, "NX", "create_key"):
