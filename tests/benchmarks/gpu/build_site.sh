@@ -30,9 +30,10 @@ done
 rm -rf $W/site; $PY -m pip install -q --no-index --no-deps --no-compile --target $W/site $W/whl/*.whl $W/gwdeps/*.whl
 rm -rf $W/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so $W/site/vllm/_moe_C_stable_libtorch.abi3.so $W/site/vllm/vllm-rs \
   $W/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
-# 4. pack (xz -6: ~107 MB from ~520 MB) and split in two
+# 4. pack (xz -6: ~107 MB from ~520 MB) and split in two: the first 54,000,000 bytes, then the rest (a fixed
+#    cut, so step 1 can start with part 1 while xz still writes part 2; each part then fits one command)
 tar -C $W/site -cf - . | xz -6 -T0 > $W/site.tar.xz
-split -n 2 -d -a 2 $W/site.tar.xz $W/site.tar.xz.part
+head -c 54000000 $W/site.tar.xz > $W/site.tar.xz.part00; tail -c +54000001 $W/site.tar.xz > $W/site.tar.xz.part01
 sha256sum < $W/site.tar.xz | cut -d' ' -f1 > $G/site.sha256
 # 5. the tokenizer (the tiny test model's byte-level BPE padded to Qwen3's 151,936 ids) and Debian's redis-server
 python3 $G/extend_tokenizer.py $REPO/.cache/models/tiny $W/tok

@@ -2,7 +2,7 @@
 # Step 1 on the H200 machine: stage part 1 of the packed site, unpack the carried redis-server, build the random
 # Qwen3-4B-shaped checkpoint in the background (its own session: it outlives this command). Run from the repo root:
 #   bash .cache/gpu/s/step1.sh        (carry .cache/gpu/s .cache/gpu/p1 .cache/gpu/x)
-set -u; D=$(cd "$(dirname "$0")" && pwd); X=${X:-.cache/gpu/x}; SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
+set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); X=${X:-.cache/gpu/x}; SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); mkdir -p $SCRATCH/w $SCRATCH/tok
 cp .cache/gpu/p1/site.tar.xz.part* $SCRATCH/w/ && cp $X/tok/* $SCRATCH/tok/ || exit 2
 setsid nohup bash -c "python3 $D/build_model.py $SCRATCH/q4b $SCRATCH/tok > $SCRATCH/w/build.log 2>&1; echo \$? > $SCRATCH/w/build.rc" >/dev/null 2>&1 </dev/null &

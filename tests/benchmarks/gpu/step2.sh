@@ -2,7 +2,7 @@
 # Step 2: stage part 2, check the hash, unpack the site and the gateway's wheel, start vLLM BF16, then
 # `llm-gateway knee` levels 1..512 against it, writing the recommended cap into the policy file.
 #   bash .cache/gpu/s/step2.sh        (carry .cache/gpu/s .cache/gpu/p2; right after step 1: the machine stays 30 s)
-set -u; D=$(cd "$(dirname "$0")" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
+set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 [ -d $SCRATCH/w ] || { echo "NO $SCRATCH/w: a fresh machine, run step1.sh first"; exit 3; }
 cp .cache/gpu/p2/site.tar.xz.part* $SCRATCH/w/ || exit 2
@@ -35,9 +35,13 @@ YAML
 if ! python3 $D/health.py 330 $SCRATCH/w/vllm-bf16.log; then tail -60 $SCRATCH/w/vllm-bf16.log; tail -300 $SCRATCH/w/vllm-bf16.log > $OUT/vllm-bf16.log; exit 6; fi
 echo "healthy at $(el)s"; bash $D/smoke.sh
 REM=$(( ${STEP2_BUDGET:-575} - $(el) )); echo "knee budget ${REM}s"
+if [ -n "${CAP:-}" ]; then  # a repeat of the overload alone: the cap a knee run found earlier, no sweep
+  sed -i "s/cap: 1 .*/cap: $CAP/" $SCRATCH/w/policy.yaml
+else
 python3 -m gateway knee --url http://127.0.0.1:8000 --model qwen3-4b --levels ${LEVELS:-1,2,4,8,16,32,64,96,128,192,256,384,512} \
   --prompt-tokens 256 --output-tokens 128 --duration ${DURATION:-8} --warmup 2 --max-time $REM --out $OUT/knee-bf16 \
   --write-cap $SCRATCH/w/policy.yaml --backend h200-0 2>&1 | tee $OUT/knee-bf16.txt
+fi
 cp $SCRATCH/w/policy.yaml $OUT/policy.yaml
 grep -E "Maximum concurrency|KV cache|max_num_seqs|CUDA graph|torch.compile" $SCRATCH/w/vllm-bf16.log | head -12 > $OUT/vllm-bf16.log
 echo "step2 took $(el)s"

@@ -2,7 +2,7 @@
 # Step 3: the overload comparison at 1x, 2x and 4x the knee's cap, direct to vLLM and through the gateway
 # (Redis store, an API key with limits, metrics), then through three gateway processes on the one Redis.
 #   bash .cache/gpu/s/step3.sh        (carry .cache/gpu/s; right after step 2, vLLM still up)
-set -u; D=$(cd "$(dirname "$0")" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
+set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=3)" || { echo "vLLM is not up"; exit 3; }
 export PYTHONPATH=$SCRATCH/gw:$SCRATCH/site PYTHONUNBUFFERED=1

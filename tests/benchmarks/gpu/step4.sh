@@ -2,7 +2,7 @@
 # Step 4: stop the gateways and vLLM, restart vLLM with --quantization fp8 (one flag changed), knee again,
 # then `llm-gateway knee --compare` BF16 vs FP8.
 #   bash .cache/gpu/s/step4.sh        (carry .cache/gpu/s; right after step 3)
-set -u; D=$(cd "$(dirname "$0")" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
+set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 [ -d $SCRATCH/site ] || { echo "NO $SCRATCH/site: a fresh machine"; exit 3; }
 for f in $SCRATCH/w/gateway-*.pid $SCRATCH/w/redis.pid; do [ -f $f ] && kill -TERM -- -$(cat $f) 2>/dev/null; done

@@ -96,7 +96,9 @@ def main() -> int:
             runs[name] = load(os.path.join(root, fn))
     for label, report in knees.items():
         print(knee_table(report, label), end="\n\n")
-    cap = knees["bf16"]["knee"]["recommended"] if "bf16" in knees else None
+    # the cap the overload ran at: the BF16 knee's, or (a repeat of the overload alone) its lowest level
+    cap = knees["bf16"]["knee"]["recommended"] if "bf16" in knees else (
+        min(r["concurrency"] for r in runs["direct"]["rows"]) if "direct" in runs else None)
     if "direct" in runs:
         print(overload_table(runs), end="\n\n")
     results = checks(knees, runs if "direct" in runs else {}, cap)
