@@ -8,7 +8,7 @@
 set -eu
 G=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$G/../../.." && pwd)
 W=${1:-/tmp/gpubuild}; STAGE=${2:-$REPO/.cache/gpu}
-PY=${PY312:-python3.12}   # only as a pip that installs for 3.12 (the image's python)
+PY=${PY312:-python3.12}   # any CPython 3.12, only as the pip that installs for the image's 3.12 (pyenv: PY312=$(pyenv root)/versions/3.12.1/bin/python3.12)
 mkdir -p $W/whl $W/gwdeps $W/tok
 # 1. the ~80 wheels + vllm, each with the platform tag its file name carries (pip matches tags one at a time)
 grep -o '^[^ ]*\.whl' $G/wheels-shipped.txt | grep -v '^vllm-' > $W/files.txt
@@ -36,7 +36,7 @@ tar -C $W/site -cf - . | xz -6 -T0 > $W/site.tar.xz
 head -c 54000000 $W/site.tar.xz > $W/site.tar.xz.part00; tail -c +54000001 $W/site.tar.xz > $W/site.tar.xz.part01
 sha256sum < $W/site.tar.xz | cut -d' ' -f1 > $G/site.sha256
 # 5. the tokenizer (the tiny test model's byte-level BPE padded to Qwen3's 151,936 ids) and Debian's redis-server
-python3 $G/extend_tokenizer.py $REPO/.cache/models/tiny $W/tok
+${PY_TOK:-$REPO/.venv-vllm/bin/python} $G/extend_tokenizer.py $REPO/.cache/models/tiny $W/tok   # needs `tokenizers`
 mkdir -p $W/redis/lib; cp /usr/bin/redis-server $W/redis/
 for l in liblzf.so.1 libjemalloc.so.2 libsystemd.so.0 libssl.so.3 libcrypto.so.3 libatomic.so.1 libcap.so.2 \
          libgcrypt.so.20 libgpg-error.so.0 liblz4.so.1 libzstd.so.1 liblzma.so.5; do cp -L /lib/x86_64-linux-gnu/$l $W/redis/lib/; done
