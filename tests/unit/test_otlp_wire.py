@@ -12,7 +12,7 @@ def test_spans_decode_as_opentelemetry_proto_reads_them():
              "reasons": ("stop", "length"), "empty": ""}
     spans = [
         wire.span(trace_id, 0xAB, 0x1234, "chat m", wire.SERVER, 1_000_000_001, 2_000_000_002, attrs,
-                  status=wire.ERROR, message="HTTP 502", trace_state="vendor=1"),
+                  status_code=wire.ERROR, message="HTTP 502", trace_state="vendor=1"),
         wire.span(trace_id, 0xCD, 0xAB, "chat served", wire.CLIENT, 1_500_000_000, 1_900_000_000, {"n": 300},
                   events=[(1_600_000_000, "gen_ai.first_token")]),
     ]
