@@ -30,6 +30,7 @@ log = logging.getLogger("gateway.tracing")
 WRITE_EVERY = 64
 WRITE_AFTER = 0.05
 SAMPLED, NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+getrandbits, perf_counter = random.getrandbits, time.perf_counter  # per call: no module attribute lookups
 
 
 class CallTrace:
@@ -39,7 +40,7 @@ class CallTrace:
 
     def __init__(self, trace_id: int, parent: int, sampled: bool, state: str) -> None:
         self.trace_id, self.parent, self.sampled, self.state = trace_id, parent, sampled, state
-        self.span_id = random.getrandbits(64) or 1
+        self.span_id = getrandbits(64) or 1
         self.attempts: list[tuple[int, Any, float, int, float | None]] = []  # span id, replica, sent, in flight, limit
         self.tap: Any = None
         self.end = 0.0  # perf_counter() when the call finished
@@ -50,8 +51,9 @@ class Tracer:
     enabled = True
 
     def __init__(self, config: TracingConfig, metrics: GatewayMetrics) -> None:
-        self.ratio = TraceIdRatioBased(config.sampling_ratio)
-        self.sampler = ParentBased(self.ratio)  # a client's traceparent: its sampled flag decides
+        ratio = TraceIdRatioBased(config.sampling_ratio)
+        self.id_limit, self.bound = ratio.TRACE_ID_LIMIT, ratio.bound
+        self.sampler = ParentBased(ratio)  # a client's traceparent: its sampled flag decides
         resource = Resource.create({"service.name": config.service_name})  # + OTEL_RESOURCE_ATTRIBUTES
         self.content_models = frozenset(config.content_models)
         self.write_every = min(WRITE_EVERY, config.max_queue_size)
@@ -63,49 +65,49 @@ class Tracer:
         self.timer: asyncio.TimerHandle | None = None
         self.writing = threading.Lock()
 
-    def context(self, call: Any) -> CallTrace:
-        trace = call.trace
-        if trace is None:
-            found = client_context(call.headers)
-            if found is None:  # a new trace: TraceIdRatioBased's own test, without building a SamplingResult
-                trace_id = random.getrandbits(128) or 1
-                trace = CallTrace(trace_id, 0, trace_id & self.ratio.TRACE_ID_LIMIT < self.ratio.bound, "")
-            else:
-                _, trace_id, parent, sampled, state = found
-                remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
-                decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
-                                                      call.endpoint, SpanKind.SERVER)
-                trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
-            call.trace = trace
+    def start(self, call: Any) -> CallTrace:
+        """The call's trace ids, when the gateway first needs them: the client's trace continued, or a new one."""
+        found = client_context(call.headers)
+        if found is None:  # a new trace: TraceIdRatioBased's own test, without building a SamplingResult
+            trace_id = getrandbits(128) or 1
+            trace = CallTrace(trace_id, 0, trace_id & self.id_limit < self.bound, "")
+        else:
+            _, trace_id, parent, sampled, state = found
+            remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
+            decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
+                                                  call.endpoint, SpanKind.SERVER)
+            trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
+        call.trace = trace
         return trace
 
     def sending(self, call: Any, replica: Any) -> bytes:
         """The headers that carry the trace upstream; records the attempt for its span."""
         try:
-            return self.attempt(call, replica)
+            trace = call.trace or self.start(call)
+            span_id = getrandbits(64) or 1
+            trace.attempts.append((span_id, replica, perf_counter(), replica.in_flight, replica.limit))
+            if trace.sampled:
+                if call.stream and trace.tap is None:
+                    content = call.model in self.content_models
+                    call.tap = trace.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+                out = b"traceparent: 00-%032x-%016x-01\r\n" % (trace.trace_id, span_id)
+            else:
+                out = b"traceparent: 00-%032x-%016x-00\r\n" % (trace.trace_id, span_id)
+            return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
         except Exception:  # a tracing bug must never fail a request: the call goes on untraced
             log.exception("tracing: could not start the trace of request %s", call.request_id)
             call.trace = CallTrace(1, 0, False, "")  # not sampled: nothing more is recorded for it
             return passthrough(call.headers)
 
-    def attempt(self, call: Any, replica: Any) -> bytes:
-        trace = self.context(call)
-        span_id = random.getrandbits(64) or 1
-        trace.attempts.append((span_id, replica, time.perf_counter(), replica.in_flight, replica.limit))
-        if trace.sampled and call.stream and trace.tap is None:
-            content = call.model in self.content_models
-            call.tap = trace.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
-        out = b"traceparent: 00-%032x-%016x-%s\r\n" % (trace.trace_id, span_id, b"01" if trace.sampled else b"00")
-        return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
-
     def finished(self, call: Any) -> None:
         try:
-            trace = self.context(call)
+            trace = call.trace or self.start(call)
             if not trace.sampled:
                 return
-            trace.end = time.perf_counter()
-            self.done.append(call)
-            if len(self.done) >= self.write_every:
+            trace.end = perf_counter()
+            done = self.done
+            done.append(call)
+            if len(done) >= self.write_every:
                 self.write()
             elif self.timer is None:
                 try:

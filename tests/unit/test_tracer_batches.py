@@ -5,42 +5,15 @@ Real SDK export to a local receiver that decodes opentelemetry-proto."""
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from backends.replicas import Replica
 from gateway.tracer import WRITE_EVERY, Tracer
 from policies.config import Tracing
 from policies.metrics import GatewayMetrics
+from tests.support.finished_call import Call
 from tests.support.otlp_receiver import Receiver
 
 SERVER, CLIENT = 2, 3
-
-
-@dataclass
-class Key:
-    id: str = "key-1"
-
-
-@dataclass
-class Call:  # the fields of policies/pipeline.py's Call that the tracer reads
-    request_id: str
-    headers: dict = field(default_factory=dict)
-    body: dict = field(default_factory=lambda: {"model": "m", "messages": [], "max_tokens": 8})
-    endpoint: str = "chat/completions"
-    model: str = "m"
-    stream: bool = False
-    status: int = 200
-    key: Any = field(default_factory=Key)
-    error: Any = None
-    queue_wait: float = 0.0
-    first_token_at: float = 0.0
-    arrived: float = field(default_factory=time.perf_counter)
-    response: Any = None
-    usage: Any = None
-    tap: Any = None
-    trace: Any = None
 
 
 def serve(tracer: Tracer, replica: Replica, n: int, first: int = 0) -> None:
