@@ -20,7 +20,8 @@ from gateway import otlp_wire as wire
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
 PARAMS = ("max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
           "max_completion_tokens")  # the request's numbers that become gen_ai.request.* attributes
-SHARED_MAX = 4096  # combinations of a server span's repeating attributes kept encoded; then it starts over
+SHARED_MAX = 4096  # entries of each cache below (combinations of a server span's repeating attributes, replicas);
+# then that cache starts over
 FAILED = wire.status(wire.ERROR)
 CONNECT_ERROR = wire.pair("error.type", "connect")
 USAGE = (("gen_ai.usage.input_tokens", "prompt_tokens"), ("gen_ai.usage.output_tokens", "completion_tokens"))
@@ -95,6 +96,8 @@ class SpanWriter:
         """The name, kind and fixed attributes of an upstream span to `replica`, encoded once."""
         found = self.upstream_parts.get((replica, operation))
         if found is None:
+            if len(self.upstream_parts) >= SHARED_MAX:  # replicas come and go (discovery): a bound all the same
+                self.upstream_parts.clear()
             host, port = self.address(replica)
             found = self.upstream_parts[(replica, operation)] = wire.name_and_kind(
                 f"{operation} {replica.served_name}", wire.CLIENT) + wire.attributes(b"\x4a", {
@@ -170,6 +173,8 @@ class SpanWriter:
     def address(self, replica: Any) -> tuple[str, int]:
         found = self.addresses.get(replica)
         if found is None:
+            if len(self.addresses) >= SHARED_MAX:
+                self.addresses.clear()
             parts = urlsplit(replica.url)
             found = self.addresses[replica] = (parts.hostname or "", parts.port or (443 if parts.scheme == "https"
                                                                                      else 80))

@@ -25,8 +25,8 @@ log = logging.getLogger("gateway.tracing")
 
 # finished calls' spans are written in batches, on the event loop: over a batch the code and caches stay warm,
 # where writing each call's between requests took ~1.7 times the CPU (22 against 13 us, in the running gateway
-# under load against a tight loop; docs/benchmarks.md). A batch is written at WRITE_EVERY calls or WRITE_AFTER seconds after its first, and holds
-# its calls (bodies, responses) until then
+# under load against a tight loop; docs/benchmarks.md). A batch is written at WRITE_EVERY calls or WRITE_AFTER
+# seconds after its first, and holds its calls (bodies, responses) until then
 WRITE_EVERY = 64
 WRITE_AFTER = 0.05
 SAMPLED, NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
