@@ -1,10 +1,11 @@
 """Getting finished spans to the collector without ever slowing or failing a request.
 
-The SDK's BatchSpanProcessor holds each finished call's spans (already protobuf bytes, gateway/otlp_wire.py) in
-a bounded queue and exports them in batches from its own thread through the SDK's OTLP/HTTP exporter, whose
-HTTP client (headers, retries, timeout) sends the request built from those bytes. Around them this module
-keeps its own count of calls waiting, so a call whose spans would overflow the queue is dropped here and counted (`llm_gateway_trace_spans_dropped{reason=
-"queue_full"}`), and counts the spans of every failed export (`reason="export_failed"`). A collector that is
+The SDK's BatchSpanProcessor holds finished calls' spans (already protobuf bytes, a few dozen calls' at a time:
+gateway/tracer.py, gateway/call_spans.py) in a bounded queue and exports them in batches from its own thread
+through the SDK's OTLP/HTTP exporter, whose HTTP client (headers, retries, timeout) sends the request built
+from those bytes. Around them this module keeps its own count of calls waiting, so calls whose spans would
+overflow the queue are dropped here and counted (`llm_gateway_trace_spans_dropped{reason="queue_full"}`), and
+counts the spans of every failed export (`reason="export_failed"`). A collector that is
 down costs an export thread that waits at most `export_timeout` per batch, those counts, and one log line a
 minute at most: the exporter's own per-batch error lines are silenced, as they would repeat for every batch.
 """
@@ -28,26 +29,27 @@ log = logging.getLogger("gateway.tracing")
 
 LOG_EVERY = 60.0  # seconds between two lines about a collector that cannot be reached
 QUIET = ("opentelemetry.exporter", "opentelemetry.sdk._shared_internal")  # their lines repeat per failed batch
-
-
 # the processor only looks at this (it skips unsampled spans); every call handed over was sampled
 SAMPLED = SpanContext(1, INVALID_SPAN_ID + 1, False, TraceFlags(TraceFlags.SAMPLED))
 
 
 class Encoded:
-    """One finished call's spans as the processor queues them: their wire bytes, and how many they are."""
+    """Finished calls' spans as the processor queues them: their wire bytes, how many spans, how many calls."""
 
-    __slots__ = ("wire", "count")
+    __slots__ = ("wire", "count", "calls")
     context = SAMPLED
 
-    def __init__(self, wire: bytes, count: int) -> None:
-        self.wire, self.count = wire, count
+    def __init__(self, wire: bytes, count: int, calls: int) -> None:
+        self.wire, self.count, self.calls = wire, count, calls
 
 
 class SpanPipe:
-    """`put(encoded)` from the event loop; the export happens on the processor's thread."""
+    """`put(encoded)` from the event loop, up to `calls_per_put` calls' spans at a time; the export happens on
+    the processor's thread. The queue's bound and the export batch are counted in calls, as the policy gives
+    them."""
 
-    def __init__(self, config: Tracing, metrics: GatewayMetrics, resource: bytes, scope: bytes) -> None:
+    def __init__(self, config: Tracing, metrics: GatewayMetrics, resource: bytes, scope: bytes,
+                 calls_per_put: int) -> None:
         for name in QUIET:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         self.capacity = config.max_queue_size
@@ -63,15 +65,15 @@ class SpanPipe:
         self.processor = BatchSpanProcessor(
             exporter, max_queue_size=config.max_queue_size,
             schedule_delay_millis=config.schedule_delay * 1000,
-            max_export_batch_size=config.max_export_batch_size,
+            max_export_batch_size=max(1, config.max_export_batch_size // calls_per_put),
             export_timeout_millis=config.export_timeout * 1000,
         )
 
     def put(self, encoded: Encoded) -> None:
         with self.lock:
-            room = self.waiting < self.capacity
+            room = self.waiting + encoded.calls <= self.capacity
             if room:
-                self.waiting += 1
+                self.waiting += encoded.calls
         if room:
             self.processor.on_end(encoded)
         else:
@@ -81,7 +83,7 @@ class SpanPipe:
     def exported(self, batch: Sequence[Encoded], ok: bool) -> None:
         """Called on the export thread after each batch."""
         with self.lock:
-            self.waiting -= len(batch)
+            self.waiting -= sum(e.calls for e in batch)
         if not ok:
             count = sum(e.count for e in batch)
             self.export_failed.inc(count)
@@ -115,10 +117,12 @@ class WireExporter(OTLPSpanExporter):
     def export(self, batch: Sequence[Encoded]) -> SpanExportResult:
         ok = False
         try:
+            spans = [e.wire for e in batch]
             # the exporter's own HTTP client: its headers, timeout, retries with backoff
-            ok = self._client.export(export_request(self.resource, self.scope, [e.wire for e in batch])).success
+            ok = self._client.export(export_request(self.resource, self.scope, spans)).success
         except Exception:  # noqa: BLE001 - a failed export must not end the export thread
             ok = False
         finally:
             self.pipe.exported(batch, ok)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+

@@ -4,8 +4,9 @@ Two moments touch a call. When it is sent upstream (`sending`), the proxy asks f
 trace on: the client's `traceparent` continued with a span id of the gateway's own (its upstream span), so
 the client's agent trace, the gateway's spans and vLLM's own OpenTelemetry spans are one trace. With tracing
 off the client's `traceparent` and `tracestate` pass through unchanged. When the call is finished (`finished`,
-an observer of the proxy), its spans are built after the fact from the call's perf_counter timestamps, with
-the ids chosen earlier, written as OTLP protobuf (gateway/otlp_wire.py) and handed to the export queue
+an observer of the proxy), it is set aside; every few dozen calls (or 50 ms after the first) the spans of
+those set aside are built after the fact from the calls' perf_counter timestamps, with the ids chosen earlier,
+written as OTLP protobuf (gateway/call_spans.py, gateway/otlp_wire.py) and handed to the export queue
 (gateway/span_export.py): nothing of the SDK runs while the request is in flight.
 
 One trace per request:

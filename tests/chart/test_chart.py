@@ -18,7 +18,7 @@ from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
 EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml",
-            "kubernetes-discovery.yaml"]
+            "kubernetes-discovery.yaml", "tracing.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
@@ -225,6 +225,59 @@ def test_provider_keys_reach_the_env_vars_the_policy_names():
     assert env[providers["together"]] == {"name": "rel-llm-gateway", "key": "provider-together"}
     assert env["LLM_GATEWAY_REDIS_PASSWORD"] == {"name": "redis-auth", "key": "redis-password"}
     assert find(docs, "HorizontalPodAutoscaler") and "replicas" not in deploy["spec"]
+
+
+def gateway_egress(docs: list[dict]) -> list[dict]:
+    return find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+
+
+def test_tracing_to_the_collector_in_the_cluster(tmp_path):
+    docs = list(rendered("tracing.yaml"))
+    tracing = policy_of(docs)["tracing"]
+    assert tracing == {
+        "enabled": True, "endpoint": "http://otel-collector.observability.svc.cluster.local:4318/v1/traces",
+        "sampling_ratio": 0.25, "service_name": "llm-gateway", "content_models": ["qwen3-4b"],
+        "max_queue_size": 4096,
+        "headers_from_env": {"authorization": "LLM_GATEWAY_OTLP_HEADER_AUTHORIZATION",
+                             "x-scope-orgid": "LLM_GATEWAY_OTLP_HEADER_X_SCOPE_ORGID"}}
+    # each header's value reaches the env var the policy names, from the Secret, never as a value
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LLM_GATEWAY_OTLP_HEADER_AUTHORIZATION"] == {
+        "name": "LLM_GATEWAY_OTLP_HEADER_AUTHORIZATION",
+        "valueFrom": {"secretKeyRef": {"name": "otel-auth", "key": "bearer"}}}
+    assert env["LLM_GATEWAY_OTLP_HEADER_X_SCOPE_ORGID"]["valueFrom"]["secretKeyRef"] == {
+        "name": "otel-auth", "key": "tenant"}
+    # egress to the collector: the peers given, on the endpoint's port, and nowhere else on that port
+    rules = [r for r in gateway_egress(docs) if 4318 in [p["port"] for p in r["ports"]]]
+    assert rules == [{"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+                              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "opentelemetry-collector"}}}],
+                      "ports": [{"port": 4318, "protocol": "TCP"}]}]
+    # no peers given: the private ranges, on the port of an https URL without one
+    anywhere = tmp_path / "values.yaml"
+    anywhere.write_text(yaml.safe_dump({"networkPolicy": {"collectorTo": []}}))
+    docs = render("tracing.yaml", str(anywhere),
+                  sets={"tracing.endpoint": "https://collector.observability.svc/v1/traces"})
+    (rule,) = [r for r in gateway_egress(docs) if 443 in [p["port"] for p in r["ports"]]]
+    assert [peer["ipBlock"]["cidr"] for peer in rule["to"]] == ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
+    # tracing off (the default): no tracing section, no header env vars, no collector rule
+    docs = list(rendered("minimal.yaml"))
+    assert "tracing" not in policy_of(docs)
+    env = find(docs, "Deployment", "rel-llm-gateway")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert not [e for e in env if e["name"].startswith("LLM_GATEWAY_OTLP_HEADER_")]
+    assert not [r for r in gateway_egress(docs) if 4318 in [p["port"] for p in r["ports"]]]
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"tracing.endpoint": ""}, "tracing.endpoint must be the collector's http(s) URL"),
+    ({"tracing.endpoint": "http://user:s3cret@collector.observability.svc:4318/v1/traces"},
+     "without credentials"),
+    ({"tracing.headers.authorization.value": "Bearer s3cret"}, "Additional property value is not allowed"),
+    ({"policy.tracing.enabled": True}, "policy.tracing is derived by the chart"),
+])
+def test_tracing_values_that_cannot_work_fail_the_render(sets, message):
+    with pytest.raises(RenderError, match=re.escape(message)):
+        render("tracing.yaml", sets=sets)
 
 
 SECRETS = {

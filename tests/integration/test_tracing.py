@@ -11,6 +11,7 @@ client's own, unchanged).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -209,7 +210,8 @@ async def test_traceparent_reaches_the_backend():
                 version, trace_id, span_id, flags = sent["traceparent"].split("-")
                 assert (version, trace_id, flags) == ("00", TRACE_ID, "01") and span_id != PARENT
                 assert sent["tracestate"] == "vendor=1"
-                upstream = receiver.wait_for(lambda s: s.kind == CLIENT)[0]
+                # off the event loop: the gateway in this process writes its spans on it (gateway/tracer.py)
+                upstream = (await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == CLIENT))[0]
                 assert upstream.span_id == span_id and upstream.trace_id == TRACE_ID
 
 
@@ -227,8 +229,10 @@ async def test_prompt_and_completion_text_only_for_the_models_named():
                         r = await http.post(f"{gw.url}/v1/chat/completions",
                                             json={"model": model, "messages": prompt, "stream": stream})
                         assert r.status_code == 200
-                named = receiver.wait_for(lambda s: s.kind == SERVER and s.name == "chat m", count=2)
-                others = receiver.wait_for(lambda s: s.kind == SERVER and s.name == "chat other", count=2)
+                named = await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == SERVER and s.name == "chat m",
+                                                count=2)
+                others = await asyncio.to_thread(receiver.wait_for,
+                                                 lambda s: s.kind == SERVER and s.name == "chat other", count=2)
     for root in named:  # the recorder answers "abc", whole or as the stream "a", "b", "c"
         assert "the plan for the launch" in root.attributes["gen_ai.input.messages"]
         assert "abc" in root.attributes["gen_ai.output.messages"]

@@ -89,6 +89,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- printf "LLM_GATEWAY_PROVIDER_%s_API_KEY" (regexReplaceAll "[^A-Z0-9]+" (upper .) "_") -}}
 {{- end -}}
 
+{{/* The env var that carries a tracing export header's value (policy tracing.headers_from_env) */}}
+{{- define "llm-gateway.tracingHeaderEnv" -}}
+{{- printf "LLM_GATEWAY_OTLP_HEADER_%s" (regexReplaceAll "[^A-Z0-9]+" (upper .) "_") -}}
+{{- end -}}
+
+{{/* The tracing collector's port, from tracing.endpoint (its scheme's default when the URL names none) */}}
+{{- define "llm-gateway.collectorPort" -}}
+{{- $u := urlParse .Values.tracing.endpoint -}}
+{{- (regexFind ":[0-9]+$" $u.host | trimPrefix ":") | default (ternary "443" "80" (eq $u.scheme "https")) -}}
+{{- end -}}
+
 {{/* Render-time checks: a values file that cannot work fails here, saying why. */}}
 {{- define "llm-gateway.validate" -}}
 {{- $v := .Values -}}
@@ -106,7 +117,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if not $v.models -}}
 {{- fail "models is empty: name at least one model and its backend (vllm, kserve or external)" -}}
 {{- end -}}
-{{- range $key := list "listen" "store" "models" "providers" -}}
+{{- range $key := list "listen" "store" "models" "providers" "tracing" -}}
 {{- if hasKey (default dict $v.policy) $key -}}
 {{- fail (printf "policy.%s is derived by the chart: use the chart's values (see the chart README) instead" $key) -}}
 {{- end -}}
@@ -138,6 +149,19 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 {{- else -}}
 {{- fail (printf "models[%s].backend must be vllm, kserve, external or kubernetes (got %v)" $m.name $m.backend) -}}
+{{- end -}}
+{{- end -}}
+{{- if $v.tracing.enabled -}}
+{{- if not (regexMatch "^https?://[^/@]+(/.*)?$" $v.tracing.endpoint) -}}
+{{- fail "tracing.endpoint must be the collector's http(s) URL, e.g. http://otel-collector.observability.svc.cluster.local:4318/v1/traces, without credentials (export headers come from tracing.headers)" -}}
+{{- end -}}
+{{- $envs := dict -}}
+{{- range $header, $_ := $v.tracing.headers -}}
+{{- $env := include "llm-gateway.tracingHeaderEnv" $header -}}
+{{- if hasKey $envs $env -}}
+{{- fail (printf "tracing.headers %s and %s would share the env var %s" (get $envs $env) $header $env) -}}
+{{- end -}}
+{{- $_ := set $envs $env $header -}}
 {{- end -}}
 {{- end -}}
 {{- range $p := $v.providers -}}
@@ -254,6 +278,18 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- $models = append $models $entry -}}
 {{- end -}}
 {{- $_ := set $p "models" $models -}}
+{{- $t := $v.tracing -}}
+{{- if $t.enabled -}}
+{{- $tracing := dict "enabled" true "endpoint" $t.endpoint "sampling_ratio" $t.samplingRatio "service_name" $t.serviceName -}}
+{{- if $t.contentModels -}}{{- $_ := set $tracing "content_models" $t.contentModels -}}{{- end -}}
+{{- $headers := dict -}}
+{{- range $header, $_ := $t.headers -}}{{- $_ := set $headers $header (include "llm-gateway.tracingHeaderEnv" $header) -}}{{- end -}}
+{{- if $headers -}}{{- $_ := set $tracing "headers_from_env" $headers -}}{{- end -}}
+{{- range $key, $field := dict "maxQueueSize" "max_queue_size" "maxExportBatchSize" "max_export_batch_size" "scheduleDelay" "schedule_delay" "exportTimeout" "export_timeout" -}}
+{{- if not (kindIs "invalid" (get $t $key)) -}}{{- $_ := set $tracing $field (get $t $key) -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $p "tracing" $tracing -}}
+{{- end -}}
 {{- toYaml $p -}}
 {{- end -}}
 

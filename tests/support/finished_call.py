@@ -1,0 +1,34 @@
+"""A stand-in for policies/pipeline.py's Call with the fields tracing reads (gateway/tracer.py,
+gateway/call_spans.py): for driving the tracer without a request path."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Key:
+    id: str = "key-1"
+
+
+@dataclass
+class Call:
+    request_id: str
+    headers: dict = field(default_factory=dict)
+    body: dict = field(default_factory=lambda: {"model": "m", "max_tokens": 16, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "Say hello."}]})
+    endpoint: str = "chat/completions"
+    model: str = "m"
+    stream: bool = False
+    status: int = 200
+    key: Any = field(default_factory=Key)
+    error: Any = None
+    queue_wait: float = 0.0
+    first_token_at: float = 0.0
+    arrived: float = field(default_factory=time.perf_counter)
+    response: Any = None
+    usage: Any = None
+    tap: Any = None
+    trace: Any = None
