@@ -126,7 +126,7 @@ def test_killed_replica_is_routed_around_and_rejoins_after_restart(client, gatew
         assert gateway.metric("llm_gateway_backend_up", backend="duo-b") == 0
     finally:
         b.restart()
-    wait_for(lambda: gateway.metric("llm_gateway_backend_up", backend="duo-b") == 1, 30, "duo-b to rejoin")
+    wait_for(lambda: gateway.metric("llm_gateway_backend_up", backend="duo-b") == 1, 60, "duo-b to rejoin")
     served_before = sum(b.request_success_by_reason().values())
     for _ in range(30):
         client.chat.completions.create(model="duo", messages=HELLO, max_tokens=2)

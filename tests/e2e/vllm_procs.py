@@ -334,7 +334,7 @@ class VLLMServer:
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGCONT)
 
-    def restart(self, timeout: float = 120.0) -> float:
+    def restart(self, timeout: float = 300.0) -> float:
         """stop() (if running), start() on the same port, wait_ready(); return seconds until ready."""
         self.stop()
         self.start()
