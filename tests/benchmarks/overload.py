@@ -59,6 +59,7 @@ class Run:
     refused: int = 0  # clean 429s
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    unanswered: dict = field(default_factory=dict)  # worker -> when its request, still without a response, began
 
     def p(self, values: list[float], q: float) -> float | None:
         if not values:
@@ -71,11 +72,14 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-async def one(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, run: Run, measuring) -> None:
+async def one(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, run: Run, measuring,
+              worker: int = 0) -> None:
     start = time.perf_counter()
     first = None
     tokens = 0
+    run.unanswered[worker] = start
     async with client.stream("POST", f"{url}/v1/chat/completions", content=body, headers=headers) as r:
+        run.unanswered.pop(worker, None)
         if r.status_code == 429:
             await r.aread()
             if measuring():
@@ -128,7 +132,7 @@ async def closed_loop(url: str, model: str, key: str | None, concurrency: int, o
             body = orjson.dumps({"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": True,
                                  "messages": [{"role": "user", "content": f"{i}-{n} " + "tell me a story " * 40}]})
             try:
-                await one(client, url, body, headers, run, measuring)
+                await one(client, url, body, headers, run, measuring, i)
             except httpx.HTTPError as exc:
                 if measuring():
                     run.failed.append(type(exc).__name__)
@@ -140,6 +144,9 @@ async def closed_loop(url: str, model: str, key: str | None, concurrency: int, o
         for task in tasks:
             task.cancel()  # requests still running at the end do not count
         await asyncio.gather(*tasks, return_exceptions=True)
+    # a request still waiting for its response at the end waited at least this long (a class held back entirely
+    # by a better one has no other queue figure)
+    run.queued += [t1 - began for began in run.unanswered.values() if began < t1]
     run.seconds = duration
     return run
 
