@@ -64,6 +64,7 @@ from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreError, StoreUnavailable, open_store
+from policies.variants import Variants
 
 log = logging.getLogger("gateway")
 
@@ -103,7 +104,7 @@ class Gateway:
         self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet,
-                             self.budgets, self.record_ledger)
+                             self.budgets, self.record_ledger, Variants(self.metrics))
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -201,7 +202,7 @@ class Gateway:
             admission.replica_changed(replica)
 
     def _replica_drained(self, replica: Replica) -> None:
-        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.model, ())):
+        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.group, ())):
             return  # came back under the same name: its series are the live one's
         for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
             with contextlib.suppress(KeyError):
@@ -371,7 +372,8 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
             return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
         # a discovered model with no endpoint (scaled to zero, not Ready) is the cluster's state, the same from
         # every gateway pod: it does not take this one out of the Service
-        ok = all(up for model, up in models.items() if model not in gateway.discovery.models)
+        discovered = {model.name for model, _, _ in gateway.discovery.models.values()}
+        ok = all(up for model, up in models.items() if model not in discovered)
         body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
 

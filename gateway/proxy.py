@@ -133,14 +133,14 @@ class Proxy:
         tried: list[Replica] = []
         others: list[Replica] = []  # a pinned call can be served by its replica alone
         if call.pinned is not None:
-            others = [r for r in self.replicas.by_model[call.model] if r is not call.pinned]
+            others = [r for r in self.replicas.by_model[call.pinned.group] if r is not call.pinned]
         owner = call.key.id if call.key is not None else call.client_host
         overflow = self.overflow.get(call.model) if self.may_rent(call) else None
         for _ in range(MAX_ATTEMPTS):
             before = time.perf_counter()
             try:
                 replica = await self.admission.acquire(
-                    call.model, owner, exclude=tried + others,
+                    call.group or call.model, owner, exclude=tried + others,
                     spill_after=overflow.when_wait_exceeds if overflow else None, call=call,
                 )
             except WouldWait:

@@ -160,6 +160,8 @@ class Tracer:
         }
         if model:
             attrs["gen_ai.request.model"] = model
+        if call.variant is not None:
+            attrs["llm_gateway.variant"] = call.variant
         for name in ("max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed"):
             value = body.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -453,6 +453,35 @@ class KubernetesAccess(Strict):
     kubeconfig: str | None = None  # None: the in-cluster service account
 
 
+VARIANT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class Variant(Strict):
+    """One way of serving a model (a vLLM flag, a quantisation, a draft model): its own replicas, from a
+    `backends` list or `discovery`, with their caps, and its share of the model's traffic."""
+
+    name: str = Field(pattern=VARIANT)
+    weight: float = Field(0.0, ge=0, le=1_000_000)  # relative to the other live variants' weights
+    shadow: bool = False  # gets copies of sampled requests, never live traffic (its answers are never returned)
+    served_name: str | None = Field(None, pattern=NAME)
+    backends: list[Backend] = []
+    discovery: Discovery | None = None
+
+    @model_validator(mode="after")
+    def backends_or_discovery(self) -> Variant:
+        if bool(self.backends) == (self.discovery is not None):
+            raise ValueError("a variant needs either a non-empty `backends` list or `discovery`, not both")
+        return self
+
+
+class Sticky(Strict):
+    """What keeps one conversation on one variant (and its prefix cache): the value of a request header when
+    the request has it, else the API key when `key` is true; a request with neither is assigned at random."""
+
+    header: str | None = Field(None, pattern=r"^[a-z0-9-]{1,64}$")
+    key: bool = False
+
+
 class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
@@ -465,9 +494,27 @@ class Model(Strict):
     rented_price_from: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None  # instead of backends: replicas found in the cluster, watched
+    # instead of backends and discovery: named variants, each with its own replicas, split by weight
+    variants: list[Variant] = []
+    sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
+        if self.variants:
+            if self.backends or self.discovery is not None:
+                raise ValueError("a model with `variants` gives its replicas there, not in `backends`/`discovery`")
+            names = [v.name for v in self.variants]
+            if len(set(names)) != len(names):
+                raise ValueError("variant names must be unique")
+            if sum(v.weight for v in self.variants if not v.shadow) <= 0:
+                raise ValueError("variants: at least one variant that is not a shadow needs a weight above 0")
+            # every owned backend of the model, in one list: the egress check, caps, cost and ledger read it
+            flat = [b if b.name else b.model_copy(update={"name": f"{self.name}-{v.name}-{j}"})
+                    for v in self.variants for j, b in enumerate(v.backends)]
+            object.__setattr__(self, "backends", flat)  # frozen: set once, here, while validating
+            return self
+        if self.sticky is not None:
+            raise ValueError("sticky applies to variants; this model has none")
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
         return self
@@ -612,6 +659,16 @@ class Policy(Strict):
 def profile_of(policy: Policy, model: Model) -> tuple[str, RoutingProfile]:
     name = model.routing or policy.routing.default_profile
     return name, policy.routing.profile(name)
+
+
+def group_of(model: str, variant: str | None) -> str:
+    """The name of a variant's own replica set and admission queue: `model#variant` ("#" is never in a name)."""
+    return f"{model}#{variant}" if variant else model
+
+
+def groups_of(model: Model) -> list[tuple[str, Variant | None]]:
+    """A model's replica sets: one per variant, or the model's own."""
+    return [(group_of(model.name, v.name), v) for v in model.variants] or [(model.name, None)]
 
 
 def backend_name(model: Model, index: int) -> str:

@@ -108,6 +108,14 @@ class GatewayMetrics:
             "llm_gateway_served_tokens", "Prompt plus completion tokens, by where they were served.",
             ["model", "served_by"], registry=r,
         )
+        self.variant_requests = Counter(
+            "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"
+            " HTTP status.", ["model", "variant", "status"], registry=r,
+        )
+        self.variant_weight = Gauge(
+            "llm_gateway_variant_weight", "Each variant's weight now in force (file, admin API or guard).",
+            ["model", "variant"], registry=r,
+        )
         self.rented_cost = Counter(
             "llm_gateway_rented_cost", "Cost of rented tokens at the provider's configured price (currency units).",
             ["model", "provider"], registry=r,

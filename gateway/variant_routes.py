@@ -1,0 +1,76 @@
+"""GET and PUT /admin/models/{model}/variants: a model's variants and their weights, changed live.
+
+Reading needs a viewer token; changing the weights an operator (or admin) token. A change is in force for the
+next request at once, without a reload or a restart; requests already assigned finish on their variant. The
+policy file's weights come back only when the file's weights for that model change (policies/variants.py).
+"""
+
+from __future__ import annotations
+
+from litestar import get, put
+from litestar.params import JSONBody, Parameter
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.openapi import errors
+from policies.errors import Conflict, NotFound
+from policies.variants import NoLiveWeight, UnknownVariant
+
+class VariantView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float = Field(description="the weight now in force")
+    shadow: bool
+    filed_weight: float = Field(description="the weight the policy file gives it")
+
+
+class ModelVariants(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    sticky: dict | None = Field(description="what keeps a conversation on one variant (header, key)")
+    variants: list[VariantView]
+
+
+class NewWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64, description="a variant of the model")
+    weight: float = Field(ge=0, le=1_000_000)
+
+
+class WeightChange(BaseModel):
+    """A list rather than a mapping: the OpenAPI document then keeps the bounds of every weight."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: list[NewWeight] = Field(description="the variants whose weight changes; the others keep theirs")
+
+
+ModelName = Parameter(max_length=128, description="the model's public name")
+
+
+def variant_handlers(gateway) -> list:
+    variants = gateway.shared.variants
+
+    def current(model: str) -> ModelVariants:
+        view = variants.view(model)
+        if view is None:
+            raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
+        return ModelVariants.model_validate(view)
+
+    @get("/models/{model:str}/variants", summary="A model's variants and the weights in force",
+         sync_to_thread=False, responses=errors(400, 401, 404))
+    def show(model: str = ModelName) -> ModelVariants:
+        return current(model)
+
+    @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
+         opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
+    def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+        current(model)
+        try:
+            if data.weights:
+                variants.set_weights(model, {w.name: w.weight for w in data.weights}, why="admin API")
+        except UnknownVariant as exc:
+            raise NotFound(str(exc), param="weights", code="variant_not_found") from None
+        except NoLiveWeight as exc:
+            raise Conflict(str(exc), param="weights", code="no_live_weight") from None
+        return current(model)
+
+    return [show, change]
