@@ -51,7 +51,7 @@ chart: helm-setup  # the Helm chart's tests alone: lint, render, validate (~10 s
 	$(VENV)/bin/pytest -q tests/chart
 
 bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)
-	$(VENV)/bin/python -m tests.benchmarks.peers.run
+	$(VENV)/bin/python -m tests.benchmarks.peers.run --variants-compare
 
 bench-overload: venv  # not part of `make test`: a minute of load at twice a backend's knee
 	$(VENV)/bin/python -m tests.benchmarks.overload $(ARGS)

@@ -161,6 +161,7 @@ class Proxy:
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
             tried.append(replica)
+            call.load = replica.in_flight
             try:
                 response = await self.send(call, replica, holds=True)
             except UpstreamError as exc:

@@ -20,6 +20,7 @@ from gateway.span_export import Encoded, SpanPipe
 from gateway.tracing import client_context, passthrough
 from policies.config import Tracing as TracingConfig
 from policies.metrics import GatewayMetrics
+from policies.variant_signals import sse_events
 
 log = logging.getLogger("gateway.tracing")
 
@@ -88,7 +89,9 @@ class Tracer:
         trace.attempts.append((span_id, replica, time.perf_counter(), replica.in_flight, replica.limit))
         if trace.sampled and call.stream and trace.tap is None:
             content = call.model in self.content_models
-            call.tap = trace.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+            if call.tap is None or (content and not isinstance(call.tap, list)):  # a variant's may be kept already
+                call.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+            trace.tap = call.tap
         out = b"traceparent: 00-%032x-%016x-%s\r\n" % (trace.trace_id, span_id, b"01" if trace.sampled else b"00")
         return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
 
@@ -233,13 +236,7 @@ class Tracer:
 def streamed_text(chunks: list[bytes]) -> str:
     """The text of a streamed answer, from its SSE events (chat deltas or completion text)."""
     out = []
-    for line in b"".join(chunks).split(b"\n"):
-        if not line.startswith(b"data: {"):
-            continue
-        try:
-            event = orjson.loads(line[6:])
-        except orjson.JSONDecodeError:
-            continue
+    for event in sse_events(chunks):
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             text = delta.get("content") if isinstance(delta, dict) else None

@@ -1,4 +1,6 @@
-"""GET and PUT /admin/models/{model}/variants: a model's variants and their weights, changed live.
+"""GET and PUT /admin/models/{model}/variants: a model's variants and their weights, changed live; and
+GET /admin/variants: every model's variants side by side, with what their recent answers say
+(policies/variant_signals.py) and their guard's verdict.
 
 Reading needs a viewer token; changing the weights an operator (or admin) token. A change is in force for the
 next request at once, without a reload or a restart; requests already assigned finish on their variant. The
@@ -34,6 +36,45 @@ class NewWeight(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(max_length=64, description="a variant of the model")
     weight: float = Field(ge=0, le=1_000_000)
+
+
+class LoadFigures(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: int
+    ttft_p50: float | None
+    itl_p50: float | None
+
+
+class VariantSignals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float
+    shadow: bool
+    requests: int = Field(description="calls in the window")
+    errors: dict[str, int] = Field(description="failed calls by kind")
+    error_rate: float | None = Field(description="share of calls failed by the variant's fault (upstream_error,"
+                                     " timeout, no_backend)")
+    ttft_p50: float | None = Field(description="seconds from sending to the first token (queue excluded)")
+    itl_p50: float | None = Field(description="seconds between output tokens of a stream")
+    tokens_per_second_p50: float | None = Field(description="output tokens per second of a stream")
+    structured: int = Field(description="answers with structured output (response_format JSON, tool calls)")
+    structured_valid_rate: float | None
+    length_rate: float | None = Field(description="share of answers with finish_reason length")
+    shadow_compared: int = Field(description="shadow answers compared with the live one")
+    agreement_rate: float | None
+    by_load: dict[str, LoadFigures] = Field(description="medians per load level: requests in flight to the"
+                                             " replica when sent, up to this many")
+    guard: dict | None = Field(None, description="the guard's state and the reason of its last action")
+
+
+class ModelSignals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variants: list[VariantSignals]
+
+
+class AllVariants(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: dict[str, ModelSignals]
 
 
 class WeightChange(BaseModel):
@@ -73,4 +114,10 @@ def variant_handlers(gateway) -> list:
             raise Conflict(str(exc), param="weights", code="no_live_weight") from None
         return current(model)
 
-    return [show, change]
+    @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
+         sync_to_thread=False, responses=errors(400, 401))
+    def signals(window: float | None = Parameter(None, gt=0, le=86400 * 30, description="only calls this many"
+                                                 " seconds recent (default: the whole kept window)")) -> AllVariants:
+        return AllVariants.model_validate({"models": variants.report(window)})
+
+    return [show, change, signals]

@@ -25,12 +25,16 @@ import hashlib
 import logging
 import math
 import random
+import time
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 from policies.config import Model, Policy, group_of
 from policies.memo import Memo
 from policies.pipeline import Call
+from policies.variant_signals import Sample, Window, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
 
@@ -91,6 +95,7 @@ class Variants:
         self.weights: dict[str, dict[str, float]] = {}  # model -> variant -> weight, as now in force
         self.filed: dict[str, dict[str, float]] = {}  # model -> the weights the policy file last said
         self.models: dict[str, Model] = {}
+        self.windows: dict[tuple[str, str], Window] = {}  # (model, variant) -> its last calls' signals
         self.on_change = lambda model, weights, why: None  # observers (metrics, shared state)
 
     def configure(self, policy: Policy) -> None:
@@ -135,6 +140,23 @@ class Variants:
         self.on_change(model, new, why)
         return new
 
+    def window(self, model: str, variant: str) -> Window:
+        window = self.windows.get((model, variant))
+        if window is None:
+            window = self.windows[(model, variant)] = Window()
+        return window
+
+    def report(self, seconds: float | None = None) -> dict:
+        """Every model's variants side by side: weight and what their recent answers say."""
+        out = {}
+        for name, model in self.models.items():
+            weights = self.weights[name]
+            out[name] = {"variants": [
+                {"name": v.name, "weight": weights[v.name], "shadow": v.shadow,
+                 **summary(self.window(name, v.name).recent(seconds))}
+                for v in model.variants]}
+        return out
+
     def view(self, model: str) -> dict | None:
         config = self.models.get(model)
         if config is None:
@@ -152,7 +174,7 @@ class AssignVariant:
 
     def __init__(self, variants: Variants, metrics=None) -> None:
         self.variants = variants
-        self.requests = Memo(metrics.variant_requests.labels) if metrics is not None else None
+        self.signals = Memo(partial(Signals, metrics)) if metrics is not None else None
 
     async def enter(self, call: Call) -> None:
         plan = self.variants.plans.get(call.model)
@@ -174,7 +196,40 @@ class AssignVariant:
             i = plan.index(point)
         call.variant, call.group = plan.names[i], plan.groups[i]
         call.response_headers.update(plan.headers[i])
+        # a stream's chunks, for the signals: all of them, or the tail (finish_reason, usage, [DONE])
+        call.tap = [] if wants_structure(call.body) else deque(maxlen=4)
 
     async def leave(self, call: Call) -> None:
-        if call.variant is not None and self.requests is not None:
-            self.requests(call.model, call.variant, str(call.status)).inc()
+        if call.variant is not None and self.signals is not None:
+            sample = sample_of(call, time.perf_counter())
+            self.signals(call.model, call.variant).add(sample, call.status)
+            self.variants.window(call.model, call.variant).add(sample)
+
+
+class Signals:
+    """The Prometheus children of one variant, looked up once."""
+
+    def __init__(self, metrics, model: str, variant: str) -> None:
+        self.requests = Memo(partial(metrics.variant_requests.labels, model, variant))  # by status
+        self.errors = Memo(partial(metrics.variant_errors.labels, model, variant))  # by kind
+        self.ttft = Memo(partial(metrics.variant_ttft.labels, model, variant))  # by load level
+        self.itl = Memo(partial(metrics.variant_itl.labels, model, variant))
+        self.tokens_per_second = metrics.variant_tokens_per_second.labels(model, variant)
+        self.structured = {True: metrics.variant_structured.labels(model, variant, "true"),
+                           False: metrics.variant_structured.labels(model, variant, "false")}
+        self.length = metrics.variant_length.labels(model, variant)
+
+    def add(self, sample: Sample, status: int) -> None:
+        self.requests(str(status)).inc()
+        if sample.error is not None:
+            self.errors(sample.error).inc()
+        if sample.ttft is not None:
+            self.ttft(sample.load).observe(sample.ttft)
+        if sample.itl is not None:
+            self.itl(sample.load).observe(sample.itl)
+        if sample.tokens_per_second is not None:
+            self.tokens_per_second.observe(sample.tokens_per_second)
+        if sample.structured is not None:
+            self.structured[sample.structured].inc()
+        if sample.length:
+            self.length.inc()

@@ -1,0 +1,78 @@
+"""Variants through a running gateway over simulated vLLM servers: the signals each variant's answers give,
+in GET /admin/variants, Prometheus and `llm-gateway variants`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from backends.simulator import SimConfig, create_app
+from gateway.admin_auth import mint_token
+from gateway.variants_cli import render
+from policies.config import Admin
+from tests.support.gateway import AUTH, running_gateway
+from tests.support.servers import serve_app
+
+SECRET = "v" * 40
+FAST = SimConfig(model="served", step_base_ms=2, step_ms_per_seq=0)
+SLOW = SimConfig(model="served", step_base_ms=12, step_ms_per_seq=0)  # six times the time per token
+
+
+def variants_policy(a: str, b: str, **model) -> dict:
+    return {"models": [{"name": "m", "served_name": "served", **model, "variants": [
+        {"name": "a", "weight": 50, "backends": [{"url": a}]},
+        {"name": "b", "weight": 50, "backends": [{"url": b}]}]}],
+        "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+
+
+async def wait_ready(http: httpx.AsyncClient, url: str) -> None:
+    for _ in range(200):
+        if (await http.get(f"{url}/ready")).status_code == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the gateway never became ready")
+
+
+async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(SLOW)) as b, \
+            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+
+        async def stream(max_tokens: int) -> str:
+            async with http.stream("POST", f"{gw.url}/v1/chat/completions",
+                                   json={**body, "max_tokens": max_tokens, "stream": True}) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+                return r.headers["x-gateway-variant"]
+
+        served = [await stream(12) for _ in range(20)]  # one at a time: every call at load level 1
+        served += [(await http.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 3})).headers[
+            "x-gateway-variant"] for _ in range(10)]
+        na, nb = served.count("a"), served.count("b")
+        assert abs(na - nb) <= 2  # 50/50, evenly spread
+
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()
+        a_, b_ = view["models"]["m"]["variants"]
+        assert (a_["name"], a_["requests"], b_["name"], b_["requests"]) == ("a", na, "b", nb)
+        assert a_["error_rate"] == 0 and a_["errors"] == {}
+        assert a_["length_rate"] == 1.0  # ignore_eos: every answer ran to max_tokens
+        assert set(a_["by_load"]) == {"1"} and a_["by_load"]["1"]["requests"] == na
+        # b's tokens come six times slower: its inter-token latency shows it, at the same load level
+        assert b_["itl_p50"] > 3 * a_["itl_p50"]
+        assert a_["tokens_per_second_p50"] > 3 * b_["tokens_per_second_p50"]
+        assert a_["structured"] == 0 and a_["structured_valid_rate"] is None
+
+        assert await gw.metric("llm_gateway_variant_requests_total", model="m", variant="b", status="200") == nb
+        assert await gw.metric("llm_gateway_variant_inter_token_latency_seconds_count", variant="b", load="1") == \
+            served[:20].count("b")  # streams only
+        assert await gw.metric("llm_gateway_variant_length_finishes_total", variant="a") == na
+
+        table = render(view)
+        assert "model m" in table and "TTFT P50" in table and "100.0%" in table
+        recent = (await http.get(f"{gw.url}/admin/variants", params={"window": 3600}, headers=viewer)).json()
+        assert recent["models"]["m"]["variants"][0]["requests"] == na
