@@ -474,6 +474,35 @@ class Variant(Strict):
         return self
 
 
+class Promotion(Strict):
+    """Steps a candidate takes while its guard holds: its share of the model's traffic, in percent."""
+
+    steps: list[Annotated[float, Field(gt=0, le=100)]] = Field(min_length=1)  # e.g. [5, 25, 50, 100]
+    after_requests: int = Field(200, ge=1, le=10_000_000)  # the candidate's calls at a step before the next
+
+    @field_validator("steps")
+    @classmethod
+    def rising(cls, steps: list[float]) -> list[float]:
+        if steps != sorted(set(steps)):
+            raise ValueError("steps must rise, e.g. [5, 25, 50, 100]")
+        return steps
+
+
+class Guard(Strict):
+    """Each candidate variant against the baseline, over a sliding window (policies/variant_guard.py): a
+    breach sets the candidate's weight to 0 at once. A limit that is null is not checked."""
+
+    baseline: str | None = Field(None, pattern=VARIANT)  # default: the first variant that is not a shadow
+    window_seconds: Seconds = 300.0
+    min_samples: int = Field(50, ge=1, le=1_000_000)  # per side and signal before it is judged
+    max_validity_drop: float | None = Field(0.02, ge=0, le=1)  # structured-output validity, in points
+    max_error_increase: float | None = Field(0.01, ge=0, le=1)  # the variant's own faults, in points
+    max_itl_ratio: float | None = Field(1.2, gt=1, le=100)  # inter-token latency p50 at comparable load
+    max_ttft_ratio: float | None = Field(None, gt=1, le=100)  # time to first token p50 at comparable load
+    min_agreement: float | None = Field(0.9, ge=0, le=1)  # shadow answers equal to the live one (temperature 0)
+    promotion: Promotion | None = None
+
+
 class Sticky(Strict):
     """What keeps one conversation on one variant (and its prefix cache): the value of a request header when
     the request has it, else the API key when `key` is true; a request with neither is assigned at random."""
@@ -497,6 +526,7 @@ class Model(Strict):
     # instead of backends and discovery: named variants, each with its own replicas, split by weight
     variants: list[Variant] = []
     sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
+    guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
@@ -508,13 +538,15 @@ class Model(Strict):
                 raise ValueError("variant names must be unique")
             if sum(v.weight for v in self.variants if not v.shadow) <= 0:
                 raise ValueError("variants: at least one variant that is not a shadow needs a weight above 0")
+            if self.guard and self.guard.baseline and self.guard.baseline not in names:
+                raise ValueError(f"guard.baseline {self.guard.baseline!r} is not a variant of this model")
             # every owned backend of the model, in one list: the egress check, caps, cost and ledger read it
             flat = [b if b.name else b.model_copy(update={"name": f"{self.name}-{v.name}-{j}"})
                     for v in self.variants for j, b in enumerate(v.backends)]
             object.__setattr__(self, "backends", flat)  # frozen: set once, here, while validating
             return self
-        if self.sticky is not None:
-            raise ValueError("sticky applies to variants; this model has none")
+        if self.sticky is not None or self.guard is not None:
+            raise ValueError("sticky and guard apply to variants; this model has none")
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
         return self

@@ -138,6 +138,10 @@ class GatewayMetrics:
             "llm_gateway_variant_length_finishes", "A variant's answers cut at the length limit"
             " (finish_reason=length).", ["model", "variant"], registry=r,
         )
+        self.variant_guard_actions = Counter(
+            "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
+            " worse than the baseline's) or promote.", ["model", "variant", "action", "signal"], registry=r,
+        )
         self.variant_weight = Gauge(
             "llm_gateway_variant_weight", "Each variant's weight now in force (file, admin API or guard).",
             ["model", "variant"], registry=r,

@@ -248,15 +248,15 @@ def summary(samples: list[Sample]) -> dict:
     by_load: dict[str, dict] = {}
     for level in sorted({s.load for s in served}, key=_level_key):
         at = [s for s in served if s.load == level]
-        by_load[level] = {"requests": len(at), "ttft_p50": _median([s.ttft for s in at]),
-                          "itl_p50": _median([s.itl for s in at])}
+        by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),
+                          "itl_p50": median([s.itl for s in at])}
     return {
         "requests": n,
         "errors": errors,
         "error_rate": _rate(sum(v for k, v in errors.items() if k in FAULTS), n),
-        "ttft_p50": _median([s.ttft for s in served]),
-        "itl_p50": _median([s.itl for s in served]),
-        "tokens_per_second_p50": _median([s.tokens_per_second for s in served]),
+        "ttft_p50": median([s.ttft for s in served]),
+        "itl_p50": median([s.itl for s in served]),
+        "tokens_per_second_p50": median([s.tokens_per_second for s in served]),
         "structured": len(structured),
         "structured_valid_rate": _rate(sum(structured), len(structured)),
         "length_rate": _rate(sum(1 for s in served if s.length), len(served)),
@@ -270,7 +270,7 @@ def _level_key(level: str) -> int:
     return int(level.lstrip(">")) + (1 if level.startswith(">") else 0)
 
 
-def _median(values: list[float | None]) -> float | None:
+def median(values: list[float | None]) -> float | None:
     known = sorted(v for v in values if v is not None)
     if not known:
         return None

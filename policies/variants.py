@@ -34,6 +34,7 @@ from functools import partial
 from policies.config import Model, Policy, group_of
 from policies.memo import Memo
 from policies.pipeline import Call
+from policies.variant_guard import VariantGuard
 from policies.variant_signals import Sample, Window, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
@@ -96,6 +97,7 @@ class Variants:
         self.filed: dict[str, dict[str, float]] = {}  # model -> the weights the policy file last said
         self.models: dict[str, Model] = {}
         self.windows: dict[tuple[str, str], Window] = {}  # (model, variant) -> its last calls' signals
+        self.guard = VariantGuard(self, metrics)
         self.on_change = lambda model, weights, why: None  # observers (metrics, shared state)
 
     def configure(self, policy: Policy) -> None:
@@ -105,6 +107,7 @@ class Variants:
             filed = {v.name: v.weight for v in model.variants}
             if self.filed.get(name) != filed or set(self.weights.get(name, ())) != set(filed):
                 self.weights[name] = dict(filed)
+                self.guard.weights_set(name, filed, "policy file")
             self.filed[name] = filed
         for gone in [n for n in self.weights if n not in models]:
             self.weights.pop(gone)
@@ -137,6 +140,7 @@ class Variants:
         self.weights[model], self.plans[model] = new, plan  # one swap each: a request sees the old or the new
         log.info("model %s: variant weights %s (%s)", model, ", ".join(f"{k}={v:g}" for k, v in new.items()), why)
         self.publish(model)
+        self.guard.weights_set(model, weights, why)
         self.on_change(model, new, why)
         return new
 
@@ -153,7 +157,7 @@ class Variants:
             weights = self.weights[name]
             out[name] = {"variants": [
                 {"name": v.name, "weight": weights[v.name], "shadow": v.shadow,
-                 **summary(self.window(name, v.name).recent(seconds))}
+                 **summary(self.window(name, v.name).recent(seconds)), "guard": self.guard.view(name, v.name)}
                 for v in model.variants]}
         return out
 
@@ -204,6 +208,7 @@ class AssignVariant:
             sample = sample_of(call, time.perf_counter())
             self.signals(call.model, call.variant).add(sample, call.status)
             self.variants.window(call.model, call.variant).add(sample)
+            self.variants.guard.after_call(call.model, call.variant)
 
 
 class Signals:

@@ -76,3 +76,75 @@ async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
         assert "model m" in table and "TTFT P50" in table and "100.0%" in table
         recent = (await http.get(f"{gw.url}/admin/variants", params={"window": 3600}, headers=viewer)).json()
         assert recent["models"]["m"]["variants"][0]["requests"] == na
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city", "days"]}}}]
+
+
+def canary_policy(a: str, b: str, guard: dict) -> dict:
+    """Baseline `a` at 80, candidate `b` at 20, guarded."""
+    policy = variants_policy(a, b, guard=guard)
+    variants = policy["models"][0]["variants"]
+    variants[0]["weight"], variants[1]["weight"] = 80, 20
+    return policy
+
+
+async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_window(monkeypatch, caplog):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.3})  # 3 in 10 tool calls' arguments are not JSON
+    async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
+        policy = canary_policy(a, b, {"min_samples": 40, "window_seconds": 600})
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 4,
+                    "tools": TOOLS}
+            gate = asyncio.Semaphore(4)
+
+            async def one(i: int) -> tuple[str, bool]:
+                async with gate:
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+                    assert r.status_code == 200
+                    return r.headers["x-gateway-variant"], i
+
+            served = await asyncio.gather(*(one(i) for i in range(400)))
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]
+            a_, b_ = view["variants"]
+            assert b_["weight"] == 0 and b_["guard"]["state"] == "rolled_back"
+            assert "structured-output validity" in b_["guard"]["reason"]
+            assert a_["weight"] == 80 and a_["guard"]["state"] == "baseline"
+            # pulled back within its window: once it had its 40 answers and the guard's next look
+            assert 40 <= b_["requests"] <= 60, b_["requests"]
+            assert abs(b_["structured_valid_rate"] - 0.7) <= 0.02 and a_["structured_valid_rate"] == 1.0
+            last_b = max(i for variant, i in served if variant == "b")
+            assert last_b < 400 - 50  # after the rollback, everything went to a
+            assert await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="rollback",
+                                   signal="structured_validity") == 1
+            assert await gw.metric("llm_gateway_variant_weight", variant="b") == 0
+    assert any("rolled back (weight 20 -> 0): structured-output validity" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_candidate_identical_to_the_baseline_is_not_pulled_back_in_1000_requests():
+    same = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    async with serve_app(create_app(same)) as a, serve_app(create_app(same)) as b:
+        policy = canary_policy(a, b, {"min_samples": 40, "max_ttft_ratio": 1.5})
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            gate = asyncio.Semaphore(4)
+
+            async def one(i: int) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 6,
+                        "stream": True, **({"tools": TOOLS} if i % 3 == 0 else {})}
+                async with gate:
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
+                    assert r.status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(1000)))
+            state = gw.state.shared.variants
+            assert state.weights["m"] == {"a": 80, "b": 20}
+            assert state.guard.state("m", "b").state == "watching"
+            report = state.report()["m"]["variants"][1]
+            assert report["requests"] >= 150 and report["itl_p50"] is not None  # it was judged, and held

@@ -79,7 +79,7 @@ def test_a_model_gives_variants_or_backends(change, message):
 @pytest.mark.parametrize("text, message", [
     (POLICY.replace("name: b\n", "name: a\n"), "variant names must be unique"),
     (POLICY.replace("weight: 80", "weight: 0").replace("weight: 20", "weight: 0"), "weight above 0"),
-    (POLICY + "    sticky: {key: true}\n", "sticky applies to variants"),
+    (POLICY + "    sticky: {key: true}\n", "sticky and guard apply to variants"),
     (POLICY.replace("name: b\n", "name: 'b#x'\n"), "name"),
     (POLICY.replace("        served_name: chat-fp8\n", "        discovery: {kind: kubernetes, namespace: x,"
                                                        " service: y}\n"), "not both"),
