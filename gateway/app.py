@@ -64,6 +64,7 @@ from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreError, StoreUnavailable, open_store
+from policies.variant_share import open_shared_variants
 from policies.variants import Variants
 
 log = logging.getLogger("gateway")
@@ -108,6 +109,7 @@ class Gateway:
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
+        self.variant_share = open_shared_variants(self.store, self.shared.variants, self.background.run)
         self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
@@ -233,6 +235,8 @@ class Gateway:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
         if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
+        if self.variant_share is not None:  # weights and guard verdicts shared with the other replicas
+            loops.append(asyncio.create_task(self.variant_share.run()))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         if self.policy.ledger.enabled:

@@ -136,6 +136,12 @@ class VariantGuard:
             if st is not None and st.state == ROLLED_BACK and weight > 0:
                 self.states[(model, variant)] = GuardState()
 
+    def adopt(self, model: str, views: dict[str, dict]) -> None:
+        """Verdicts another gateway replica's guard reached (policies/variant_share.py)."""
+        for variant, view in views.items():
+            st = self.state(model, variant)
+            st.state, st.reason, st.at, st.step = view["state"], view.get("reason"), view.get("at"), view.get("step", -1)
+
     def after_call(self, model: str, variant: str) -> None:
         config = self.variants.models.get(model)
         guard = config.guard if config is not None else None

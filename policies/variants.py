@@ -144,6 +144,19 @@ class Variants:
         self.on_change(model, new, why)
         return new
 
+    def adopt(self, model: str, weights: dict, states: dict, why: str) -> None:
+        """Take weights and guard verdicts another gateway replica decided (policies/variant_share.py)."""
+        current = self.weights.get(model)
+        if current is None:
+            return
+        known = {k: float(v) for k, v in weights.items() if k in current}
+        if known and {**current, **known} != current:
+            try:
+                self.set_weights(model, known, why)
+            except NoLiveWeight:
+                return
+        self.guard.adopt(model, {k: v for k, v in states.items() if k in current})
+
     def window(self, model: str, variant: str) -> Window:
         window = self.windows.get((model, variant))
         if window is None:

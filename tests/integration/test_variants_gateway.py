@@ -12,6 +12,7 @@ from gateway.admin_auth import mint_token
 from gateway.variants_cli import render
 from policies.config import Admin
 from tests.support.gateway import AUTH, running_gateway
+from tests.support.redis_server import RedisServer
 from tests.support.servers import serve_app
 
 SECRET = "v" * 40
@@ -148,3 +149,47 @@ async def test_a_candidate_identical_to_the_baseline_is_not_pulled_back_in_1000_
             assert state.guard.state("m", "b").state == "watching"
             report = state.report()["m"]["variants"][1]
             assert report["requests"] >= 150 and report["itl_p50"] is not None  # it was judged, and held
+
+
+async def test_gateways_on_one_redis_roll_back_together_and_share_weight_changes(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    operator = {"authorization": f"Bearer {mint_token(Admin(), 600, role='operator')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.5})
+    with RedisServer() as redis:
+        await both_gateways(redis.url, clean, broken, operator)
+
+
+async def both_gateways(redis_url: str, clean: SimConfig, broken: SimConfig, operator: dict) -> None:
+    async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
+        policy = {**canary_policy(a, b, {"min_samples": 20}), "store": {"kind": "redis", "url": redis_url}}
+        async with running_gateway(policy) as one, running_gateway(policy, issue_test_key=False) as two, \
+                httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, one.url)
+            await wait_ready(http, two.url)
+            view = two.state.shared.variants
+            assert view.weights["m"] == {"a": 80, "b": 20}
+            body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 2, "tools": TOOLS}
+            for _ in range(200):  # only through the first gateway: the second's guard sees nothing
+                await http.post(f"{one.url}/v1/chat/completions", json=body)
+                if one.state.shared.variants.weights["m"]["b"] == 0:
+                    break
+            assert one.state.shared.variants.weights["m"]["b"] == 0
+
+            async def follows(weights: dict) -> None:
+                for _ in range(100):
+                    if view.weights["m"] == weights:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"the second gateway still has {view.weights['m']}")
+
+            await follows({"a": 80, "b": 0})
+            assert view.guard.state("m", "b").state == "rolled_back"
+            assert "structured-output validity" in view.guard.state("m", "b").reason
+            # an operator's change on the second gateway reaches the first, and b is watched again there
+            r = await http.put(f"{two.url}/admin/models/m/variants", headers=operator,
+                               json={"weights": [{"name": "b", "weight": 10}]})
+            assert r.status_code == 200
+            view = one.state.shared.variants
+            await follows({"a": 80, "b": 10})
+            assert view.guard.state("m", "b").state == "watching"
