@@ -34,6 +34,7 @@ from backends.upstream import new_client
 from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
+from gateway.shadow import Shadow
 from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
@@ -143,6 +144,8 @@ class Gateway:
             proxy.access_log = old.access_log  # one batched log for the process
         proxy.access_log.json = policy.access_log.format == "json"
         proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
+        if any(v.shadow for m in policy.models for v in m.variants):
+            proxy.shadow = Shadow(proxy, self.shared.variants)
         self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:

@@ -89,6 +89,7 @@ class Proxy:
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
         self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
+        self.shadow: Any = None  # gateway/shadow.py: set by the app when some model has a shadow variant
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes]) -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -363,6 +364,8 @@ class Proxy:
         else:
             self.metrics.call_refused(model, backend, call.status, call.endpoint)
         self.tracing.finished(call)
+        if call.shadow is not None and self.shadow is not None:
+            self.shadow.after(call)
         self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:

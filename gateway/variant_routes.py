@@ -61,7 +61,8 @@ class VariantSignals(BaseModel):
     structured_valid_rate: float | None
     length_rate: float | None = Field(description="share of answers with finish_reason length")
     shadow_compared: int = Field(description="shadow answers compared with the live one")
-    agreement_rate: float | None
+    agreement_rate: float | None = Field(description="shadow answers equal to the live one, exactly or as JSON")
+    exact_match_rate: float | None = Field(description="shadow answers equal to the live one byte for byte")
     by_load: dict[str, LoadFigures] = Field(description="medians per load level: requests in flight to the"
                                              " replica when sent, up to this many")
     guard: dict | None = Field(None, description="the guard's state and the reason of its last action")

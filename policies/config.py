@@ -461,7 +461,7 @@ class Variant(Strict):
     `backends` list or `discovery`, with their caps, and its share of the model's traffic."""
 
     name: str = Field(pattern=VARIANT)
-    weight: float = Field(0.0, ge=0, le=1_000_000)  # relative to the other live variants' weights
+    weight: float = Field(0.0, ge=0, le=1_000_000)  # relative to the other live ones; a shadow's: percent copied
     shadow: bool = False  # gets copies of sampled requests, never live traffic (its answers are never returned)
     served_name: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
@@ -538,6 +538,8 @@ class Model(Strict):
                 raise ValueError("variant names must be unique")
             if sum(v.weight for v in self.variants if not v.shadow) <= 0:
                 raise ValueError("variants: at least one variant that is not a shadow needs a weight above 0")
+            if any(v.shadow and v.weight > 100 for v in self.variants):
+                raise ValueError("a shadow variant's weight is the percent of requests copied to it: at most 100")
             if self.guard and self.guard.baseline and self.guard.baseline not in names:
                 raise ValueError(f"guard.baseline {self.guard.baseline!r} is not a variant of this model")
             # every owned backend of the model, in one list: the egress check, caps, cost and ledger read it

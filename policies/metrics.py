@@ -142,6 +142,10 @@ class GatewayMetrics:
             "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
             " worse than the baseline's) or promote.", ["model", "variant", "action", "signal"], registry=r,
         )
+        self.variant_shadow_dropped = Counter(
+            "llm_gateway_variant_shadow_dropped", "Copies for a shadow variant not sent: its cap was full, it had no"
+            " replica up, or the live call failed.", ["model", "variant"], registry=r,
+        )
         self.variant_weight = Gauge(
             "llm_gateway_variant_weight", "Each variant's weight now in force (file, admin API or guard).",
             ["model", "variant"], registry=r,

@@ -65,7 +65,8 @@ class Sample:
     tokens_per_second: float | None = None
     structured: bool | None = None  # None: not a structured answer
     length: bool = False
-    agreed: bool | None = None  # shadow calls: the same answer as the live one (step 4)
+    agreed: bool | None = None  # a shadow's answer at temperature 0: the live one's, exactly or as JSON
+    exact: bool | None = None  # ... exactly (text and tool calls)
 
 
 def _validator(schema_json: bytes):
@@ -180,6 +181,35 @@ def streamed_answer(chunks: Any) -> tuple[str, list[dict], str | None]:
     return "".join(text), [calls[i] for i in sorted(calls)], finish
 
 
+def answer_of(call: Any) -> tuple[Any, list[dict]]:
+    """The content and tool calls of a finished chat call, streamed (whole tap) or not."""
+    if call.stream:
+        content, calls, _ = streamed_answer(call.tap or ())
+    else:
+        content, calls, _ = whole_answer(call.response)
+    return content, calls
+
+
+def agreement(live: tuple[Any, list[dict]], shadow: tuple[Any, list[dict]]) -> tuple[bool, bool]:
+    """(exact, agreed): the same text and tool calls; or, where they differ, the same JSON values."""
+    if live == shadow:
+        return True, True
+    (text_a, calls_a), (text_b, calls_b) = live, shadow
+    if len(calls_a) != len(calls_b) or any(a.get("name") != b.get("name") for a, b in zip(calls_a, calls_b)):
+        return False, False
+    return False, same_json(text_a, text_b) and all(same_json(a.get("arguments"), b.get("arguments"))
+                                                    for a, b in zip(calls_a, calls_b))
+
+
+def same_json(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    try:
+        return isinstance(a, str) and isinstance(b, str) and orjson.loads(a) == orjson.loads(b)
+    except orjson.JSONDecodeError:
+        return False
+
+
 def wants_structure(body: Any) -> bool:
     """A request whose answer the signals must read whole: structured output or tools."""
     if not isinstance(body, dict):
@@ -245,6 +275,7 @@ def summary(samples: list[Sample]) -> dict:
     served = [s for s in samples if s.error is None]
     structured = [s.structured for s in served if s.structured is not None]
     agreed = [s.agreed for s in served if s.agreed is not None]
+    exact = [s.exact for s in served if s.exact is not None]
     by_load: dict[str, dict] = {}
     for level in sorted({s.load for s in served}, key=_level_key):
         at = [s for s in served if s.load == level]
@@ -262,6 +293,7 @@ def summary(samples: list[Sample]) -> dict:
         "length_rate": _rate(sum(1 for s in served if s.length), len(served)),
         "shadow_compared": len(agreed),
         "agreement_rate": _rate(sum(agreed), len(agreed)),
+        "exact_match_rate": _rate(sum(exact), len(exact)),
         "by_load": by_load,
     }
 

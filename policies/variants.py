@@ -62,7 +62,20 @@ class Plan:
     bounds: tuple[float, ...]  # cumulative weight fractions; the last is 1.0
     header: str | None  # sticky on this request header's value
     key: bool  # sticky on the API key (when the header is absent)
+    shadows: tuple[tuple[str, str, float], ...] = ()  # (variant, replica set, share of requests copied to it)
     point: float = field(default_factory=random.random)  # the model's evenly spread sequence, from a random start
+    shadow_point: float = field(default_factory=random.random)  # the same, for sampling copies to shadows
+
+    def shadow(self) -> tuple[str, str] | None:
+        """The shadow variant this request is also sent to, if any (evenly spread at the shadows' shares)."""
+        if not self.shadows:
+            return None
+        self.shadow_point = point = (self.shadow_point + GOLDEN) % 1.0
+        for name, group, share in self.shadows:
+            if point < share:
+                return name, group
+            point -= share
+        return None
 
     def index(self, point: float) -> int:
         return min(bisect_right(self.bounds, point), len(self.bounds) - 1)
@@ -77,9 +90,11 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
         bounds.append(running / total)
     bounds[-1] = 1.0
     sticky = model.sticky
+    shadows = tuple((v.name, group_of(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
+                    for v in model.variants if v.shadow and weights[v.name] > 0)
     return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live),
                 tuple({HEADER: v.name} for v in live), tuple(bounds),
-                sticky.header if sticky else None, bool(sticky and sticky.key))
+                sticky.header if sticky else None, bool(sticky and sticky.key), shadows)
 
 
 def point_of(value: str) -> float:
@@ -92,6 +107,7 @@ class Variants:
 
     def __init__(self, metrics=None) -> None:
         self.metrics = metrics
+        self.signals = Memo(partial(Signals, metrics)) if metrics is not None else None
         self.plans: dict[str, Plan] = {}
         self.weights: dict[str, dict[str, float]] = {}  # model -> variant -> weight, as now in force
         self.filed: dict[str, dict[str, float]] = {}  # model -> the weights the policy file last said
@@ -144,6 +160,13 @@ class Variants:
         self.on_change(model, new, why)
         return new
 
+    def record(self, model: str, variant: str, sample: Sample, status: int) -> None:
+        """One finished call of a variant (live or shadow): its metrics, its window, then its guard's look."""
+        if self.signals is not None:
+            self.signals(model, variant).add(sample, status)
+        self.window(model, variant).add(sample)
+        self.guard.after_call(model, variant)
+
     def adopt(self, model: str, weights: dict, states: dict, why: str) -> None:
         """Take weights and guard verdicts another gateway replica decided (policies/variant_share.py)."""
         current = self.weights.get(model)
@@ -191,7 +214,6 @@ class AssignVariant:
 
     def __init__(self, variants: Variants, metrics=None) -> None:
         self.variants = variants
-        self.signals = Memo(partial(Signals, metrics)) if metrics is not None else None
 
     async def enter(self, call: Call) -> None:
         plan = self.variants.plans.get(call.model)
@@ -213,15 +235,14 @@ class AssignVariant:
             i = plan.index(point)
         call.variant, call.group = plan.names[i], plan.groups[i]
         call.response_headers.update(plan.headers[i])
-        # a stream's chunks, for the signals: all of them, or the tail (finish_reason, usage, [DONE])
-        call.tap = [] if wants_structure(call.body) else deque(maxlen=4)
+        call.shadow = plan.shadow()
+        # a stream's chunks, for the signals and the shadow's comparison: all of them, or the tail (finish_reason,
+        # usage, [DONE])
+        call.tap = [] if call.shadow is not None or wants_structure(call.body) else deque(maxlen=4)
 
     async def leave(self, call: Call) -> None:
-        if call.variant is not None and self.signals is not None:
-            sample = sample_of(call, time.perf_counter())
-            self.signals(call.model, call.variant).add(sample, call.status)
-            self.variants.window(call.model, call.variant).add(sample)
-            self.variants.guard.after_call(call.model, call.variant)
+        if call.variant is not None:
+            self.variants.record(call.model, call.variant, sample_of(call, time.perf_counter()), call.status)
 
 
 class Signals:

@@ -4,6 +4,7 @@ in GET /admin/variants, Prometheus and `llm-gateway variants`."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -193,3 +194,62 @@ async def both_gateways(redis_url: str, clean: SimConfig, broken: SimConfig, ope
             view = one.state.shared.variants
             await follows({"a": 80, "b": 10})
             assert view.guard.state("m", "b").state == "watching"
+
+
+async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreement(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.3})
+    async with serve_app(create_app(clean)) as live, serve_app(create_app(broken)) as shadow:
+        policy = {"models": [{"name": "m", "served_name": "served", "variants": [
+            {"name": "live", "weight": 1, "backends": [{"url": live}]},
+            {"name": "fp8", "shadow": True, "weight": 100, "backends": [{"url": shadow, "cap": 2}]}]}],
+            "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "tools": TOOLS,
+                    "temperature": 0}
+
+            async def one(i: int) -> None:
+                r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+                assert r.status_code == 200 and r.headers["x-gateway-variant"] == "live"
+                text = r.text
+                if i % 2 == 0:  # streamed: every argument delta, joined
+                    calls = [c for e in sse(text) for c in e["choices"][0]["delta"].get("tool_calls") or ()]
+                    arguments = "".join(c["function"].get("arguments", "") for c in calls)
+                else:
+                    arguments = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+                assert json.loads(arguments) == {"city": "xxxxx", "days": 1}  # never a shadow's broken one
+
+            state = gw.state.shared.variants
+
+            async def compared(n: int) -> dict:
+                for _ in range(200):
+                    fp8 = state.report()["m"]["variants"][1]
+                    if fp8["requests"] >= n:
+                        return fp8
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"only {fp8['requests']} shadow answers")
+
+            for i in range(100):  # one at a time, each copy answered before the next: the cap is always free
+                await one(i)
+                await compared(i + 1)
+            fp8 = await compared(100)
+            assert fp8["shadow"] and fp8["requests"] == 100
+            assert abs(fp8["structured_valid_rate"] - 0.7) <= 0.02
+            assert abs(fp8["agreement_rate"] - 0.7) <= 0.02 and abs(fp8["exact_match_rate"] - 0.7) <= 0.02
+            # the copies were never requests of the gateway: not counted, not limited, not in the usage
+            assert await gw.metric("llm_gateway_requests_total", model="m") == 100
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]["variants"]
+            assert view[1]["agreement_rate"] == fp8["agreement_rate"]
+
+            # many at once: the shadow's cap (2) is full and copies are dropped, never queued
+            await asyncio.gather(*(one(i) for i in range(1, 60, 2)))
+            await asyncio.sleep(0.5)
+            dropped = await gw.metric("llm_gateway_variant_shadow_dropped_total", variant="fp8")
+            assert dropped > 0 and (await compared(100))["requests"] + dropped == 130
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]

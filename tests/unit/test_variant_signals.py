@@ -118,3 +118,17 @@ def test_summary_counts_only_the_variants_own_faults_as_errors():
     assert s["structured"] == 8 and s["structured_valid_rate"] == pytest.approx(0.75)
     assert s["length_rate"] == pytest.approx(0.25)
     assert s["agreement_rate"] is None
+
+
+def test_agreement_exact_or_as_json():
+    from policies.variant_signals import agreement
+
+    call = [{"name": "weather", "arguments": '{"city": "Oslo", "days": 2}'}]
+    assert agreement(("", call), ("", call)) == (True, True)
+    spaced = [{"name": "weather", "arguments": '{"days":2,"city":"Oslo"}'}]
+    assert agreement(("", call), ("", spaced)) == (False, True)  # the same object, written otherwise
+    other = [{"name": "weather", "arguments": '{"city": "Oslo", "days": 3}'}]
+    assert agreement(("", call), ("", other)) == (False, False)
+    assert agreement(("", call), ("", [{"name": "forecast", "arguments": call[0]["arguments"]}])) == (False, False)
+    assert agreement(("hello", []), ("hello!", [])) == (False, False)
+    assert agreement(('{"a": 1}', []), ('{ "a":1 }', [])) == (False, True)
