@@ -8,8 +8,9 @@ both sides have `min_samples` of it:
 - structured-output validity no more than `max_validity_drop` below the baseline's;
 - the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
 - inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
-  baseline's at comparable load: per load level both sides reached (in-flight to the replica when sent), the
-  ratio of the medians, weighed by the candidate's calls there, so a light canary is not flattered;
+  baseline's at the same load: per load level where both sides have `min_samples` calls (in flight to the
+  replica when sent), the ratio of the medians, judged on the worst level; a light canary is thus neither flattered
+  by its light load nor blamed for the baseline's heavier one;
 - for a shadow, agreement with the live answer at least `min_agreement`.
 
 A breach sets the candidate's weight to 0 at once (Variants.set_weights, so every request after it goes to
@@ -74,10 +75,11 @@ def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, 
     for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
         if limit is None:
             continue
-        ratio = latency_ratio(cand, base, field, need)
-        if ratio is not None and ratio[0] > limit:
-            return signal, (f"{signal.upper()} p50 {ratio[0]:.2f}x the baseline's at comparable load (limit"
-                            f" {limit:g}x; {ratio[1]} calls at load levels {', '.join(ratio[2])})")
+        worst = latency_ratio(cand, base, field, need)
+        if worst is not None and worst[0] > limit:
+            ratio, level, nc, nb = worst
+            return signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at the same load (limit {limit:g}x;"
+                            f" load level {level}: {nc} vs {nb} calls)")
     if guard.min_agreement is not None:
         agreed = [s.agreed for s in cand if s.agreed is not None]
         if len(agreed) >= need and sum(agreed) / len(agreed) < guard.min_agreement:
@@ -87,22 +89,23 @@ def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, 
 
 
 def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int):
-    """Candidate over baseline p50 of `field`, per load level both reached, weighed by the candidate's calls;
-    (ratio, calls compared, levels), or None while fewer than `need` candidate calls are comparable."""
-    per_level = max(3, need // 10)
+    """The worst candidate-over-baseline ratio of `field`'s p50 among the load levels where both sides have
+    `need` calls: (ratio, level, candidate calls, baseline calls), or None while no level has. Per level, not
+    averaged over levels: a flag that hurts only under concurrency (--max-num-seqs 1) shows only where the
+    candidate had company."""
     levels: dict[str, tuple[list[float], list[float]]] = {}
     for side, samples in ((0, cand), (1, base)):
         for s in samples:
             value = getattr(s, field)
             if value is not None:
                 levels.setdefault(s.load, ([], []))[side].append(value)
-    total, weighed, used = 0, 0.0, []
-    for level, (c, b) in sorted(levels.items()):
-        if len(c) >= per_level and len(b) >= per_level and median(b):
-            total += len(c)
-            weighed += len(c) * median(c) / median(b)
-            used.append(level)
-    return (weighed / total, total, used) if total >= need else None
+    worst = None
+    for level, (c, b) in levels.items():
+        if len(c) >= need and len(b) >= need and median(b):
+            ratio = median(c) / median(b)
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, level, len(c), len(b))
+    return worst
 
 
 class VariantGuard:

@@ -7,6 +7,7 @@ gateway. Requests are kept short (max_tokens 1-4) and their concurrency bounded,
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 
 from tests.e2e.conftest import gateway_process
 from tests.e2e.test_routing_vllm import SUCCESS, counters, served_by
-from tests.e2e.vllm_procs import free_port
+from tests.e2e.vllm_procs import VLLMServer, default_model_dir, free_port
 
 HEADER = "x-gateway-variant"
 
@@ -163,3 +164,71 @@ def test_weight_changes_under_streaming_load_fail_nothing(canary, vllm_servers):
     assert done["a"] == 0 and done["b"] == 20, done
     admin.put(url, json=weights_of({"a": 80, "b": 20}), headers=headers)
     assert admin.get(url, headers={"authorization": f"Bearer {viewer}"}).json()["variants"][0]["weight"] == 80
+
+
+@pytest.fixture(scope="module")
+def one_seq_vllm(vllm_servers, tmp_path_factory):
+    """The tiny model again, started with a worse flag: `--max-num-seqs 1` (one sequence at a time)."""
+    server = VLLMServer(default_model_dir(), "tiny-one-seq", core=1, extra_args=("--max-num-seqs", "1"),
+                        log_dir=tmp_path_factory.mktemp("vllm-one-seq-logs"), log_requests=False)
+    server.start()
+    try:
+        server.wait_ready(240)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_canary_with_a_worse_flag_is_pulled_back_on_latency_at_comparable_load(vllm_servers, one_seq_vllm,
+                                                                                 tmp_path_factory):
+    a = vllm_servers["a"]
+    policy = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
+        "timeouts": {"connect": 2, "read": 120},
+        "models": [{
+            "name": "canary",
+            "guard": {"min_samples": 12, "max_ttft_ratio": 2.0, "max_itl_ratio": None, "window_seconds": 900},
+            "variants": [
+                {"name": "base", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+                {"name": "one-seq", "weight": 20, "served_name": "tiny-one-seq",
+                 "backends": [{"url": one_seq_vllm.base_url}]},
+            ],
+        }],
+    }
+    with gateway_process(policy, tmp_path_factory.mktemp("one-seq-gateway")) as gw:
+        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
+
+        async def load(n: int, concurrency: int) -> None:
+            client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.key, max_retries=0)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    stream = await client.chat.completions.create(
+                        model="canary", messages=[{"role": "user", "content": f"tell {i}"}], max_tokens=16,
+                        stream=True, extra_body={"ignore_eos": True})
+                    async for _ in stream:
+                        pass
+
+            try:
+                await asyncio.gather(*(one(i) for i in range(n)))
+            finally:
+                await client.close()
+
+        verdict = None
+        for _ in range(6):  # bounded: at most 540 requests
+            # light, then heavier: the baseline meets every load level the 20% canary meets, at some point
+            asyncio.run(load(30, concurrency=2))
+            asyncio.run(load(60, concurrency=10))
+            verdict = httpx.get(f"{gw.url}/admin/variants", headers=viewer, timeout=10).json()["models"]["canary"]
+            if verdict["variants"][1]["guard"]["state"] == "rolled_back":
+                break
+        base, one_seq = verdict["variants"]
+        assert one_seq["guard"]["state"] == "rolled_back" and one_seq["weight"] == 0, json.dumps(verdict, indent=1)
+        assert one_seq["guard"]["reason"].startswith("TTFT p50"), one_seq["guard"]
+        shared = sorted(set(base["by_load"]) & set(one_seq["by_load"]))
+        assert shared, verdict  # it was judged where both ran at the same load
+        worse = [lvl for lvl in shared if one_seq["by_load"][lvl]["ttft_p50"] > base["by_load"][lvl]["ttft_p50"]]
+        assert worse, verdict
+        assert "rolled back (weight 20 -> 0): TTFT p50" in gw.log.read_text()

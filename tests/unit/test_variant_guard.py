@@ -41,9 +41,19 @@ def test_latency_is_compared_at_comparable_load():
     assert verdict(GUARD, same, base) is None
     slower = samples(30, "1", itl=0.025)
     signal, reason = verdict(GUARD, slower, base)
-    assert signal == "itl" and "2.50x" in reason and "load levels 1" in reason
+    assert signal == "itl" and "2.50x" in reason and "load level 1: 30 vs 30 calls" in reason
     # a load level the baseline never reached is not compared at all
     assert verdict(GUARD, samples(30, "64", itl=0.5), base) is None
+
+
+def test_a_regression_that_shows_only_with_company_is_not_averaged_away():
+    # one sequence at a time: alone it is as fast, with one request beside it the second waits a whole answer
+    base = samples(40, "1", ttft=0.05) + samples(40, "2", ttft=0.06)
+    cand = samples(80, "1", ttft=0.04) + samples(20, "2", ttft=0.30)
+    guard = Guard(min_samples=20, max_ttft_ratio=2.0)
+    signal, reason = verdict(guard, cand, base)
+    assert signal == "ttft" and "5.00x" in reason and "load level 2: 20 vs 40 calls" in reason
+    assert verdict(guard, cand[:99], base) is None  # 19 calls at level 2: too few to judge that level
 
 
 def test_shadow_agreement_below_the_floor():
