@@ -87,14 +87,23 @@ def capped_vllm(tmp_path_factory):
         other.pause()
     server = VLLMServer(model, "tiny-knee", core=0, extra_args=("--max-num-seqs", "8"),
                         log_dir=tmp_path_factory.mktemp("vllm-knee-logs"), log_requests=False)
+    try:
+        with started(server):
+            yield server
+    finally:
+        for other in others:
+            other.resume()
+
+
+@contextlib.contextmanager
+def started(server: VLLMServer, timeout: float = 240) -> Iterator[VLLMServer]:
+    """A server of the test's own: started, waited for (bounded), stopped however the test ends."""
     server.start()
     try:
-        server.wait_ready(240)
+        server.wait_ready(timeout)
         yield server
     finally:
         server.stop()
-        for other in others:
-            other.resume()
 
 
 def start_pooling_server(config, tmp_path_factory) -> VLLMServer:

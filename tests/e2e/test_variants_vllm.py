@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process
+from tests.e2e.conftest import gateway_process, started
 from tests.e2e.test_routing_vllm import SUCCESS, counters, served_by
 from tests.e2e.vllm_procs import VLLMServer, default_model_dir, free_port
 
@@ -24,21 +24,25 @@ HEADER = "x-gateway-variant"
 @pytest.fixture(scope="module")
 def canary(vllm_servers, tmp_path_factory):
     a, b = vllm_servers["a"], vllm_servers["b"]
-    policy = {
+    policy = canary_policy({
+        "sticky": {"header": "x-session-id"},
+        "variants": [
+            {"name": "a", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url, "cap": 8}]},
+            {"name": "b", "weight": 20, "served_name": "tiny-b", "backends": [{"url": b.base_url, "cap": 8}]},
+        ],
+    })
+    with gateway_process(policy, tmp_path_factory.mktemp("variants-gateway")) as gw:
+        yield gw
+
+
+def canary_policy(model: dict) -> dict:
+    """A gateway policy with one model, `canary`, made of `model`'s variants (and guard, stickiness)."""
+    return {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
         "timeouts": {"connect": 2, "read": 120},
-        "models": [{
-            "name": "canary",
-            "sticky": {"header": "x-session-id"},
-            "variants": [
-                {"name": "a", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url, "cap": 8}]},
-                {"name": "b", "weight": 20, "served_name": "tiny-b", "backends": [{"url": b.base_url, "cap": 8}]},
-            ],
-        }],
+        "models": [{"name": "canary", **model}],
     }
-    with gateway_process(policy, tmp_path_factory.mktemp("variants-gateway")) as gw:
-        yield gw
 
 
 def weights_of(weights: dict[str, float]) -> dict:
@@ -169,33 +173,22 @@ def test_weight_changes_under_streaming_load_fail_nothing(canary, vllm_servers):
 @pytest.fixture(scope="module")
 def one_seq_vllm(vllm_servers, tmp_path_factory):
     """The tiny model again, started with a worse flag: `--max-num-seqs 1` (one sequence at a time)."""
-    server = VLLMServer(default_model_dir(), "tiny-one-seq", core=1, extra_args=("--max-num-seqs", "1"),
-                        log_dir=tmp_path_factory.mktemp("vllm-one-seq-logs"), log_requests=False)
-    server.start()
-    try:
-        server.wait_ready(240)
+    with started(VLLMServer(default_model_dir(), "tiny-one-seq", core=1, extra_args=("--max-num-seqs", "1"),
+                            log_dir=tmp_path_factory.mktemp("vllm-one-seq-logs"), log_requests=False)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_canary_with_a_worse_flag_is_pulled_back_on_latency_at_comparable_load(vllm_servers, one_seq_vllm,
                                                                                  tmp_path_factory):
     a = vllm_servers["a"]
-    policy = {
-        "listen": {"host": "127.0.0.1", "port": free_port()},
-        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
-        "timeouts": {"connect": 2, "read": 120},
-        "models": [{
-            "name": "canary",
-            "guard": {"min_samples": 12, "max_ttft_ratio": 2.0, "max_itl_ratio": None, "window_seconds": 900},
-            "variants": [
-                {"name": "base", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
-                {"name": "one-seq", "weight": 20, "served_name": "tiny-one-seq",
-                 "backends": [{"url": one_seq_vllm.base_url}]},
-            ],
-        }],
-    }
+    policy = canary_policy({
+        "guard": {"min_samples": 12, "max_ttft_ratio": 2.0, "max_itl_ratio": None, "window_seconds": 900},
+        "variants": [
+            {"name": "base", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+            {"name": "one-seq", "weight": 20, "served_name": "tiny-one-seq",
+             "backends": [{"url": one_seq_vllm.base_url}]},
+        ],
+    })
     with gateway_process(policy, tmp_path_factory.mktemp("one-seq-gateway")) as gw:
         viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
 
