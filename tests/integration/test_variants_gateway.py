@@ -260,3 +260,30 @@ async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreemen
 
 def sse(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_the_variant_is_in_the_trace_span_and_the_json_access_log(caplog):
+    import logging
+
+    from tests.support.otlp_receiver import Receiver
+    from tests.support.recorder import Recorder
+
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    with Receiver() as receiver:
+        async with serve_app(Recorder()) as a, serve_app(Recorder()) as b, \
+                httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            policy = {**variants_policy(a, b), "access_log": {"format": "json"},
+                      "tracing": {"enabled": True, "endpoint": receiver.url, "schedule_delay": 0.1,
+                                  "content_models": ["m"]}}
+            async with running_gateway(policy) as gw:
+                served = []
+                for stream in (False, True, False, True):
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json={
+                        "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+                    assert r.status_code == 200
+                    served.append(r.headers["x-gateway-variant"])
+                roots = receiver.wait_for(lambda s: s.kind == 2 and s.name == "chat m", count=4)
+    assert sorted(s.attributes["llm_gateway.variant"] for s in roots) == sorted(served)
+    assert all("abc" in s.attributes["gen_ai.output.messages"] for s in roots)  # the streams' text still traced
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert sorted(line["variant"] for line in lines) == sorted(served)
