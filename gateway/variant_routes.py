@@ -117,8 +117,8 @@ def variant_handlers(gateway) -> list:
 
     @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
          sync_to_thread=False, responses=errors(400, 401))
-    def signals(window: float | None = Parameter(None, gt=0, le=86400 * 30, description="only calls this many"
-                                                 " seconds recent (default: the whole kept window)")) -> AllVariants:
+    def signals(window: int | None = Parameter(default=None, ge=1, le=86400 * 30, description="only calls this"
+                                               " many seconds recent (default: the whole kept window)")) -> AllVariants:
         return AllVariants.model_validate({"models": variants.report(window)})
 
     return [show, change, signals]
