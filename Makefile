@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-overload bench-routing venv clean
+.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-caps bench-overload bench-routing venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,9 @@ chart: helm-setup  # the Helm chart's tests alone: lint, render, validate (~10 s
 
 bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)
 	$(VENV)/bin/python -m tests.benchmarks.peers.run --variants-compare
+
+bench-caps: venv redis-setup e2e-setup  # not part of `make test`: three gateways on one Redis vs one, on a real CPU vLLM (~2 min), held to 95%
+	CAPS_FLEET_MIN=0.95 $(VENV)/bin/pytest -q -s tests/e2e/test_caps_vllm.py
 
 bench-overload: venv  # not part of `make test`: a minute of load at twice a backend's knee
 	$(VENV)/bin/python -m tests.benchmarks.overload $(ARGS)

@@ -323,7 +323,7 @@ class Proxy:
     def release(self, call: Call) -> None:
         if call.replica is not None and call.holds_replica:
             call.holds_replica = False
-            self.admission.release(call.replica)
+            self.admission.release(call.replica, call)
 
     def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
         if replica is None or replica.rented:

@@ -142,6 +142,7 @@ class ModelQueue:
         self.classes = self.priorities.classes
         self.default = self.priorities.named(self.priorities.default)
         self.line = WaitLine(len(self.classes))
+        self.holds: list[list] = []  # [class rank, replica, timer ending the hold]: see release
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
         public = model.partition("#")[0]  # a variant's queue (`model#variant`): its backends are the model's
@@ -187,7 +188,8 @@ class ModelQueue:
         if klass.rent_first and spill_after is not None:
             spill_after = 0.0  # this class leaves owned capacity to the others when it can rent
         if self.line.ahead_of(rank) == 0:
-            replica = await self.take_now(call, exclude, rank, will_wait=spill_after is None)
+            replica = (self.holds and self.take_held(rank, exclude)) or \
+                await self.take_now(call, exclude, rank, will_wait=spill_after is None)
             if replica is not None:
                 return replica
         if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after(rank) > spill_after):
@@ -233,12 +235,37 @@ class ModelQueue:
                 self.dispatch()
         self.metrics.backend_limit.labels(replica.model, replica.name).set(int(replica.limit))
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, call: Call | None = None) -> None:
+        if call is not None and self.depth and self.priorities.hold:
+            rank = self.class_of(call)[0]
+            if not self.line.ahead_of(rank):
+                # only worse classes wait: the slot stays taken a moment for this class's next request, which
+                # takes it over (take_held); otherwise it goes to the waiters when the moment is over
+                hold: list = [rank, replica, None]
+                hold[2] = asyncio.get_running_loop().call_later(self.priorities.hold, self.end_hold, hold)
+                self.holds.append(hold)
+                return
+        self.free(replica)
+
+    def free(self, replica: Replica) -> None:
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.held_gauge(replica.name).set(replica.in_flight)
         self.drain.tick(time.monotonic())
         self.dispatch()
+
+    def take_held(self, rank: int, exclude: Sequence[Replica]) -> Replica | None:
+        """A slot held for this class (or a worse one), handed over as it is: still counted as taken."""
+        for i, (held_for, replica, handle) in enumerate(self.holds):
+            if rank <= held_for and replica.routable and replica not in exclude:
+                del self.holds[i]
+                handle.cancel()
+                return replica
+        return None
+
+    def end_hold(self, hold: list) -> None:
+        self.holds.remove(hold)
+        self.free(hold[1])
 
     def dispatch(self) -> None:
         """Hand free slots to waiters, class by class and fairly within one, for as long as there are both."""
@@ -319,8 +346,8 @@ class Admission:
         replica set: a model, or one variant of it (`model#variant`)."""
         return await self.queues[model].acquire(owner, exclude, spill_after, call)
 
-    def release(self, replica: Replica) -> None:
-        self.queues[replica.group].release(replica)
+    def release(self, replica: Replica, call: Call | None = None) -> None:
+        self.queues[replica.group].release(replica, call)
 
     def observe(self, replica: Replica, ttft: float) -> None:
         queue = self.queues.get(replica.group)

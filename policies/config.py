@@ -394,6 +394,9 @@ class PriorityClass(Strict):
 class Priorities(Strict):
     default: str = Field("interactive", pattern=NAME)  # the class of a key that names none
     header: str = Field("x-priority-class", pattern=r"^[a-z0-9-]{1,64}$")  # where a permitted client picks one
+    # a slot freed by a request while only worse classes wait is kept this long for its own class's next
+    # request (a client sends its next call a moment after the last ends); 0: handed on at once
+    hold: float = Field(0.02, ge=0, le=1)
     classes: list[PriorityClass] = Field([
         PriorityClass(name="interactive"),
         PriorityClass(name="batch", max_wait=300, vllm_priority=10, rent_first=True),

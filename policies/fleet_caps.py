@@ -19,8 +19,9 @@ Each process keeps its own queue (class first, fair across keys, bounded wait: p
 while it has waiters, retries the fleet for the one at its head whenever one of its own slots comes back, when
 woken, and at the latest every `caps.poll_interval`. The claim it leaves when refused (class rank, then how
 long its head has waited) makes the fleet serve the longest-waiting process first instead of the one that
-polls at the right moment; a claim not refreshed for `stale` seconds (its process died or gave up) is ignored
-and removed. A script that leaves room which another process's claim is first in line for wakes that process:
+polls at the right moment; a claim not refreshed for `stale` seconds (five polls: its process died, gave up
+or is starved of CPU) is ignored and removed, so a free slot never waits long for a process that cannot take
+it; that process claims again, with its waiter's age, at its next poll. A script that leaves room which another process's claim is first in line for wakes that process:
 it pushes to the process's list `{prefix}cap:{<backend>}:wake:<process>` (same hash tag, so the same slot),
 on which the waiting process blocks (BLPOP). A slot freed in one process so reaches the longest waiter in
 another within a round trip instead of half a poll interval on average, which at a few hundred milliseconds
@@ -147,15 +148,16 @@ class FleetSlots:
         self.store = store
         self.lease = caps.lease_seconds
         self.poll = caps.poll_interval
-        self.stale = max(1.0, 25 * caps.poll_interval)
+        # a process with waiters refreshes its claim at every poll; one not refreshed for five polls is starved
+        # or gone, and a free slot must not sit idle waiting for it (it claims again, with its wait, when back)
+        self.stale = max(0.1, 5 * caps.poll_interval)
         self.prefix = f"{store.prefix}cap:"
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.members = itertools.count()
         self.down_until = 0.0  # after a failure, skip Redis for a second instead of paying its deadline per request
-        client = store.client
-        self._acquire = client.register_script(ACQUIRE)
-        self._release = client.register_script(RELEASE)
-        self._renew = client.register_script(RENEW)
+        self._acquire = store.script(ACQUIRE)
+        self._release = store.script(RELEASE)
+        self._renew = store.script(RENEW)
 
     def leases(self, backend: str) -> str:
         return f"{self.prefix}{{{backend}}}"
@@ -331,7 +333,9 @@ class FleetModelQueue(ModelQueue):
         replica = self.profile.pick(call, [r for r in candidates if r.has_room], exclude=exclude)
         return None if replica is None else self.take(replica)
 
-    def release(self, replica: Replica) -> None:
+    def release(self, replica: Replica, call: Call | None = None) -> None:
+        """(`call`: the per-process hold for a class's next request is not kept here: across processes the
+        freed lease goes to the longest claim, whatever this process's classes do.)"""
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())

@@ -8,6 +8,7 @@ the gateway sends it nothing new.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -23,10 +24,31 @@ def is_ready(isvc: dict[str, Any] | None) -> bool:
     return False
 
 
-def kserve_client(kubeconfig: str | None):
-    from kserve import KServeClient
+IMPORT_LOCK = threading.Lock()
 
-    return KServeClient(config_file=kubeconfig) if kubeconfig else KServeClient()
+
+def import_kserve():
+    """The kserve SDK, imported with an argv of the program's name alone.
+
+    Importing `kserve` imports its model server, which parses sys.argv at module level (parse_known_args) and
+    exits on what it cannot parse: the gateway's own `serve --config FILE` reads to it as an abbreviation of
+    its `--configure_logging`, and the watch thread died with a usage message. Nothing reads sys.argv after
+    the gateway has started, so lending it for the import is safe."""
+    with IMPORT_LOCK:
+        if "kserve" in sys.modules:
+            return sys.modules["kserve"]
+        argv = sys.argv
+        sys.argv = argv[:1]
+        try:
+            import kserve
+        finally:
+            sys.argv = argv
+        return kserve
+
+
+def kserve_client(kubeconfig: str | None):
+    kserve = import_kserve()
+    return kserve.KServeClient(config_file=kubeconfig) if kubeconfig else kserve.KServeClient()
 
 
 class KServeSource:
@@ -60,11 +82,11 @@ class KServeSource:
             self.emit(self.endpoints())
 
     def run(self, stopped: threading.Event) -> None:
-        from kserve import constants
         from kubernetes.client.exceptions import ApiException
 
         if self.kserve is None:
             self.kserve = kserve_client(self.kubeconfig)
+        constants = import_kserve().constants
         try:
             self.readiness(self.kserve.get(self.name, namespace=self.namespace))
         except (RuntimeError, ApiException):  # the SDK wraps a 404 in RuntimeError: not there (yet)

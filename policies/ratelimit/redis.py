@@ -1,7 +1,10 @@
 """Rate limits in Redis, so N gateway replicas enforce one global limit.
 
 One Lua script per admission (every bucket and slot of every scope checked and taken atomically, one round
-trip) and one per release. Time comes from the Redis server (TIME), so replicas' clocks never disagree.
+trip). Releases are off the request path and batched: a release travels with the next admission of the same
+scopes (the script applies it first), or within 2 ms in one call with every other release of those scopes, so
+under load a request costs one script call, not two. Time comes from the Redis server (TIME), so replicas'
+clocks never disagree.
 
     P rl:{<scope>}:requests     hash  l (level), t (time): the requests-per-minute bucket
     P rl:{<scope>}:tokens       hash  the same for tokens
@@ -41,11 +44,29 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 
+# Releases first: ARGV[first], [first + 1], ... are (member, refund) pairs; `tok` and `inflight` name a scope's
+# tokens and inflight keys, `tpm` and `maxc` its limits (0 = none).
+GIVE_BACK = """
+local function give_back(first, tok, inflight, tpm, maxc)
+  local refund = 0
+  for j = first, #ARGV, 2 do
+    refund = refund + tonumber(ARGV[j + 1])
+    if maxc > 0 then redis.call('ZREM', inflight, ARGV[j]) end
+  end
+  if tpm > 0 and refund ~= 0 then save(tok, math.min(tpm, level(tok, tpm, now) + refund), now) end
+end
+"""
+
 # KEYS: 3 per scope (requests, tokens, inflight). ARGV: n, cost, member, lease, then rpm, tpm, max per scope
-# (0 = no limit). Returns {admitted 1/0, refusing scope index, kind, retry after seconds, then scope 0's
+# (0 = no limit), then (member, refund) pairs of earlier admissions to release first. Returns {admitted 1/0, refusing scope index, kind, retry after seconds, then scope 0's
 # request level, request reset, token level, token reset} ('' where a scope has no such limit).
-ACQUIRE = LEVEL + """
+ACQUIRE = LEVEL + GIVE_BACK + """
 local n, cost, member, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+if #ARGV > 4 + n * 3 then
+  for i = 0, n - 1 do
+    give_back(5 + n * 3, KEYS[2 + i * 3], KEYS[3 + i * 3], tonumber(ARGV[6 + i * 3]), tonumber(ARGV[7 + i * 3]))
+  end
+end
 local plan = {}
 for i = 0, n - 1 do
   local rpm, tpm, maxc = tonumber(ARGV[5 + i * 3]), tonumber(ARGV[6 + i * 3]), tonumber(ARGV[7 + i * 3])
@@ -89,15 +110,11 @@ end
 return report({1, -1, '', '0', '', '', '', ''})
 """
 
-# KEYS: 2 per scope (tokens, inflight). ARGV: n, refund, member, then tpm, max per scope.
-RELEASE = LEVEL + """
-local n, refund, member = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+# KEYS: 2 per scope (tokens, inflight). ARGV: n, then tpm, max per scope, then (member, refund) pairs.
+RELEASE = LEVEL + GIVE_BACK + """
+local n = tonumber(ARGV[1])
 for i = 0, n - 1 do
-  local tpm, maxc = tonumber(ARGV[4 + i * 2]), tonumber(ARGV[5 + i * 2])
-  if tpm > 0 and refund ~= 0 then
-    save(KEYS[1 + i * 2], math.min(tpm, level(KEYS[1 + i * 2], tpm, now) + refund), now)
-  end
-  if maxc > 0 then redis.call('ZREM', KEYS[2 + i * 2], member) end
+  give_back(2 + n * 2, KEYS[1 + i * 2], KEYS[2 + i * 2], tonumber(ARGV[2 + i * 2]), tonumber(ARGV[3 + i * 2]))
 end
 return 0
 """
@@ -112,15 +129,22 @@ return 0
 """
 
 
+RETURN_AFTER = 0.002  # seconds a release may wait to travel with an admission or other releases
+Pending = list[tuple[str, int, asyncio.Future]]  # (member, refund, settled when Redis has it)
+
+
 class RedisLimiter:
     def __init__(self, store: RedisStore) -> None:
         self.store = store
         self.prefix = f"{store.prefix}rl:"
-        self._acquire = store.client.register_script(ACQUIRE)
-        self._release = store.client.register_script(RELEASE)
-        self._undo = store.client.register_script(UNDO)
+        self._acquire = store.script(ACQUIRE)
+        self._release = store.script(RELEASE)
+        self._undo = store.script(UNDO)
         self.per_scope = store.cluster  # one script may not span the scopes' slots
         self.loaded = False
+        self.returning: dict[tuple[Scope, ...], Pending] = {}  # releases not yet sent, by the scopes they free
+        self.flusher: asyncio.TimerHandle | None = None
+        self.flushing: set[asyncio.Task] = set()
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every script once, on every primary, so no admission pays a NOSCRIPT round trip midway
@@ -147,8 +171,17 @@ class RedisLimiter:
         for scope in scopes:
             keys.extend(self._keys(scope.name))
             args.extend(limits(scope))
-        async with self.store.guard("rate_limit_acquire"):
-            return await self._acquire(keys=keys, args=args)
+        pending = self.returning.pop(scopes, None)
+        if pending:
+            args.extend(x for m, refund, _ in pending for x in (m, refund))
+        try:
+            async with self.store.guard("rate_limit_acquire"):
+                reply = await self._acquire(keys=keys, args=args)
+        except BaseException as exc:
+            self.settle(scopes, pending, exc)
+            raise
+        self.settle(scopes, pending, None)
+        return reply
 
     async def acquire_per_scope(self, scopes: tuple[Scope, ...], cost: int, member: str,
                                 lease: float) -> Decision:
@@ -179,21 +212,66 @@ class RedisLimiter:
             pass
 
     async def release(self, ticket: Ticket, used: int) -> None:
-        if self.per_scope and len(ticket.scopes) > 1:
-            await asyncio.gather(*(self.run_release((s,), ticket.reserved - used, ticket.member)
-                                   for s in ticket.scopes))
-        else:
-            await self.run_release(ticket.scopes, ticket.reserved - used, ticket.member)
+        """Returns once Redis has the release; raises what the call that carried it raised (StoreUnavailable:
+        the caller tries again)."""
+        groups = [(s,) for s in ticket.scopes] if self.per_scope and len(ticket.scopes) > 1 else [ticket.scopes]
+        loop = asyncio.get_running_loop()
+        waits = []
+        for scopes in groups:
+            settled = loop.create_future()
+            self.returning.setdefault(scopes, []).append((ticket.member, ticket.reserved - used, settled))
+            waits.append(settled)
+        self.arm()
+        failed = [r for r in await asyncio.gather(*waits, return_exceptions=True) if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
-    async def run_release(self, scopes: tuple[Scope, ...], refund: int, member: str) -> None:
+    def arm(self) -> None:
+        if self.flusher is None:
+            self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
+
+    def flush_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self.flushing.add(task)
+        task.add_done_callback(self.flushing.discard)
+
+    async def flush(self) -> None:
+        """Every release still waiting, one script call per set of scopes, all sent at once."""
+        self.flusher = None
+        batch, self.returning = self.returning, {}
+        await asyncio.gather(*(self.run_release(scopes, pending) for scopes, pending in batch.items()))
+
+    async def run_release(self, scopes: tuple[Scope, ...], pending: Pending) -> None:
         keys: list[str] = []
-        args: list[object] = [len(scopes), refund, member]
+        args: list[object] = [len(scopes)]
         for scope in scopes:
             _, tokens, inflight = self._keys(scope.name)
             keys.extend([tokens, inflight])
             args.extend([scope.tokens_per_minute or 0, scope.max_concurrent or 0])
-        async with self.store.guard("rate_limit_release"):
-            await self._release(keys=keys, args=args)
+        args.extend(x for m, refund, _ in pending for x in (m, refund))
+        try:
+            async with self.store.guard("rate_limit_release"):
+                await self._release(keys=keys, args=args)
+        except BaseException as exc:
+            self.settle(scopes, pending, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.settle(scopes, pending, None)
+
+    def settle(self, scopes: tuple[Scope, ...], pending: Pending | None, exc: BaseException | None) -> None:
+        """Tell the releases carried by a call how it went. A call cancelled midway may or may not have run: its
+        slots go back again (removing a lease twice is harmless), their refunds not (twice would exceed)."""
+        for member, refund, settled in pending or ():
+            if settled.done():
+                continue
+            if isinstance(exc, asyncio.CancelledError):
+                self.returning.setdefault(scopes, []).append((member, 0, settled))
+                self.arm()
+            elif exc is not None:
+                settled.set_exception(exc)
+            else:
+                settled.set_result(None)
 
     async def slots(self, scope: str) -> int:
         async with self.store.guard("rate_limit_slots"):

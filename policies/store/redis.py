@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from redis import exceptions as redis_errors
@@ -37,6 +38,7 @@ from policies.store.base import (
     usage_increments,
     with_last_used,
 )
+from policies.store.pipelined import Pipelined, Script
 from policies.store.redis_client import TLSFiles, connect
 
 DEFAULT_PREFIX = "llmgw:"
@@ -68,6 +70,23 @@ UNREACHABLE = (
     TimeoutError,  # our own deadline
     OSError,
 )
+# What the event loop raises for a write on a connection the server already closed (uvloop: RuntimeError
+# "the handler is closed"; CPython 3.12+: TypeError or AttributeError), which redis-py's asyncio client lets
+# through instead of a ConnectionError, past its retries (redis-py issue 4287).
+LOOP_WRITE_ERRORS = (RuntimeError, TypeError, AttributeError)
+SENDER = os.path.join("redis", "asyncio", "connection.py")
+
+
+def broke_while_sending(exc: BaseException) -> bool:
+    """The error came out of redis-py writing a command to its connection: a connection the server (or a
+    failover, or anything in between) closed. Only that: the same types raised anywhere else are bugs."""
+    frame = exc.__traceback__
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        if code.co_name == "_send_packed_command" and code.co_filename.endswith(SENDER):
+            return True
+        frame = frame.tb_next
+    return False
 
 
 class RedisStore:
@@ -95,6 +114,7 @@ class RedisStore:
         # A Cluster client's pools refuse a connection past the bound rather than wait for one: callers queue
         # here instead, as they do in the standalone and Sentinel pools, and the wait counts against the deadline.
         self._turns = asyncio.Semaphore(max_connections) if self.cluster else contextlib.nullcontext()
+        self._fast = Pipelined.for_client(self._redis, timeout)
         self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
 
@@ -103,6 +123,11 @@ class RedisStore:
         """The client (one server, Sentinel's primary or a Cluster), for other shared state kept beside the
         keys (rate limits). A script run through it must keep its keys in one hash slot (see `tag`)."""
         return self._redis
+
+    def script(self, source: str) -> Script:
+        """A script for the request path: its calls share one pipelined connection per server (see
+        policies/store/pipelined.py); `await script(keys=[...], args=[...])` as with redis-py's."""
+        return Script(self._redis, self._fast, source)
 
     @property
     def cluster(self) -> bool:
@@ -135,6 +160,11 @@ class RedisStore:
             raise StoreUnavailable(f"redis {op}: server unreachable ({type(exc).__name__})") from exc
         except redis_errors.RedisError as exc:
             raise StoreError(f"redis {op} failed ({type(exc).__name__})") from exc
+        except LOOP_WRITE_ERRORS as exc:
+            if not broke_while_sending(exc):
+                raise
+            # redis-py has already dropped that connection: the next call opens a fresh one
+            raise StoreUnavailable(f"redis {op}: server unreachable (connection closed)") from exc
 
     async def create_key(self, record: KeyRecord) -> None:
         if not await self.write(record, "NX", "create_key"):
@@ -205,5 +235,7 @@ class RedisStore:
 
     async def close(self) -> None:
         self._closed = True
+        if self._fast is not None:
+            await self._fast.close()
         with contextlib.suppress(Exception):
             await self._redis.aclose()

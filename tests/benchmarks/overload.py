@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -107,7 +108,9 @@ async def one(client: httpx.AsyncClient, url: str, body: bytes, headers: dict, r
 
 
 async def closed_loop(url: str, model: str, key: str | None, concurrency: int, output_tokens: int,
-                      warmup: float, duration: float, name: str) -> Run:
+                      warmup: float, duration: float, name: str, spread: float = 0.0) -> Run:
+    """`concurrency` streams, each sending its next request when the last ends. With `spread`, each request
+    asks for output_tokens x (1 +- spread) tokens (seeded per stream), so the streams do not end in lockstep."""
     run = Run(name, concurrency)
     headers = {"content-type": "application/json"}
     if key:
@@ -118,9 +121,11 @@ async def closed_loop(url: str, model: str, key: str | None, concurrency: int, o
 
     async def worker(i: int) -> None:
         n = 0
+        lengths = random.Random(f"{name}-{i}")
         while time.perf_counter() < t1:
             n += 1
-            body = orjson.dumps({"model": model, "max_tokens": output_tokens, "ignore_eos": True, "stream": True,
+            tokens = round(output_tokens * (1 + spread * (2 * lengths.random() - 1)))
+            body = orjson.dumps({"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": True,
                                  "messages": [{"role": "user", "content": f"{i}-{n} " + "tell me a story " * 40}]})
             try:
                 await one(client, url, body, headers, run, measuring)
@@ -191,21 +196,21 @@ def table(runs: list[Run]) -> str:
 
 async def measure(backend_url: str, model: str, cap: int, args, work: Path) -> list[Run]:
     runs = [await closed_loop(backend_url, model, None, cap, args.output_tokens, args.warmup, args.duration,
-                              "direct, at the knee"),
+                              "direct, at the knee", args.spread),
             await closed_loop(backend_url, model, None, 2 * cap, args.output_tokens, args.warmup, args.duration,
-                              "direct, 2x the knee")]
+                              "direct, 2x the knee", args.spread)]
     proc, url, key = start_gateway(backend_url, model, cap, work)
     try:
         if args.classes:
             batch = issue_key(url, proc.admin_token, "batch")
             runs += await asyncio.gather(
                 closed_loop(url, model, key, cap, args.output_tokens, args.warmup, args.duration,
-                            "gateway, interactive half of 2x"),
+                            "gateway, interactive half of 2x", args.spread),
                 closed_loop(url, model, batch, cap, args.output_tokens, args.warmup, args.duration,
-                            "gateway, batch half of 2x"))
+                            "gateway, batch half of 2x", args.spread))
         else:
             runs.append(await closed_loop(url, model, key, 2 * cap, args.output_tokens, args.warmup, args.duration,
-                                          "gateway (cap = knee), 2x"))
+                                          "gateway (cap = knee), 2x", args.spread))
     finally:
         proc.terminate()
         proc.wait(10)
@@ -252,7 +257,13 @@ def main() -> int:
     parser.add_argument("--classes", action="store_true",
                         help="through the gateway, half the load interactive and half batch")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--spread", type=float,
+                        help="each request asks for output tokens x (1 +- spread); default 0.5 with --classes (streams"
+                             " of one length end in lockstep, and a class cannot go first when every slot frees at"
+                             " once), else 0")
     args = parser.parse_args()
+    if args.spread is None:
+        args.spread = 0.5 if args.classes else 0.0
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
         work = Path(tmp)
         if args.vllm:

@@ -17,7 +17,8 @@ import yaml
 from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
-EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml"]
+EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml",
+            "kubernetes-discovery.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
@@ -74,8 +75,8 @@ def test_every_manifest_validates(values_file):
     assert docs
     for doc in docs:
         validate(doc)
-    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
-    assert len(names) == len(set(names)), "two objects of one kind share a name"
+    names = [(d["kind"], d["metadata"].get("namespace", NAMESPACE), d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), "two objects of one kind share a name in one namespace"
 
 
 @pytest.mark.parametrize("values_file", EXAMPLES)
@@ -93,7 +94,7 @@ def test_backends_point_at_what_the_chart_runs(values_file):
     services = {d["metadata"]["name"]: d for d in find(docs, "Service")}
     isvcs = {d["metadata"]["name"] for d in find(docs, "InferenceService")}
     for model in policy_of(list(docs))["models"]:
-        for backend in model["backends"]:
+        for backend in model.get("backends", []):  # a model with `discovery` has none
             host = urlsplit(backend["url"]).hostname
             if not host.endswith(f".{NAMESPACE}.svc.cluster.local"):
                 continue  # external
@@ -430,3 +431,79 @@ def test_kserve_discovery_grants_only_reads_of_endpointslices_and_inferenceservi
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy_of(docs)))
     assert gateway_cli(["check", str(path), "--no-resolve"]) == 0, capsys.readouterr().err
+
+
+def discovery_rbac(docs: list[dict]) -> dict[str, list[dict]]:
+    """Namespace -> the rules its discovery Role grants, after checking each Role is bound to the gateway's
+    service account (in the release namespace) and nothing cluster-wide is granted."""
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    (account,) = find(docs, "ServiceAccount")
+    roles = {r["metadata"]["namespace"]: r for r in find(docs, "Role")}
+    bindings = {b["metadata"]["namespace"]: b for b in find(docs, "RoleBinding")}
+    assert set(roles) == set(bindings)
+    for namespace, binding in bindings.items():
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": roles[namespace]["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                        "namespace": NAMESPACE}]
+    return {namespace: role["rules"] for namespace, role in roles.items()}
+
+
+ENDPOINTSLICES = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+INFERENCESERVICES = {"apiGroups": ["serving.kserve.io"], "resources": ["inferenceservices"],
+                     "verbs": ["get", "list", "watch"]}
+
+
+def test_kubernetes_discovery_reads_endpointslices_where_the_services_are(tmp_path, capsys):
+    docs = list(rendered("kubernetes-discovery.yaml"))
+    # only EndpointSlices, only in the namespaces the discovered Services live in: no InferenceServices
+    assert discovery_rbac(docs) == {NAMESPACE: [ENDPOINTSLICES], "inference": [ENDPOINTSLICES]}
+    (deploy,) = find(docs, "Deployment")  # the gateway alone: the replicas run elsewhere
+    assert deploy["spec"]["template"]["spec"]["automountServiceAccountToken"] is True  # in-cluster config
+    models = {m["name"]: m for m in policy_of(docs)["models"]}
+    assert models["qwen3-4b"] == {"name": "qwen3-4b", "discovery": {
+        "kind": "kubernetes", "namespace": NAMESPACE, "service": "vllm-qwen", "port": "http", "cap": 32}}
+    assert models["llama-8b"] == {"name": "llama-8b", "served_name": "meta-llama/Llama-3.1-8B-Instruct",
+                                  "discovery": {"kind": "kubernetes", "namespace": "inference",
+                                                "service": "vllm-llama", "port": 8000, "cap": 24,
+                                                "health_path": "/health"}}
+    egress = find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+    to_pods = [r for r in egress if "namespaceSelector" in r["to"][0] and "kube-dns" not in json.dumps(r)]
+    assert to_pods == [
+        {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                 "podSelector": {}}], "ports": [{"port": "http", "protocol": "TCP"}]},
+        {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "inference"}},
+                 "podSelector": {"matchLabels": {"app": "vllm-llama"}}}], "ports": [{"port": 8000, "protocol": "TCP"}]},
+    ]
+    assert any({"port": 6443, "protocol": "TCP"} in r.get("ports", []) for r in egress), "no egress to the API"
+    # the policy the gateway would load names real Services: `check` accepts it
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_of(docs)))
+    assert gateway_cli(["check", str(path), "--no-resolve"]) == 0, capsys.readouterr().err
+
+
+def test_kserve_and_kubernetes_discovery_share_one_role_per_namespace(tmp_path):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "kserveDefaults": {"discover": True},
+        "models": [
+            {"name": "qwen3-4b", "backend": "kserve", "kserve": {"storageUri": "pvc://models/Qwen3-4B"}},
+            {"name": "local", "backend": "kubernetes", "kubernetes": {"service": "vllm-local"}},
+            {"name": "remote", "backend": "kubernetes", "kubernetes": {"service": "vllm", "namespace": "gpu"}},
+        ],
+    }))
+    docs = render(str(values))
+    for doc in docs:
+        validate(doc)
+    assert discovery_rbac(docs) == {NAMESPACE: [ENDPOINTSLICES, INFERENCESERVICES], "gpu": [ENDPOINTSLICES]}
+    egress = find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")[0]["spec"]["egress"]
+    gpu = {"kubernetes.io/metadata.name": "gpu"}
+    (gpu_rule,) = [r for r in egress if r["to"][0].get("namespaceSelector", {}).get("matchLabels") == gpu]
+    assert "ports" not in gpu_rule  # no port named: the Service's pods on any port, in that namespace only
+
+
+def test_kubernetes_backend_needs_a_service():
+    with pytest.raises(RenderError, match=re.escape("models[m].kubernetes.service is required")):
+        render("minimal.yaml", sets={"models[0].name": "m", "models[0].backend": "kubernetes"})
+    with pytest.raises(RenderError, match="service"):  # the values schema: a Service's name is a DNS label
+        render("minimal.yaml", sets={"models[0].backend": "kubernetes", "models[0].kubernetes.service": "Not_A_Name"})

@@ -21,8 +21,9 @@ async def store(redis_server, redis_prefix):  # noqa: F811
     await store.close()
 
 
-def fleet(store, lease=30.0, poll=0.02) -> FleetSlots:
-    """One gateway process's view (each has its own process id)."""
+def fleet(store, lease=30.0, poll=0.2) -> FleetSlots:
+    """One gateway process's view (each has its own process id). A claim goes stale after five polls: 1 s here,
+    so a slow machine between two calls of a test does not look like a starved process."""
     return FleetSlots(store, Caps(lease_seconds=lease, poll_interval=poll))
 
 
@@ -78,9 +79,20 @@ async def test_a_better_class_goes_first_however_long_the_other_waited(store):
     assert (await a.acquire("c", 1, 0, 0.0, False))[0] is not None  # interactive, just arrived: first
 
 
+async def test_a_claim_not_refreshed_for_five_polls_holds_nobody_back(store):
+    a, slow = fleet(store), fleet(store)
+    held = (await a.acquire("s", 1, 0, 0.0, False))[0]
+    assert (await slow.acquire("s", 1, 0, 9.0, True))[0] is None  # slow waits, longest
+    await a.release("s", 1, [held])
+    assert (await a.acquire("s", 1, 0, 0.0, True))[0] is None  # slow's claim is fresh: it goes first
+    await asyncio.sleep(slow.stale + 0.05)  # slow stops polling (starved of CPU, say)
+    assert (await a.acquire("s", 1, 0, 0.0, True))[0] is not None  # the slot does not wait for it
+
+
 async def test_a_claim_not_refreshed_holds_nobody_back(store):
     a, gone = fleet(store), fleet(store)
-    now = float((await store.client.time())[0])
+    seconds, micros = await store.client.time()
+    now = seconds + micros / 1e6
     await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now:.6f}")  # waiting since 1970
     assert (await a.acquire("d", 1, 0, 0.0, False))[0] is None  # a live claim ahead: no room for a
     await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now - 5:.6f}")  # its process died
@@ -97,12 +109,15 @@ async def test_room_left_by_one_process_wakes_the_one_first_in_line(setup, store
     assert not await b.woken("w", 0.05)  # nothing pushed yet: the wait times out
     waiting = asyncio.create_task(b.woken("w", 2.0))
     await asyncio.sleep(0.05)
+    for proc, waited in ((b, 3.2), (c, 1.2)):  # their polls refresh the claims (a claim left alone goes stale)
+        assert (await proc.acquire("w", 1, 0, waited, True))[0] is None
     await a.release("w", 1, [held])
     assert await asyncio.wait_for(waiting, 1.0)  # b, first in line, was woken by a's release
     assert not await c.woken("w", 0.05)  # c was not
     # a process that gives back and is refused (others ahead) wakes the first in line too
-    held = (await b.acquire("w", 1, 0, 3.1, True))[0]
+    held = (await b.acquire("w", 1, 0, 3.3, True))[0]
     assert held is not None
+    assert (await c.acquire("w", 1, 0, 1.3, True))[0] is None  # c polls on
     assert (await b.acquire("w", 1, 0, 0.1, True, give_back=[held]))[0] is None  # c's waiter waited longer
     assert await c.woken("w", 0.5)
     assert not await b.woken("w", 0.05)
@@ -111,7 +126,9 @@ async def test_room_left_by_one_process_wakes_the_one_first_in_line(setup, store
 def test_every_key_of_a_backend_is_in_one_cluster_slot():
     class Store:
         prefix = "llmgw:"
-        client = type("C", (), {"register_script": lambda self, s: None})()
+
+        def script(self, source):
+            return None
 
     f = FleetSlots(Store(), Caps())
     assert key_slot(f.leases("chat-0").encode()) == key_slot(f.waiting("chat-0").encode())

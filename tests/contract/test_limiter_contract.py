@@ -78,14 +78,15 @@ async def test_expired_leases_free_their_slots(limiter):
 
 
 async def test_all_or_nothing_across_scopes(limiter):
-    key = Scope("key:x", requests_per_minute=10, tokens_per_minute=10_000)
+    key = Scope("key:x", requests_per_minute=10, tokens_per_minute=1_000)
     model = Scope("model:m", requests_per_minute=1)
     assert (await take(limiter, [key, model], member="1"))[0].allowed
     refused, _ = await take(limiter, [key, model], cost=500, member="2")
     assert not refused.allowed and refused.scope == "model:m"
-    # the key's own buckets were not charged for the refused request
+    # the key's own buckets were not charged for the refused request: 8 requests left (one refills in 6 s),
+    # and 998 tokens, up to the 1,000 the bucket refills to at 17/s; charged, they would be 7 and ~498
     ok, _ = await take(limiter, [key], cost=1, member="3")
-    assert ok.remaining_requests == 8 and ok.remaining_tokens == 10_000 - 2
+    assert ok.remaining_requests == 8 and 1_000 - 2 <= ok.remaining_tokens <= 1_000
 
 
 async def test_concurrent_burst_is_exact(limiter, request):
@@ -145,3 +146,25 @@ def test_memory_limiter_is_atomic_because_it_never_suspends():
     assert first.allowed and not refused.allowed and refused.kind == "concurrency"
     finish_without_suspending(limiter.release(Ticket(scopes, "a", 10, limiter=limiter), used=5))
     assert finish_without_suspending(limiter.slots("key:a")) == 0
+
+
+@pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
+async def test_a_release_travels_with_the_next_admission_of_its_scopes(setup, redis_server, redis_prefix):  # noqa: F811
+    store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
+    limiter = RedisLimiter(store)
+    try:
+        scopes = [Scope("key:p", tokens_per_minute=1000, max_concurrent=1), Scope("model:p", max_concurrent=1)]
+        first, ticket = await take(limiter, scopes, cost=600, member="a")
+        assert first.allowed
+        releasing = asyncio.create_task(limiter.release(ticket, used=100))
+        await asyncio.sleep(0)  # the release is queued, not yet sent (it may wait up to 2 ms)
+        second, _ = await take(limiter, scopes, cost=800, member="b")
+        # the admission carried the release: the slot was free and the 500 tokens back before it was checked
+        assert second.allowed and second.remaining_tokens == 1000 - 600 + 500 - 800
+        await asyncio.wait_for(releasing, 5)
+        # alone, a release goes within its 2 ms in a call of its own, with the others queued meanwhile
+        tickets = [Ticket(tuple(scopes), "b", 800, limiter=limiter)]
+        await asyncio.wait_for(asyncio.gather(*(limiter.release(t, used=800) for t in tickets)), 5)
+        assert await limiter.slots("key:p") == 0 and await limiter.slots("model:p") == 0
+    finally:
+        await store.close()

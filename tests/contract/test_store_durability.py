@@ -12,6 +12,7 @@ import pytest
 
 from policies.keys import KeyRecord, hash_key, new_key, new_key_id
 from policies.store import StoreUnavailable, open_store
+from tests.support.redis_fixtures import redis_server  # noqa: F401
 from tests.support.redis_server import RedisServer
 
 BOUND_S = 3.0
@@ -130,3 +131,39 @@ async def test_redis_hung_server_times_out_then_recovers(own_redis):
         assert await store.list_keys() == []
     finally:
         await store.close()
+
+
+def pooled_connections(client) -> list:
+    """The idle connections in a client's pools (a Cluster has one pool per node)."""
+    if hasattr(client, "get_nodes"):
+        return [c for node in client.get_nodes() for c in node._free]
+    return list(client.connection_pool._available_connections)
+
+
+@pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
+def test_a_pooled_connection_the_server_closed_is_the_store_unavailable_not_an_error(redis_server, setup):
+    """The server (a failover, a proxy, a restart) closes a pooled connection; under uvloop, the gateway's loop,
+    redis-py's next write on it raised the loop's RuntimeError, which no retry or guard knew: a 500. It is the
+    store being unavailable for that call, and the call after it gets a fresh connection."""
+    import uvloop
+
+    async def scenario() -> str:
+        store = open_store("redis", url=redis_server.url)
+        try:
+            await store.ping()
+            connections = pooled_connections(store.client)
+            assert connections
+            for connection in connections:
+                connection._writer.transport.close()  # the event loop sees the reset; redis-py is not told
+            await asyncio.sleep(0.05)
+            try:
+                await store.ping()
+                outcome = "served"  # a retry on a fresh connection would do too
+            except StoreUnavailable:
+                outcome = "unavailable"
+            await store.ping()  # and the next call works
+            return outcome
+        finally:
+            await store.close()
+
+    assert uvloop.run(scenario()) in ("served", "unavailable")

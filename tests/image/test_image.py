@@ -10,6 +10,8 @@ base image, and the skip quotes what failed. A build that fails is a failure, no
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -94,44 +96,36 @@ def simulator() -> Iterator[int]:
         proc.wait(10)
 
 
-def test_image_serves_a_chat_completion(image, simulator, tmp_path):
-    port = free_port()
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(yaml.safe_dump({
-        "listen": {"host": "127.0.0.1", "port": port},  # the host's network: loopback is shared
-        "server": {"drain_seconds": 1, "shutdown_timeout": 10},
-        "health": {"interval": 0.5},
-        "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{simulator}"}]}],
-    }))
-    policy.chmod(0o644)  # read by the image's own user
+@contextlib.contextmanager
+def gateway_container(image: str, policy: dict, tmp_path: Path, mounts: dict[str, Path] | None = None
+                      ) -> Iterator[tuple[str, str, Path]]:
+    """The image serving `policy` (plus `mounts`, container path -> host file, read-only) on the host's network:
+    yields its URL, an API key its own admin API issued, and its log. On leaving, `podman stop` sends SIGTERM
+    to the gateway, PID 1: it must drain and exit 0 by itself; no secret may reach the log."""
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(policy))
+    volumes = []
+    for target, source in {"/etc/llm-gateway/policy.yaml": policy_file, **(mounts or {})}.items():
+        source.chmod(0o644)  # read by the image's own user
+        volumes += ["-v", f"{source}:{target}:ro"]
     secret = secrets.token_urlsafe(32)
     name = f"llm-gateway-test-{uuid.uuid4().hex[:8]}"
     log_path = tmp_path / "container.log"
     # `-e NAME` passes the secret from this process's environment: never on a command line or in the image.
-    command = [*RUN, "--name", name, "-v", f"{policy}:/etc/llm-gateway/policy.yaml:ro",
-               "-e", "LLM_GATEWAY_ADMIN_SECRET", image]
+    command = [*RUN, "--name", name, *volumes, "-e", "LLM_GATEWAY_ADMIN_SECRET", image]
     with open(log_path, "wb") as log:
         container = subprocess.Popen(command, env={**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret},
                                      stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{policy['listen']['port']}"
     try:
-        wait_http_ok(f"{url}/ready", container, 120, "the gateway's container")
+        wait_http_ok(f"{url}/health", container, 120, "the gateway's container")
         token = mint_token(Admin(), 600, secret=secret)
-        r = httpx.post(f"{url}/admin/keys", json={"name": "image-test", "models": ["m"]},
+        r = httpx.post(f"{url}/admin/keys", json={"name": "image-test"},
                        headers={"authorization": f"Bearer {token}"}, timeout=30)
         assert r.status_code == 201, r.text
         key = r.json()["key"]
+        yield url, key, log_path
 
-        client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}],
-                                               max_tokens=16)
-        assert reply.model == "m" and reply.choices[0].message.content
-        assert reply.usage.completion_tokens > 0
-        chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=8, stream=True))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-        # `podman stop` sends SIGTERM to the gateway, PID 1: it drains and exits 0 by itself.
         stop = subprocess.run([*PODMAN, "stop", "--time", "30", name], capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
         assert container.wait(60) == 0, log_path.read_text()[-3000:]
@@ -141,5 +135,79 @@ def test_image_serves_a_chat_completion(image, simulator, tmp_path):
             container.wait(60)
         subprocess.run([*PODMAN, "rm", "--force", "--ignore", name], capture_output=True, timeout=60)
     text = log_path.read_text()
-    assert "endpoint=chat/completions" in text and "SIGTERM: draining" in text, text[-3000:]
+    assert "SIGTERM: draining" in text, text[-3000:]
     assert key not in text and secret not in text and token not in text
+
+
+def wait_ready(url: str, models: dict[str, bool], log_path: Path, timeout: float) -> None:
+    """Until /ready says every model has a replica up (as `models`); a failure quotes the container's log."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/ready", timeout=10).json().get("models") != models:
+        assert time.monotonic() < deadline, f"not ready after {timeout:g} s:\n{log_path.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def base_policy(port: int) -> dict:
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},  # the host's network: loopback is shared
+        "server": {"drain_seconds": 1, "shutdown_timeout": 10},
+        "health": {"interval": 0.5},
+    }
+
+
+def test_image_serves_a_chat_completion(image, simulator, tmp_path):
+    policy = {**base_policy(free_port()), "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{simulator}"}]}]}
+    with gateway_container(image, policy, tmp_path) as (url, key, log_path):
+        wait_ready(url, {"m": True}, log_path, 60)
+        client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=16)
+        assert reply.model == "m" and reply.choices[0].message.content
+        assert reply.usage.completion_tokens > 0
+        chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=8, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "endpoint=chat/completions" in log_path.read_text()
+
+
+async def test_image_discovers_replicas_with_the_kubernetes_and_kserve_clients(image, simulator, tmp_path):
+    """The image carries the `discovery` extra: a policy whose models are a Service's EndpointSlices and a KServe
+    InferenceService, read from kmock (a Kubernetes API server on the host's loopback) by the kubernetes client
+    and the kserve SDK inside the container, gets both models served by the simulator behind them."""
+    from kubernetes import client
+
+    from tests.integration.test_discovery_kmock import NS, cluster, endpoint_slice, inference_service
+
+    async with cluster() as (kubeconfig, api, _):
+        slices = client.DiscoveryV1Api(api)
+        for name, service in [("vllm-x1", "vllm"), ("chat-predictor-x1", "chat-predictor")]:
+            await asyncio.to_thread(slices.create_namespaced_endpoint_slice, NS,
+                                    endpoint_slice(name, service, ["127.0.0.1"], simulator))
+        await asyncio.to_thread(client.CustomObjectsApi(api).create_namespaced_custom_object, "serving.kserve.io",
+                                "v1beta1", NS, "inferenceservices", inference_service("chat", ready=True))
+        policy = {
+            **base_policy(free_port()),
+            "kubernetes": {"kubeconfig": "/etc/llm-gateway/kubeconfig"},
+            "models": [
+                {"name": "k8s", "served_name": "m",
+                 "discovery": {"kind": "kubernetes", "namespace": NS, "service": "vllm", "port": "http"}},
+                {"name": "isvc", "served_name": "m",
+                 "discovery": {"kind": "kserve", "namespace": NS, "inference_service": "chat"}},
+            ],
+        }
+
+        def scenario() -> Path:
+            mounts = {"/etc/llm-gateway/kubeconfig": Path(kubeconfig)}
+            with gateway_container(image, policy, tmp_path, mounts) as (url, key, log_path):
+                # both watches found the simulator; the kserve SDK's import alone takes seconds on a busy machine
+                wait_ready(url, {"k8s": True, "isvc": True}, log_path, 180)
+                client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+                for model in ("k8s", "isvc"):
+                    reply = client.chat.completions.create(model=model, max_tokens=4,
+                                                           messages=[{"role": "user", "content": "Hi"}])
+                    assert reply.model == model and reply.usage.completion_tokens > 0
+            return log_path
+
+        text = (await asyncio.to_thread(scenario)).read_text()
+    assert f"watching the endpoints of service {NS}/vllm" in text and f"watching inferenceservice {NS}/chat" in text
+    assert "No module named" not in text and "Traceback" not in text, text[-3000:]

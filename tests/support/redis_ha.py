@@ -5,14 +5,16 @@
   three primaries with one replica each.
 
 Both expose `url` (the address form `policies.store.redis_client` reads), `primary()` (the server that holds
-the primary role now; for a Cluster, the one holding a given key's slot) and `close()`. Timeouts are short
-(a server is judged down after 1 s) so a failover in a test takes seconds. Start-up waits on conditions
-(replicas in sync, sentinels know each other, every slot served), never on a fixed sleep.
+the primary role now; for a Cluster, the one holding a given key's slot), `promotions()` (how many replicas
+were promoted so far, from the servers' own logs) and `close()`. Timeouts are short (a server is judged down
+after 1 s, or `down_after_ms`) so a failover in a test takes seconds. Start-up waits on conditions (replicas
+in sync, sentinels know each other, every slot served), never on a fixed sleep.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -63,12 +65,13 @@ def cluster_port() -> int:
 class SentinelProcess(RedisServer):
     """One redis-sentinel watching `master_port`; it rewrites its own config file, so each has one."""
 
-    def __init__(self, master_port: int, **kwargs) -> None:
+    def __init__(self, master_port: int, down_after_ms: int = DOWN_AFTER_MS, **kwargs) -> None:
         found = shutil.which("redis-sentinel")
         if not found:
             raise RedisServerNotInstalled(f"redis-sentinel is not on PATH: {SETUP_HINT}")
         super().__init__(executable=found, **kwargs)
         self.master_port = master_port
+        self.down_after_ms = down_after_ms
 
     def _argv(self) -> list[str]:
         conf = self.data_dir / "sentinel.conf"
@@ -76,7 +79,7 @@ class SentinelProcess(RedisServer):
             f"port {self.port}", "bind 127.0.0.1", "protected-mode no", "daemonize no",
             f"dir {self.data_dir}", f"logfile {self.log_path}",
             f"sentinel monitor {MASTER} 127.0.0.1 {self.master_port} 2",
-            f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}",
+            f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}",
             f"sentinel failover-timeout {MASTER} 5000",
             f"sentinel parallel-syncs {MASTER} 2",
         ]) + "\n")  # fmt: skip
@@ -116,6 +119,19 @@ class ServerSet:
                 return False
         return True
 
+    def promotions(self) -> int:
+        """How many times a replica became a primary since the start, as the servers log it."""
+        raise NotImplementedError
+
+    def logged(self, processes: list[RedisServer], pattern: str) -> list[str]:
+        """The lines of these processes' logs that match `pattern`."""
+        lines = []
+        for process in processes:
+            if process.log_path.exists():
+                lines += [line for line in process.log_path.read_text(errors="replace").splitlines()
+                          if re.search(pattern, line)]
+        return lines
+
     def close(self) -> None:
         for process in self.processes():
             process.close()
@@ -133,9 +149,10 @@ class ServerSet:
 
 
 class SentinelSet(ServerSet):
-    def __init__(self) -> None:
+    def __init__(self, down_after_ms: int = DOWN_AFTER_MS) -> None:
         super().__init__()
         self.sentinels: list[SentinelProcess] = []
+        self.down_after_ms = down_after_ms
 
     def processes(self) -> list[RedisServer]:
         return [*self.sentinels, *self.servers]
@@ -153,7 +170,7 @@ class SentinelSet(ServerSet):
             replica.start()
             self.servers.append(replica)
         for _ in range(3):
-            sentinel = SentinelProcess(primary.port)
+            sentinel = SentinelProcess(primary.port, self.down_after_ms)
             sentinel.start()
             self.sentinels.append(sentinel)
         self.wait_healthy(timeout=30)
@@ -190,12 +207,18 @@ class SentinelSet(ServerSet):
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.primary_port(), decode_responses=True)
 
+    def promotions(self) -> int:
+        """Each sentinel logs `+switch-master NAME IP OLD IP NEW` for every failover it learns of."""
+        switches = self.logged(self.sentinels, r"\+switch-master ")
+        return len({tuple(line.split("+switch-master ", 1)[1].split()) for line in switches})
+
 
 
 class ClusterSet(ServerSet):
-    def __init__(self, primaries: int = 3) -> None:
+    def __init__(self, primaries: int = 3, down_after_ms: int = DOWN_AFTER_MS) -> None:
         super().__init__()
         self.count = primaries * 2
+        self.down_after_ms = down_after_ms
 
     @property
     def url(self) -> str:
@@ -208,7 +231,7 @@ class ClusterSet(ServerSet):
         for _ in range(self.count):
             server = RedisServer(port=cluster_port(), extra_args=[
                 *FAST_SYNC, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(DOWN_AFTER_MS), "--cluster-replica-validity-factor", "0",
+                "--cluster-node-timeout", str(self.down_after_ms), "--cluster-replica-validity-factor", "0",
             ])  # fmt: skip
             server.start()
             self.servers.append(server)
@@ -242,4 +265,8 @@ class ClusterSet(ServerSet):
 
     def any_live(self) -> RedisServer:
         return next(s for s in self.servers if s.running)
+
+    def promotions(self) -> int:
+        """A replica that wins its election logs `Failover election won`."""
+        return len(self.logged(self.servers, r"Failover election won"))
 

@@ -202,3 +202,34 @@ async def test_a_class_that_rents_first_spills_instead_of_waiting():
     assert not waiting.done() and q.depth == 1  # interactive: the expected wait is within its 30 s
     q.release(held)
     assert await asyncio.wait_for(waiting, 1) is r
+
+
+async def test_a_slot_freed_while_only_a_worse_class_waits_is_held_a_moment_for_its_own_class():
+    q, (r,) = make(caps=(1,))
+    interactive = classed("interactive")
+    first = await q.acquire("a", (), call=interactive)
+    batch = asyncio.create_task(q.acquire("b", (), call=classed("batch")))
+    await asyncio.sleep(0.01)
+    q.release(first, interactive)  # only batch waits: the slot is kept for interactive's next request
+    q.dispatch()  # as another release would: a held slot is not free for the waiting batch request
+    assert r.in_flight == 1 and q.depth == 1
+    again = await asyncio.wait_for(q.acquire("a", (), call=classed("interactive")), 1)  # it came: straight in
+    assert again is r and not batch.done()
+    q.release(again, interactive)
+    assert await asyncio.wait_for(batch, 1) is r  # nobody came within the hold: batch gets the slot
+    q.release(r, classed("batch"))  # nobody waits: nothing held, nothing pending
+    assert q.depth == 0 and r.in_flight == 0
+
+
+async def test_no_hold_when_the_policy_sets_none():
+    from policies.config import Priorities
+
+    q, (r,) = make(caps=(1,))
+    q.priorities = Priorities(hold=0)
+    interactive = classed("interactive")
+    first = await q.acquire("a", (), call=interactive)
+    batch = asyncio.create_task(q.acquire("b", (), call=classed("batch")))
+    await asyncio.sleep(0.01)
+    q.release(first, interactive)
+    assert q.depth == 0 and r.in_flight == 1  # handed on to batch within the release itself
+    assert await asyncio.wait_for(batch, 1) is r

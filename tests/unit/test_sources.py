@@ -1,4 +1,6 @@
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -83,6 +85,18 @@ async def test_a_source_that_cannot_start_leaves_the_model_empty_and_says_why(ca
     discovery.sync(policy)
     assert discovery.running == {} and replicas.by_model["m"] == []
     assert "model m: discovery (kubernetes) cannot reach the Kubernetes API" in caplog.text
+
+
+def test_the_kserve_sdk_imports_under_the_gateways_own_command_line():
+    """kserve parses sys.argv when imported; `llm-gateway serve --config FILE` made it exit (its
+    --configure_logging takes `--config` as an abbreviation), killing the watch thread. A fresh process, as the
+    gateway's own, with the gateway's argv: the import succeeds and argv is left as it was."""
+    script = ("import sys; sys.argv = ['llm-gateway', 'serve', '--config', '/etc/llm-gateway/policy.yaml']\n"
+              "from backends.sources.kserve import import_kserve\n"
+              "print(import_kserve().KServeClient.__name__, sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["KServeClient", "['serve',", "'--config',", "'/etc/llm-gateway/policy.yaml']"]
 
 
 async def test_a_discovered_variant_fills_its_own_replica_set():

@@ -132,8 +132,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if not $m.external -}}
 {{- fail (printf "models[%s].external needs at least one backend {url: ...}" $m.name) -}}
 {{- end -}}
+{{- else if eq $m.backend "kubernetes" -}}
+{{- if not (default dict $m.kubernetes).service -}}
+{{- fail (printf "models[%s].kubernetes.service is required: the Service whose ready endpoints are the model's replicas" $m.name) -}}
+{{- end -}}
 {{- else -}}
-{{- fail (printf "models[%s].backend must be vllm, kserve or external (got %v)" $m.name $m.backend) -}}
+{{- fail (printf "models[%s].backend must be vllm, kserve, external or kubernetes (got %v)" $m.name $m.backend) -}}
 {{- end -}}
 {{- end -}}
 {{- range $p := $v.providers -}}
@@ -228,6 +232,16 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if $m.cap -}}{{- $_ := set $b "cap" (mul (int $m.cap) (int $ks.replicas)) -}}{{- end -}}
 {{- $backends = append $backends $b -}}
 {{- end -}}
+{{- else if eq $m.backend "kubernetes" -}}
+{{- /* each ready endpoint of the Service, from its EndpointSlices (watched) */ -}}
+{{- $k := default dict $m.kubernetes -}}
+{{- $d := dict "kind" "kubernetes" "namespace" ($k.namespace | default $ns) "service" $k.service -}}
+{{- if not (kindIs "invalid" $k.port) -}}{{- $_ := set $d "port" (ternary (int $k.port) $k.port (kindIs "float64" $k.port)) -}}{{- end -}}
+{{- with $k.scheme -}}{{- $_ := set $d "scheme" . -}}{{- end -}}
+{{- with $k.healthPath -}}{{- $_ := set $d "health_path" . -}}{{- end -}}
+{{- if $m.cap -}}{{- $_ := set $d "cap" (int $m.cap) -}}{{- end -}}
+{{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
+{{- $_ := set $entry "discovery" $d -}}
 {{- else -}}
 {{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
 {{- range $b := $m.external -}}
@@ -252,10 +266,24 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{/* non-empty when some model's replicas are discovered in the cluster: the gateway then reads the Kubernetes API */}}
 {{- define "llm-gateway.discovers" -}}
+{{- if ne (include "llm-gateway.discoveryReads" . | fromYaml | len) 0 -}}true{{- end -}}
+{{- end -}}
+
+{{/* What discovery reads, per namespace (YAML: NAMESPACE -> [resources]): the EndpointSlices of every namespace
+     a `backend: kubernetes` Service lives in, and, with KServe discovery, the InferenceServices and the predictor
+     Services' EndpointSlices of the release namespace. templates/rbac.yaml grants exactly that. */}}
+{{- define "llm-gateway.discoveryReads" -}}
+{{- $reads := dict -}}
 {{- range $m := .Values.models -}}
 {{- if eq $m.backend "kserve" -}}
 {{- $ks := include "llm-gateway.kserve" (dict "root" $ "model" $m) | fromYaml -}}
-{{- if $ks.discover -}}true{{- end -}}
+{{- if $ks.discover -}}
+{{- $_ := set $reads $.Release.Namespace (get $reads $.Release.Namespace | default list | concat (list "endpointslices" "inferenceservices") | uniq) -}}
+{{- end -}}
+{{- else if eq $m.backend "kubernetes" -}}
+{{- $ns := (default dict $m.kubernetes).namespace | default $.Release.Namespace -}}
+{{- $_ := set $reads $ns (get $reads $ns | default list | concat (list "endpointslices") | uniq) -}}
 {{- end -}}
 {{- end -}}
+{{- toYaml $reads -}}
 {{- end -}}
