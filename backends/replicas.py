@@ -43,12 +43,16 @@ class Replica:
     probe_at: float = 0.0  # monotonic time of the next health probe while down
     source: str = "static"  # where the replica came from: static, kubernetes, kserve
     draining: bool = False  # removed from the set: no new requests, those in flight finish
+    variant: str | None = None  # the model's variant it serves, when the model has variants
+    group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
 
     @property
     def routable(self) -> bool:
         return self.state != DOWN and self.state != PENDING and not self.draining
 
     def __post_init__(self) -> None:
+        if not self.group:
+            self.group = f"{self.model}#{self.variant}" if self.variant else self.model
         if self.limit is None:
             self.limit = self.cap
 
@@ -77,7 +81,8 @@ class HealthTimings:
 
 
 class ReplicaSet:
-    """All replicas, by public model name, plus the passive and active health bookkeeping."""
+    """All replicas, by public model name (by `model#variant` for a model's variants: each is a set of its
+    own), plus the passive and active health bookkeeping."""
 
     def __init__(self, by_model: dict[str, list[Replica]], health: HealthTimings, on_change=None) -> None:
         self.health = health
@@ -159,8 +164,12 @@ class ReplicaSet:
         self._on_change(replica)
 
     def ready(self) -> dict[str, bool]:
-        """Per model: has at least one replica answered its health check."""
-        return {model: any(r.state == UP for r in replicas) for model, replicas in self.by_model.items()}
+        """Per model: has at least one replica (of any of its variants) answered its health check."""
+        out: dict[str, bool] = {}
+        for group, replicas in self.by_model.items():
+            model = group.partition("#")[0]
+            out[model] = out.get(model, False) or any(r.state == UP for r in replicas)
+        return out
 
     async def check(self, client: Client, replica: Replica, timeout: float) -> bool:
         try:

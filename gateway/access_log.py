@@ -1,4 +1,5 @@
-"""The access log: one line per request (id, endpoint, model, backend, status, stream, duration), never headers.
+"""The access log: one line per request (id, endpoint, model, backend, status, stream, duration, and the variant
+for a model with variants), never headers.
 
 Through the `logging` module a line costs a LogRecord, a format and a write syscall on the request path; on
 the benchmark that was ~7% of the gateway's CPU per request. So a process started by the CLI (which owns
@@ -48,6 +49,8 @@ class AccessLog:
             return
         message = (f"request_id={request_id} endpoint={endpoint} model={model} backend={backend} status={status}"
                    f" stream={stream} duration_ms={elapsed * 1000:.1f}")
+        if call is not None and call.variant is not None:
+            message += f" variant={call.variant}"
         if self.stream is None:
             log.info("%s", message)
             return
@@ -62,6 +65,8 @@ class AccessLog:
         record = {"time": time.time(), "level": "INFO", "logger": "gateway.access", "request_id": request_id,
                   "trace_id": trace_id_of(call) if call is not None else "", "endpoint": endpoint, "model": model,
                   "backend": backend, "status": status, "stream": stream, "duration_ms": round(elapsed * 1000, 1)}
+        if call is not None and call.variant is not None:
+            record["variant"] = call.variant
         line = orjson.dumps(record).decode()
         if self.stream is None:
             log.info("%s", line)

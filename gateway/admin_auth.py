@@ -16,7 +16,8 @@ import jwt
 from policies.config import Admin
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 
-ROLES = ("admin", "viewer")
+# admin: everything; operator: reads, and changes to live traffic (variant weights), never keys; viewer: reads
+ROLES = ("admin", "operator", "viewer")
 INVALID = "missing or invalid admin token"
 MAX_TOKEN = 8192
 
@@ -26,8 +27,9 @@ class AdminAuth:
         self.config = config
         self.key = verification_key(config)
 
-    def check(self, authorization: str | None, write: bool) -> dict:
-        """The token's claims, when it is valid and its role may do this (write: change state)."""
+    def check(self, authorization: str | None, write: bool, operator: bool = False) -> dict:
+        """The token's claims, when it is valid and its role may do this (write: change state; `operator`: a
+        change an operator token may make too)."""
         if self.key is None:
             raise StateUnavailable(
                 f"the admin API is not configured: set {self.config.jwt_secret_env} (at least {MIN_SECRET}"
@@ -52,8 +54,8 @@ class AdminAuth:
         role = claims.get("role")
         if role not in ROLES:
             raise AuthenticationFailed(INVALID, code="invalid_admin_token")
-        if write and role != "admin":
-            raise PermissionDenied("this admin token is read-only (role viewer)", code="read_only_token")
+        if write and role != "admin" and not (operator and role == "operator"):
+            raise PermissionDenied(f"this admin token may not change this (role {role})", code="read_only_token")
         return claims
 
 

@@ -45,7 +45,7 @@ def live_handlers(gateway) -> list:
         for model, members in gateway.replicas.by_model.items():
             out[model] = [view(r) for r in members]
         for replica in gateway.replicas.draining:
-            out.setdefault(replica.model, []).append(view(replica))
+            out.setdefault(replica.group, []).append(view(replica))
         return out
 
     return [policy_version, replicas]

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.admin_live import live_handlers
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
+from gateway.variant_routes import variant_handlers
 from policies.errors import NotFound
 from policies.keys import (
     CIDR_PATTERN,
@@ -126,7 +127,7 @@ def admin_router(gateway) -> Router:
     def admin_token(connection: ASGIConnection, _handler) -> None:
         """A guard: runs before the path and body are parsed, so a caller without a token learns nothing."""
         write = connection.scope["method"] not in READS
-        gateway.admin_auth.check(connection.headers.get("authorization"), write)
+        gateway.admin_auth.check(connection.headers.get("authorization"), write, _handler.opt.get("operator", False))
 
     async def load(key_id: str) -> KeyRecord:
         record = await store.get_key(key_id)
@@ -204,7 +205,7 @@ def admin_router(gateway) -> Router:
         return Usage(id=key_id, models=models, total=total)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway), *report_handlers(gateway, KeyId)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

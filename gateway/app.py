@@ -34,6 +34,7 @@ from backends.upstream import new_client
 from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
+from gateway.shadow import Shadow
 from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, openapi_config
@@ -64,6 +65,8 @@ from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreError, StoreUnavailable, open_store
+from policies.variant_share import open_shared_variants
+from policies.variants import Variants
 
 log = logging.getLogger("gateway")
 
@@ -103,10 +106,11 @@ class Gateway:
         self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet,
-                             self.budgets, self.record_ledger)
+                             self.budgets, self.record_ledger, Variants(self.metrics))
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
+        self.variant_share = open_shared_variants(self.store, self.shared.variants, self.background.run)
         self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
@@ -140,6 +144,8 @@ class Gateway:
             proxy.access_log = old.access_log  # one batched log for the process
         proxy.access_log.json = policy.access_log.format == "json"
         proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
+        if any(v.shadow for m in policy.models for v in m.variants):
+            proxy.shadow = Shadow(proxy, self.shared.variants)
         self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:
@@ -201,7 +207,7 @@ class Gateway:
             admission.replica_changed(replica)
 
     def _replica_drained(self, replica: Replica) -> None:
-        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.model, ())):
+        if any(r.name == replica.name for r in self.replicas.by_model.get(replica.group, ())):
             return  # came back under the same name: its series are the live one's
         for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
             with contextlib.suppress(KeyError):
@@ -232,6 +238,8 @@ class Gateway:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
         if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
+        if self.variant_share is not None:  # weights and guard verdicts shared with the other replicas
+            loops.append(asyncio.create_task(self.variant_share.run()))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         if self.policy.ledger.enabled:
@@ -371,7 +379,8 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
             return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
         # a discovered model with no endpoint (scaled to zero, not Ready) is the cluster's state, the same from
         # every gateway pod: it does not take this one out of the Service
-        ok = all(up for model, up in models.items() if model not in gateway.discovery.models)
+        discovered = {model.name for model, _, _ in gateway.discovery.models.values()}
+        ok = all(up for model, up in models.items() if model not in discovered)
         body = Readiness(status="ready" if ok else "not_ready", models=models)
         return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
 

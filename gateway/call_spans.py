@@ -64,6 +64,9 @@ class SpanWriter:
                     parts.append(wire.pair(ours, count))
         if response is not None and isinstance(response.get("id"), str):
             parts.append(wire.string_attribute("gen_ai.response.id", response["id"]))
+        variant = getattr(call, "variant", None)  # the model's variant that served it (policies/variants.py)
+        if variant is not None:
+            parts.append(wire.string_attribute("llm_gateway.variant", variant))
         if model in self.content_models:
             parts.append(wire.attributes(b"\x4a", content(body, response, trace.tap)))
         if call.status >= 500:

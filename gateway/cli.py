@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import keys_cli, knee_cli, report_cli
+    from gateway import keys_cli, knee_cli, report_cli, variants_cli
 
     keys_cli.add_commands(sub)
     knee_cli.add_commands(sub)
     report_cli.add_commands(sub)
+    variants_cli.add_commands(sub)
 
     args = parser.parse_args(argv)
     if args.command == "admin-token":
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return knee_cli.run(args)
     if args.command == "report":
         return report_cli.run(args)
+    if args.command == "variants":
+        return variants_cli.run(args)
     if args.command == "check":
         return run_check(args.file, resolve=not args.no_resolve)
     if args.command == "serve":

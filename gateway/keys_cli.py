@@ -31,7 +31,7 @@ def add_commands(sub) -> None:
     token = sub.add_parser("admin-token", help="mint an admin JWT from the configured secret")
     token.add_argument("--config", "-c", help="the policy file (for algorithm, issuer, audience)")
     token.add_argument("--ttl", type=seconds, default=3600.0, help="lifetime, e.g. 1h (default 1h)")
-    token.add_argument("--role", choices=["admin", "viewer"], default="admin")
+    token.add_argument("--role", choices=["admin", "operator", "viewer"], default="admin")
     token.add_argument("--subject", default="admin")
     token.add_argument("--private-key-file", help="PEM private key, for RS256/ES256")
 

@@ -89,6 +89,7 @@ class Proxy:
         self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
         self.access_log = AccessLog()
         self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
+        self.shadow: Any = None  # gateway/shadow.py: set by the app when some model has a shadow variant
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes]) -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -133,14 +134,14 @@ class Proxy:
         tried: list[Replica] = []
         others: list[Replica] = []  # a pinned call can be served by its replica alone
         if call.pinned is not None:
-            others = [r for r in self.replicas.by_model[call.model] if r is not call.pinned]
+            others = [r for r in self.replicas.by_model[call.pinned.group] if r is not call.pinned]
         owner = call.key.id if call.key is not None else call.client_host
         overflow = self.overflow.get(call.model) if self.may_rent(call) else None
         for _ in range(MAX_ATTEMPTS):
             before = time.perf_counter()
             try:
                 replica = await self.admission.acquire(
-                    call.model, owner, exclude=tried + others,
+                    call.group or call.model, owner, exclude=tried + others,
                     spill_after=overflow.when_wait_exceeds if overflow else None, call=call,
                 )
             except WouldWait:
@@ -161,6 +162,7 @@ class Proxy:
             if not tried:  # the gateway's own time before the first send, not counting the queue
                 call.overhead += before - call.arrived
             tried.append(replica)
+            call.load = replica.in_flight
             try:
                 response = await self.send(call, replica, holds=True)
             except UpstreamError as exc:
@@ -362,6 +364,8 @@ class Proxy:
         else:
             self.metrics.call_refused(model, backend, call.status, call.endpoint)
         self.tracing.finished(call)
+        if call.shadow is not None and self.shadow is not None:
+            self.shadow.after(call)
         self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:

@@ -29,26 +29,34 @@ def add_commands(sub) -> None:
     report.add_argument("--png", type=Path, help="also write a chart of utilisation and cost over time")
 
 
-def run(args: argparse.Namespace) -> int:
+def admin_get(args: argparse.Namespace, command: str, path: str, params: dict) -> dict | int:
+    """GET an admin view with the viewer (or admin) token of `args`; the JSON, or the exit status after saying
+    what went wrong."""
     if not args.token:
-        print("report: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
+        print(f"{command}: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
               "(mint one with `llm-gateway admin-token --role viewer`)", file=sys.stderr)
         return 2
-    params = {"window": max(1, round(args.window)), **({"until": args.until} if args.until is not None else {})}
     try:
-        response = httpx.get(args.url.rstrip("/") + "/admin/report", params=params, timeout=60,
+        response = httpx.get(args.url.rstrip("/") + path, params=params, timeout=60,
                              headers={"authorization": f"Bearer {args.token}"})
     except httpx.HTTPError as exc:
-        print(f"report: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
+        print(f"{command}: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
         return 1
     if response.status_code != 200:
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text[:300]
-        print(f"report: HTTP {response.status_code}: {message}", file=sys.stderr)
+        print(f"{command}: HTTP {response.status_code}: {message}", file=sys.stderr)
         return 1
-    report = response.json()
+    return response.json()
+
+
+def run(args: argparse.Namespace) -> int:
+    params = {"window": max(1, round(args.window)), **({"until": args.until} if args.until is not None else {})}
+    report = admin_get(args, "report", "/admin/report", params)
+    if isinstance(report, int):
+        return report
     print(json.dumps(report, indent=2) if args.json else render(report))
     if args.png:
         try:

@@ -20,6 +20,7 @@ from gateway.span_export import Encoded, SpanPipe
 from gateway.tracing import client_context, passthrough
 from policies.config import Tracing as TracingConfig
 from policies.metrics import GatewayMetrics
+from policies.variant_signals import sse_events
 
 log = logging.getLogger("gateway.tracing")
 
@@ -89,7 +90,9 @@ class Tracer:
             if trace.sampled:
                 if call.stream and trace.tap is None:
                     content = call.model in self.content_models
-                    call.tap = trace.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+                    if call.tap is None or (content and not isinstance(call.tap, list)):  # a variant's may be kept
+                        call.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
+                    trace.tap = call.tap
                 out = b"traceparent: 00-%032x-%016x-01\r\n" % (trace.trace_id, span_id)
             else:
                 out = b"traceparent: 00-%032x-%016x-00\r\n" % (trace.trace_id, span_id)

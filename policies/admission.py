@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from backends.replicas import Replica, ReplicaSet
-from policies.config import Policy, Priorities, PriorityClass, Queue
+from policies.config import Policy, Priorities, PriorityClass, Queue, groups_of
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
@@ -145,8 +145,9 @@ class ModelQueue:
         self.holds: list[list] = []  # [class rank, replica, timer ending the hold]: see release
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
-        self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, model))  # by replica name
-        self.held_gauge = Memo(partial(metrics.slots_held.labels, model))  # by replica name
+        public = model.partition("#")[0]  # a variant's queue (`model#variant`): its backends are the model's
+        self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, public))  # by replica name
+        self.held_gauge = Memo(partial(metrics.slots_held.labels, public))  # by replica name
         self.depth_gauges = [metrics.queue_depth.labels(model, c.name) for c in self.classes]
         self.wait_histograms = [metrics.queue_wait.labels(model, c.name) for c in self.classes]
 
@@ -232,7 +233,7 @@ class ModelQueue:
             replica.limit = min(float(replica.cap), replica.limit + 1.0 / replica.limit)
             if int(replica.limit) > before:
                 self.dispatch()
-        self.metrics.backend_limit.labels(self.model, replica.name).set(int(replica.limit))
+        self.metrics.backend_limit.labels(replica.model, replica.name).set(int(replica.limit))
 
     def release(self, replica: Replica, call: Call | None = None) -> None:
         if call is not None and self.depth and self.priorities.hold:
@@ -324,9 +325,9 @@ class Admission:
 
             make = partial(FleetModelQueue, fleet=fleet, caps=policy.caps,
                            on_store_failure=policy.rate_limits.on_store_failure.concurrency)
-        self.queues = {
-            m.name: make(m.name, replicas.by_model[m.name], m.queue, profiles[m.name], metrics, policy.priorities)
-            for m in policy.models
+        self.queues = {  # one per model, or per variant of a model that has variants (`model#variant`)
+            group: make(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
+            for m in policy.models for group, _ in groups_of(m)
         }
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
@@ -341,19 +342,20 @@ class Admission:
     async def acquire(self, model: str, owner: str, exclude: Sequence[Replica] = (),
                       spill_after: float | None = None, call: Call | None = None) -> Replica:
         """A replica with room (counted in its in_flight), chosen by the model's routing profile for `call`;
-        raises WouldWait instead of queueing longer than `spill_after` seconds, when given."""
+        raises WouldWait instead of queueing longer than `spill_after` seconds, when given. `model` names a
+        replica set: a model, or one variant of it (`model#variant`)."""
         return await self.queues[model].acquire(owner, exclude, spill_after, call)
 
     def release(self, replica: Replica, call: Call | None = None) -> None:
-        self.queues[replica.model].release(replica, call)
+        self.queues[replica.group].release(replica, call)
 
     def observe(self, replica: Replica, ttft: float) -> None:
-        queue = self.queues.get(replica.model)
+        queue = self.queues.get(replica.group)
         if queue is not None and replica.rented is None:
             queue.observe(replica, ttft)
 
     def replica_changed(self, replica: Replica) -> None:
         """A replica came back (or went): waiters may now have somewhere to go."""
-        queue = self.queues.get(replica.model)
+        queue = self.queues.get(replica.group)
         if queue is not None:
             queue.dispatch()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from backends.rented import Price, ProviderSettings, RentedProviders
 from backends.replicas import HealthTimings, Replica, ReplicaSet
-from policies.config import Health, Model, Policy, backend_name
+from policies.config import Health, Model, Policy, backend_name, groups_of
 
 
 def health_timings(health: Health) -> HealthTimings:
@@ -17,23 +17,33 @@ def health_timings(health: Health) -> HealthTimings:
 
 
 def replicas_of(model: Model) -> list[Replica]:
+    """The replicas of a model's `backends` list (its variants' lists, flattened in order, when it has any)."""
+    variants = [v for v in model.variants for _ in v.backends] or [None] * len(model.backends)
     return [
         Replica(
             name=backend_name(model, i),
             model=model.name,
             url=backend.url,
-            served_name=backend.served_name or model.served_name or model.name,
+            served_name=backend.served_name or (variant and variant.served_name) or model.served_name or model.name,
             cap=backend.cap,
             health_path=backend.health_path,
             adaptive=backend.adaptive,
             priority_scheduling=backend.scheduling_policy == "priority",
+            variant=variant.name if variant else None,
         )
-        for i, backend in enumerate(model.backends)
+        for i, (backend, variant) in enumerate(zip(model.backends, variants, strict=True))
     ]
 
 
+def replica_groups(model: Model) -> dict[str, list[Replica]]:
+    """A model's static replicas by set (policies/config.py groups_of); a discovered set starts empty."""
+    replicas = replicas_of(model)
+    return {group: [r for r in replicas if r.group == group] for group, _ in groups_of(model)}
+
+
 def replica_set(policy: Policy, on_change=None) -> ReplicaSet:
-    return ReplicaSet({m.name: replicas_of(m) for m in policy.models}, health_timings(policy.health), on_change)
+    return ReplicaSet({g: rs for m in policy.models for g, rs in replica_groups(m).items()},
+                      health_timings(policy.health), on_change)
 
 
 def rented_providers(policy: Policy) -> RentedProviders:

@@ -456,6 +456,64 @@ class KubernetesAccess(Strict):
     kubeconfig: str | None = None  # None: the in-cluster service account
 
 
+VARIANT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class Variant(Strict):
+    """One way of serving a model (a vLLM flag, a quantisation, a draft model): its own replicas, from a
+    `backends` list or `discovery`, with their caps, and its share of the model's traffic."""
+
+    name: str = Field(pattern=VARIANT)
+    weight: float = Field(0.0, ge=0, le=1_000_000)  # relative to the other live ones; a shadow's: percent copied
+    shadow: bool = False  # gets copies of sampled requests, never live traffic (its answers are never returned)
+    served_name: str | None = Field(None, pattern=NAME)
+    backends: list[Backend] = []
+    discovery: Discovery | None = None
+
+    @model_validator(mode="after")
+    def backends_or_discovery(self) -> Variant:
+        if bool(self.backends) == (self.discovery is not None):
+            raise ValueError("a variant needs either a non-empty `backends` list or `discovery`, not both")
+        return self
+
+
+class Promotion(Strict):
+    """Steps a candidate takes while its guard holds: its share of the model's traffic, in percent."""
+
+    steps: list[Annotated[float, Field(gt=0, le=100)]] = Field(min_length=1)  # e.g. [5, 25, 50, 100]
+    after_requests: int = Field(200, ge=1, le=10_000_000)  # the candidate's calls at a step before the next
+
+    @field_validator("steps")
+    @classmethod
+    def rising(cls, steps: list[float]) -> list[float]:
+        if steps != sorted(set(steps)):
+            raise ValueError("steps must rise, e.g. [5, 25, 50, 100]")
+        return steps
+
+
+class Guard(Strict):
+    """Each candidate variant against the baseline, over a sliding window (policies/variant_guard.py): a
+    breach sets the candidate's weight to 0 at once. A limit that is null is not checked."""
+
+    baseline: str | None = Field(None, pattern=VARIANT)  # default: the first variant that is not a shadow
+    window_seconds: Seconds = 300.0
+    min_samples: int = Field(50, ge=1, le=1_000_000)  # per side and signal before it is judged
+    max_validity_drop: float | None = Field(0.02, ge=0, le=1)  # structured-output validity, in points
+    max_error_increase: float | None = Field(0.01, ge=0, le=1)  # the variant's own faults, in points
+    max_itl_ratio: float | None = Field(1.2, gt=1, le=100)  # inter-token latency p50 at comparable load
+    max_ttft_ratio: float | None = Field(None, gt=1, le=100)  # time to first token p50 at comparable load
+    min_agreement: float | None = Field(0.9, ge=0, le=1)  # shadow answers equal to the live one (temperature 0)
+    promotion: Promotion | None = None
+
+
+class Sticky(Strict):
+    """What keeps one conversation on one variant (and its prefix cache): the value of a request header when
+    the request has it, else the API key when `key` is true; a request with neither is assigned at random."""
+
+    header: str | None = Field(None, pattern=r"^[a-z0-9-]{1,64}$")
+    key: bool = False
+
+
 class Model(Strict):
     name: str = Field(pattern=NAME)
     aliases: list[Annotated[str, Field(pattern=NAME)]] = []
@@ -468,9 +526,32 @@ class Model(Strict):
     rented_price_from: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None  # instead of backends: replicas found in the cluster, watched
+    # instead of backends and discovery: named variants, each with its own replicas, split by weight
+    variants: list[Variant] = []
+    sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
+    guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
+        if self.variants:
+            if self.backends or self.discovery is not None:
+                raise ValueError("a model with `variants` gives its replicas there, not in `backends`/`discovery`")
+            names = [v.name for v in self.variants]
+            if len(set(names)) != len(names):
+                raise ValueError("variant names must be unique")
+            if sum(v.weight for v in self.variants if not v.shadow) <= 0:
+                raise ValueError("variants: at least one variant that is not a shadow needs a weight above 0")
+            if any(v.shadow and v.weight > 100 for v in self.variants):
+                raise ValueError("a shadow variant's weight is the percent of requests copied to it: at most 100")
+            if self.guard and self.guard.baseline and self.guard.baseline not in names:
+                raise ValueError(f"guard.baseline {self.guard.baseline!r} is not a variant of this model")
+            # every owned backend of the model, in one list: the egress check, caps, cost and ledger read it
+            flat = [b if b.name else b.model_copy(update={"name": f"{self.name}-{v.name}-{j}"})
+                    for v in self.variants for j, b in enumerate(v.backends)]
+            object.__setattr__(self, "backends", flat)  # frozen: set once, here, while validating
+            return self
+        if self.sticky is not None or self.guard is not None:
+            raise ValueError("sticky and guard apply to variants; this model has none")
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
         return self
@@ -615,6 +696,16 @@ class Policy(Strict):
 def profile_of(policy: Policy, model: Model) -> tuple[str, RoutingProfile]:
     name = model.routing or policy.routing.default_profile
     return name, policy.routing.profile(name)
+
+
+def group_of(model: str, variant: str | None) -> str:
+    """The name of a variant's own replica set and admission queue: `model#variant` ("#" is never in a name)."""
+    return f"{model}#{variant}" if variant else model
+
+
+def groups_of(model: Model) -> list[tuple[str, Variant | None]]:
+    """A model's replica sets: one per variant, or the model's own."""
+    return [(group_of(model.name, v.name), v) for v in model.variants] or [(model.name, None)]
 
 
 def backend_name(model: Model, index: int) -> str:

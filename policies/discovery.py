@@ -16,7 +16,7 @@ from backends.egress import inside, networks
 from backends.replicas import Replica, ReplicaSet
 from backends.sources.base import Endpoint, Source
 from policies.config import Discovery as DiscoveryConfig
-from policies.config import Model, Policy
+from policies.config import Model, Policy, groups_of
 
 log = logging.getLogger("gateway.discovery")
 
@@ -37,7 +37,7 @@ class Discovery:
         self.on_refused = on_refused or (lambda address: None)
         self.make_source = source_factory
         self.running: dict[str, tuple[tuple, Source]] = {}  # model -> (what it watches, the source)
-        self.models: dict[str, Model] = {}
+        self.models: dict[str, tuple[Model, DiscoveryConfig, str | None]] = {}  # set -> model, source, variant
         self.last: dict[str, list[Endpoint]] = {}
         self.refused: set[str] = set()
         self.nets = []
@@ -47,13 +47,14 @@ class Discovery:
         """Start, keep or stop each model's source to match `policy` (at start and at every reload)."""
         self.loop = asyncio.get_running_loop()
         self.nets = networks(policy.network.private_cidrs)
-        self.models = {m.name: m for m in policy.models if m.discovery is not None}
+        self.models = {group: (m, (v or m).discovery, v.name if v else None)
+                       for m in policy.models for group, v in groups_of(m) if (v or m).discovery is not None}
         for name in [n for n in self.running if n not in self.models]:
             self.running.pop(name)[1].stop()
             self.last.pop(name, None)
-        for name, model in self.models.items():
-            target = (model.discovery.kind, model.discovery.namespace, model.discovery.service,
-                      model.discovery.inference_service, model.discovery.port, policy.kubernetes.kubeconfig)
+        for name, (_, config, _) in self.models.items():
+            target = (config.kind, config.namespace, config.service, config.inference_service, config.port,
+                      policy.kubernetes.kubeconfig)
             running = self.running.get(name)
             if running is not None and running[0] == target:
                 self.apply(name, self.last.get(name, []))  # same endpoints, maybe new settings
@@ -61,12 +62,12 @@ class Discovery:
             if running is not None:
                 running[1].stop()
             try:
-                source = self.make_source(model.discovery, policy.kubernetes.kubeconfig)
+                source = self.make_source(config, policy.kubernetes.kubeconfig)
             except Exception as exc:  # noqa: BLE001 - no kubeconfig, not in a cluster: this model has no replicas
                 self.running.pop(name, None)
                 log.error("model %s: discovery (%s) cannot reach the Kubernetes API, the model gets no replica: %s"
                           " (set kubernetes.kubeconfig, or run in a pod with a service account)",
-                          name, model.discovery.kind, exc)
+                          name, config.kind, exc)
                 continue
             self.running[name] = (target, source)
             source.start(lambda endpoints, name=name, source=source: self.emit(name, source, endpoints))
@@ -85,8 +86,8 @@ class Discovery:
         self.apply(model, endpoints)
 
     def apply(self, name: str, endpoints: list[Endpoint]) -> None:
-        model = self.models[name]
-        config = model.discovery
+        """`name` is a replica set: a model, or one of its variants (`model#variant`)."""
+        model, config, variant = self.models[name]
         desired = []
         for endpoint in endpoints:
             if not inside(endpoint.address, self.nets):
@@ -98,9 +99,9 @@ class Discovery:
                     self.on_refused(endpoint.address)
                 continue
             desired.append(Replica(
-                name=f"{name}@{endpoint.address}:{endpoint.port}", model=name, url=endpoint.url(config.scheme),
-                served_name=model.served_name or name, cap=config.cap, health_path=config.health_path,
-                source=config.kind,
+                name=f"{name}@{endpoint.address}:{endpoint.port}", model=model.name, url=endpoint.url(config.scheme),
+                served_name=served_name(model, variant), cap=config.cap, health_path=config.health_path,
+                source=config.kind, variant=variant,
             ))
         self.replicas.apply(name, desired)
 
@@ -108,3 +109,8 @@ class Discovery:
         for _, source in self.running.values():
             source.stop()
         self.running.clear()
+
+
+def served_name(model: Model, variant: str | None) -> str:
+    chosen = next((v for v in model.variants if v.name == variant), None)
+    return (chosen.served_name if chosen else None) or model.served_name or model.name

@@ -73,6 +73,11 @@ class NotFound(GatewayError):
     type = "invalid_request_error"
 
 
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+
+
 class MethodNotAllowed(GatewayError):
     status = 405
     type = "invalid_request_error"

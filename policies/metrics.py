@@ -108,6 +108,48 @@ class GatewayMetrics:
             "llm_gateway_served_tokens", "Prompt plus completion tokens, by where they were served.",
             ["model", "served_by"], registry=r,
         )
+        self.variant_requests = Counter(
+            "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"
+            " HTTP status.", ["model", "variant", "status"], registry=r,
+        )
+        self.variant_errors = Counter(
+            "llm_gateway_variant_errors", "Failed requests of a variant by kind: upstream_error, timeout, no_backend"
+            " (held against it), at_capacity, rejected, client_closed.", ["model", "variant", "kind"], registry=r,
+        )
+        self.variant_ttft = Histogram(
+            "llm_gateway_variant_time_to_first_token_seconds", "A variant's backend time to first token (queue"
+            " excluded), by the load it met: requests in flight to its replica when sent, up to this many.",
+            ["model", "variant", "load"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.variant_itl = Histogram(
+            "llm_gateway_variant_inter_token_latency_seconds", "A variant's mean time between output tokens per"
+            " stream, by the load it met.", ["model", "variant", "load"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=r,
+        )
+        self.variant_tokens_per_second = Histogram(
+            "llm_gateway_variant_output_tokens_per_second", "A variant's output tokens per second of each stream.",
+            ["model", "variant"], buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280), registry=r,
+        )
+        self.variant_structured = Counter(
+            "llm_gateway_variant_structured_answers", "A variant's structured answers (response_format JSON, tool"
+            " call arguments), by whether they were valid.", ["model", "variant", "valid"], registry=r,
+        )
+        self.variant_length = Counter(
+            "llm_gateway_variant_length_finishes", "A variant's answers cut at the length limit"
+            " (finish_reason=length).", ["model", "variant"], registry=r,
+        )
+        self.variant_guard_actions = Counter(
+            "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
+            " worse than the baseline's) or promote.", ["model", "variant", "action", "signal"], registry=r,
+        )
+        self.variant_shadow_dropped = Counter(
+            "llm_gateway_variant_shadow_dropped", "Copies for a shadow variant not sent: its cap was full, it had no"
+            " replica up, or the live call failed.", ["model", "variant"], registry=r,
+        )
+        self.variant_weight = Gauge(
+            "llm_gateway_variant_weight", "Each variant's weight now in force (file, admin API or guard).",
+            ["model", "variant"], registry=r,
+        )
         self.rented_cost = Counter(
             "llm_gateway_rented_cost", "Cost of rented tokens at the provider's configured price (currency units).",
             ["model", "provider"], registry=r,

@@ -40,6 +40,10 @@ class Call:
     prompt_estimate: int = 0
     streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
+    variant: str | None = None  # the model's variant that serves it, when the model has variants
+    group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
+    load: int = 0  # requests in flight to its replica when it was sent (itself included)
+    shadow: Any = None  # (variant, replica set) of a shadow variant this request is copied to once answered
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream
     replica: Replica | None = None

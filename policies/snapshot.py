@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.rented import RentedProviders
 from backends.replicas import ReplicaSet
@@ -23,8 +23,8 @@ from policies.accounting import RecordUsage
 from policies.admission import Admission
 from policies.auth import Authenticate, Authorize
 from policies.budget import Budget
-from policies.compile import rented_providers, replicas_of
-from policies.config import Policy, profile_of
+from policies.compile import rented_providers, replica_groups
+from policies.config import Policy, groups_of, profile_of
 from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
@@ -33,6 +33,7 @@ from policies.priority import Classify
 from policies.ratelimit.base import Limiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Profile, Stats, build_profile
+from policies.variants import AssignVariant, Variants
 
 # Parts of the policy that are read once at start (listener, store, timeouts of the shared client, health
 # timings, scraping, admin tokens): a reload that changes them is applied for the rest and says so.
@@ -65,6 +66,7 @@ class Shared:
     fleet: object = None  # policies.fleet_caps.FleetSlots when caps count every gateway replica (Redis store)
     budgets: object = None  # policies.budget's store of per-key spend
     record_ledger: object = None  # policies.ledger.record.RecordLedger: the cost ledger's pipeline step
+    variants: Variants = field(default_factory=Variants)  # every model's variant weights (policies/variants.py)
 
 
 def version_of(text: str | bytes) -> str:
@@ -85,17 +87,20 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
     admission = Admission(policy, shared.replicas, profiles, shared.metrics, shared.fleet)
     if previous is not None:
         for model in policy.models:
-            queue = previous.admission.queues.get(model.name)
-            if queue is not None:  # waiters, drain rate and adaptive cuts carry over; the settings are new
-                queue.config, queue.profile = model.queue, profiles[model.name]
-                queue.replicas = shared.replicas.by_model[model.name]
-                admission.queues[model.name] = queue
+            for group, _ in groups_of(model):
+                queue = previous.admission.queues.get(group)
+                if queue is not None:  # waiters, drain rate and adaptive cuts carry over; the settings are new
+                    queue.config, queue.profile = model.queue, profiles[model.name]
+                    queue.replicas = shared.replicas.by_model[group]
+                    admission.queues[group] = queue
+    shared.variants.configure(policy)
     client_network = ClientNetwork(policy.network)
     rented = rented_providers(policy)
     pipeline = Pipeline([
         client_network,
         shared.authenticate,
         ResolveModel(policy),
+        *([AssignVariant(shared.variants, shared.metrics)] if shared.variants.models else []),
         Authorize(),
         Classify(policy),
         RateLimit(policy, shared.limiter, shared.background, shared.metrics),
@@ -109,12 +114,15 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
 def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:
     """Bring the live set to the policy's `backends:` lists; models the policy no longer has are drained.
     Models found by discovery get their replicas from their source (policies/discovery.py)."""
-    wanted = {m.name for m in policy.models}
+    wanted = set()
     for model in policy.models:
-        if model.discovery is None:
-            replicas.apply(model.name, replicas_of(model))
-        else:  # its source (policies/discovery.py) fills it
-            replicas.by_model.setdefault(model.name, [])
+        static = replica_groups(model)
+        for group, variant in groups_of(model):
+            wanted.add(group)
+            if (variant or model).discovery is None:
+                replicas.apply(group, static[group])
+            else:  # its source (policies/discovery.py) fills it
+                replicas.by_model.setdefault(group, [])
     for name in list(replicas.by_model):
         if name not in wanted:
             replicas.remove_model(name)

@@ -26,6 +26,7 @@ from .audio import Audio
 from .config import SimConfig
 from .engine import Engine, GenRequest
 from .extras import Extras
+from .structured import Corruptor, Structured, structured_answer
 from .protocol import (ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, check_lengths,
                        completion_prompt, embedding_inputs, parse, refuse_unsupported, render_chat, tokenize)
 
@@ -110,6 +111,7 @@ class SimulatorApp:
 
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
+        self.corruptor = Corruptor(cfg.corrupt_fraction)
         self.engine = Engine(cfg)
         self.registry = self.engine.metrics.registry
         self.created = int(time.time())
@@ -178,7 +180,7 @@ class SimulatorApp:
     async def chat(self, http: Http) -> None:
         req = parse(ChatRequest, await http.read_json())
         self._check_model(req.model)
-        refuse_unsupported(req)
+        refuse_unsupported(req, self.cfg.tool_calling)
         prompt = tokenize(render_chat(req))
         max_tokens = req.requested_max_tokens
         check_lengths(len(prompt), max_tokens, self.cfg.max_model_len)
@@ -197,7 +199,8 @@ class SimulatorApp:
     async def _generate(self, http: Http, req: ChatRequest | CompletionRequest, prompt: list, max_tokens: int,
                         chat: bool) -> None:
         gen = self.engine.submit(prompt, max_tokens, ignore_eos=req.ignore_eos, stop=req.stop_list, seed=req.seed)
-        shape = _ChatShape(self) if chat else _CompletionShape(self)
+        shape = _ChatShape(self, structured_answer(req, self.cfg.tool_calling, self.corruptor)) if chat \
+            else _CompletionShape(self)
         async with http.abort_on_disconnect(gen):
             if req.stream:
                 await self._stream(http, gen, shape, req.include_usage)
@@ -317,6 +320,12 @@ class _Shape:
 class _ChatShape(_Shape):
     object_, prefix = "chat.completion.chunk", "chatcmpl"
 
+    def __init__(self, app: SimulatorApp, structured: Structured | None = None):
+        super().__init__(app)
+        self.structured = structured
+        self.left = structured.text if structured else ""  # what the stream has still to send of it
+        self.named = False  # a streamed tool call names its function in its first delta
+
     def first_chunk(self) -> bytes:
         return _sse({**self.head(self.object_), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
@@ -325,17 +334,36 @@ class _ChatShape(_Shape):
     def chunk(self, piece: str, final: GenRequest | None) -> bytes:
         choice: dict = {"index": 0, "delta": {"content": piece}, "logprobs": None,
                         "finish_reason": final.finish_reason if final else None}
+        if self.structured is not None:  # the engine's timing, the structured answer's text (8 characters a token)
+            part, self.left = (self.left, "") if final else (self.left[:8], self.left[8:])
+            choice["delta"] = self.structured_delta(part)
+            if final and self.structured.tool:
+                choice["finish_reason"] = "tool_calls"
         if final:
             choice["stop_reason"] = final.stop_reason
         choice["token_ids"] = None
         return _sse({**self.head(self.object_), "choices": [choice]})
 
+    def structured_delta(self, part: str) -> dict:
+        s = self.structured
+        if s.tool is None:
+            return {"content": part}
+        first, self.named = not self.named, True
+        function = {"name": s.tool, "arguments": part} if first else {"arguments": part}
+        return {"tool_calls": [{"index": 0, **({"id": s.call_id, "type": "function"} if first else {}),
+                                "function": function}]}
+
     def response(self, gen: GenRequest) -> dict:
+        s = self.structured
+        content = gen.text if s is None else (s.text if s.tool is None else None)
+        calls = {"tool_calls": [{"id": s.call_id, "type": "function", "function": {
+            "name": s.tool, "arguments": s.text}}]} if s is not None and s.tool else {}
         return {**self.head("chat.completion"), "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text, "refusal": None, "annotations": None,
-                        "audio": None, "function_call": None, "reasoning": None},
-            "logprobs": None, "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
+            "message": {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                        "audio": None, "function_call": None, "reasoning": None, **calls},
+            "logprobs": None, "finish_reason": "tool_calls" if calls else gen.finish_reason,
+            "stop_reason": gen.stop_reason,
             "token_ids": None, "routed_experts": None,
         }], "service_tier": None, "system_fingerprint": self.app.fingerprint, "usage": _usage(gen, details=True),
             "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,

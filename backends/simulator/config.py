@@ -32,6 +32,12 @@ class SimConfig(BaseModel):
     enable_prefix_caching: bool = True
     seed: int = 0
     embedding_dim: int = Field(384, ge=1)
+    # like vLLM's --enable-auto-tool-choice: a request with `tools` is answered with a call of its first tool
+    # (or the one tool_choice names), its arguments made from the tool's parameters schema
+    tool_calling: bool = False
+    # the share of structured answers (response_format JSON, tool-call arguments) sent broken, evenly spread
+    # (backends/simulator/structured.py): a model whose quantisation breaks JSON, for the variant guard
+    corrupt_fraction: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _cache_holds_one_request(self) -> SimConfig:

@@ -170,13 +170,13 @@ def check_lengths(prompt_tokens: int, max_tokens: int | None, max_model_len: int
                             f"(parameter=input_tokens, value={prompt_tokens})", param="input_tokens")
 
 
-def refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
+def refuse_unsupported(req: ChatRequest | CompletionRequest, tool_calling: bool = False) -> None:
     """Refuse what the simulator cannot honestly produce instead of faking it."""
     if req.n != 1:
         raise ApiError(400, "The simulator supports only n=1.", param="n")
     if req.logprobs or (isinstance(req, CompletionRequest) and req.echo):
         raise ApiError(400, "The simulator does not produce logprobs or echo.", param="logprobs")
-    if isinstance(req, ChatRequest) and req.tools and req.tool_choice != "none":
+    if isinstance(req, ChatRequest) and req.tools and req.tool_choice != "none" and not tool_calling:
         # A vLLM started without a tool parser answers the same; the simulator has no tool calling.
         raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")

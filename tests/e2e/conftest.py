@@ -87,14 +87,23 @@ def capped_vllm(tmp_path_factory):
         other.pause()
     server = VLLMServer(model, "tiny-knee", core=0, extra_args=("--max-num-seqs", "8"),
                         log_dir=tmp_path_factory.mktemp("vllm-knee-logs"), log_requests=False)
+    try:
+        with started(server):
+            yield server
+    finally:
+        for other in others:
+            other.resume()
+
+
+@contextlib.contextmanager
+def started(server: VLLMServer, timeout: float = 240) -> Iterator[VLLMServer]:
+    """A server of the test's own: started, waited for (bounded), stopped however the test ends."""
     server.start()
     try:
-        server.wait_ready(240)
+        server.wait_ready(timeout)
         yield server
     finally:
         server.stop()
-        for other in others:
-            other.resume()
 
 
 def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
@@ -133,8 +142,12 @@ def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:
 
 
 class GatewayProcess:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path, key: str) -> None:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path, key: str, mint=None) -> None:
         self.url, self.proc, self.log, self.key = url, proc, log, key
+        self.mint = mint  # role -> an admin API token of that role
+
+    def admin_token(self, role: str = "admin") -> str:
+        return self.mint(role)
 
     def metric(self, name: str, **labels: str) -> float:
         return metric_sum(httpx.get(f"{self.url}/metrics").text, name, **labels)
@@ -159,11 +172,14 @@ def gateway_process(policy: dict, work: Path) -> Iterator[GatewayProcess]:
         except AssertionError as exc:
             pytest.fail(f"{exc}:\n" + log.read_text()[-3000:])
         # an app's key, issued the way an admin does it: a token from the CLI, then `keys create`
-        token = subprocess.run([cli, "admin-token", "--config", str(config), "--ttl", "1h"], env=env, check=True,
-                               capture_output=True, text=True).stdout.strip()
+        def mint(role: str) -> str:
+            return subprocess.run([cli, "admin-token", "--config", str(config), "--ttl", "1h", "--role", role],
+                                  env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+        token = mint("admin")
         created = subprocess.run([cli, "keys", "--url", url, "--token", token, "--json", "create", "--name", "e2e"],
                                  check=True, capture_output=True, text=True)
-        yield GatewayProcess(url, proc, log, json.loads(created.stdout)["key"])
+        yield GatewayProcess(url, proc, log, json.loads(created.stdout)["key"], mint)
     finally:
         proc.terminate()
         try:

@@ -25,7 +25,7 @@ SECRET = "s" * 40
 EXAMPLES = 50  # per operation and phase: ~1000 cases, ~15 s on two cores
 SEED = 20260101
 # The token reaches schemathesis through its config file and the environment, never its command line.
-CONFIG = 'headers = { Authorization = "Bearer ${LLMGW_TEST_ADMIN_TOKEN}" }\n'
+CONFIG = 'headers = { Authorization = "Bearer ${LLMGW_TEST_ADMIN_TOKEN}" }\n[parameters]\n"path.model" = "v"\n'
 ISSUED_KEY = re.compile(r"sk-[0-9a-f]{16}-[A-Za-z0-9]{43}")
 
 
@@ -39,7 +39,9 @@ async def test_schemathesis_finds_nothing(monkeypatch, tmp_path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     async with serve_app(Recorder()) as up, running_gateway(
-        {"models": [{"name": "m", "backends": [{"url": up}]}]}, issue_test_key=False
+        {"models": [{"name": "m", "backends": [{"url": up}]},  # and one with variants for their routes
+                    {"name": "v", "variants": [{"name": "a", "weight": 1, "backends": [{"url": up}]}]}]},
+        issue_test_key=False
     ) as gw:
         async with httpx.AsyncClient() as client:  # /ready answers 503 until the backend's first health check
             deadline = time.monotonic() + 10

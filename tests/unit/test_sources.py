@@ -97,3 +97,36 @@ def test_the_kserve_sdk_imports_under_the_gateways_own_command_line():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["KServeClient", "['serve',", "'--config',", "'/etc/llm-gateway/policy.yaml']"]
+
+
+async def test_a_discovered_variant_fills_its_own_replica_set():
+    from policies.compile import replica_set
+
+    policy = parse_policy("""
+models:
+  - name: m
+    served_name: s
+    variants:
+      - {name: bf16, weight: 90, backends: [{url: "http://10.0.0.1:8000"}]}
+      - {name: fp8, weight: 10, served_name: s-fp8,
+         discovery: {kind: kserve, namespace: llm, inference_service: m-fp8, cap: 8}}
+""")
+
+    class Fake:
+        def start(self, emit):
+            self.emit = emit
+
+        def stop(self):
+            pass
+
+    fake = Fake()
+    replicas = replica_set(policy)
+    discovery = Discovery(replicas, source_factory=lambda config, kubeconfig: fake)
+    discovery.sync(policy)
+    assert list(discovery.models) == ["m#fp8"]
+    fake.emit([Endpoint("10.1.2.3", 8000)])
+    await asyncio.sleep(0.01)
+    [replica] = replicas.by_model["m#fp8"]
+    assert (replica.name, replica.model, replica.variant, replica.group, replica.served_name, replica.cap) == \
+        ("m#fp8@10.1.2.3:8000", "m", "fp8", "m#fp8", "s-fp8", 8)
+    assert [r.name for r in replicas.by_model["m#bf16"]] == ["m-bf16-0"]  # the static variant is untouched

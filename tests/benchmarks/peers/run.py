@@ -86,6 +86,7 @@ STORE_COMPARE = [  # (column, Redis set-up from tests/support): the same gateway
 LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the cost ledger, for what it costs
     ("gateway no ledger", {"ledger": {"enabled": False}}),
 ]
+VARIANTS = "gateway variants 80:20"  # --variants-compare: each model split over two variants
 TRACED = "gateway tracing 1.0"  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
@@ -548,6 +549,9 @@ def parse_args(argv=None):
     p.add_argument("--tracing-compare", action="store_true",
                    help="also measure the gateway with tracing on at sampling ratio 1.0, exporting to a local OTLP/HTTP"
                         " sink on the load core (what tracing costs per request)")
+    p.add_argument("--variants-compare", action="store_true",
+                   help="also measure the gateway with each model split 80/20 over two variants of the same backend"
+                        " (what variant assignment costs per request)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -637,6 +641,11 @@ def main(argv=None) -> int:
                 systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
                                              args=args.gateway_arg, routing=profile, replicas=2))
                 systems[-1].name = label
+        if args.variants_compare and "gateway" in wanted:
+            log(f"starting {VARIANTS} on core {SUT_CORE}")
+            systems.append(start_gateway(procs, work, standin, name="gateway-variants", env_extra=env,
+                                         args=args.gateway_arg, variants=True))
+            systems[-1].name = VARIANTS
         if args.store_compare and "gateway" in wanted:
             systems += start_store_variants(procs, work, standin, env, args)
         sink_url = None
@@ -709,6 +718,7 @@ def main(argv=None) -> int:
         print(f"{'MET   ' if ok else 'MISSED'} {label}: {detail}")
     (dflt, _), (lif, _) = ROUTING_COMPARE
     within_10_percent(samples, dflt, lif, "default routing profile within 10% of least-in-flight")
+    within_10_percent(samples, VARIANTS, "gateway", "variants within 10% of a single variant")
     (standalone, _), *others = STORE_COMPARE
     for label, _ in others:
         within_10_percent(samples, label, standalone, f"{label} within 10% of {standalone}")

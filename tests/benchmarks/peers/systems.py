@@ -75,14 +75,15 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
                   routing: str | None = None, replicas: int = 1, redis_url: str | None = None,
-                  store: dict | None = None, policy_extra: dict | None = None) -> System:
+                  store: dict | None = None, policy_extra: dict | None = None, variants: bool = False) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
     profile has candidates to score (they share one stand-in, so the backend's speed is the same).
     `redis_url`: the Redis store instead of SQLite, as N replicas run it (keys, limits and the backends' cap
     slots in Redis); each backend then has a cap far above the load, so every request takes a fleet slot.
     `store`: these store settings as they are (e.g. Redis behind Sentinel or a Cluster), no caps.
-    `policy_extra` adds top-level sections to the policy (e.g. `ledger`)."""
+    `policy_extra` adds top-level sections to the policy (e.g. `ledger`). `variants`: each model as two variants
+    (a: 80, b: 20) of the same stand-in, so every request is assigned one."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -103,6 +104,11 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
              "backends": [{"url": f"http://127.0.0.1:{standin.sse_port}", **cap}] * replicas},
         ],
     }
+    if variants:
+        for model in policy["models"]:
+            backends = model.pop("backends")
+            model["variants"] = [{"name": "a", "weight": 80, "backends": backends},
+                                 {"name": "b", "weight": 20, "backends": backends}]
     if routing is not None:
         policy["routing"] = {"default_profile": routing}
     policy.update(policy_extra or {})

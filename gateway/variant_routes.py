@@ -1,0 +1,124 @@
+"""GET and PUT /admin/models/{model}/variants: a model's variants and their weights, changed live; and
+GET /admin/variants: every model's variants side by side, with what their recent answers say
+(policies/variant_signals.py) and their guard's verdict.
+
+Reading needs a viewer token; changing the weights an operator (or admin) token. A change is in force for the
+next request at once, without a reload or a restart; requests already assigned finish on their variant. The
+policy file's weights come back only when the file's weights for that model change (policies/variants.py).
+"""
+
+from __future__ import annotations
+
+from litestar import get, put
+from litestar.params import JSONBody, Parameter
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.openapi import errors
+from policies.errors import Conflict, NotFound
+from policies.variants import NoLiveWeight, UnknownVariant
+
+class VariantView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float = Field(description="the weight now in force")
+    shadow: bool
+    filed_weight: float = Field(description="the weight the policy file gives it")
+
+
+class ModelVariants(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    sticky: dict | None = Field(description="what keeps a conversation on one variant (header, key)")
+    variants: list[VariantView]
+
+
+class NewWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=64, description="a variant of the model")
+    weight: float = Field(ge=0, le=1_000_000)
+
+
+class LoadFigures(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests: int
+    ttft_p50: float | None
+    itl_p50: float | None
+
+
+class VariantSignals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float
+    shadow: bool
+    requests: int = Field(description="calls in the window")
+    errors: dict[str, int] = Field(description="failed calls by kind")
+    error_rate: float | None = Field(description="share of calls failed by the variant's fault (upstream_error,"
+                                     " timeout, no_backend)")
+    ttft_p50: float | None = Field(description="seconds from sending to the first token (queue excluded)")
+    itl_p50: float | None = Field(description="seconds between output tokens of a stream")
+    tokens_per_second_p50: float | None = Field(description="output tokens per second of a stream")
+    structured: int = Field(description="answers with structured output (response_format JSON, tool calls)")
+    structured_valid_rate: float | None
+    length_rate: float | None = Field(description="share of answers with finish_reason length")
+    shadow_compared: int = Field(description="shadow answers compared with the live one")
+    agreement_rate: float | None = Field(description="shadow answers equal to the live one, exactly or as JSON")
+    exact_match_rate: float | None = Field(description="shadow answers equal to the live one byte for byte")
+    by_load: dict[str, LoadFigures] = Field(description="medians per load level: requests in flight to the"
+                                             " replica when sent, up to this many")
+    guard: dict | None = Field(None, description="the guard's state and the reason of its last action")
+
+
+class ModelSignals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variants: list[VariantSignals]
+
+
+class AllVariants(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: dict[str, ModelSignals]
+
+
+class WeightChange(BaseModel):
+    """A list rather than a mapping: the OpenAPI document then keeps the bounds of every weight."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights: list[NewWeight] = Field(description="the variants whose weight changes; the others keep theirs")
+
+
+ModelName = Parameter(max_length=128, description="the model's public name")
+
+
+def variant_handlers(gateway) -> list:
+    variants = gateway.shared.variants
+
+    def current(model: str) -> ModelVariants:
+        view = variants.view(model)
+        if view is None:
+            raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
+        return ModelVariants.model_validate(view)
+
+    @get("/models/{model:str}/variants", summary="A model's variants and the weights in force",
+         sync_to_thread=False, responses=errors(400, 401, 404))
+    def show(model: str = ModelName) -> ModelVariants:
+        return current(model)
+
+    @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
+         opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
+    def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+        current(model)
+        try:
+            if data.weights:
+                variants.set_weights(model, {w.name: w.weight for w in data.weights}, why="admin API")
+        except UnknownVariant as exc:
+            raise NotFound(str(exc), param="weights", code="variant_not_found") from None
+        except NoLiveWeight as exc:
+            raise Conflict(str(exc), param="weights", code="no_live_weight") from None
+        return current(model)
+
+    @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
+         sync_to_thread=False, responses=errors(400, 401))
+    def signals(window: int | None = Parameter(default=None, ge=1, le=86400 * 30, description="only calls this"
+                                               " many seconds recent (default: the whole kept window)")) -> AllVariants:
+        return AllVariants.model_validate({"models": variants.report(window)})
+
+    return [show, change, signals]

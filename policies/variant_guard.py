@@ -1,0 +1,196 @@
+"""The guard of a model's candidate variants: compared with the baseline over a sliding window, pulled back
+at once when worse, promoted step by step while not.
+
+After each call of a candidate (every `EVERY` calls, so the request path stays cheap) its window and the
+baseline's (policies/variant_signals.py) over the last `window_seconds` are compared, each signal only once
+both sides have `min_samples` of it:
+
+- structured-output validity no more than `max_validity_drop` below the baseline's;
+- the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
+- inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
+  baseline's at the same load: per load level where both sides have `min_samples` calls (in flight to the
+  replica when sent), the ratio of the medians, judged on the worst level; a light canary is thus neither flattered
+  by its light load nor blamed for the baseline's heavier one;
+- for a shadow, agreement with the live answer at least `min_agreement`.
+
+A breach sets the candidate's weight to 0 at once (Variants.set_weights, so every request after it goes to
+the others), logs one warning with the reason, counts llm_gateway_variant_guard_actions_total and keeps the
+reason for GET /admin/variants. The variant stays out until an operator gives it a weight again (admin API or
+the file). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
+next share of traffic (the baseline takes the rest).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from policies.config import Guard, Model
+from policies.variant_signals import FAULTS, Sample, median
+
+log = logging.getLogger("gateway.variants")
+
+EVERY = 10  # a candidate's calls between two comparisons
+EPSILON = 1e-9  # 1.00 - 0.98 is a hair over 0.02 in floating point: "2 points" must hold at exactly 2
+WATCHING, ROLLED_BACK, PROMOTED, BASELINE = "watching", "rolled_back", "promoted", "baseline"
+
+
+@dataclass
+class GuardState:
+    state: str = WATCHING
+    reason: str | None = None
+    at: float | None = None  # unix seconds of the last action
+    step: int = -1  # the promotion step reached (-1: none yet)
+    held: int = 0  # the candidate's calls since its last step
+    calls: int = 0
+
+    def view(self) -> dict:
+        return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step}
+
+
+def baseline_of(model: Model) -> str:
+    guard = model.guard
+    return (guard.baseline if guard and guard.baseline else None) or next(v.name for v in model.variants
+                                                                           if not v.shadow)
+
+
+def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, str] | None:
+    """The first signal on which the candidate is worse than the baseline: (signal, reason), or None."""
+    need = guard.min_samples
+    if guard.max_validity_drop is not None:
+        c = [s.structured for s in cand if s.structured is not None]
+        b = [s.structured for s in base if s.structured is not None]
+        if len(c) >= need and len(b) >= need:
+            rc, rb = sum(c) / len(c), sum(b) / len(b)
+            if rb - rc > guard.max_validity_drop + EPSILON:
+                return "structured_validity", (f"structured-output validity {rc:.1%} vs baseline {rb:.1%} (more than"
+                                               f" {guard.max_validity_drop * 100:g} points lower, {len(c)} answers)")
+    if guard.max_error_increase is not None and len(cand) >= need and len(base) >= need:
+        rc = sum(1 for s in cand if s.error in FAULTS) / len(cand)
+        rb = sum(1 for s in base if s.error in FAULTS) / len(base)
+        if rc - rb > guard.max_error_increase + EPSILON:
+            return "errors", (f"errors {rc:.1%} vs baseline {rb:.1%} (more than {guard.max_error_increase * 100:g}"
+                              f" points higher, {len(cand)} calls)")
+    for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
+        if limit is None:
+            continue
+        worst = latency_ratio(cand, base, field, need)
+        if worst is not None and worst[0] > limit:
+            ratio, level, nc, nb = worst
+            return signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at the same load (limit {limit:g}x;"
+                            f" load level {level}: {nc} vs {nb} calls)")
+    if guard.min_agreement is not None:
+        agreed = [s.agreed for s in cand if s.agreed is not None]
+        if len(agreed) >= need and sum(agreed) / len(agreed) < guard.min_agreement:
+            return "agreement", (f"agreement with the live answer {sum(agreed) / len(agreed):.1%} (below"
+                                 f" {guard.min_agreement:.0%}, {len(agreed)} compared)")
+    return None
+
+
+def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int):
+    """The worst candidate-over-baseline ratio of `field`'s p50 among the load levels where both sides have
+    `need` calls: (ratio, level, candidate calls, baseline calls), or None while no level has. Per level, not
+    averaged over levels: a flag that hurts only under concurrency (--max-num-seqs 1) shows only where the
+    candidate had company."""
+    levels: dict[str, tuple[list[float], list[float]]] = {}
+    for side, samples in ((0, cand), (1, base)):
+        for s in samples:
+            value = getattr(s, field)
+            if value is not None:
+                levels.setdefault(s.load, ([], []))[side].append(value)
+    worst = None
+    for level, (c, b) in levels.items():
+        if len(c) >= need and len(b) >= need and median(b):
+            ratio = median(c) / median(b)
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, level, len(c), len(b))
+    return worst
+
+
+class VariantGuard:
+    """Every guarded model's candidates; their state is read by the admin view."""
+
+    def __init__(self, variants, metrics=None) -> None:
+        self.variants = variants  # policies.variants.Variants
+        self.metrics = metrics
+        self.states: dict[tuple[str, str], GuardState] = {}
+
+    def state(self, model: str, variant: str) -> GuardState:
+        found = self.states.get((model, variant))
+        if found is None:
+            found = self.states[(model, variant)] = GuardState()
+        return found
+
+    def view(self, model: str, variant: str) -> dict | None:
+        config = self.variants.models.get(model)
+        if config is None or config.guard is None:
+            return None
+        if variant == baseline_of(config):
+            return {"state": BASELINE, "reason": None, "at": None, "step": -1}
+        return self.state(model, variant).view()
+
+    def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
+        """An operator (or the file) gave weights: a variant given one again is watched again."""
+        if why.startswith("guard"):
+            return
+        for variant, weight in weights.items():
+            st = self.states.get((model, variant))
+            if st is not None and st.state == ROLLED_BACK and weight > 0:
+                self.states[(model, variant)] = GuardState()
+
+    def adopt(self, model: str, views: dict[str, dict]) -> None:
+        """Verdicts another gateway replica's guard reached (policies/variant_share.py)."""
+        for variant, view in views.items():
+            st = self.state(model, variant)
+            st.state, st.reason, st.at, st.step = view["state"], view.get("reason"), view.get("at"), view.get("step", -1)
+
+    def after_call(self, model: str, variant: str) -> None:
+        config = self.variants.models.get(model)
+        guard = config.guard if config is not None else None
+        if guard is None:
+            return
+        base = baseline_of(config)
+        if variant == base:
+            return
+        st = self.state(model, variant)
+        if st.state == ROLLED_BACK:
+            return
+        st.calls += 1
+        st.held += 1
+        if st.calls % EVERY:
+            return
+        cand = self.variants.window(model, variant).recent(guard.window_seconds)
+        baseline = self.variants.window(model, base).recent(guard.window_seconds)
+        breach = verdict(guard, cand, baseline)
+        if breach is not None:
+            self.roll_back(model, variant, *breach)
+        elif guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
+                and len(cand) >= guard.min_samples:
+            self.promote(config, variant, base, st)
+
+    def roll_back(self, model: str, variant: str, signal: str, reason: str) -> None:
+        st = self.state(model, variant)
+        before = self.variants.weights[model][variant]
+        st.state, st.reason, st.at = ROLLED_BACK, reason, time.time()
+        self.variants.set_weights(model, {variant: 0.0}, why=f"guard: {reason}")
+        log.warning("variant guard: model %s variant %s rolled back (weight %g -> 0): %s", model, variant, before,
+                    reason)
+        if self.metrics is not None:
+            self.metrics.variant_guard_actions.labels(model, variant, "rollback", signal).inc()
+
+    def promote(self, config: Model, variant: str, base: str, st: GuardState) -> None:
+        steps = config.guard.promotion.steps
+        st.step += 1
+        st.held = 0
+        share = steps[st.step]
+        others = sum(w for name, w in self.variants.weights[config.name].items()
+                     if name not in (variant, base) and not next(v for v in config.variants if v.name == name).shadow)
+        st.reason, st.at = f"promoted to {share:g}% after the guard held", time.time()
+        if st.step == len(steps) - 1:
+            st.state = PROMOTED
+        self.variants.set_weights(config.name, {variant: share, base: max(0.0, 100.0 - share - others)},
+                                  why=f"guard: {st.reason}")
+        log.info("variant guard: model %s variant %s promoted to %g%% of its traffic", config.name, variant, share)
+        if self.metrics is not None:
+            self.metrics.variant_guard_actions.labels(config.name, variant, "promote", "held").inc()

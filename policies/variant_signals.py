@@ -1,0 +1,315 @@
+"""What each variant's real answers say: speed, errors and the validity of structured output.
+
+Read from every finished call of a model with variants (policies/variants.py hands them over):
+
+- errors by kind (`upstream_error`, `timeout`, `no_backend`: the variant's fault; `at_capacity`, `rejected`
+  (the backend refused the request with a 4xx), `client_closed`: recorded, but not held against it);
+- time to first token and inter-token latency (the stream's time after its first token over the tokens after
+  the first), each recorded with the load it met: the requests in flight to its replica when it was sent, in
+  power-of-two levels, so a 10% canary at load 2 is compared with the baseline at load 2, not at load 16;
+- output tokens per second of each stream (completion tokens over the time after the first token);
+- structured output: an answer to `response_format` json_object (a JSON object) or json_schema (valid against
+  the schema, by jsonschema), and each tool call's arguments (a JSON object valid against the declared tool's
+  `parameters`); a call with neither is not a structured sample;
+- whether the answer stopped at the length limit (finish_reason `length`).
+
+Each goes to Prometheus (llm_gateway_variant_*) and into a bounded window per variant (the last `size`
+calls) that the admin view and the guard read. A streamed answer is read from its chunks, which the step
+keeps (all of them only when the request asked for structured output, else the last two, for finish_reason).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from jsonschema import validators
+from jsonschema.exceptions import SchemaError
+
+from policies.memo import Memo
+
+FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
+FAULTS = frozenset({"upstream_error", "timeout", "no_backend"})  # held against the variant
+ERROR_KINDS = {502: "upstream_error", 504: "timeout", 503: "no_backend", 429: "at_capacity", 499: "client_closed"}
+LOAD_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # in flight to the replica when sent: up to this many
+STRUCTURED = ("json_object", "json_schema")
+
+
+def load_level(in_flight: int) -> str:
+    for level in LOAD_LEVELS:
+        if in_flight <= level:
+            return str(level)
+    return f">{LOAD_LEVELS[-1]}"
+
+
+def error_kind(status: int) -> str | None:
+    if status < 400:
+        return None
+    return ERROR_KINDS.get(status) or ("upstream_error" if status >= 500 else "rejected")
+
+
+@dataclass(slots=True)
+class Sample:
+    """One finished call of a variant, as the window keeps it."""
+
+    at: float  # monotonic
+    error: str | None
+    load: str
+    ttft: float | None = None
+    itl: float | None = None
+    tokens_per_second: float | None = None
+    structured: bool | None = None  # None: not a structured answer
+    length: bool = False
+    agreed: bool | None = None  # a shadow's answer at temperature 0: the live one's, exactly or as JSON
+    exact: bool | None = None  # ... exactly (text and tool calls)
+
+
+def _validator(schema_json: bytes):
+    """A jsonschema validator for a schema (checked once); None when the schema itself is not valid."""
+    schema = orjson.loads(schema_json)
+    cls = validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except SchemaError:
+        return None
+    return cls(schema)
+
+
+VALIDATORS = Memo(_validator, limit=256)
+
+
+def valid_against(value: Any, schema: Any) -> bool:
+    if not isinstance(schema, dict) or not schema:
+        return True
+    validator = VALIDATORS(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
+    return True if validator is None else validator.is_valid(value)  # a broken schema is the client's, not ours
+
+
+def json_object(text: Any) -> Any:
+    if not isinstance(text, str):
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def structured_validity(body: dict, content: Any, tool_calls: list[dict]) -> bool | None:
+    """Whether the structured parts of an answer are valid; None when it has none."""
+    verdicts = []
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in STRUCTURED and isinstance(content, str) and content:
+        value = json_object(content)
+        ok = value is not None
+        if ok and kind == "json_schema":
+            spec = fmt.get("json_schema")
+            ok = valid_against(value, spec.get("schema") if isinstance(spec, dict) else None)
+        verdicts.append(ok)
+    if tool_calls:
+        declared = {}
+        for tool in body.get("tools") or ():
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                declared[function["name"]] = function.get("parameters")
+        for call in tool_calls:
+            name, arguments = call.get("name"), call.get("arguments")
+            value = json_object(arguments) if arguments not in ("", None) else {}
+            verdicts.append(value is not None and name in declared and valid_against(value, declared[name]))
+    return all(verdicts) if verdicts else None
+
+
+def whole_answer(response: Any) -> tuple[Any, list[dict], str | None]:
+    """Content, tool calls and finish_reason of a chat completion that was not streamed."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        return None, [], None
+    choice = choices[0]
+    message = choice.get("message") or {}
+    content = message.get("content") if isinstance(message, dict) else None
+    if content is None:
+        content = choice.get("text")  # /v1/completions
+    calls = []
+    for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            calls.append({"name": function.get("name"), "arguments": function.get("arguments")})
+    return content, calls, choice.get("finish_reason")
+
+
+def sse_events(chunks: Any) -> Iterator[dict]:
+    """The JSON `data:` events of a chat or completions stream's chunks (cut anywhere)."""
+    for line in b"".join(chunks).split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = orjson.loads(line[6:])
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            yield event
+
+
+def streamed_answer(chunks: Any) -> tuple[str, list[dict], str | None]:
+    """Content, tool calls and finish_reason assembled from a chat stream's SSE chunks (choice 0)."""
+    text: list[str] = []
+    calls: dict[int, dict] = {}
+    finish = None
+    for event in sse_events(chunks):
+        for choice in event.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            finish = choice.get("finish_reason") or finish
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str):
+                text.append(delta["content"])
+            elif isinstance(choice.get("text"), str):
+                text.append(choice["text"])
+            for part in delta.get("tool_calls") or ():
+                slot = calls.setdefault(part.get("index", 0), {"name": None, "arguments": ""})
+                function = part.get("function") or {}
+                if function.get("name"):
+                    slot["name"] = function["name"]
+                if isinstance(function.get("arguments"), str):
+                    slot["arguments"] += function["arguments"]
+    return "".join(text), [calls[i] for i in sorted(calls)], finish
+
+
+def answer_of(call: Any) -> tuple[Any, list[dict]]:
+    """The content and tool calls of a finished chat call, streamed (whole tap) or not."""
+    if call.stream:
+        content, calls, _ = streamed_answer(call.tap or ())
+    else:
+        content, calls, _ = whole_answer(call.response)
+    return content, calls
+
+
+def agreement(live: tuple[Any, list[dict]], shadow: tuple[Any, list[dict]]) -> tuple[bool, bool]:
+    """(exact, agreed): the same text and tool calls; or, where they differ, the same JSON values."""
+    if live == shadow:
+        return True, True
+    (text_a, calls_a), (text_b, calls_b) = live, shadow
+    if len(calls_a) != len(calls_b) or any(a.get("name") != b.get("name") for a, b in zip(calls_a, calls_b)):
+        return False, False
+    return False, same_json(text_a, text_b) and all(same_json(a.get("arguments"), b.get("arguments"))
+                                                    for a, b in zip(calls_a, calls_b))
+
+
+def same_json(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    try:
+        return isinstance(a, str) and isinstance(b, str) and orjson.loads(a) == orjson.loads(b)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def wants_structure(body: Any) -> bool:
+    """A request whose answer the signals must read whole: structured output or tools."""
+    if not isinstance(body, dict):
+        return False
+    fmt = body.get("response_format")
+    return bool(body.get("tools")) or (isinstance(fmt, dict) and fmt.get("type") in STRUCTURED)
+
+
+def sample_of(call: Any, now: float) -> Sample:
+    """`now`: perf_counter() as the call finished."""
+    status = call.status
+    sample = Sample(time.monotonic(), error_kind(status), load_level(call.load))
+    if status >= 400:
+        return sample
+    usage = call.usage if isinstance(call.usage, dict) else {}
+    completion = usage.get("completion_tokens")
+    completion = completion if isinstance(completion, int) else 0
+    if call.stream:
+        if call.first_token_at:
+            sample.ttft = call.first_token_at - call.sent_at
+            after = now - call.first_token_at
+            if completion > 1 and after > 0:
+                sample.itl = after / (completion - 1)
+                sample.tokens_per_second = (completion - 1) / after
+        tap = call.tap
+        if isinstance(tap, list):
+            content, tool_calls, finish = streamed_answer(tap)
+            sample.structured = structured_validity(call.body, content, tool_calls)
+        else:
+            reasons = FINISH_REASON.findall(b"".join(tap)) if tap else ()
+            finish = reasons[-1].decode() if reasons else None
+    else:
+        content, tool_calls, finish = whole_answer(call.response)
+        if wants_structure(call.body):
+            sample.structured = structured_validity(call.body, content, tool_calls)
+    sample.length = finish == "length"
+    return sample
+
+
+class Window:
+    """The last `size` samples of one variant."""
+
+    def __init__(self, size: int = 2000) -> None:
+        self.samples: deque[Sample] = deque(maxlen=size)
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+
+    def recent(self, seconds: float | None = None) -> list[Sample]:
+        if seconds is None:
+            return list(self.samples)
+        since = time.monotonic() - seconds
+        return [s for s in self.samples if s.at >= since]
+
+
+def summary(samples: list[Sample]) -> dict:
+    """What a window says: rates, and latency medians per load level (the admin view, the CLI, the guard)."""
+    n = len(samples)
+    errors: dict[str, int] = {}
+    for s in samples:
+        if s.error is not None:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    served = [s for s in samples if s.error is None]
+    structured = [s.structured for s in served if s.structured is not None]
+    agreed = [s.agreed for s in served if s.agreed is not None]
+    exact = [s.exact for s in served if s.exact is not None]
+    by_load: dict[str, dict] = {}
+    for level in sorted({s.load for s in served}, key=_level_key):
+        at = [s for s in served if s.load == level]
+        by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),
+                          "itl_p50": median([s.itl for s in at])}
+    return {
+        "requests": n,
+        "errors": errors,
+        "error_rate": _rate(sum(v for k, v in errors.items() if k in FAULTS), n),
+        "ttft_p50": median([s.ttft for s in served]),
+        "itl_p50": median([s.itl for s in served]),
+        "tokens_per_second_p50": median([s.tokens_per_second for s in served]),
+        "structured": len(structured),
+        "structured_valid_rate": _rate(sum(structured), len(structured)),
+        "length_rate": _rate(sum(1 for s in served if s.length), len(served)),
+        "shadow_compared": len(agreed),
+        "agreement_rate": _rate(sum(agreed), len(agreed)),
+        "exact_match_rate": _rate(sum(exact), len(exact)),
+        "by_load": by_load,
+    }
+
+
+def _level_key(level: str) -> int:
+    return int(level.lstrip(">")) + (1 if level.startswith(">") else 0)
+
+
+def median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def _rate(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+

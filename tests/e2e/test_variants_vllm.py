@@ -1,0 +1,227 @@
+"""Variants of one model on two real vLLM servers: `a` (tiny-a, weight 80) and `b` (tiny-b, weight 20).
+
+Where requests land is read from each vLLM's OWN counter (vllm:request_success_total), never from the
+gateway. Requests are kept short (max_tokens 1-4) and their concurrency bounded, so the module takes seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import gateway_process, started
+from tests.e2e.test_routing_vllm import SUCCESS, counters, served_by
+from tests.e2e.vllm_procs import VLLMServer, default_model_dir, free_port
+
+HEADER = "x-gateway-variant"
+
+
+@pytest.fixture(scope="module")
+def canary(vllm_servers, tmp_path_factory):
+    a, b = vllm_servers["a"], vllm_servers["b"]
+    policy = canary_policy({
+        "sticky": {"header": "x-session-id"},
+        "variants": [
+            {"name": "a", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url, "cap": 8}]},
+            {"name": "b", "weight": 20, "served_name": "tiny-b", "backends": [{"url": b.base_url, "cap": 8}]},
+        ],
+    })
+    with gateway_process(policy, tmp_path_factory.mktemp("variants-gateway")) as gw:
+        yield gw
+
+
+def canary_policy(model: dict) -> dict:
+    """A gateway policy with one model, `canary`, made of `model`'s variants (and guard, stickiness)."""
+    return {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
+        "timeouts": {"connect": 2, "read": 120},
+        "models": [{"name": "canary", **model}],
+    }
+
+
+def weights_of(weights: dict[str, float]) -> dict:
+    return {"weights": [{"name": name, "weight": weight} for name, weight in weights.items()]}
+
+
+def servers_of(vllm_servers) -> dict:
+    return {"a": vllm_servers["a"], "b": vllm_servers["b"]}
+
+
+async def send_many(gw, n: int, concurrency: int, **extra) -> list[str]:
+    """`n` short chat requests, at most `concurrency` at once; the variant each reply names."""
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.key, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> str:
+        async with gate:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="canary", messages=[{"role": "user", "content": f"count {i}"}], max_tokens=1, **extra)
+            raw.parse()
+            return raw.headers[HEADER]
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+
+
+def test_500_requests_split_80_20_at_the_servers_own_counters(canary, vllm_servers):
+    servers = servers_of(vllm_servers)
+    before = counters(servers, SUCCESS)
+    named = asyncio.run(send_many(canary, 500, concurrency=8))
+    done = served_by(servers, before, expected=500)
+    assert sum(done.values()) == 500, done  # nothing else ran on them meanwhile, nothing was lost
+    share_b = done["b"] / 500
+    assert abs(share_b - 0.20) <= 0.03, done
+    assert named.count("b") == done["b"]  # the response header names the variant that really served it
+    # the variant is in the gateway's metrics and its access log
+    assert canary.metric("llm_gateway_variant_requests_total", model="canary", variant="b", status="200") >= done["b"]
+    log = canary.log.read_text()
+    assert "model=canary" in log and "variant=b" in log and "variant=a" in log
+
+
+def test_every_turn_of_a_conversation_stays_on_one_variant(canary, vllm_servers):
+    servers = servers_of(vllm_servers)
+    client = openai.OpenAI(base_url=f"{canary.url}/v1", api_key=canary.key, max_retries=0)
+    seen: dict[str, set[str]] = {}
+    for c in range(12):
+        session = f"conversation-{c}-{random.random()}"
+        messages = [{"role": "system", "content": f"conversation {c}"}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn}"})
+            before = counters(servers, SUCCESS)
+            raw = client.chat.completions.with_raw_response.create(
+                model="canary", messages=messages, max_tokens=2, extra_headers={"x-session-id": session})
+            reply = raw.parse()
+            done = served_by(servers, before)
+            landed = {k for k, v in done.items() if v}
+            assert landed == {raw.headers[HEADER]}, (session, done)
+            seen.setdefault(session, set()).update(landed)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content or "."})
+    assert all(len(variants) == 1 for variants in seen.values()), seen
+    assert {v for variants in seen.values() for v in variants} <= {"a", "b"}
+
+
+def test_weight_changes_under_streaming_load_fail_nothing(canary, vllm_servers):
+    servers = servers_of(vllm_servers)
+    operator = canary.admin_token("operator")
+    viewer = canary.admin_token("viewer")
+    admin = httpx.Client(base_url=f"{canary.url}/admin", timeout=10)
+    url = "/models/canary/variants"
+    assert admin.put(url, json=weights_of({"a": 1}), headers={"authorization": f"Bearer {viewer}"}).status_code == 403
+    bad = admin.put(url, json=weights_of({"c": 1}), headers={"authorization": f"Bearer {operator}"})
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "variant_not_found"
+    none = admin.put(url, json=weights_of({"a": 0, "b": 0}), headers={"authorization": f"Bearer {operator}"})
+    assert none.status_code == 409 and none.json()["error"]["code"] == "no_live_weight"
+
+    async def streams(n: int, concurrency: int) -> list[tuple[str | None, int]]:
+        client = openai.AsyncOpenAI(base_url=f"{canary.url}/v1", api_key=canary.key, max_retries=0)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int):
+            async with gate:
+                stream = await client.chat.completions.create(
+                    model="canary", messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=4,
+                    stream=True)
+                finish, chunks = None, 0
+                async for chunk in stream:
+                    chunks += 1
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                return finish, chunks
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(n)))
+        finally:
+            await client.close()
+
+    async def flip() -> list[int]:
+        codes = []
+        for weights in ({"a": 20, "b": 80}, {"a": 50, "b": 50}, {"a": 0, "b": 1}, {"a": 1, "b": 0},
+                        {"a": 80, "b": 20}):
+            await asyncio.sleep(0.2)
+            r = await asyncio.to_thread(admin.put, url, json=weights_of(weights),
+                                        headers={"authorization": f"Bearer {operator}"})
+            codes.append(r.status_code)
+        return codes
+
+    async def both():
+        return await asyncio.gather(streams(120, concurrency=6), flip())
+
+    results, codes = asyncio.run(both())
+    assert codes == [200] * 5
+    assert all(finish is not None and chunks > 0 for finish, chunks in results), results
+
+    # the last change is in force: all to b, then back
+    headers = {"authorization": f"Bearer {operator}"}
+    shown = admin.put(url, json=weights_of({"a": 0, "b": 5}), headers=headers).json()
+    assert [(v["name"], v["weight"], v["filed_weight"]) for v in shown["variants"]] == [("a", 0, 80), ("b", 5, 20)]
+    before = counters(servers, SUCCESS)
+    assert set(asyncio.run(send_many(canary, 20, concurrency=4))) == {"b"}
+    done = served_by(servers, before, expected=20)
+    assert done["a"] == 0 and done["b"] == 20, done
+    admin.put(url, json=weights_of({"a": 80, "b": 20}), headers=headers)
+    assert admin.get(url, headers={"authorization": f"Bearer {viewer}"}).json()["variants"][0]["weight"] == 80
+
+
+@pytest.fixture(scope="module")
+def one_seq_vllm(vllm_servers, tmp_path_factory):
+    """The tiny model again, started with a worse flag: `--max-num-seqs 1` (one sequence at a time)."""
+    with started(VLLMServer(default_model_dir(), "tiny-one-seq", core=1, extra_args=("--max-num-seqs", "1"),
+                            log_dir=tmp_path_factory.mktemp("vllm-one-seq-logs"), log_requests=False)) as server:
+        yield server
+
+
+def test_a_canary_with_a_worse_flag_is_pulled_back_on_latency_at_comparable_load(vllm_servers, one_seq_vllm,
+                                                                                 tmp_path_factory):
+    a = vllm_servers["a"]
+    policy = canary_policy({
+        "guard": {"min_samples": 12, "max_ttft_ratio": 2.0, "max_itl_ratio": None, "window_seconds": 900},
+        "variants": [
+            {"name": "base", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+            {"name": "one-seq", "weight": 20, "served_name": "tiny-one-seq",
+             "backends": [{"url": one_seq_vllm.base_url}]},
+        ],
+    })
+    with gateway_process(policy, tmp_path_factory.mktemp("one-seq-gateway")) as gw:
+        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
+
+        async def load(n: int, concurrency: int) -> None:
+            client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.key, max_retries=0)
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    stream = await client.chat.completions.create(
+                        model="canary", messages=[{"role": "user", "content": f"tell {i}"}], max_tokens=16,
+                        stream=True, extra_body={"ignore_eos": True})
+                    async for _ in stream:
+                        pass
+
+            try:
+                await asyncio.gather(*(one(i) for i in range(n)))
+            finally:
+                await client.close()
+
+        verdict = None
+        for _ in range(6):  # bounded: at most 540 requests
+            # light, then heavier: the baseline meets every load level the 20% canary meets, at some point
+            asyncio.run(load(30, concurrency=2))
+            asyncio.run(load(60, concurrency=10))
+            verdict = httpx.get(f"{gw.url}/admin/variants", headers=viewer, timeout=10).json()["models"]["canary"]
+            if verdict["variants"][1]["guard"]["state"] == "rolled_back":
+                break
+        base, one_seq = verdict["variants"]
+        assert one_seq["guard"]["state"] == "rolled_back" and one_seq["weight"] == 0, json.dumps(verdict, indent=1)
+        assert one_seq["guard"]["reason"].startswith("TTFT p50"), one_seq["guard"]
+        shared = sorted(set(base["by_load"]) & set(one_seq["by_load"]))
+        assert shared, verdict  # it was judged where both ran at the same load
+        worse = [lvl for lvl in shared if one_seq["by_load"][lvl]["ttft_p50"] > base["by_load"][lvl]["ttft_p50"]]
+        assert worse, verdict
+        assert "rolled back (weight 20 -> 0): TTFT p50" in gw.log.read_text()

@@ -1,0 +1,291 @@
+"""Variants through a running gateway over simulated vLLM servers: the signals each variant's answers give,
+in GET /admin/variants, Prometheus and `llm-gateway variants`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from backends.simulator import SimConfig, create_app
+from gateway.admin_auth import mint_token
+from gateway.variants_cli import render
+from policies.config import Admin
+from policies.variant_guard import latency_ratio
+from tests.support.gateway import AUTH, running_gateway
+from tests.support.redis_server import RedisServer
+from tests.support.servers import serve_app
+
+SECRET = "v" * 40
+FAST = SimConfig(model="served", step_base_ms=2, step_ms_per_seq=0)
+SLOW = SimConfig(model="served", step_base_ms=12, step_ms_per_seq=0)  # six times the time per token
+
+
+def variants_policy(a: str, b: str, **model) -> dict:
+    return {"models": [{"name": "m", "served_name": "served", **model, "variants": [
+        {"name": "a", "weight": 50, "backends": [{"url": a}]},
+        {"name": "b", "weight": 50, "backends": [{"url": b}]}]}],
+        "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+
+
+async def wait_ready(http: httpx.AsyncClient, url: str) -> None:
+    for _ in range(200):
+        if (await http.get(f"{url}/ready")).status_code == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the gateway never became ready")
+
+
+async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(SLOW)) as b, \
+            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+
+        async def stream(max_tokens: int) -> str:
+            async with http.stream("POST", f"{gw.url}/v1/chat/completions",
+                                   json={**body, "max_tokens": max_tokens, "stream": True}) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    pass
+                return r.headers["x-gateway-variant"]
+
+        served = [await stream(12) for _ in range(20)]  # one at a time: every call at load level 1
+        served += [(await http.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 3})).headers[
+            "x-gateway-variant"] for _ in range(10)]
+        na, nb = served.count("a"), served.count("b")
+        assert abs(na - nb) <= 2  # 50/50, evenly spread
+
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()
+        a_, b_ = view["models"]["m"]["variants"]
+        assert (a_["name"], a_["requests"], b_["name"], b_["requests"]) == ("a", na, "b", nb)
+        assert a_["error_rate"] == 0 and a_["errors"] == {}
+        assert a_["length_rate"] == 1.0  # ignore_eos: every answer ran to max_tokens
+        assert set(a_["by_load"]) == {"1"} and a_["by_load"]["1"]["requests"] == na
+        # b's tokens come six times slower: its inter-token latency shows it, at the same load level
+        assert b_["itl_p50"] > 3 * a_["itl_p50"]
+        assert a_["tokens_per_second_p50"] > 3 * b_["tokens_per_second_p50"]
+        assert a_["structured"] == 0 and a_["structured_valid_rate"] is None
+
+        assert await gw.metric("llm_gateway_variant_requests_total", model="m", variant="b", status="200") == nb
+        assert await gw.metric("llm_gateway_variant_inter_token_latency_seconds_count", variant="b", load="1") == \
+            served[:20].count("b")  # streams only
+        assert await gw.metric("llm_gateway_variant_length_finishes_total", variant="a") == na
+
+        table = render(view)
+        assert "model m" in table and "TTFT P50" in table and "100.0%" in table
+        recent = (await http.get(f"{gw.url}/admin/variants", params={"window": 3600}, headers=viewer)).json()
+        assert recent["models"]["m"]["variants"][0]["requests"] == na
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city", "days"]}}}]
+
+
+def canary_policy(a: str, b: str, guard: dict) -> dict:
+    """Baseline `a` at 80, candidate `b` at 20, guarded."""
+    policy = variants_policy(a, b, guard=guard)
+    variants = policy["models"][0]["variants"]
+    variants[0]["weight"], variants[1]["weight"] = 80, 20
+    return policy
+
+
+async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_window(monkeypatch, caplog):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.3})  # 3 in 10 tool calls' arguments are not JSON
+    async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
+        policy = canary_policy(a, b, {"min_samples": 40, "window_seconds": 600})
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 4,
+                    "tools": TOOLS}
+            gate = asyncio.Semaphore(4)
+
+            async def one(i: int) -> tuple[str, bool]:
+                async with gate:
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+                    assert r.status_code == 200
+                    return r.headers["x-gateway-variant"], i
+
+            served = await asyncio.gather(*(one(i) for i in range(400)))
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]
+            a_, b_ = view["variants"]
+            assert b_["weight"] == 0 and b_["guard"]["state"] == "rolled_back"
+            assert "structured-output validity" in b_["guard"]["reason"]
+            assert a_["weight"] == 80 and a_["guard"]["state"] == "baseline"
+            # pulled back within its window: once it had its 40 answers and the guard's next look
+            assert 40 <= b_["requests"] <= 60, b_["requests"]
+            assert abs(b_["structured_valid_rate"] - 0.7) <= 0.02 and a_["structured_valid_rate"] == 1.0
+            last_b = max(i for variant, i in served if variant == "b")
+            assert last_b < 400 - 50  # after the rollback, everything went to a
+            assert await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="rollback",
+                                   signal="structured_validity") == 1
+            assert await gw.metric("llm_gateway_variant_weight", variant="b") == 0
+    assert any("rolled back (weight 20 -> 0): structured-output validity" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_candidate_identical_to_the_baseline_is_not_pulled_back_in_1000_requests():
+    # steps of 5 ms, as a small model on a GPU: at 1 ms the event loop's own jitter would be the measurement
+    same = SimConfig(model="served", step_base_ms=5, step_ms_per_seq=0, tool_calling=True)
+    async with serve_app(create_app(same)) as a, serve_app(create_app(same)) as b:
+        policy = canary_policy(a, b, {"min_samples": 40, "max_ttft_ratio": 1.5})
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            gate = asyncio.Semaphore(2)  # both variants often alone on their replica: a load level they share
+
+            async def one(i: int) -> None:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 6,
+                        "stream": True, **({"tools": TOOLS} if i % 3 == 0 else {})}
+                async with gate:
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
+                    assert r.status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(1000)))
+            state = gw.state.shared.variants
+            assert state.weights["m"] == {"a": 80, "b": 20}
+            assert state.guard.state("m", "b").state == "watching"
+            report = state.report()["m"]["variants"][1]
+            assert report["requests"] >= 150
+            # it was judged, and held: at a load level both met often enough, the latencies compared
+            cand, base = state.window("m", "b").recent(), state.window("m", "a").recent()
+            for field, limit in (("itl", 1.2), ("ttft", 1.5)):
+                compared = latency_ratio(cand, base, field, 40)
+                assert compared is not None and compared[0] <= limit, (field, compared)
+
+
+async def test_gateways_on_one_redis_roll_back_together_and_share_weight_changes(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    operator = {"authorization": f"Bearer {mint_token(Admin(), 600, role='operator')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.5})
+    with RedisServer() as redis:
+        await both_gateways(redis.url, clean, broken, operator)
+
+
+async def both_gateways(redis_url: str, clean: SimConfig, broken: SimConfig, operator: dict) -> None:
+    async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
+        policy = {**canary_policy(a, b, {"min_samples": 20}), "store": {"kind": "redis", "url": redis_url}}
+        async with running_gateway(policy) as one, running_gateway(policy, issue_test_key=False) as two, \
+                httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, one.url)
+            await wait_ready(http, two.url)
+            view = two.state.shared.variants
+            assert view.weights["m"] == {"a": 80, "b": 20}
+            body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 2, "tools": TOOLS}
+            for _ in range(200):  # only through the first gateway: the second's guard sees nothing
+                await http.post(f"{one.url}/v1/chat/completions", json=body)
+                if one.state.shared.variants.weights["m"]["b"] == 0:
+                    break
+            assert one.state.shared.variants.weights["m"]["b"] == 0
+
+            async def follows(weights: dict) -> None:
+                for _ in range(100):
+                    if view.weights["m"] == weights:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"the second gateway still has {view.weights['m']}")
+
+            await follows({"a": 80, "b": 0})
+            assert view.guard.state("m", "b").state == "rolled_back"
+            assert "structured-output validity" in view.guard.state("m", "b").reason
+            # an operator's change on the second gateway reaches the first, and b is watched again there
+            r = await http.put(f"{two.url}/admin/models/m/variants", headers=operator,
+                               json={"weights": [{"name": "b", "weight": 10}]})
+            assert r.status_code == 200
+            view = one.state.shared.variants
+            await follows({"a": 80, "b": 10})
+            assert view.guard.state("m", "b").state == "watching"
+
+
+async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreement(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
+    broken = clean.model_copy(update={"corrupt_fraction": 0.3})
+    async with serve_app(create_app(clean)) as live, serve_app(create_app(broken)) as shadow:
+        policy = {"models": [{"name": "m", "served_name": "served", "variants": [
+            {"name": "live", "weight": 1, "backends": [{"url": live}]},
+            {"name": "fp8", "shadow": True, "weight": 100, "backends": [{"url": shadow, "cap": 2}]}]}],
+            "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "tools": TOOLS,
+                    "temperature": 0}
+
+            async def one(i: int) -> None:
+                r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+                assert r.status_code == 200 and r.headers["x-gateway-variant"] == "live"
+                text = r.text
+                if i % 2 == 0:  # streamed: every argument delta, joined
+                    calls = [c for e in sse(text) for c in e["choices"][0]["delta"].get("tool_calls") or ()]
+                    arguments = "".join(c["function"].get("arguments", "") for c in calls)
+                else:
+                    arguments = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+                assert json.loads(arguments) == {"city": "xxxxx", "days": 1}  # never a shadow's broken one
+
+            state = gw.state.shared.variants
+
+            async def compared(n: int) -> dict:
+                for _ in range(200):
+                    fp8 = state.report()["m"]["variants"][1]
+                    if fp8["requests"] >= n:
+                        return fp8
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"only {fp8['requests']} shadow answers")
+
+            for i in range(100):  # one at a time, each copy answered before the next: the cap is always free
+                await one(i)
+                await compared(i + 1)
+            fp8 = await compared(100)
+            assert fp8["shadow"] and fp8["requests"] == 100
+            assert abs(fp8["structured_valid_rate"] - 0.7) <= 0.02
+            assert abs(fp8["agreement_rate"] - 0.7) <= 0.02 and abs(fp8["exact_match_rate"] - 0.7) <= 0.02
+            # the copies were never requests of the gateway: not counted, not limited, not in the usage
+            assert await gw.metric("llm_gateway_requests_total", model="m") == 100
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]["variants"]
+            assert view[1]["agreement_rate"] == fp8["agreement_rate"]
+
+            # many at once: the shadow's cap (2) is full and copies are dropped, never queued
+            await asyncio.gather(*(one(i) for i in range(1, 60, 2)))
+            await asyncio.sleep(0.5)
+            dropped = await gw.metric("llm_gateway_variant_shadow_dropped_total", variant="fp8")
+            assert dropped > 0 and (await compared(100))["requests"] + dropped == 130
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_the_variant_is_in_the_trace_span_and_the_json_access_log(caplog):
+    import logging
+
+    from tests.support.otlp_receiver import Receiver
+    from tests.support.recorder import Recorder
+
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    with Receiver() as receiver:
+        async with serve_app(Recorder()) as a, serve_app(Recorder()) as b, \
+                httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            policy = {**variants_policy(a, b), "access_log": {"format": "json"},
+                      "tracing": {"enabled": True, "endpoint": receiver.url, "schedule_delay": 0.1,
+                                  "content_models": ["m"]}}
+            async with running_gateway(policy) as gw:
+                served = []
+                for stream in (False, True, False, True):
+                    r = await http.post(f"{gw.url}/v1/chat/completions", json={
+                        "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+                    assert r.status_code == 200
+                    served.append(r.headers["x-gateway-variant"])
+                # off the event loop: the gateway in this process writes its spans on it
+                roots = await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == 2 and s.name == "chat m",
+                                                count=4)
+    assert sorted(s.attributes["llm_gateway.variant"] for s in roots) == sorted(served)
+    assert all("abc" in s.attributes["gen_ai.output.messages"] for s in roots)  # the streams' text still traced
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert sorted(line["variant"] for line in lines) == sorted(served)

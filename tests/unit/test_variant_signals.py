@@ -1,0 +1,134 @@
+"""What a variant's answers say: structured validity, tool-call arguments, streamed answers, load levels."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import orjson
+import pytest
+
+from policies.pipeline import Call
+from policies.variant_signals import Window, load_level, sample_of, summary, structured_validity
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+          "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}]
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize("body, content, calls, expected", [
+    ({"response_format": {"type": "json_object"}}, '{"a": 1}', [], True),
+    ({"response_format": {"type": "json_object"}}, '{"a": 1', [], False),
+    ({"response_format": {"type": "json_object"}}, '[1, 2]', [], False),  # JSON, but not an object
+    ({"response_format": JSON_SCHEMA}, '{"city": "Oslo", "days": 3}', [], True),
+    ({"response_format": JSON_SCHEMA}, '{"city": "Oslo", "days": 0}', [], False),  # below the minimum
+    ({"response_format": JSON_SCHEMA}, '{"city": "Oslo"}', [], False),  # a required property missing
+    ({"response_format": {"type": "text"}}, "not json", [], None),  # nothing structured asked for
+    ({}, "plain", [], None),
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}], True),
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": '{"city": "Rome", "days": "two"}'}], False),
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": '{"city": "Rome", "days": 2'}], False),
+    ({"tools": TOOLS}, None, [{"name": "forecast", "arguments": '{}'}], False),  # a tool nobody declared
+    ({"tools": TOOLS}, "I'd rather talk", [], None),  # tools offered, none called: not a structured answer
+    ({"response_format": JSON_SCHEMA, "tools": TOOLS}, '{"city": "Oslo", "days": 3}',
+     [{"name": "weather", "arguments": '{"city": 1, "days": 2}'}], False),  # every part must hold
+])
+def test_structured_validity(body, content, calls, expected):
+    assert structured_validity(body, content, calls) is expected
+
+
+def test_a_broken_schema_is_the_clients_not_the_variants():
+    body = {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}}
+    assert structured_validity(body, '{"a": 1}', []) is True
+
+
+def call(body: dict, stream: bool, **fields) -> Call:
+    c = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    c.model, c.variant, c.body, c.stream, c.status = "m", "a", body, stream, 200
+    for name, value in fields.items():
+        setattr(c, name, value)
+    return c
+
+
+def sse(*events: dict) -> list[bytes]:
+    out = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
+    return [b"".join(out)[i:i + 7] for i in range(0, len(b"".join(out)), 7)]  # cut anywhere, as a socket does
+
+
+def test_a_streamed_tool_call_is_assembled_from_its_deltas():
+    chunks = sse(
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "weather",
+                                                                                      "arguments": '{"city": '}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo", "da'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ys": 4}'}}]},
+                      "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"completion_tokens": 11}},
+    )
+    c = call({"tools": TOOLS}, True, tap=chunks, sent_at=1.0, first_token_at=1.25, load=3,
+             usage={"completion_tokens": 11})
+    s = sample_of(c, now=2.25)
+    assert s.structured is True and s.length is False and s.load == "4"
+    assert s.ttft == pytest.approx(0.25) and s.itl == pytest.approx(0.1) and s.tokens_per_second == pytest.approx(10)
+
+
+def test_a_streamed_json_answer_cut_at_the_length_limit():
+    chunks = sse({"choices": [{"index": 0, "delta": {"content": '{"city": "Os'}}]},
+                 {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]})
+    s = sample_of(call({"response_format": {"type": "json_object"}}, True, tap=chunks), now=1.0)
+    assert s.structured is False and s.length is True
+
+
+def test_an_unstructured_stream_keeps_only_its_tail_for_finish_reason():
+    events = [b"data: " + orjson.dumps(e) + b"\n\n" for e in (
+        {"choices": [{"index": 0, "delta": {"content": "x"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"completion_tokens": 2}})] + [b"data: [DONE]\n\n"]
+    tail = deque(events, maxlen=4)
+    s = sample_of(call({}, True, tap=tail), now=1.0)
+    assert s.length is True and s.structured is None
+
+
+def test_a_whole_answer_and_a_failed_call():
+    answer = {"choices": [{"message": {"content": '{"city": "Oslo", "days": 2}'}, "finish_reason": "stop"}]}
+    s = sample_of(call({"response_format": JSON_SCHEMA}, False, response=answer), now=1.0)
+    assert s.structured is True and s.error is None and s.ttft is None
+    failed = sample_of(call({}, False, status=502), now=1.0)
+    assert failed.error == "upstream_error" and failed.structured is None
+    assert sample_of(call({}, False, status=499), now=1.0).error == "client_closed"
+    assert sample_of(call({}, False, status=400), now=1.0).error == "rejected"
+
+
+@pytest.mark.parametrize("in_flight, level", [(0, "1"), (1, "1"), (2, "2"), (3, "4"), (9, "16"), (65, ">64")])
+def test_load_levels(in_flight, level):
+    assert load_level(in_flight) == level
+
+
+def test_summary_counts_only_the_variants_own_faults_as_errors():
+    window = Window(size=100)
+    ok = {"choices": [{"message": {"content": '{"a": 1}'}, "finish_reason": "stop"}]}
+    bad = {"choices": [{"message": {"content": '{"a": '}, "finish_reason": "length"}]}
+    for i in range(8):
+        window.add(sample_of(call({"response_format": {"type": "json_object"}}, False,
+                                  response=bad if i < 2 else ok), now=1.0))
+    for status in (502, 429):
+        window.add(sample_of(call({}, False, status=status), now=1.0))
+    s = summary(window.recent())
+    assert s["requests"] == 10 and s["errors"] == {"upstream_error": 1, "at_capacity": 1}
+    assert s["error_rate"] == pytest.approx(0.1)  # the 429 is the gateway's cap, not the variant's fault
+    assert s["structured"] == 8 and s["structured_valid_rate"] == pytest.approx(0.75)
+    assert s["length_rate"] == pytest.approx(0.25)
+    assert s["agreement_rate"] is None
+
+
+def test_agreement_exact_or_as_json():
+    from policies.variant_signals import agreement
+
+    call = [{"name": "weather", "arguments": '{"city": "Oslo", "days": 2}'}]
+    assert agreement(("", call), ("", call)) == (True, True)
+    spaced = [{"name": "weather", "arguments": '{"days":2,"city":"Oslo"}'}]
+    assert agreement(("", call), ("", spaced)) == (False, True)  # the same object, written otherwise
+    other = [{"name": "weather", "arguments": '{"city": "Oslo", "days": 3}'}]
+    assert agreement(("", call), ("", other)) == (False, False)
+    assert agreement(("", call), ("", [{"name": "forecast", "arguments": call[0]["arguments"]}])) == (False, False)
+    assert agreement(("hello", []), ("hello!", [])) == (False, False)
+    assert agreement(('{"a": 1}', []), ('{ "a":1 }', [])) == (False, True)
