@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway import otlp_wire as wire
+from policies.variant_signals import sse_events
 
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
 PARAMS = ("max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
@@ -201,13 +202,7 @@ def content(body: dict, response: dict | None, tap: Any) -> dict[str, str]:
 def streamed_text(chunks: list[bytes]) -> str:
     """The text of a streamed answer, from its SSE events (chat deltas or completion text)."""
     out = []
-    for line in b"".join(chunks).split(b"\n"):
-        if not line.startswith(b"data: {"):
-            continue
-        try:
-            event = orjson.loads(line[6:])
-        except orjson.JSONDecodeError:
-            continue
+    for event in sse_events(chunks):
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             text = delta.get("content") if isinstance(delta, dict) else None
