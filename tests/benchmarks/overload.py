@@ -258,7 +258,9 @@ def main() -> int:
     parser.add_argument("--vllm", action="store_true", help="a real CPU vLLM instead of the simulator")
     parser.add_argument("--max-num-seqs", type=int, help="with --vllm: vLLM's batch cap (a smaller knee)")
     parser.add_argument("--cap", type=int, help="the backend's knee (default: 32 for the simulator, measured for vLLM)")
-    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--duration", type=float,
+                        help="measured seconds per run; default 60 with --classes (its p99 needs a few hundred"
+                             " answers per class), else 20")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--classes", action="store_true",
@@ -271,6 +273,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.spread is None:
         args.spread = 0.5 if args.classes else 0.0
+    if args.duration is None:
+        args.duration = 60.0 if args.classes else 20.0
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
         work = Path(tmp)
         if args.vllm:
