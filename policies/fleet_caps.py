@@ -44,12 +44,14 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from backends.replicas import Replica
 from policies.admission import ModelQueue
 from policies.config import Caps
 from policies.errors import StateUnavailable
 from policies.pipeline import Call
+from policies.see_through import see_through
 from policies.store import StoreError, StoreUnavailable
 
 log = logging.getLogger("gateway.caps")
@@ -287,8 +289,9 @@ class FleetModelQueue(ModelQueue):
                 return self.take_locally(call, exclude, candidates)
             give_back = self.returning.pop(replica, ())
             try:
-                member, held = await self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register,
-                                                        give_back)
+                member, held = await see_through(
+                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register, give_back),
+                    partial(self.orphaned, replica))
             except StoreUnavailable:
                 return self.take_locally(call, exclude, candidates)  # what it gave back ends with its lease
             self.outage_logged = False
@@ -300,6 +303,13 @@ class FleetModelQueue(ModelQueue):
                 self.claim(replica)
             candidates = [r for r in candidates if r is not replica]
         return None
+
+    def orphaned(self, replica: Replica, got: tuple[str | None, int]) -> None:
+        """An acquire whose request went away ended: a lease it got goes back with the next release batch."""
+        member, held = got
+        self.seen(replica, held)
+        if member is not None:
+            self.give_back(replica, member)
 
     def claim(self, replica: Replica) -> None:
         self.claimed.add(replica)
@@ -347,10 +357,13 @@ class FleetModelQueue(ModelQueue):
             # Sent with the next acquire for this backend, or on its own RETURN_AFTER from now with every other
             # lease given back meanwhile: under load that saves most release round trips, and the count in
             # Redis only ever runs high (never past the cap) for those few milliseconds.
-            self.returning.setdefault(replica, []).append(member)
-            if self.flusher is None:
-                self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
+            self.give_back(replica, member)
         self.dispatch()  # waiters here: the pump's acquire carries the lease back at once
+
+    def give_back(self, replica: Replica, member: str) -> None:
+        self.returning.setdefault(replica, []).append(member)
+        if self.flusher is None:
+            self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
 
     def flush_soon(self) -> None:
         self.flusher = None

@@ -29,6 +29,7 @@ from policies.ratelimit.base import (
     format_reset,
 )
 from policies.ratelimit.memory import MemoryLimiter
+from policies.see_through import see_through
 from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.ratelimit")
@@ -84,7 +85,10 @@ class RateLimit:
         member = f"{call.request_id}:{unique_id()}"
         limiter = self.limiter
         try:
-            decision = await limiter.acquire(scopes, cost, member, self.config.lease_seconds)
+            asked = limiter.acquire(scopes, cost, member, self.config.lease_seconds)
+            decision = await (asked if limiter is self.local else see_through(
+                asked, lambda got: got.allowed and self.background(
+                    self.release(Ticket(scopes, member, cost, limiter=limiter), 0))))
         except StoreUnavailable:
             limiter = self.local
             decision = await self.outage(scopes, cost, member)

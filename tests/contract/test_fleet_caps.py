@@ -134,3 +134,43 @@ def test_every_key_of_a_backend_is_in_one_cluster_slot():
     assert key_slot(f.leases("chat-0").encode()) == key_slot(f.waiting("chat-0").encode())
     assert key_slot(f.leases("chat-0").encode()) == key_slot(f.wake_list("chat-0").encode())
     assert key_slot(f.leases("chat-0").encode()) != key_slot(f.leases("chat-1").encode())
+
+
+async def test_requests_that_go_away_while_their_slot_is_on_its_way_leave_no_lease(store):
+    """A client that disconnects cancels its request while the acquire's script may already have run in Redis:
+    the lease it granted must come back at once, not sit there until it ends (a minute, by default)."""
+    from policies.admission import Admission
+    from policies.compile import replica_set
+    from policies.config import parse_policy, profile_of
+    from policies.metrics import GatewayMetrics
+    from policies.routing import Stats, build_profile
+
+    policy = parse_policy('models: [{name: m, backends: [{url: "http://127.0.0.1:9", cap: 8}]}]\n'
+                          'caps: {lease_seconds: 60, poll_interval: 0.02}')
+    replicas = replica_set(policy)
+    for r in replicas:
+        r.state = "up"
+    metrics = GatewayMetrics()
+    profiles = {m.name: build_profile(profile_of(policy, m)[1], m.name, Stats(None), metrics) for m in policy.models}
+    slots = FleetSlots(store, policy.caps)
+    admission = Admission(policy, replicas, profiles, metrics, fleet=slots)
+    rng = __import__("random").Random(3)
+
+    async def one() -> None:
+        asked = asyncio.create_task(admission.acquire("m", "owner"))
+        await asyncio.sleep(rng.uniform(0, 0.003))  # often while the script's reply is on its way
+        asked.cancel()
+        try:
+            replica = await asked
+        except asyncio.CancelledError:
+            return
+        await asyncio.sleep(rng.uniform(0, 0.002))
+        admission.release(replica)
+
+    for _ in range(20):
+        await asyncio.gather(*(one() for _ in range(16)))
+    await asyncio.sleep(0.1)  # past the batching of given-back leases
+    backend = replicas.by_model["m"][0]
+    assert await slots.held(backend.name) == 0
+    assert backend.in_flight == 0
+    await admission.close()

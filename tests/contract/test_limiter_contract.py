@@ -168,3 +168,44 @@ async def test_a_release_travels_with_the_next_admission_of_its_scopes(setup, re
         assert await limiter.slots("key:p") == 0 and await limiter.slots("model:p") == 0
     finally:
         await store.close()
+
+
+async def test_requests_that_go_away_while_admitted_leave_no_slot(redis_server, redis_prefix):  # noqa: F811
+    """A client that disconnects cancels its request while the admission script may already have run: the slot
+    (and the tokens) it took must come back at once, not when its lease ends."""
+    import random
+    from types import SimpleNamespace
+
+    from gateway.background import Background
+    from policies.config import parse_policy
+    from policies.keys import KeyLimits
+    from policies.metrics import GatewayMetrics
+    from policies.pipeline import Call
+    from policies.ratelimit.step import RateLimit
+
+    store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
+    background = Background()
+    step = RateLimit(parse_policy('models: [{name: m, backends: [{url: "http://127.0.0.1:9"}]}]'),
+                     RedisLimiter(store), background.run, GatewayMetrics())
+    key = SimpleNamespace(id="gone", limits=KeyLimits(max_concurrent=8))
+    rng = random.Random(5)
+
+    async def one(i: int) -> None:
+        call = Call(f"r{i}", "chat/completions", {}, "127.0.0.1", 0.0)
+        call.model, call.key = "m", key
+        entered = asyncio.create_task(step.enter(call))
+        await asyncio.sleep(rng.uniform(0, 0.003))  # often while the script's reply is on its way
+        entered.cancel()
+        try:
+            await entered
+        except asyncio.CancelledError:
+            return
+        except Exception:  # refused: at most 8 at once
+            return
+        await step.leave(call)
+
+    for n in range(20):
+        await asyncio.gather(*(one(n * 16 + i) for i in range(16)))
+    await asyncio.sleep(0.2)  # past the batching of releases
+    assert await step.limiter.slots("key:gone") == 0
+    await store.close()
