@@ -18,8 +18,9 @@ class MaxScore:
 
     def pick(self, candidates: Sequence[Candidate], totals: list[float]) -> Candidate:
         best = max(totals)
-        tied = [c for c, t in zip(candidates, totals) if t == best]
-        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        if totals.count(best) == 1:
+            return candidates[totals.index(best)]
+        return self.rng.choice([c for c, t in zip(candidates, totals) if t == best])
 
 
 class Random:

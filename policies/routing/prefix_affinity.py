@@ -54,6 +54,8 @@ class PrefixAffinity:
     def blocks(self, call: Call) -> list[int]:
         text = prompt_text(call.endpoint, call.body)
         size = self.params.block_chars
+        if len(text) < size:
+            return []
         full = min(len(text) // size, self.params.max_blocks)
         h = hash(call.model)
         out = []
@@ -75,12 +77,12 @@ class PrefixAffinity:
 
     def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
         blocks = self.blocks(call)
-        for replica in candidates:
-            self._observe(replica, stats)
-        if not blocks:
+        if not blocks:  # (what vLLM reports is looked at by the next call that has a prefix: nothing is lost)
             self.outcome = "no_prompt"
             self._last = (call, blocks, [0] * len(candidates))
             return [0.0] * len(candidates)
+        for replica in candidates:
+            self._observe(replica, stats)
         matched = [self.matched(r, blocks) for r in candidates]
         self._last = (call, blocks, matched)
         best = max(matched)

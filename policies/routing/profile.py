@@ -44,24 +44,27 @@ class Profile:
         return chosen
 
     def choose(self, call: Call, candidates: list[Replica]) -> Replica:
-        totals = [0.0] * len(candidates)
+        stats = self.stats
+        totals: list[float] | None = None
         decisions = []
         for scorer, weight in self.scorers:
             scorer.outcome = None
-            scores = scorer.score(call, candidates, self.stats)
-            low, high = min(scores), max(scores)
-            if low < 0.0 or high > 1.0:
+            scores = scorer.score(call, candidates, stats)
+            high = max(scores)
+            if high > 1.0 or min(scores) < 0.0:
                 scores = [min(1.0, max(0.0, s)) for s in scores]
-                high = min(1.0, max(0.0, high))
-            for i, s in enumerate(scores):
-                totals[i] += weight * s
+                high = max(scores)
+            if totals is None:
+                totals = [weight * s for s in scores]
+            else:
+                totals = [t + weight * s for t, s in zip(totals, scores)]
             decisions.append((scorer, scores, high))
         chosen = self.picker.pick(candidates, totals)
         if self.metrics is not None:
             index = candidates.index(chosen)
+            model, decision = self.model, self.metrics.decision
             for scorer, scores, high in decisions:
-                outcome = scorer.outcome or ("agreed" if scores[index] == high else "overruled")
-                self.metrics.decision(self.model, scorer.name, outcome)
+                decision(model, scorer.name, scorer.outcome or ("agreed" if scores[index] == high else "overruled"))
         return chosen
 
 
