@@ -7,7 +7,8 @@ every script touches one Redis Cluster slot:
     {prefix}cap:{<backend>}:waiting   hash  process -> "<claim> <last seen>": processes with waiters
 
 Taking a slot is one script (one round trip): drop expired leases, count, and add a lease if the count plus
-the claims of processes waiting longer (or in a better class) is under the limit. A request that finds room
+the claims of processes waiting longer (by more than `caps.fair_within`, or in a better class) is under the
+limit. A request that finds room
 in the fleet therefore costs one Redis call. Releases are off the request path and batched: a lease given
 back travels with the process's next acquire for that backend, or within 2 ms in one call with every other
 lease given back meanwhile (at once, with the acquire for its own head waiter, when the process has one).
@@ -84,13 +85,14 @@ local function wake_first(waiting, me, stale, now)
 end
 """
 
-# KEYS: leases, waiting. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale, then leases
-# this process gives back first. Returns {1 granted / 0 refused, leases held after}.
+# KEYS: leases, waiting. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale, fair_within,
+# then leases this process gives back first. Returns {1 granted / 0 refused, leases held after}.
 ACQUIRE = NOW + WAKE + """
 local limit, lease, stale = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[8])
 local me = ARGV[4]
 local claim = tonumber(ARGV[5]) * 1e10 + now - tonumber(ARGV[6])
-if #ARGV > 8 then redis.call('ZREM', KEYS[1], unpack(ARGV, 9)) end
+local ahead_by = claim - tonumber(ARGV[9])  -- claims before this are ahead (a better class always is)
+if #ARGV > 9 then redis.call('ZREM', KEYS[1], unpack(ARGV, 10)) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
 local ahead = 0
@@ -99,7 +101,7 @@ for i = 1, #claims, 2 do
   local c, seen = string.match(claims[i + 1], '^(%S+) (%S+)$')
   if tonumber(seen) < now - stale then
     redis.call('HDEL', KEYS[2], claims[i])
-  elseif claims[i] ~= me and tonumber(c) < claim then
+  elseif claims[i] ~= me and tonumber(c) < ahead_by then
     ahead = ahead + 1
   end
 end
@@ -153,6 +155,7 @@ class FleetSlots:
         # a process with waiters refreshes its claim at every poll; one not refreshed for five polls is starved
         # or gone, and a free slot must not sit idle waiting for it (it claims again, with its wait, when back)
         self.stale = max(0.1, 5 * caps.poll_interval)
+        self.fair_within = caps.fair_within
         self.prefix = f"{store.prefix}cap:"
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.members = itertools.count()
@@ -192,7 +195,7 @@ class FleetSlots:
             granted, held = await self._acquire(
                 keys=[self.leases(backend), self.waiting(backend)],
                 args=[limit, member, self.lease, self.process, rank, f"{waited:.6f}", int(register), self.stale,
-                      *give_back])
+                      self.fair_within, *give_back])
         return (member if int(granted) else None), int(held)
 
     async def release(self, backend: str, limit: int, members: Sequence[str]) -> int:

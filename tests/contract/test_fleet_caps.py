@@ -71,6 +71,18 @@ async def test_the_longest_waiting_process_is_served_first(store):
     assert await store.client.hlen(b.waiting("b")) == 1  # b's claim went with its slot; a's stays
 
 
+async def test_a_process_whose_waiter_arrived_within_fair_within_takes_the_slot_itself(store):
+    """Strict order would hand every freed slot to another process (a refusal and a wake-up per slot); waiters
+    that arrived within `caps.fair_within` of each other count as level."""
+    a, b = fleet(store), fleet(store)  # fair_within: 0.05 s, the default
+    held = (await a.acquire("f", 1, 0, 0.0, False))[0]
+    assert (await b.acquire("f", 1, 0, 2.0, True))[0] is None  # b's head has waited 2 s
+    member, _ = await a.acquire("f", 1, 0, 1.98, True, give_back=[held])  # a's has waited 20 ms less
+    assert member is not None
+    assert (await a.acquire("f", 1, 0, 1.5, True, give_back=[member]))[0] is None  # 0.5 s less: b goes first
+    assert (await b.acquire("f", 1, 0, 2.1, True))[0] is not None
+
+
 async def test_a_better_class_goes_first_however_long_the_other_waited(store):
     a, b = fleet(store), fleet(store)
     held = (await a.acquire("c", 1, 0, 0.0, False))[0]
