@@ -39,6 +39,11 @@ async def test_models_are_looked_up_by_name_or_alias_within_the_keys_models(surf
     async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=other, max_retries=0) as limited:
         with pytest.raises(openai.NotFoundError):
             await limited.models.retrieve("m")
+        assert [m.id async for m in limited.models.list()] == []
+    # answered by the gateway itself, and metered like every other route
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models/retrieve", status="200") == 2
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models/retrieve", status="404") == 2
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models", status="200") == 1
 
 
 async def test_responses_plain_streamed_retrieved_and_continued_on_their_replica(surface):
