@@ -169,9 +169,12 @@ class OpenAIRoutes:
             await self.serve(route, params, headers, scope, receive, send)
 
     async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, send) -> None:
-        """A route the gateway answers itself (the model list): the key and its network are checked, no more."""
+        """A route the gateway answers itself (the model list): the key and its network are checked, no more.
+        Metered and logged as every route is, with no model or backend (it names no model it routes to)."""
         request_id = request_id_from(headers)
         client = scope.get("client")
+        arrived = time.perf_counter()
+        status = 200
         try:
             network = self.gateway.client_network
             host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
@@ -180,9 +183,13 @@ class OpenAIRoutes:
             check_key_source(key, host)
             body = await route.answer(self.gateway, key, params)
         except GatewayError as exc:
+            status = exc.status
             await send_error(send, exc, request_id, render=route.errors)
-            return
-        await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, body)
+        else:
+            await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, body)
+        self.gateway.metrics.call_refused("unknown", "none", status, route.name)
+        self.gateway.proxy.access_log.write(request_id, route.name, "unknown", "none", status, False,
+                                            time.perf_counter() - arrived)
 
     async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
                     send) -> None:

@@ -4,10 +4,14 @@ API through the anthropic SDK, and the pooling routes against the tiny model ser
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import openai
 import pytest
+
+from policies.keys import key_id_of
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {
@@ -33,8 +37,18 @@ def test_models_retrieve_is_answered_by_the_gateway(sdk):
         sdk.models.retrieve("tiny-a")  # the served name is not a public one
 
 
+def key_usage(gateway, model: str) -> dict[str, int]:
+    """The e2e key's usage of `model`, as the admin API reports it."""
+    key_id = key_id_of(gateway.key)
+    answer = httpx.get(f"{gateway.url}/admin/keys/{key_id}/usage", timeout=30,
+                       headers={"authorization": f"Bearer {gateway.admin_token('viewer')}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["models"].get(model, {})
+
+
 def test_responses_plain_stored_and_streamed(sdk, gateway):
     before = gateway.metric("llm_gateway_completion_tokens_total", model="alpha")
+    used_before = key_usage(gateway, "alpha")
     made = sdk.responses.create(model="alpha", input="Tell me about rivers.", max_output_tokens=8, temperature=0)
     assert made.model == "alpha" and made.output_text and made.usage.output_tokens == 8
     stored = sdk.responses.retrieve(made.id)  # vLLM A runs with its store enabled
@@ -47,6 +61,15 @@ def test_responses_plain_stored_and_streamed(sdk, gateway):
     # both answers' tokens are counted from the usage vLLM reported
     assert gateway.metric("llm_gateway_completion_tokens_total", model="alpha") - before == 8 + 5
     assert gateway.metric("llm_gateway_requests_total", endpoint="responses", status="200") >= 2
+    # and in the key's usage: the prompts and outputs vLLM reported
+    deadline = time.monotonic() + 30  # written off the request path, after the stream's last frame went out
+    while (used := key_usage(gateway, "alpha")).get("completion_tokens", 0) \
+            - used_before.get("completion_tokens", 0) < 8 + 5:
+        assert time.monotonic() < deadline, used
+        time.sleep(0.05)
+    assert used["completion_tokens"] - used_before.get("completion_tokens", 0) == 8 + 5
+    prompts = made.usage.input_tokens + events[-1].response.usage.input_tokens
+    assert used["prompt_tokens"] - used_before.get("prompt_tokens", 0) == prompts
 
 
 def test_tokenize_detokenize_round_trip(http):
@@ -82,17 +105,52 @@ def test_anthropic_sdk_messages_plain_and_streamed(gateway):
             stranger.messages.create(model="beta", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
 
 
-def test_malformed_bodies_get_4xx_from_gateway_or_vllm(http):
-    cases = [
+def assert_refused(client: httpx.Client, cases: list[tuple[str, dict]]) -> None:
+    """Each body gets a 4xx (from the gateway or the backend), never a 5xx, in its route's error shape."""
+    for path, body in cases:
+        answer = client.post(path, json=body)
+        assert 400 <= answer.status_code < 500, (path, body, answer.status_code, answer.text)
+        error = answer.json()
+        if path.startswith("/v1/messages"):  # Anthropic's shape there
+            assert error["type"] == "error" and isinstance(error["error"]["message"], str), (path, answer.text)
+        else:
+            assert isinstance(error["error"]["message"], str), (path, body, answer.text)
+
+
+def server_errors(gateway) -> float:
+    return sum(gateway.metric("llm_gateway_requests_total", status=str(s)) for s in (500, 502, 503, 504))
+
+
+def test_malformed_bodies_get_4xx_from_gateway_or_vllm(http, gateway):
+    before = server_errors(gateway)  # the session's gateway: other tests kill replicas (their 502s count there)
+    chat = [
         {"model": "alpha", "messages": HELLO, "stream": "yes"},  # vLLM would coerce and stream: refused first
         {"model": "alpha", "messages": "hi"},
         {"model": "alpha", "messages": HELLO, "max_tokens": 100000},
         {"model": "alpha", "messages": HELLO, "temperature": "hot"},
         {"model": "alpha", "messages": HELLO, "n": 0},
     ]
-    for body in cases:
-        answer = http.post("/v1/chat/completions", json=body)
-        assert 400 <= answer.status_code < 500 and isinstance(answer.json()["error"], dict), (body, answer.text)
+    assert_refused(http, [("/v1/chat/completions", body) for body in chat] + [
+        ("/v1/completions", {"model": "alpha", "prompt": [[-1, 99999999]]}),
+        ("/v1/responses", {"model": "alpha", "input": 12}),
+        ("/v1/responses", {"model": "alpha", "input": [{"type": "function_call_output", "call_id": 1}]}),
+        ("/v1/responses", {"model": "alpha", "input": "x", "tools": "nope"}),
+        ("/v1/responses", {"model": "alpha", "input": "x", "stream": "yes"}),
+        ("/v1/responses", {"model": "alpha", "input": "x", "max_output_tokens": 10**9}),
+        ("/v1/responses", {"model": "alpha", "input": "x", "previous_response_id": "resp_not_made_here"}),
+        ("/tokenize", {"model": "alpha", "prompt": 5}),
+        ("/detokenize", {"model": "alpha", "tokens": ["a"]}),
+        ("/rerank", {"model": "alpha", "query": "q", "documents": ["d"]}),  # a generating model: vLLM's 404
+    ])
+    with httpx.Client(base_url=gateway.url, headers={"x-api-key": gateway.key}, timeout=60) as anthropic_client:
+        assert_refused(anthropic_client, [
+            ("/v1/messages", {"model": "alpha", "max_tokens": 5, "messages": "x"}),
+            ("/v1/messages", {"model": "alpha", "max_tokens": 5, "messages": [{"role": "bogus", "content": "x"}]}),
+            ("/v1/messages", {"model": "alpha", "messages": HELLO}),
+            ("/v1/messages", {"model": "alpha", "max_tokens": 5, "messages": HELLO, "stream": "yes"}),
+            ("/v1/messages/count_tokens", {"model": "alpha"}),
+        ])
+    assert server_errors(gateway) == before
     on_generate = http.post("/v1/embeddings", json={"model": "alpha", "input": "x"})  # vLLM: {"detail":...}
     assert on_generate.status_code == 404 and on_generate.json()["error"]["message"] == "Not Found"
 
@@ -113,5 +171,15 @@ def test_pooling_model_embeds_scores_and_reranks(pooling):
         assert scored.status_code == 200 and len(scored.json()["data"]) == 2
         pooled = c.post("/pooling", json={"model": "pool", "input": "a river"})
         assert pooled.status_code == 200 and pooled.json()["data"]
+        assert_refused(c, [
+            ("/v1/embeddings", {"model": "pool", "input": []}),
+            ("/v1/embeddings", {"model": "pool", "input": [[99999999]]}),
+            ("/rerank", {"model": "pool", "query": 5, "documents": [5]}),
+            ("/v2/rerank", {"model": "pool", "query": "q", "documents": ["a"], "top_n": -1}),
+            ("/score", {"model": "pool", "text_1": "a", "text_2": 5}),
+            ("/pooling", {"model": "pool"}),
+            ("/classify", {"model": "pool", "input": "x"}),  # an embedding model has no /classify: vLLM's 404
+            ("/v1/responses", {"model": "pool", "input": "x"}),
+        ])
     assert pooling.metric("llm_gateway_requests_total", endpoint="rerank", status="200") == 3
     assert pooling.metric("llm_gateway_prompt_tokens_total", model="pool") > 0

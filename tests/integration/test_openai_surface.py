@@ -39,6 +39,11 @@ async def test_models_are_looked_up_by_name_or_alias_within_the_keys_models(surf
     async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=other, max_retries=0) as limited:
         with pytest.raises(openai.NotFoundError):
             await limited.models.retrieve("m")
+        assert [m.id async for m in limited.models.list()] == []
+    # answered by the gateway itself, and metered like every other route
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models/retrieve", status="200") == 2
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models/retrieve", status="404") == 2
+    assert await gw.metric("llm_gateway_requests_total", endpoint="models", status="200") == 1
 
 
 async def test_responses_plain_streamed_retrieved_and_continued_on_their_replica(surface):
@@ -71,10 +76,14 @@ async def test_responses_plain_streamed_retrieved_and_continued_on_their_replica
 async def test_usage_of_responses_reaches_the_keys_usage(surface):
     gw, sdk, _ = surface
     made = await sdk.responses.create(model="m", input="count me", max_output_tokens=4)
+    events = [e async for e in await sdk.responses.create(model="m", input="and me", max_output_tokens=3,
+                                                            stream=True)]
+    streamed = events[-1].response.usage  # from `response.completed`, the frame the gateway accounts from
     await gw.state.record_usage.flush()
     usage = (await gw.state.store.usage(key_id_of(TEST_KEY)))["m"]
-    assert usage["requests"] == 1
-    assert usage["prompt_tokens"] == made.usage.input_tokens and usage["completion_tokens"] == 4
+    assert usage["requests"] == 2
+    assert usage["prompt_tokens"] == made.usage.input_tokens + streamed.input_tokens
+    assert usage["completion_tokens"] == 4 + 3 == made.usage.output_tokens + streamed.output_tokens
 
 
 async def test_tokenize_round_trip_and_pooling_routes(surface):
