@@ -28,9 +28,11 @@ KEY=$(python3 -m gateway keys --url http://127.0.0.1:8080 --token "$TOKEN" --jso
 echo "three gateways ready, key issued at $(el)s"
 L="$CAP,$((2*CAP)),$((4*CAP))"; L2="$((2*CAP)),$((4*CAP))"
 LOAD="python3 $D/load.py --warmup 3 --measure ${MEASURE:-12} --grace 40 --per-proc 48 --max-procs 14"
+if [ "${ONLY_FLEET:-0}" != 1 ]; then  # ONLY_FLEET=1: the three-gateway rows alone (a repeat after a fleet change)
 $LOAD --label direct --levels $L --prewarm $CAP --out $OUT/overload-direct.json --budget-s 200
 $LOAD --label gateway --url http://127.0.0.1:8080 --metrics-url http://127.0.0.1:8000 --api-key "$KEY" --prewarm 0 \
   --levels $L --out $OUT/overload-gateway.json --budget-s 200
+fi
 $LOAD --label gateway-x3 --url http://127.0.0.1:8080,http://127.0.0.1:8081,http://127.0.0.1:8082 \
   --metrics-url http://127.0.0.1:8000 --api-key "$KEY" --prewarm 0 --levels $L2 --out $OUT/overload-gateway3.json \
   --budget-s $(( ${STEP3_BUDGET:-560} - $(el) ))
