@@ -20,6 +20,7 @@ For each model over the window:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.config import backend_name
@@ -205,11 +206,15 @@ def _money(value: float | None) -> str:
 
 def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Prices | None, since: float,
            seconds: float, bucket_seconds: int) -> list[dict]:
-    """Per bucket of the window: utilisation, owned cost, rented cost, and what renting it all would have cost."""
+    """Per bucket of the window: utilisation, owned cost, rented cost, and what renting it all would have cost.
+    A bucket the window cuts (the current one, when the window ends now) counts only its part in the window,
+    so the owned costs add up to the window's and its utilisation is of the time that has passed."""
     hourly = sum(b.per_hour for b in model.backends if b.per_hour is not None)
     first = int(since // bucket_seconds) * bucket_seconds
+    until = since + seconds
     out = []
-    for bucket in range(first, int(since + seconds), bucket_seconds):
+    for bucket in range(first, math.ceil(until), bucket_seconds):
+        width = max(1e-9, min(bucket + bucket_seconds, until) - max(bucket, since))
         s = per_bucket.get(bucket, {"requests": 0, "busy": 0.0, "owned_prompt": 0, "owned_completion": 0,
                                     "rented_cost": 0.0})
         owned_at_rented = None if price is None else \
@@ -217,8 +222,8 @@ def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Pr
         out.append({
             "t": bucket,
             "requests": int(s["requests"]),
-            "utilisation": _round(min(1.0, s["busy"] / (bucket_seconds * max(1, len(model.backends)))), 4),
-            "owned_cost": _round(hourly * bucket_seconds / 3600),
+            "utilisation": _round(min(1.0, s["busy"] / (width * max(1, len(model.backends)))), 4),
+            "owned_cost": _round(hourly * width / 3600),
             "rented_cost": _round(s["rented_cost"], 9),
             "rent_all_cost": _round(None if owned_at_rented is None else owned_at_rented + s["rented_cost"], 9),
         })

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from gateway.report_cli import chart_lines
 from policies.budget import period_bounds
 from policies.config import PolicyError, parse_policy
 from policies.ledger.report import BackendCost, ModelCosts, Prices, build_report, burstiness, costs_of
@@ -110,6 +111,24 @@ def test_report_without_a_price_or_traffic():
     idle = build_report([], [MODEL], 0, 3600, 60)["models"]["m"]
     assert idle["recommendation"]["verdict"] == "rent" and "no traffic" in idle["recommendation"]["reason"]
     assert burstiness([], 60, 60) is None
+
+
+def test_a_window_that_ends_inside_a_bucket_counts_only_its_part():
+    """Until "now" the last bucket is still running: its owned cost and utilisation are of the time passed."""
+    rows = [row(0, "", busy=30.0, held=30.0), row(60, "", busy=15.0, held=15.0),
+            row(60, "owned", requests=1, prompt=1000, completion=1000)]
+    report = build_report(rows, [MODEL], 0, 90, 60)
+    m = report["models"]["m"]
+    assert m["owned_cost"] == pytest.approx(3.6 * 90 / 3600)
+    assert sum(p["owned_cost"] for p in m["series"]) == pytest.approx(m["owned_cost"])
+    assert [p["utilisation"] for p in m["series"]] == pytest.approx([0.5, 0.5])  # 15 s busy of the 30 s passed
+
+    # the chart's lines reach the window's end: the last bucket drawn as wide as it is, the costs' totals
+    lines = chart_lines(report, m)
+    assert [t.timestamp() for t in lines["edges"]] == [0, 60, 90]
+    assert lines["utilisation"] == pytest.approx([50, 50, 50])
+    assert lines["owned_cost"][0] == 0 and lines["owned_cost"][-1] == pytest.approx(m["owned_cost"])
+    assert lines["rent_all_cost"][-1] == pytest.approx(m["rent_all_cost"]) == pytest.approx(0.003)
 
 
 @pytest.mark.parametrize("period, now, start, end", [
