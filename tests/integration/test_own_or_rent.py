@@ -179,6 +179,29 @@ async def test_report_matches_the_workload_and_survives_a_restart(standin, monke
         assert code == 0 and json.loads(out)["models"]["m"]["owned"] == m["owned"]
 
 
+async def test_a_stop_writes_what_the_ledger_had_not_flushed_yet(standin, monkeypatch, tmp_path):  # noqa: F811
+    """With a flush interval longer than the test, only the shutdown's flush can have written the calls."""
+    rented_url, _log, _ = standin
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    db = tmp_path / "gateway.db"
+    async with serve_app(create_app(SLOW)) as owned:
+        config = policy(owned, rented_url, db)
+        config["ledger"].update(flush_seconds=60, report_every_seconds=3600)
+        async with running_gateway(config) as gw, httpx.AsyncClient(timeout=60) as http:
+            key = await issue(gw, "private_only")
+            for _ in range(3):
+                r = await http.post(f"{gw.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 3, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+            assert await gw.state.ledger.read(0, time.time() + 60) == []  # nothing written yet
+        async with running_gateway(config, issue_test_key=False) as gw, httpx.AsyncClient(timeout=60) as http:
+            r = await http.get(f"{gw.url}/admin/report", params={"window": 600}, headers=viewer)
+            assert r.status_code == 200, r.text
+            assert r.json()["models"]["m"]["owned"]["requests"] == 3
+
+
 async def cli(*args: str) -> tuple[int, str, str]:
     """`llm-gateway ...` as a process, while this event loop keeps serving the gateway it talks to."""
     proc = await asyncio.create_subprocess_exec(CLI, *args, stdout=asyncio.subprocess.PIPE,
