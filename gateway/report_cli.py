@@ -105,13 +105,12 @@ def render(report: dict) -> str:
 
 
 def chart_lines(report: dict, m: dict) -> dict:
-    """One model's lines over the window, each point at a bucket's edge: `edges` runs from the first bucket's
-    start to the window's end (so the last bucket is as wide as the others, or ends at `until`);
+    """One model's lines over the window, each point at an edge of the series: `edges` runs from the first
+    point's start to the window's end (so the last point is drawn as wide as it is);
     `utilisation` holds each bucket's value (drawn as steps, the last repeated to the end), and the costs are
     cumulative at each edge, from 0 at the start to the window's total at its end."""
     points = m["series"]
-    size = report["bucket_seconds"]
-    edges = [p["t"] for p in points] + [max(points[-1]["t"], min(points[-1]["t"] + size, report["until"]))]
+    edges = [p["t"] for p in points] + [points[-1]["t"] + points[-1]["seconds"]]
     return {
         "edges": [datetime.datetime.fromtimestamp(t, datetime.timezone.utc) for t in edges],
         "utilisation": [p["utilisation"] * 100 for p in points] + [points[-1]["utilisation"] * 100],

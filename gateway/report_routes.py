@@ -52,6 +52,7 @@ class Recommendation(Closed):
 
 class Point(Closed):
     t: int
+    seconds: float
     requests: int
     utilisation: float
     owned_cost: float
