@@ -196,8 +196,7 @@ def render(action: str, data) -> str:
     if action == "budget":
         spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
                                               is not None else "")
-        tokens = f"{data['tokens']}" + (f" of {data['max_tokens_per_period']}" if data["max_tokens_per_period"]
-                                        else "")
+        tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"
         return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
                      ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])
     if action in ("create", "rotate"):
