@@ -102,7 +102,7 @@ async def test_the_ledger_writes_off_the_path_keeps_a_refused_batch_and_bounds_i
     with pytest.raises(StoreUnavailable):
         await step.flush()
     step.timer.cancel()
-    assert lost == ["dropped"] and step.sums.take() == {}
+    assert lost == ["dropped"] and step.sums.take() == ({}, {})
     await ledger.close()
 
 

@@ -10,7 +10,7 @@ from gateway.report_cli import chart_lines
 from policies.budget import period_bounds
 from policies.config import PolicyError, parse_policy
 from policies.ledger.report import BackendCost, ModelCosts, Prices, build_report, burstiness, costs_of
-from policies.ledger.sums import BUSY, COUNTERS, HELD, Row, Sums
+from policies.ledger.sums import BUSY, COUNTERS, HELD, Batch, Row, Sums
 
 
 def totals(rows: dict, index: int) -> dict[int, float]:
@@ -29,8 +29,8 @@ def test_busy_time_is_the_union_of_intervals_across_buckets_and_flushes():
     for i, (start, end) in enumerate(calls):
         sums.in_flight("m", "b", start, end)
         if i in (1, 3):  # a flush between calls: later calls only add what no earlier one covered
-            flushed.append(sums.take())
-    flushed.append(sums.take())
+            flushed.append(sums.take().rows)
+    flushed.append(sums.take().rows)
     busy: dict[int, float] = {}
     held: dict[int, float] = {}
     for rows in flushed:
@@ -54,15 +54,23 @@ def test_busy_time_matches_a_brute_force_union():
     for start, end in calls:
         sums.in_flight("m", "b", start, end)
     covered = sum(1 for t in range(0, 600 * 100) if any(a <= t / 100 < b for a, b in calls)) / 100
-    assert sum(totals(sums.take(), BUSY).values()) == pytest.approx(covered, abs=0.5)
+    batch = sums.take()
+    assert sum(totals(batch.rows, BUSY).values()) == pytest.approx(covered, abs=0.5)
+    # the intervals kept for a shared store's union add up to the same, each inside its bucket
+    pieces = [(bucket, a, b) for (bucket, _, _), spans in batch.busy.items() for a, b in spans]
+    assert sum(b - a for _, a, b in pieces) == pytest.approx(sum(totals(batch.rows, BUSY).values()))
+    assert all(bucket <= a < b <= bucket + 60 for bucket, a, b in pieces)
 
 
 def test_put_back_is_bounded():
     sums = Sums(60)
     sums.call(5, "m", "b", "k", False, 10, 20, 0.5, 0.0)
-    rows = sums.take()
-    assert sums.put_back(rows, limit=10) and sums.take()[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
-    assert not sums.put_back({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)}, 10)
+    sums.in_flight("m", "b", 1, 2)
+    batch = sums.take()
+    assert sums.put_back(batch, limit=10) and sums.take().rows[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
+    assert not sums.put_back(Batch({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)},
+                                   {}), 10)
+    assert not sums.put_back(Batch({}, {(0, "m", "b"): [(i, i + 0.5) for i in range(11)]}), 10)  # intervals count
 
 
 def row(bucket, served, requests=0, prompt=0, completion=0, cost=0.0, busy=0.0, held=0.0, key="k"):
