@@ -13,7 +13,8 @@ For each model over the window:
   owned cost per million owned cost / owned tokens x 10^6: what a token cost at that utilisation
   owned at rented price  the owned tokens priced at the rented provider's per-token price
   rent-all cost          that, plus what the rented overflow actually cost: renting every request
-  burstiness             peak / mean of requests per minute over the window (1 = perfectly steady)
+  burstiness             peak / mean of requests per bucket (per minute at the default bucket_seconds) over the
+                         window (1 = perfectly steady)
   break-even utilisation the utilisation at which owning would have cost what renting did, if tokens grow
                          with busy time
 """
