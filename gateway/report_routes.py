@@ -134,7 +134,8 @@ def report_handlers(gateway, key_id_param) -> list:
         spent, used = await gateway.budgets.status(key_id, start, end)
         return BudgetStatus(
             id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
-            max_rented_spend=budget.max_rented_spend if budget else None, tokens=int(used) if budget and budget.max_tokens_per_period else None,
+            max_rented_spend=budget.max_rented_spend if budget else None,
+            tokens=int(used) if budget and budget.max_tokens_per_period else None,
             max_tokens_per_period=budget.max_tokens_per_period if budget else None,
             when_spent=budget.when_spent if budget else "owned_only",
         )
