@@ -49,6 +49,7 @@ def add_commands(sub) -> None:
     update.add_argument("id")
     update.add_argument("--name")
     add_settings(update)
+    update.add_argument("--no-budget", action="store_true", help="remove the key's budget")
     actions.add_parser("list", help="list keys")
     for action in ("show", "revoke", "usage", "budget"):
         actions.add_parser(action, help=f"{action} one key").add_argument("id")
@@ -99,6 +100,19 @@ def settings(args: argparse.Namespace) -> dict:
     return body
 
 
+def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
+    """The PATCH for `keys update`. The API replaces a key's whole budget, so the budget flags given are laid
+    over the key's current budget: `--when-spent reject` alone must not drop its max_rented_spend."""
+    body = settings(args)
+    if args.no_budget:
+        body["budget"] = None
+    elif "budget" in body:
+        current = httpx.get(url, headers=headers, timeout=10)
+        if current.status_code == 200:  # else the PATCH reports what is wrong (no such key, bad token)
+            body["budget"] = {**(current.json().get("budget") or {}), **body["budget"]}
+    return body
+
+
 def run_admin_token(args: argparse.Namespace) -> int:
     from gateway.admin_auth import mint_token
     from policies.config import Admin, PolicyError, load_policy
@@ -119,9 +133,10 @@ def run_keys(args: argparse.Namespace) -> int:
               "(mint one with `llm-gateway admin-token`)", file=sys.stderr)
         return 2
     base = args.url.rstrip("/") + "/admin/keys"
+    headers = {"authorization": f"Bearer {args.token}"}
     requests = {
         "create": lambda: ("POST", base, {**settings(args), "expires_in": args.expires_in}),
-        "update": lambda: ("PATCH", f"{base}/{args.id}", settings(args)),
+        "update": lambda: ("PATCH", f"{base}/{args.id}", update_body(args, f"{base}/{args.id}", headers)),
         "list": lambda: ("GET", base, None),
         "show": lambda: ("GET", f"{base}/{args.id}", None),
         "usage": lambda: ("GET", f"{base}/{args.id}/usage", None),
@@ -129,12 +144,11 @@ def run_keys(args: argparse.Namespace) -> int:
         "revoke": lambda: ("POST", f"{base}/{args.id}/revoke", None),
         "rotate": lambda: ("POST", f"{base}/{args.id}/rotate", {"grace_seconds": args.grace}),
     }
-    method, url, body = requests[args.action]()
-    if isinstance(body, dict):
-        body = {k: v for k, v in body.items() if v is not None}
     try:
-        response = httpx.request(method, url, json=body, headers={"authorization": f"Bearer {args.token}"},
-                                 timeout=10)
+        method, url, body = requests[args.action]()
+        if args.action == "create" and body["expires_in"] is None:
+            del body["expires_in"]
+        response = httpx.request(method, url, json=body, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
         print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
         return 1
@@ -182,8 +196,7 @@ def render(action: str, data) -> str:
     if action == "budget":
         spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
                                               is not None else "")
-        tokens = f"{data['tokens']}" + (f" of {data['max_tokens_per_period']}" if data["max_tokens_per_period"]
-                                        else "")
+        tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"
         return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
                      ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])
     if action in ("create", "rotate"):

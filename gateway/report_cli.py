@@ -104,9 +104,24 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
+def chart_lines(report: dict, m: dict) -> dict:
+    """One model's lines over the window, each point at an edge of the series: `edges` runs from the first
+    point's start to the window's end (so the last point is drawn as wide as it is);
+    `utilisation` holds each bucket's value (drawn as steps, the last repeated to the end), and the costs are
+    cumulative at each edge, from 0 at the start to the window's total at its end."""
+    points = m["series"]
+    edges = [p["t"] for p in points] + [points[-1]["t"] + points[-1]["seconds"]]
+    return {
+        "edges": [datetime.datetime.fromtimestamp(t, datetime.timezone.utc) for t in edges],
+        "utilisation": [p["utilisation"] * 100 for p in points] + [points[-1]["utilisation"] * 100],
+        **{field: _cumulative(points, field) for field in ("owned_cost", "rent_all_cost", "rented_cost")},
+    }
+
+
 def write_png(report: dict, path: Path) -> None:
     """Two panels over the window: utilisation of the owned backends per model; cumulative cost, owned vs
-    renting everything vs the rented overflow actually paid."""
+    renting everything vs the rented overflow actually paid (each line's total in the legend, so a line
+    flattened against a much dearer one still reads)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,19 +132,20 @@ def write_png(report: dict, path: Path) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, m) in enumerate(report["models"].items()):
         color = colors[i % len(colors)]
-        points = m["series"]
-        if not points:
+        if not m["series"]:
             continue
-        times = [datetime.datetime.fromtimestamp(p["t"], datetime.timezone.utc) for p in points]
-        util.plot(times, [p["utilisation"] * 100 for p in points], color=color, lw=1.8, drawstyle="steps-post",
+        lines = chart_lines(report, m)
+        times = lines["edges"]
+        util.plot(times, lines["utilisation"], color=color, lw=1.8, drawstyle="steps-post",
                   label=f"{name} (window {_fmt(m['utilisation'], '%')})")
-        owned, rent_all, rented = _cumulative(points, "owned_cost"), _cumulative(points, "rent_all_cost"), \
-            _cumulative(points, "rented_cost")
-        cost.plot(times, owned, color=color, lw=2.2, label=f"{name}: owned (GPU hours)")
+        cost.plot(times, lines["owned_cost"], color=color, lw=2.2,
+                  label=f"{name}: owned (GPU hours): {_total(lines['owned_cost'])}")
         if m["rent_all_cost"] is not None:
-            cost.plot(times, rent_all, color=color, lw=1.8, ls="--", label=f"{name}: if all traffic were rented")
+            cost.plot(times, lines["rent_all_cost"], color=color, lw=1.8, ls="--",
+                      label=f"{name}: if all traffic were rented: {_total(lines['rent_all_cost'])}")
         if m["rented"]["requests"]:
-            cost.plot(times, rented, color=color, lw=1.2, ls=":", label=f"{name}: rented overflow paid")
+            cost.plot(times, lines["rented_cost"], color=color, lw=1.2, ls=":",
+                      label=f"{name}: rented overflow paid: {_total(lines['rented_cost'])}")
     util.set_ylabel("owned backends busy (%)")
     util.set_ylim(0, 105)
     util.grid(True, alpha=0.3)
@@ -150,8 +166,13 @@ def write_png(report: dict, path: Path) -> None:
 
 
 def _cumulative(points: list[dict], field: str) -> list[float]:
-    total, out = 0.0, []
+    """The running total of `field` at each bucket's edge: 0 at the first bucket's start."""
+    total, out = 0.0, [0.0]
     for p in points:
         total += p[field] or 0.0
         out.append(total)
     return out
+
+
+def _total(line: list[float]) -> str:
+    return f"{line[-1]:.4g}"

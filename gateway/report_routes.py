@@ -10,7 +10,7 @@ import time
 
 from litestar import Request, get
 from litestar.params import Parameter
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openapi import errors
 from policies.budget import period_bounds
@@ -52,6 +52,7 @@ class Recommendation(Closed):
 
 class Point(Closed):
     t: int
+    seconds: float
     requests: int
     utilisation: float
     owned_cost: float
@@ -101,7 +102,8 @@ class BudgetStatus(Closed):
     resets_at: int
     rented_spend: float
     max_rented_spend: float | None
-    tokens: int
+    tokens: int | None = Field(description="tokens counted against max_tokens_per_period this period; null when"
+                               " the key has no token budget (then its calls' tokens are not counted here)")
     max_tokens_per_period: int | None
     when_spent: str
 
@@ -132,7 +134,8 @@ def report_handlers(gateway, key_id_param) -> list:
         spent, used = await gateway.budgets.status(key_id, start, end)
         return BudgetStatus(
             id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
-            max_rented_spend=budget.max_rented_spend if budget else None, tokens=int(used),
+            max_rented_spend=budget.max_rented_spend if budget else None,
+            tokens=int(used) if budget and budget.max_tokens_per_period else None,
             max_tokens_per_period=budget.max_tokens_per_period if budget else None,
             when_spent=budget.when_spent if budget else "owned_only",
         )

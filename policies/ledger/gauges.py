@@ -15,7 +15,8 @@ FIGURES = {  # report field -> (gauge name, help)
     "rented_price_per_million_tokens": ("llm_gateway_rented_price_per_million_tokens", "The same owned tokens'"
                                         " cost per million at the rented provider's price."),
     "rent_all_cost": ("llm_gateway_rent_all_cost", "What renting every request of the window would have cost."),
-    "burstiness": ("llm_gateway_traffic_burstiness", "Peak-to-mean of requests per minute over the window."),
+    "burstiness": ("llm_gateway_traffic_burstiness", "Peak-to-mean of requests per ledger bucket (per minute"
+                   " by default) over the window."),
     "break_even_utilisation": ("llm_gateway_break_even_utilisation_ratio", "Utilisation at which owning would"
                                " have cost what renting did."),
 }

@@ -65,13 +65,13 @@ class RecordLedger:
     async def flush(self) -> None:
         """Write what was summed; a refused batch goes back for the next flush (bounded)."""
         self.timer.cancel()
-        rows = self.sums.take()
-        if not rows:
+        batch = self.sums.take()
+        if not batch.rows:
             return
         try:
-            await self.ledger.add(rows, self.config.retention_days * 86400, time.time())
+            await self.ledger.add(batch, self.config.retention_days * 86400, time.time())
         except BaseException:
-            if not self.sums.put_back(rows, MAX_ROWS) and self.on_lost is not None:
+            if not self.sums.put_back(batch, MAX_ROWS) and self.on_lost is not None:
                 self.on_lost("dropped")
             self.timer.arm(4)
             raise

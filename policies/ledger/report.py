@@ -13,13 +13,15 @@ For each model over the window:
   owned cost per million owned cost / owned tokens x 10^6: what a token cost at that utilisation
   owned at rented price  the owned tokens priced at the rented provider's per-token price
   rent-all cost          that, plus what the rented overflow actually cost: renting every request
-  burstiness             peak / mean of requests per minute over the window (1 = perfectly steady)
+  burstiness             peak / mean of requests per bucket (per minute at the default bucket_seconds) over the
+                         window (1 = perfectly steady)
   break-even utilisation the utilisation at which owning would have cost what renting did, if tokens grow
                          with busy time
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.config import backend_name
@@ -27,6 +29,7 @@ from policies.ledger.sums import BUSY, COMPLETION, COST, HELD, PROMPT, QUEUE, RE
 
 BURSTY = 3.0  # peak-to-mean of requests per minute from which traffic counts as bursty
 HIGH_UTILISATION = 0.5
+MAX_POINTS = 1440  # points of a report's series: a day of one-minute buckets
 
 
 @dataclass(frozen=True)
@@ -205,20 +208,34 @@ def _money(value: float | None) -> str:
 
 def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Prices | None, since: float,
            seconds: float, bucket_seconds: int) -> list[dict]:
-    """Per bucket of the window: utilisation, owned cost, rented cost, and what renting it all would have cost."""
+    """Over the window, at most MAX_POINTS points (each one bucket, or as many whole buckets as keep a long
+    window under that, so a 90-day report stays a few hundred kilobytes): utilisation, owned cost, rented
+    cost, and what renting it all would have cost. A point the window cuts (the current bucket, when the
+    window ends now) counts only its part in the window, so the owned costs add up to the window's and its
+    utilisation is of the time that has passed. `seconds`: from `t` to the point's end."""
     hourly = sum(b.per_hour for b in model.backends if b.per_hour is not None)
     first = int(since // bucket_seconds) * bucket_seconds
+    until = since + seconds
+    step = max(1, math.ceil((until - first) / bucket_seconds / MAX_POINTS)) * bucket_seconds
+    points: dict[int, dict[str, float]] = {}
+    for bucket, slot in per_bucket.items():
+        point = points.setdefault(first + (bucket - first) // step * step, dict.fromkeys(slot, 0.0))
+        for field, value in slot.items():
+            point[field] += value
     out = []
-    for bucket in range(first, int(since + seconds), bucket_seconds):
-        s = per_bucket.get(bucket, {"requests": 0, "busy": 0.0, "owned_prompt": 0, "owned_completion": 0,
-                                    "rented_cost": 0.0})
+    for start in range(first, math.ceil(until), step):
+        end = min(start + step, until)
+        width = max(1e-9, end - max(start, since))
+        s = points.get(start, {"requests": 0, "busy": 0.0, "owned_prompt": 0, "owned_completion": 0,
+                               "rented_cost": 0.0})
         owned_at_rented = None if price is None else \
             (s["owned_prompt"] * price.input + s["owned_completion"] * price.output) / 1e6
         out.append({
-            "t": bucket,
+            "t": start,
+            "seconds": round(end - start, 3),
             "requests": int(s["requests"]),
-            "utilisation": _round(min(1.0, s["busy"] / (bucket_seconds * max(1, len(model.backends)))), 4),
-            "owned_cost": _round(hourly * bucket_seconds / 3600),
+            "utilisation": _round(min(1.0, s["busy"] / (width * max(1, len(model.backends)))), 4),
+            "owned_cost": _round(hourly * width / 3600),
             "rented_cost": _round(s["rented_cost"], 9),
             "rent_all_cost": _round(None if owned_at_rented is None else owned_at_rented + s["rented_cost"], 9),
         })

@@ -11,7 +11,7 @@ import asyncio
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
-from policies.ledger.sums import COUNTERS, Row
+from policies.ledger.sums import COUNTERS, Batch, Row
 from policies.store import StoreError, StoreUnavailable
 
 DIMENSIONS = ("bucket", "model", "backend", "key_id", "served")
@@ -60,8 +60,9 @@ class SQLiteLedger:
         except sqlite3.Error as exc:
             raise StoreError(f"sqlite ledger {op} failed: {type(exc).__name__}") from exc
 
-    async def add(self, rows: dict[Row, list[float]], retention_seconds: float, now: float) -> None:
-        params = [(*row, *values) for row, values in rows.items()]
+    async def add(self, batch: Batch, retention_seconds: float, now: float) -> None:
+        """One process writes this file, so the rows' busy time is already the union of its calls'."""
+        params = [(*row, *values) for row, values in batch.rows.items()]
         cutoff = int(now - retention_seconds)
 
         def write(conn: sqlite3.Connection) -> None:

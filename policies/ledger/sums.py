@@ -5,6 +5,10 @@ rented cost to their key's row. The backend's time goes to a row of its own (key
 `held_seconds`, the sum of every call's time in flight (divided by the bucket's length it is the average in
 flight, to set against the backend's cap), and `busy_seconds`, the time with at least one call in flight.
 
+The parts of busy time each call added are also kept as intervals per bucket (`busy`), so a store shared by
+several gateway replicas can take the union of theirs (policies/ledger/redis.py): each replica's sum alone
+would count twice the time two replicas' calls overlapped on one backend.
+
 Busy time is the union of the calls' intervals, computed exactly as they finish: a call ends at "now", so it
 ends after every interval seen so far and can only overlap the newest of them; only the part of it that no
 earlier call covered is added. The merged spans that stay apart are kept (the newest 64 per backend), so a
@@ -40,6 +44,7 @@ class Sums:
         self.bucket_seconds = bucket_seconds
         self.rows: dict[tuple, list[float]] = {}  # (bucket, model, backend, key id, served) -> COUNTERS
         self.spans: dict[tuple[str, str], list[list[float]]] = {}  # (model, backend) -> disjoint [start, end]
+        self.busy: dict[tuple[int, str, str], list[tuple[float, float]]] = {}  # (bucket, model, backend) -> added
 
     def counters(self, row: tuple) -> list[float]:
         values = self.rows.get(row)
@@ -92,22 +97,38 @@ class Sums:
             if values is None:
                 values = self.rows[row] = [0.0] * len(COUNTERS)
             values[index] += end - start
+            if index == BUSY:
+                self.busy.setdefault((first, model, backend), []).append((start, end))
             return
         for bucket in range(first, int(math.ceil(end / size)) * size, size):
             overlap = min(end, bucket + size) - max(start, bucket)
             if overlap > 0:
                 self.counters((bucket, model, backend, "", ""))[index] += overlap
+                if index == BUSY:
+                    self.busy.setdefault((bucket, model, backend), []).append(
+                        (max(start, bucket), min(end, bucket + size)))
 
-    def take(self) -> dict[Row, list[float]]:
+    def take(self) -> Batch:
         rows, self.rows = self.rows, {}
-        return {Row(*row): values for row, values in rows.items()}
+        busy, self.busy = self.busy, {}
+        return Batch({Row(*row): values for row, values in rows.items()}, busy)
 
-    def put_back(self, rows: dict[Row, list[float]], limit: int) -> bool:
-        """Merge a batch the store refused back in, unless that would pass `limit` rows (then it is lost)."""
-        if len(self.rows) + len(rows) > limit:
+    def put_back(self, batch: Batch, limit: int) -> bool:
+        """Merge a batch the store refused back in, unless that would pass `limit` rows and busy intervals (then
+        it is lost)."""
+        if len(self.rows) + len(batch.rows) + sum(map(len, (*self.busy.values(), *batch.busy.values()))) > limit:
             return False
-        for row, values in rows.items():
+        for row, values in batch.rows.items():
             mine = self.counters(row)
             for i, value in enumerate(values):
                 mine[i] += value
+        for where, pieces in batch.busy.items():
+            self.busy.setdefault(where, []).extend(pieces)
         return True
+
+
+class Batch(NamedTuple):
+    """What one flush writes: the rows' counters, and the busy intervals each backend's rows added."""
+
+    rows: dict[Row, list[float]]
+    busy: dict[tuple[int, str, str], list[tuple[float, float]]]

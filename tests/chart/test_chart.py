@@ -373,7 +373,7 @@ def test_dashboard_queries_only_metrics_that_exist():
     assert not used - known, f"the dashboard queries metrics nobody exposes: {sorted(used - known)}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ["requests", "time to first token", "inter-token", "tokens/s", "queue depth", "queue wait",
-                  "in flight vs cap", "owned vs rented", "rented cost", "errors"]:
+                  "in flight vs cap", "owned vs rented", "rented cost", "own or rent", "errors"]:
         assert topic in titles, topic
     assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
     assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"

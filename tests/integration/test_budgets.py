@@ -5,6 +5,7 @@ plus one request's cost."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -76,9 +77,16 @@ def test_rented_budget_spills_until_spent_then_stays_owned(three):
 
 
 def test_spent_budget_can_refuse_with_the_reset_time(three):
+    """The budget set with the CLI: created owned-only, then switched to reject by that flag alone."""
     c, log = three
-    key = c.issue_key(data_policy="allow_rented", budget={"max_rented_spend": 0.001, "when_spent": "reject",
-                                                          "period": "day"})
+    created = c.cli("keys", "--url", c.urls[1], "--json", "create", "--name", "capped", "--data-policy",
+                    "allow_rented", "--max-rented-spend", "0.001", "--budget-period", "day")
+    assert created.returncode == 0, created.stderr
+    key, key_id = json.loads(created.stdout)["key"], json.loads(created.stdout)["record"]["id"]
+    changed = c.cli("keys", "--url", c.urls[2], "--json", "update", key_id, "--when-spent", "reject")
+    assert changed.returncode == 0, changed.stderr
+    assert json.loads(changed.stdout)["budget"] == {"max_rented_spend": 0.001, "max_tokens_per_period": None,
+                                                    "period": "day", "when_spent": "reject"}
     admin = {"authorization": f"Bearer {c.admin_token}"}
     deadline = time.monotonic() + 60
     while httpx.get(f"{c.urls[0]}/admin/keys/{key.split('-')[1]}/budget", headers=admin,
@@ -92,7 +100,20 @@ def test_spent_budget_can_refuse_with_the_reset_time(three):
     error = info.value
     assert error.code == "budget_exceeded" and "resets at" in error.message and "T00:00:00Z" in error.message
     assert 0 < int(error.response.headers["retry-after"]) <= 86400
+    shown = c.cli("keys", "--url", c.urls[0], "budget", key_id)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split("\n")[1].split()[:6] == [key_id, "day", "0.0042", "of", "0.001", "-"], shown.stdout
+    removed = c.cli("keys", "--url", c.urls[0], "--json", "update", key_id, "--no-budget")
+    assert removed.returncode == 0 and json.loads(removed.stdout)["budget"] is None, removed.stderr
 
     tokens_key = c.issue_key(budget={"max_tokens_per_period": 100})  # each request reserves 20 + 10 tokens
-    codes = [r.status_code for r in asyncio.run(burst(c.urls, tokens_key, 6))]
+    replies = asyncio.run(burst(c.urls, tokens_key, 6))
+    codes = [r.status_code for r in replies]
     assert codes.count(200) == 3 and codes.count(429) == 3
+    used = sum(r.json()["usage"]["total_tokens"] for r in replies if r.status_code == 200)
+    tokens_id = tokens_key.split("-")[1]
+    deadline = time.monotonic() + 10
+    while (shown := c.cli("keys", "--url", c.urls[1], "budget", tokens_id)).stdout.split("\n")[1].split()[3:6] \
+            != [str(used), "of", "100"]:  # what the three answers used, settled off the request path
+        assert time.monotonic() < deadline, shown.stdout + shown.stderr
+        time.sleep(0.1)

@@ -23,6 +23,7 @@ from gateway.admin_auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyBudget
 from tests.integration.test_overflow import issue, standin  # noqa: F401 - the stand-in provider fixture
+from tests.support.cluster import cluster
 from tests.support.gateway import running_gateway
 from tests.support.rented_standin import read_log
 from tests.support.servers import serve_app
@@ -177,6 +178,70 @@ async def test_report_matches_the_workload_and_survives_a_restart(standin, monke
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
         code, out, _ = await cli(*args, "--json")
         assert code == 0 and json.loads(out)["models"]["m"]["owned"] == m["owned"]
+
+
+async def test_a_stop_writes_what_the_ledger_had_not_flushed_yet(standin, monkeypatch, tmp_path):  # noqa: F811
+    """With a flush interval longer than the test, only the shutdown's flush can have written the calls."""
+    rented_url, _log, _ = standin
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    db = tmp_path / "gateway.db"
+    async with serve_app(create_app(SLOW)) as owned:
+        config = policy(owned, rented_url, db)
+        config["ledger"].update(flush_seconds=60, report_every_seconds=3600)
+        async with running_gateway(config) as gw, httpx.AsyncClient(timeout=60) as http:
+            key = await issue(gw, "private_only")
+            for _ in range(3):
+                r = await http.post(f"{gw.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 3, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+            assert await gw.state.ledger.read(0, time.time() + 60) == []  # nothing written yet
+        async with running_gateway(config, issue_test_key=False) as gw, httpx.AsyncClient(timeout=60) as http:
+            r = await http.get(f"{gw.url}/admin/report", params={"window": 600}, headers=viewer)
+            assert r.status_code == 200, r.text
+            assert r.json()["models"]["m"]["owned"]["requests"] == 3
+
+
+def test_utilisation_with_three_replicas_counts_overlapping_calls_once(tmp_path):
+    """Three `llm-gateway serve` replicas on one real Redis send one call each to the same backend at once:
+    the backend was busy for the union of the three, not three times it."""
+    ledger = {"bucket_seconds": 1, "flush_seconds": 0.05, "report_every_seconds": 3600}
+    with cluster(tmp_path, replicas=3, slow=True, backend={"cap": 4, "cost": {"per_hour": 1.0}},
+                 ledger=ledger) as c:
+        key = c.issue_key()
+        spans: dict[str, list[tuple[float, float]]] = {url: [] for url in c.urls}  # per replica
+
+        async def send(url: str, http: httpx.AsyncClient) -> None:
+            started = time.time()
+            r = await http.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 30, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            spans[url].append((started, time.time()))
+
+        async def workload() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                for _ in range(3):
+                    await asyncio.gather(*(send(url, http) for url in c.urls))
+                    await asyncio.sleep(0.3)
+
+        since = math.floor(time.time())
+        asyncio.run(workload())
+        until = math.ceil(time.time()) + 1
+        while time.time() < until:
+            time.sleep(0.05)
+        r = httpx.get(f"{c.urls[0]}/admin/report", params={"window": until - since, "until": until},
+                      headers={"authorization": f"Bearer {c.admin_token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        m = r.json()["models"]["m"]
+        window = until - since
+        union_share = union([span for mine in spans.values() for span in mine]) / window
+        summed = sum(union(mine) for mine in spans.values()) / window  # what adding each replica's busy time says
+        assert m["owned"]["requests"] == 9 and summed > 2 * union_share
+        # the gateway times each call from sending it to its end, inside the client's span of it (which adds
+        # the gateway's own work on a busy 2-core machine): 0.46 against 0.48 on one run, where the sums said 1.44
+        assert 0.8 * union_share <= m["utilisation"] <= 1.03 * union_share, (m["utilisation"], union_share, summed)
 
 
 async def cli(*args: str) -> tuple[int, str, str]:

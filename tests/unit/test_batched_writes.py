@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,12 @@ from gateway import background as background_module
 from gateway.background import Background
 from policies import accounting
 from policies.accounting import RecordUsage
+from policies.config import Ledger
+from policies.ledger import record
+from policies.ledger.record import RecordLedger
+from policies.ledger.sqlite import SQLiteLedger
+from policies.ledger.sums import REQUESTS
+from policies.store import StoreUnavailable
 
 
 class FlakyStore:
@@ -59,6 +66,44 @@ async def test_a_refused_batch_is_kept_for_the_next_flush():
     store.down = False
     await step.flush()
     assert store.writes == [("k1", "m", 2, 4, 5, False)]
+
+
+def ledger_call(key: str, backend: str = "gpu-0"):
+    """A finished owned call, as the ledger's step sees it: sent 10 ms before it finished."""
+    return SimpleNamespace(key=SimpleNamespace(id=key), model="m", replica=SimpleNamespace(rented=None, name=backend),
+                           sent_at=time.perf_counter() - 0.01, queue_wait=0.0,
+                           usage={"prompt_tokens": 3, "completion_tokens": 4})
+
+
+async def test_the_ledger_writes_off_the_path_keeps_a_refused_batch_and_bounds_it(tmp_path, monkeypatch):
+    """The SQLite file's folder is missing (a real refusal), then made: nothing is lost or counted twice; a
+    refused batch larger than the bound is dropped and counted, so memory stays bounded while the store is down."""
+    folder = tmp_path / "not-yet"
+    ledger, lost, background = SQLiteLedger(str(folder / "gateway.db")), [], Background()
+    step = RecordLedger(ledger, Ledger(flush_seconds=0.05), lambda *a: 0.0, background.run, lost.append)
+    for _ in range(3):
+        await step.leave(ledger_call("k1"))
+    with pytest.raises(StoreUnavailable):
+        await step.flush()
+    await step.leave(ledger_call("k1"))
+    folder.mkdir()
+    deadline = time.monotonic() + 10
+    while not (rows := {row: v for row, v in await ledger.read(0, time.time() + 60) if row.served}):
+        assert time.monotonic() < deadline, "the step's own timer never flushed the kept batch"
+        await asyncio.sleep(0.05)  # the step's own timer flushes, off the request path
+    await background.drain(1)
+    assert [(row.key_id, v[REQUESTS]) for row, v in rows.items()] == [("k1", 4)] and lost == []
+
+    monkeypatch.setattr(record, "MAX_ROWS", 3)
+    await ledger.close()
+    ledger = step.ledger = SQLiteLedger(str(tmp_path / "gone" / "gateway.db"))
+    for backend in ("a", "b", "c"):  # three key rows and three backend-time rows: past the bound of 3
+        await step.leave(ledger_call("k1", backend))
+    with pytest.raises(StoreUnavailable):
+        await step.flush()
+    step.timer.cancel()
+    assert lost == ["dropped"] and step.sums.take() == ({}, {})
+    await ledger.close()
 
 
 async def test_access_log_batches_lines_formatted_like_the_log(monkeypatch, caplog):

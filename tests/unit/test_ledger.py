@@ -6,10 +6,11 @@ import random
 
 import pytest
 
+from gateway.report_cli import chart_lines
 from policies.budget import period_bounds
 from policies.config import PolicyError, parse_policy
 from policies.ledger.report import BackendCost, ModelCosts, Prices, build_report, burstiness, costs_of
-from policies.ledger.sums import BUSY, COUNTERS, HELD, Row, Sums
+from policies.ledger.sums import BUSY, COUNTERS, HELD, Batch, Row, Sums
 
 
 def totals(rows: dict, index: int) -> dict[int, float]:
@@ -28,8 +29,8 @@ def test_busy_time_is_the_union_of_intervals_across_buckets_and_flushes():
     for i, (start, end) in enumerate(calls):
         sums.in_flight("m", "b", start, end)
         if i in (1, 3):  # a flush between calls: later calls only add what no earlier one covered
-            flushed.append(sums.take())
-    flushed.append(sums.take())
+            flushed.append(sums.take().rows)
+    flushed.append(sums.take().rows)
     busy: dict[int, float] = {}
     held: dict[int, float] = {}
     for rows in flushed:
@@ -53,15 +54,23 @@ def test_busy_time_matches_a_brute_force_union():
     for start, end in calls:
         sums.in_flight("m", "b", start, end)
     covered = sum(1 for t in range(0, 600 * 100) if any(a <= t / 100 < b for a, b in calls)) / 100
-    assert sum(totals(sums.take(), BUSY).values()) == pytest.approx(covered, abs=0.5)
+    batch = sums.take()
+    assert sum(totals(batch.rows, BUSY).values()) == pytest.approx(covered, abs=0.5)
+    # the intervals kept for a shared store's union add up to the same, each inside its bucket
+    pieces = [(bucket, a, b) for (bucket, _, _), spans in batch.busy.items() for a, b in spans]
+    assert sum(b - a for _, a, b in pieces) == pytest.approx(sum(totals(batch.rows, BUSY).values()))
+    assert all(bucket <= a < b <= bucket + 60 for bucket, a, b in pieces)
 
 
 def test_put_back_is_bounded():
     sums = Sums(60)
     sums.call(5, "m", "b", "k", False, 10, 20, 0.5, 0.0)
-    rows = sums.take()
-    assert sums.put_back(rows, limit=10) and sums.take()[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
-    assert not sums.put_back({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)}, 10)
+    sums.in_flight("m", "b", 1, 2)
+    batch = sums.take()
+    assert sums.put_back(batch, limit=10) and sums.take().rows[Row(0, "m", "b", "k", "owned")][:3] == [1, 10, 20]
+    assert not sums.put_back(Batch({Row(60 * i, "m", "b", "k", "owned"): [0.0] * len(COUNTERS) for i in range(20)},
+                                   {}), 10)
+    assert not sums.put_back(Batch({}, {(0, "m", "b"): [(i, i + 0.5) for i in range(11)]}), 10)  # intervals count
 
 
 def row(bucket, served, requests=0, prompt=0, completion=0, cost=0.0, busy=0.0, held=0.0, key="k"):
@@ -110,6 +119,38 @@ def test_report_without_a_price_or_traffic():
     idle = build_report([], [MODEL], 0, 3600, 60)["models"]["m"]
     assert idle["recommendation"]["verdict"] == "rent" and "no traffic" in idle["recommendation"]["reason"]
     assert burstiness([], 60, 60) is None
+
+
+def test_a_window_that_ends_inside_a_bucket_counts_only_its_part():
+    """Until "now" the last bucket is still running: its owned cost and utilisation are of the time passed."""
+    rows = [row(0, "", busy=30.0, held=30.0), row(60, "", busy=15.0, held=15.0),
+            row(60, "owned", requests=1, prompt=1000, completion=1000)]
+    report = build_report(rows, [MODEL], 0, 90, 60)
+    m = report["models"]["m"]
+    assert m["owned_cost"] == pytest.approx(3.6 * 90 / 3600)
+    assert sum(p["owned_cost"] for p in m["series"]) == pytest.approx(m["owned_cost"])
+    assert [p["utilisation"] for p in m["series"]] == pytest.approx([0.5, 0.5])  # 15 s busy of the 30 s passed
+
+    # the chart's lines reach the window's end: the last bucket drawn as wide as it is, the costs' totals
+    lines = chart_lines(report, m)
+    assert [t.timestamp() for t in lines["edges"]] == [0, 60, 90]
+    assert lines["utilisation"] == pytest.approx([50, 50, 50])
+    assert lines["owned_cost"][0] == 0 and lines["owned_cost"][-1] == pytest.approx(m["owned_cost"])
+    assert lines["rent_all_cost"][-1] == pytest.approx(m["rent_all_cost"]) == pytest.approx(0.003)
+
+
+def test_a_long_window_keeps_its_series_short_and_its_sums():
+    """90 days of one-minute buckets (the longest window the API takes): 1440 points of 90 minutes, not
+    129,600 (tens of megabytes of JSON, seconds of the event loop), with nothing lost in the merge."""
+    days = 90
+    rows = [row(86400 * 30 + 60 * i, "owned", requests=1, prompt=10, completion=10) for i in range(3)]
+    rows += [row(86400 * 30, "", busy=60.0, held=60.0), row(86400 * 30 + 60, "", busy=30.0, held=30.0)]
+    m = build_report(rows, [MODEL], 0, days * 86400, 60)["models"]["m"]
+    assert len(m["series"]) == 1440 and {p["seconds"] for p in m["series"]} == {days * 60}
+    assert sum(p["owned_cost"] for p in m["series"]) == pytest.approx(m["owned_cost"]) == pytest.approx(3.6 * 24 * days)
+    (busy,) = [p for p in m["series"] if p["requests"]]
+    assert busy["t"] == 86400 * 30 and busy["requests"] == 3
+    assert busy["utilisation"] == pytest.approx(90 / 5400, abs=1e-4)
 
 
 @pytest.mark.parametrize("period, now, start, end", [
