@@ -14,4 +14,4 @@ for _ in $(seq 1 30); do
   U=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
   [ "${U:-0}" -lt 2000 ] && break; sleep 1
 done
-echo "stopped $PIDS; GPU memory used now ${U:-?} MiB"
+echo "stopped" $PIDS"; GPU memory used now ${U:-?} MiB"
