@@ -14,6 +14,8 @@ set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=$
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 BUDGET=${STEP6_BUDGET:-560}
 [ -f $SCRATCH/site/.done ] && [ -f $SCRATCH/q4b/config.json ] || { echo "NO site or model: run step1.sh and step2.sh first"; exit 3; }
+(cd $SCRATCH/w && PYTHONPATH=$SCRATCH/gw:$SCRATCH/site python3 -c "from policies.config import Variant") \
+  || { echo "the gateway's wheel in $SCRATCH/gw has no variants: rebuild it (build_site.sh) and rerun step 2"; exit 5; }
 for f in "$SCRATCH"/w/gateway-*.pid "$SCRATCH"/w/redis.pid; do [ -f "$f" ] && kill -TERM -- "-$(cat "$f")" 2>/dev/null; rm -f "$f"; done
 bash $D/stop.sh
 # 20 GiB each (~145k tokens at 147,456 bytes a token): far more than 128 streams of 384 tokens; equal for both,
