@@ -23,9 +23,12 @@ W="--conversations ${CONVS:-480} --active ${ACTIVE:-160} --turns 5 --system-toke
 KV=$(python3 -m tests.benchmarks.routing --model-dir $SCRATCH/q4b --print-kv-bytes $W) || exit 4
 echo "KV cache per server: $KV bytes ($(( KV / 147456 )) tokens)"
 export VLLM_SERVER_DEV_MODE=1  # POST /reset_prefix_cache between profiles
-for p in 8000 8001; do  # both at once: the explicit KV size spares the second its memory profile of the first
-  PORT=$p GPU_UTIL=0.4 bash $D/serve.sh r$p --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
-done
+# Both at once: the explicit KV size spares the second its memory profile of the first. The same flags give the
+# same torch.compile cache key, so :8001 compiles into a cache root of its own rather than race :8000 writing the
+# shared one (:8000 keeps the default root, where step 2's compile of this configuration may already be).
+PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
+PORT=8001 GPU_UTIL=0.4 VLLM_CACHE_ROOT=$SCRATCH/vllm-cache-8001 \
+  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8000.log 8000 & H0=$!
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8001.log 8001 & H1=$!
 wait $H0; R0=$?; wait $H1; R1=$?
