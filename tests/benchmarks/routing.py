@@ -76,9 +76,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.vllm_procs import BASE_ARGS, VLLMServer, metric_value, parse_metrics, start_many, stop_all  # noqa: E402
+from tests.e2e.vllm_procs import (  # noqa: E402
+    BASE_ARGS, VLLMServer, free_port, metric_value, parse_metrics, start_many, stop_all,
+)
 from tests.support.probes import wait_http_ok  # noqa: E402
-from tests.support.servers import free_port  # noqa: E402
 
 PROFILES = ("least-in-flight", "prefix-affinity", "session-affinity", "random")
 MODEL = "bench"  # the served model name of the servers started here (--served-model for external ones)
