@@ -35,6 +35,19 @@ turn hits all of the previous turn's prompt). Checks (exit status 1 when one fai
 p50 at most half of least-in-flight's, its measured hit rate at least 1.5x least-in-flight's, its throughput
 not lower. Every loop is bounded: each profile by --profile-timeout, each request by the client's timeout.
 Results go to .cache/bench/routing-<time>.json.
+
+External servers (e.g. two vLLM servers sharing one GPU, tests/benchmarks/gpu/step5.sh):
+
+    python -m tests.benchmarks.routing --servers http://127.0.0.1:8000,http://127.0.0.1:8001 \
+        --served-model qwen3-4b [--server-logs a.log,b.log] [--gateway-cmd "python3 -m gateway"]
+
+uses servers that are already running: nothing is started or stopped but the gateway, each server is named
+after its port, and its KV cache size is read from its /metrics (vllm:cache_config_info) instead of being set;
+size it beforehand so the working set overflows one server (`--print-kv-bytes --model-dir DIR` prints the
+--kv-cache-memory-bytes for the workload and --overflow). The servers must run with VLLM_SERVER_DEV_MODE=1 (the
+prefix caches are reset between profiles) and, for the "same server" column, with --enable-log-requests and
+their log files given in --server-logs; without logs that column stays empty. The gateway runs as
+`llm-gateway` next to this interpreter, else `python -m gateway`, or as --gateway-cmd says.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ import os
 import random
 import re
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -53,6 +67,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
@@ -61,12 +76,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.vllm_procs import BASE_ARGS, VLLMServer, metric_value, start_many, stop_all  # noqa: E402
+from tests.e2e.vllm_procs import (  # noqa: E402
+    BASE_ARGS, VLLMServer, free_port, metric_value, parse_metrics, start_many, stop_all,
+)
 from tests.support.probes import wait_http_ok  # noqa: E402
-from tests.support.servers import free_port  # noqa: E402
 
 PROFILES = ("least-in-flight", "prefix-affinity", "session-affinity", "random")
-MODEL = "bench"
+MODEL = "bench"  # the served model name of the servers started here (--served-model for external ones)
 CHARS_PER_TOKEN = 4.0  # for sizing only; measured ~4.2 for this text and the models' tokenizer (see /tokenize check)
 WORDS = """the a of to and in is for that with as on by this be are from or it an at not if which can when
 file list value name data time user task request server model cache prefix token agent tool result call
@@ -140,6 +156,35 @@ class BenchServer(VLLMServer):
         return cmd
 
 
+class ExternalServer:
+    """A vLLM server started elsewhere (--servers): read and reset, never started or stopped here."""
+
+    def __init__(self, url: str, log_path: Path | None = None) -> None:
+        self.base_url = url.rstrip("/")
+        self.api_base = self.base_url + "/v1"
+        self.label = f"vllm-{urlsplit(self.base_url).port}"
+        self.log_path = log_path
+
+    def __repr__(self) -> str:
+        return f"ExternalServer({self.base_url})"
+
+    def metrics_text(self, timeout: float = 5.0) -> str:
+        r = httpx.get(self.base_url + "/metrics", timeout=timeout, trust_env=False)
+        r.raise_for_status()
+        return r.text
+
+    def metrics(self, timeout: float = 5.0):
+        return parse_metrics(self.metrics_text(timeout))
+
+    def log_text(self) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
 def kv_bytes_per_token(model_dir: Path) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -169,6 +214,8 @@ def reset_prefix_cache(server: VLLMServer, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         r = httpx.post(server.base_url + "/reset_prefix_cache", timeout=10, trust_env=False)
+        if r.status_code == 404:
+            raise RuntimeError(f"{server!r} has no /reset_prefix_cache: start it with VLLM_SERVER_DEV_MODE=1")
         if r.status_code == 200 and r.json().get("success", True):
             return
         if time.monotonic() > deadline:
@@ -203,7 +250,15 @@ def served_by(servers: list[VLLMServer], tag: str) -> dict[str, str]:
 
 # -- the gateway -------------------------------------------------------------------------------------------
 
-def start_gateway(servers: list[VLLMServer], profile: str, work: Path) -> tuple[subprocess.Popen, str, str]:
+def gateway_command(args) -> list[str]:
+    """--gateway-cmd, else the `llm-gateway` script next to this interpreter, else `python -m gateway`."""
+    if args.gateway_cmd:
+        return shlex.split(args.gateway_cmd)
+    cli = Path(sys.executable).with_name("llm-gateway")
+    return [str(cli)] if cli.exists() else [sys.executable, "-m", "gateway"]
+
+
+def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> tuple[subprocess.Popen, str, str]:
     secret = secrets.token_urlsafe(32)
     port = free_port()
     policy = {
@@ -211,16 +266,15 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path) -> tuple[
         "store": {"kind": "sqlite", "path": str(work / f"keys-{profile}.db")},
         "timeouts": {"read": 300},
         "routing": {"default_profile": profile},
-        "models": [{"name": MODEL, "queue": {"max_depth": 10_000, "max_wait": 300},
+        "models": [{"name": args.served_model, "queue": {"max_depth": 10_000, "max_wait": 300},
                     "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
     }
     path = work / f"policy-{profile}.yaml"
     path.write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
-    cli = str(Path(sys.executable).with_name("llm-gateway"))
     log = open(work / f"gateway-{profile}.log", "wb")
-    proc = subprocess.Popen([cli, "serve", "--config", str(path), "--log-level", "warning"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*gateway_command(args), "serve", "--config", str(path), "--log-level", "warning"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/ready", proc, 60, "the gateway")
@@ -234,6 +288,8 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path) -> tuple[
     except BaseException:
         proc.terminate()
         proc.wait(10)
+        print(f"the gateway's log ({' '.join(gateway_command(args))}):\n"
+              + (work / f"gateway-{profile}.log").read_text(errors="replace")[-3000:], flush=True)
         raise
     return proc, url, r.json()["key"]
 
@@ -255,7 +311,7 @@ class Record:
 async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversation, turn: int, tag: str,
                    args) -> Record:
     rec = Record(conv.id, turn)
-    body = orjson.dumps({"model": MODEL, "messages": conv.messages(turn), "max_tokens": args.max_tokens,
+    body = orjson.dumps({"model": args.served_model, "messages": conv.messages(turn), "max_tokens": args.max_tokens,
                          "temperature": 0, "ignore_eos": True, "stream": True,
                          "stream_options": {"include_usage": True}})
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json", "x-session-id": conv.id,
@@ -448,50 +504,99 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--profile-timeout", type=float, default=300, help="seconds; the rest of a profile is cut")
     p.add_argument("--out", type=Path, help="JSON results (default .cache/bench/routing-<time>.json)")
+    ext = p.add_argument_group("external servers (started elsewhere, e.g. on a GPU)")
+    ext.add_argument("--servers", help="comma-separated base URLs of running vLLM servers (loopback), e.g. "
+                     "http://127.0.0.1:8000,http://127.0.0.1:8001; none are started or stopped")
+    ext.add_argument("--served-model", default=MODEL, help="the model name the servers serve (default: %(default)s)")
+    ext.add_argument("--server-logs", help="comma-separated log files of the --servers, in order (vLLM run with "
+                     "--enable-log-requests): tells which server served each turn; without them no 'same server'")
+    ext.add_argument("--gateway-cmd", help="how to run the gateway, e.g. \"python3 -m gateway\" (default: the "
+                     "llm-gateway script next to this interpreter, else this interpreter's -m gateway)")
+    ext.add_argument("--print-kv-bytes", action="store_true", help="print the --kv-cache-memory-bytes per server "
+                     "that makes the workload's working set --overflow times one server's cache (the model's "
+                     "shape from --model-dir), and exit")
     args = p.parse_args(argv)
     args.profiles = [x for x in args.profiles.split(",") if x]
     if not 1 <= args.active <= args.conversations:
         p.error("--active must be between 1 and --conversations")
+    args.servers = [u.strip() for u in (args.servers or "").split(",") if u.strip()]
+    logs = [Path(x.strip()) for x in (args.server_logs or "").split(",") if x.strip()]
+    if args.servers:
+        if len(args.servers) < 2:
+            p.error("--servers needs at least two URLs")
+        if any(urlsplit(u).hostname not in ("127.0.0.1", "localhost", "::1") or urlsplit(u).port is None
+               for u in args.servers):
+            p.error("--servers: loopback URLs with a port only, e.g. http://127.0.0.1:8000")
+        if logs and len(logs) != len(args.servers):
+            p.error("--server-logs needs one file per --servers URL")
+    elif logs:
+        p.error("--server-logs goes with --servers")
+    args.server_logs = logs or [None] * len(args.servers)
     return args
+
+
+def planned_kv_bytes(args, working_set: float, model_dir: Path) -> tuple[int, int, int]:
+    """(bytes, tokens, bytes a token) of the KV cache per server that makes the working set --overflow times it."""
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"no model in {model_dir}: run .venv-vllm/bin/python scripts/build_tiny_model.py --size bench")
+    per_token = kv_bytes_per_token(model_dir)
+    # vLLM refuses a cache that cannot hold one request of --max-model-len; blocks are 128 tokens on CPU (16 on GPU)
+    cache_tokens = max(int(working_set / args.overflow), args.max_model_len + 128) // 128 * 128
+    return cache_tokens * per_token, cache_tokens, per_token
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     model_dir = args.model_dir.resolve()
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"no model in {model_dir}: run .venv-vllm/bin/python scripts/build_tiny_model.py --size bench")
     convs = workload(args)
     est_tokens = sum(c.chars() for c in convs) / len(convs) / CHARS_PER_TOKEN + 10 * args.turns  # + chat markup
     working_set = args.active * est_tokens
-    per_token = kv_bytes_per_token(model_dir)
-    # vLLM refuses a cache that cannot hold one request of --max-model-len; blocks are 128 tokens on CPU
-    cache_tokens = max(int(working_set / args.overflow), args.max_model_len + 128) // 128 * 128
-    kv_bytes = cache_tokens * per_token
+    if args.print_kv_bytes:
+        print(planned_kv_bytes(args, working_set, model_dir)[0])
+        return 0
     out = args.out or REPO / ".cache" / "bench" / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    print(f"model {model_dir.name}; {args.conversations} conversations x {args.turns} turns, {args.active} active, "
-          f"tool time {args.tool_time[0]:g}-{args.tool_time[1]:g} s; ~{est_tokens:,.0f} tokens per conversation, "
-          f"working set ~{working_set:,.0f} tokens; KV cache per server {kv_bytes / 2**20:.0f} MiB "
-          f"(~{cache_tokens:,} tokens at {per_token:,} bytes a token); load average {load_before[0]:.2f}", flush=True)
-
-    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        work = Path(tmp)
+    workload_text = (f"{args.conversations} conversations x {args.turns} turns, {args.active} active, "
+                     f"tool time {args.tool_time[0]:g}-{args.tool_time[1]:g} s")
+    if args.servers:
+        model_name, kv_bytes = args.served_model, None
+        servers = [ExternalServer(url, log) for url, log in zip(args.servers, args.server_logs)]
+        print(f"model {model_name} on {', '.join(s.base_url for s in servers)} (started elsewhere); {workload_text};"
+              f" ~{est_tokens:,.0f} tokens per conversation, working set ~{working_set:,.0f} tokens; "
+              f"load average {load_before[0]:.2f}", flush=True)
+        if not any(args.server_logs):
+            print("no --server-logs: which server served each turn is not known ('same server' stays empty)")
+    else:
+        model_name = model_dir.name
+        kv_bytes, cache_tokens, per_token = planned_kv_bytes(args, working_set, model_dir)
+        print(f"model {model_name}; {workload_text}; ~{est_tokens:,.0f} tokens per conversation, "
+              f"working set ~{working_set:,.0f} tokens; KV cache per server {kv_bytes / 2**20:.0f} MiB "
+              f"(~{cache_tokens:,} tokens at {per_token:,} bytes a token); load average {load_before[0]:.2f}",
+              flush=True)
         log_dir = REPO / ".cache" / "bench" / "routing-logs"
         servers = [BenchServer(model_dir, name, core=core, log_dir=log_dir, max_model_len=args.max_model_len,
                                kv_bytes=kv_bytes, env={"VLLM_SERVER_DEV_MODE": "1"})
                    for name, core in (("vllm-a", 0), ("vllm-b", 1))]
         start_many(servers, timeout=300)
+
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        work = Path(tmp)
         try:
             cfg = [cache_config(s) for s in servers]
             real_cache = [c.get("block_size", 0) * c.get("num_gpu_blocks", 0) for c in cfg]
+            if not all(real_cache):
+                raise SystemExit(f"no vllm:cache_config_info on {[s for s, c in zip(servers, real_cache) if not c]}")
             block = cfg[0].get("block_size", 16)
-            tokens = [conversation_tokens(servers[0], c) for c in convs]
+            tokens = [conversation_tokens(servers[0], c, args.served_model) for c in convs]
             real_ws = args.active * sum(tokens) / len(tokens)
-            print(f"vLLM: block size {block}, KV cache {real_cache[0]:,} / {real_cache[1]:,} tokens; "
+            print(f"vLLM: block size {block}, KV cache {' / '.join(f'{c:,}' for c in real_cache)} tokens; "
                   f"conversations end at {min(tokens):,}-{max(tokens):,} tokens (mean {sum(tokens) / len(tokens):,.0f});"
-                  f" working set {real_ws:,.0f} tokens = {real_ws / real_cache[0]:.2f}x one server's cache, "
-                  f"{real_ws / sum(real_cache):.2f}x both", flush=True)
+                  f" working set {real_ws:,.0f} tokens = {real_ws / min(real_cache):.2f}x one server's cache, "
+                  f"{real_ws / sum(real_cache):.2f}x all", flush=True)
+            if not min(real_cache) < real_ws < sum(real_cache):
+                print("WARNING: the working set should overflow one server's cache and fit in all of them, or the "
+                      "profiles cannot be told apart", flush=True)
             warm_up(servers, args)
             results = []
             for profile in args.profiles:
@@ -502,10 +607,10 @@ def main(argv=None) -> int:
                       "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
                       "working_set_tokens": round(real_ws)}
         finally:
-            stop_all(servers)
+            if not args.servers:
+                stop_all(servers)
     load_after = os.getloadavg()
-    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.active} active, tool time "
-          f"{args.tool_time[0]:g}-{args.tool_time[1]:g} s, model {model_dir.name}, {args.max_tokens} output tokens;"
+    print(f"\n{workload_text}, model {model_name}, {args.max_tokens} output tokens;"
           f" load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
     print(table(results) + "\n")
     checks = verdict(results)
@@ -513,17 +618,17 @@ def main(argv=None) -> int:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     out.write_text(json.dumps({
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": model_dir.name, "sizing": sizing, "loadavg_before": load_before, "loadavg_after": load_after,
-        "results": [asdict(r) for r in results], "checks": checks}, indent=2))
+        "model": model_name, "sizing": sizing, "loadavg_before": load_before, "loadavg_after": load_after,
+        "results": [asdict(r) for r in results], "checks": checks}, indent=2, default=str))
     print(f"\nresults: {out}")
     return 0 if all(ok for _, ok in checks) else 1
 
 
-def conversation_tokens(server: VLLMServer, conv: Conversation) -> int:
+def conversation_tokens(server: VLLMServer, conv: Conversation, model: str) -> int:
     """Tokens of the conversation's last prompt and its reply, by the server's own tokenizer and chat template."""
     messages = conv.messages(len(conv.users) - 1) + [{"role": "assistant", "content": conv.replies[-1]}]
     r = httpx.post(server.base_url + "/tokenize", trust_env=False, timeout=30,
-                   json={"model": MODEL, "messages": messages, "add_generation_prompt": False})
+                   json={"model": model, "messages": messages, "add_generation_prompt": False})
     if r.status_code != 200 or "count" not in r.json():
         raise RuntimeError(f"/tokenize answered {r.status_code}: {r.text[:300]}")
     return r.json()["count"]
@@ -535,7 +640,7 @@ def warm_up(servers: list[VLLMServer], args) -> None:
     for s in servers:
         for n in (50, 1500, 50):
             httpx.post(s.api_base + "/chat/completions", trust_env=False, timeout=120, json={
-                "model": MODEL, "messages": [{"role": "user", "content": prose(rng, n)}],
+                "model": args.served_model, "messages": [{"role": "user", "content": prose(rng, n)}],
                 "max_tokens": args.max_tokens, "ignore_eos": True}).raise_for_status()
 
 
@@ -543,7 +648,7 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
                 block: int) -> Result:
     for s in servers:
         reset_prefix_cache(s)
-    proc, url, key = start_gateway(servers, profile, work)
+    proc, url, key = start_gateway(servers, profile, work, args)
     load_start = os.getloadavg()[0]
     tag = f"{profile}-{secrets.token_hex(3)}"
     try:

@@ -15,6 +15,10 @@ fi
 rm -rf $SCRATCH/gw && python3 -m zipfile -e $D/llm_gateway-*.whl $SCRATCH/gw || exit 5
 echo "unpacked at $(el)s"
 for i in $(seq 1 60); do [ -f $SCRATCH/w/build.rc ] && break; sleep 2; done; echo "build.rc=$(cat $SCRATCH/w/build.rc 2>/dev/null)"
+if [ -n "${STAGE_ONLY:-}" ]; then  # only the site, the wheel and the model, for steps 5 and 6 (no server, no knee)
+  [ "$(cat $SCRATCH/w/build.rc 2>/dev/null)" = 0 ] || { tail -5 $SCRATCH/w/build.log; exit 7; }
+  echo "staged at $(el)s"; exit 0
+fi
 bash $D/serve.sh bf16
 export PYTHONPATH=$SCRATCH/gw:$SCRATCH/site
 cd $SCRATCH/w   # not the repo root: the gateway comes from the wheel
