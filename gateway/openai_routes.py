@@ -224,7 +224,7 @@ class OpenAIRoutes:
         reply: Reply | None = None
         error: BaseException | None = None
         try:
-            reply = await proxy.handle(call, raw)
+            reply = await proxy.handle(call, raw, scope.get("query_string", b"") if route.query is not None else b"")
             if reply.stream is None:
                 await send_bytes(send, reply.status, reply.headers, reply.body)
             else:

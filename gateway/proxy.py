@@ -91,11 +91,14 @@ class Proxy:
         self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
         self.shadow: Any = None  # gateway/shadow.py: set by the app when some model has a shadow variant
 
-    async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes]) -> Reply:
+    async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
-        A multipart route's body comes as its chunks (it is streamed through), any other's whole."""
+        A multipart route's body comes as its chunks (it is streamed through), any other's whole; `raw_query`,
+        the client's query string, matters only to a route that forwards it."""
         route = call.route
         try:
+            if route.query is not None:
+                call.query = route.query(raw_query)
             if route.body == JSON:
                 call.body = parse_json(raw_body)
             elif route.body == MULTIPART:
@@ -111,8 +114,8 @@ class Proxy:
                                  param="previous_response_id", code="model_mismatch")
             call.stream = route.streams(call.body)
             response = await self.forward(call)
-            if route.body == MULTIPART:  # the stream field may follow the file: the answer's type tells
-                call.stream = route.relay is not None and is_event_stream(response)
+            if route.stream_by_answer:  # a form's stream field may follow its file, a retrieve's is in its query
+                call.stream = is_event_stream(response)
             if call.stream and response.status == 200:
                 return Reply(
                     200,
@@ -212,6 +215,8 @@ class Proxy:
         call.replica, call.holds_replica = target, holds
         route = call.route
         path = route.upstream_path(call.params)
+        if call.query:
+            path += call.query
         trace_headers = self.tracing.sending(call, target)
         call.sent_at = time.perf_counter()
         upstream = self.upstreams.get(target) or self.add_upstream(target)
@@ -298,8 +303,9 @@ class Proxy:
                 if first:
                     first = False
                     now = call.first_token_at = time.perf_counter()
-                    self.metrics.first_token(call.model, now - call.arrived)
-                    self.admission.observe(call.replica, now - call.sent_at)
+                    if not relay.replay:  # stored events come at once: no measure of the backend's pace
+                        self.metrics.first_token(call.model, now - call.arrived)
+                        self.admission.observe(call.replica, now - call.sent_at)
                 if call.tap is not None:
                     call.tap.append(chunk)
                 out = relay.feed(chunk)
@@ -309,8 +315,12 @@ class Proxy:
             if tail:
                 yield tail
         except UpstreamError as exc:
-            self.upstream_failed(call.replica, exc.kind, str(exc))
-            call.error = upstream_error(exc.kind, f"the backend for model {call.model} broke off the stream")
+            if relay.replay:  # vLLM ends a replay of a response that has no stored events so: no sign of ill health
+                call.error = UpstreamFailed(f"the backend for model {call.model} ended the stream early (only a "
+                                            "response made with background and stream set has events to stream)")
+            else:
+                self.upstream_failed(call.replica, exc.kind, str(exc))
+                call.error = upstream_error(exc.kind, f"the backend for model {call.model} broke off the stream")
             yield relay.error_frame(call.route.errors(call.error))
         finally:
             call.usage = relay.usage

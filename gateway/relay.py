@@ -4,7 +4,8 @@ Bytes are passed on at event boundaries without re-encoding. Only the final usag
 `usage`) is parsed, for token accounting, and dropped again when the client did not ask for usage. When the
 backend's served model name differs from the public one, `"model":"<served>"` is rewritten in place.
 `SSERelay` carries chat and completions streams (`data:` lines, a usage chunk, `[DONE]`); `EventRelay` the
-`event:` + `data:` frames of the Responses and Anthropic Messages APIs.
+`event:` + `data:` frames of the Responses and Anthropic Messages APIs; `ReplayRelay` a stored response's
+events streamed again (a Responses retrieve), whose tokens were counted when it was made.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Frames:
     """Cuts upstream bytes at event boundaries (a blank line): complete events go on, the rest waits."""
 
     pending = b""
+    replay = False  # True: the stream repeats stored events: no tokens, no first-token time, no verdict on the backend
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
@@ -135,3 +137,16 @@ class EventRelay(Frames):
     @staticmethod
     def error_frame(body: bytes) -> bytes:
         return b"event: error\ndata: " + body + b"\n\n"
+
+
+class ReplayRelay(EventRelay):
+    """A stored response's `event:` frames streamed again (GET /v1/responses/{id}?stream=true): passed on as they
+    come, model renamed, nothing counted (the tokens were accounted when the response was made)."""
+
+    replay = True
+
+    def __init__(self, rename: tuple[bytes, bytes] | None = None) -> None:
+        super().__init__({}, rename)
+
+    def _process(self, frames: bytes) -> bytes:
+        return frames.replace(*self.rename) if self.rename is not None else frames

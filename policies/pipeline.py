@@ -27,6 +27,7 @@ class Call:
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     route: Any = None  # its declaration in the gateway's endpoint registry
     params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
+    query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
     body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
     upload: Any = None  # a multipart body streamed through (gateway/form_upload.py)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits

@@ -23,6 +23,6 @@ def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay:
 
 
 TRANSCRIPTIONS = Route("audio/transcriptions", "/v1/audio/transcriptions", body=MULTIPART, relay=relay,
-                       max_body=upload_limit, plain_text=True)
+                       max_body=upload_limit, plain_text=True, stream_by_answer=True)
 TRANSLATIONS = Route("audio/translations", "/v1/audio/translations", body=MULTIPART, relay=relay,
-                     max_body=upload_limit, plain_text=True)
+                     max_body=upload_limit, plain_text=True, stream_by_answer=True)

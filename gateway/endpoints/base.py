@@ -13,6 +13,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 import orjson
 
@@ -100,6 +101,54 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+MAX_QUERY = 2048  # bytes of a query string the gateway forwards
+MAX_QUERY_FIELDS = 32
+
+
+def query_flag(value: str) -> bool:
+    return value in ("true", "false")
+
+
+def query_count(value: str) -> bool:
+    return value.isdigit() and len(value) <= 9
+
+
+def query_text(value: str) -> bool:
+    return 0 < len(value) <= 200
+
+
+def forward_query(fields: dict[str, Callable[[str], bool]], repeated: tuple[str, ...] = ()):
+    """A route's `query`: reads the client's raw query string into the one sent upstream (`?...`, re-encoded by
+    the gateway, so nothing in it can bend the request line). Only the named `fields` pass, each value checked,
+    once each but for the `repeated` ones; anything else (too long, not UTF-8, malformed, unknown) is a 400."""
+
+    def read(raw: bytes) -> str:
+        if not raw:
+            return ""
+        if len(raw) > MAX_QUERY:
+            raise BadRequest(f"the query string is longer than the {MAX_QUERY} bytes this gateway accepts",
+                             code="invalid_query")
+        try:
+            pairs = parse_qsl(raw.decode("ascii"), strict_parsing=True, errors="strict",
+                              max_num_fields=MAX_QUERY_FIELDS)
+        except (UnicodeDecodeError, ValueError):
+            raise BadRequest("the query string is malformed", code="invalid_query") from None
+        seen: set[str] = set()
+        for name, value in pairs:
+            ok = fields.get(name)
+            if ok is None:
+                raise BadRequest(f"unknown query parameter '{name[:64]}'", param=name[:64], code="invalid_query")
+            if name in seen and name not in repeated:
+                raise BadRequest(f"query parameter '{name}' is given more than once", param=name,
+                                 code="invalid_query")
+            if not ok(value):
+                raise BadRequest(f"query parameter '{name}' has an invalid value", param=name, code="invalid_query")
+            seen.add(name)
+        return "?" + urlencode(pairs) if pairs else ""
+
+    return read
+
+
 def chat_relay(call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay:
     return SSERelay(strip_usage=not call.wants_usage, rename=rename)
 
@@ -124,6 +173,8 @@ class Route:
     answer: Callable[[Any, Any, dict[str, str]], Awaitable[bytes]] | None = None  # answered by the gateway
     max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
+    query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped
+    stream_by_answer: bool = False  # it streams when its answer is an event stream (a form's or a query's `stream`)
     pattern: re.Pattern | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,9 @@ to that replica, from any gateway replica, with no shared state: the gateway nam
 (vLLM takes the id from the body's `request_id`) as `resp_<tag><random>`, where the tag is a hash of the
 replica's stable name. A retrieve, a cancel, or a new response continuing it (`previous_response_id`) goes to
 the replica whose tag the id carries; an id the gateway did not make, or whose replica is gone, is a 404.
+A retrieve forwards its query (`stream`, `starting_after`, `include`): with `stream=true` vLLM streams the stored
+events of a response made with `background` and `stream`, relayed with no tokens counted (they were, when it
+was made).
 Responses served by a rented provider keep the provider's ids and cannot be retrieved through the gateway.
 """
 
@@ -18,8 +21,9 @@ from functools import lru_cache
 from typing import Any
 
 from backends.replicas import Replica
-from gateway.endpoints.base import NONE, Route, io_usage, no_usage
-from gateway.relay import EventRelay
+from gateway.endpoints.base import (NONE, Route, forward_query, io_usage, no_usage, query_count, query_flag,
+                                    query_text)
+from gateway.relay import EventRelay, ReplayRelay
 from policies.errors import NotFound
 from policies.pipeline import Call
 from policies.tokens import RESPONSES
@@ -84,6 +88,15 @@ def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
                        b"response.failed": final_usage}, rename)
 
 
+def replay(_call: Call, rename: tuple[bytes, bytes] | None) -> ReplayRelay:
+    return ReplayRelay(rename)
+
+
+RETRIEVE_QUERY = forward_query({"stream": query_flag, "starting_after": query_count, "include": query_text,
+                                "include[]": query_text, "include_obfuscation": query_flag},
+                               repeated=("include", "include[]"))
+
+
 def usage(data: dict[str, Any]) -> dict[str, int] | None:
     return io_usage(data.get("usage"))
 
@@ -91,6 +104,6 @@ def usage(data: dict[str, Any]) -> dict[str, int] | None:
 CREATE = Route("responses", "/v1/responses", tokens=RESPONSES, usage=usage, relay=relay, pin=pin_previous,
                prepare=assign_id, rentable=True)
 RETRIEVE = Route("responses/retrieve", "/v1/responses/{id}", methods=("GET",), body=NONE, pin=pin_by_path,
-                 model=pinned_model, usage=no_usage)
+                 model=pinned_model, usage=no_usage, query=RETRIEVE_QUERY, relay=replay, stream_by_answer=True)
 CANCEL = Route("responses/cancel", "/v1/responses/{id}/cancel", body=NONE, pin=pin_by_path, model=pinned_model,
                usage=no_usage)

@@ -94,6 +94,33 @@ def test_responses_frames_pass_through_and_usage_comes_from_response_completed(s
     assert relay.usage == {"prompt_tokens": 13, "completion_tokens": 6}
 
 
+@pytest.mark.parametrize("size", [1, 100_000])
+def test_a_replayed_response_stream_passes_through_with_nothing_counted(size):
+    raw = (FIXTURES / "responses_stream.sse").read_bytes()
+    relay = responses.replay(None, (b'"model":"tiny"', b'"model":"public"'))
+    assert relay_all(relay, raw, size) == raw.replace(b'"model":"tiny"', b'"model":"public"')
+    assert relay.usage is None and relay.events == 0 and relay.replay  # no tokens, no stand-in for them
+
+
+def test_a_retrieve_forwards_its_known_query_fields_re_encoded():
+    read = responses.RETRIEVE.query
+    assert read(b"") == ""
+    assert read(b"stream=true&starting_after=4") == "?stream=true&starting_after=4"
+    assert read(b"include%5B%5D=message.output_text.logprobs&include%5B%5D=a%20b") == \
+        "?include%5B%5D=message.output_text.logprobs&include%5B%5D=a+b"
+    for other in ROUTES:  # no other route forwards a query
+        assert other.query is None or other is responses.RETRIEVE
+
+
+@pytest.mark.parametrize("raw", [b"stream=yes", b"stream", b"starting_after=-1", b"starting_after=1e3",
+                                 b"stream=true&stream=true", b"colour=red", b"include=%ff", b"include=\xc3\xa9",
+                                 b"a=1&&b=2", b"include=" + b"x" * 2100, b"&".join([b"include=a"] * 40)])
+def test_a_malformed_or_over_long_retrieve_query_is_a_400(raw):
+    with pytest.raises(BadRequest) as refused:
+        responses.RETRIEVE.query(raw)
+    assert refused.value.code == "invalid_query"
+
+
 def test_anthropic_stream_usage_is_merged_from_start_and_delta():
     from gateway.endpoints import messages
 
