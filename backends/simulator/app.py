@@ -46,6 +46,7 @@ class Http:
     def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]):
         self.receive, self.send = receive, send
         self.method, self.path = scope["method"], scope["path"]
+        self.query: bytes = scope.get("query_string", b"")
         self.headers = dict(scope.get("headers") or [])
         request_id = self.headers.get(b"x-request-id")
         self.echo_headers = [(b"x-request-id", request_id)] if request_id else []

@@ -1,17 +1,21 @@
 """The simulator's routes beyond chat, completions and embeddings, in vLLM 0.32's shapes (captured samples in
 tests/fixtures/vllm-0.32-cpu): the Responses API (with an in-memory store, as vLLM's
-VLLM_ENABLE_RESPONSES_API_STORE=1), Anthropic's Messages API, /tokenize and /detokenize, and the pooling
-routes (rerank, score, pooling) with deterministic scores. Generation goes through the same engine
+VLLM_ENABLE_RESPONSES_API_STORE=1, and the events of a `background` streamed response, streamed again by
+GET /v1/responses/{id}?stream=true[&starting_after=N]), Anthropic's Messages API, /tokenize and /detokenize,
+and the pooling routes (rerank, score, pooling) with deterministic scores. Generation goes through the same engine
 as chat, so these routes load the simulated backend (and its metrics) the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -37,6 +41,35 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+class Events:
+    """The events of a response made with `background` and `stream`, kept to be streamed again."""
+
+    def __init__(self, pending: dict) -> None:
+        self.pending = pending  # what a plain retrieve answers until it is done
+        self.frames: list[bytes] = []
+        self.more = asyncio.Event()
+        self.done = False
+
+
+BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _retrieve_query(raw: bytes) -> tuple[bool, int | None]:
+    """`stream` and `starting_after` as vLLM's retrieve reads them (FastAPI's parsing, its 400s)."""
+    query = parse_qs(raw.decode("latin-1"))
+    stream = BOOLS.get(query.get("stream", ["false"])[-1].lower())
+    if stream is None:
+        raise ApiError(400, "1 validation error: query.stream: Input should be a valid boolean", param="query.stream")
+    starting_after = query.get("starting_after", [None])[-1]
+    if starting_after is not None:
+        try:
+            starting_after = int(starting_after)
+        except ValueError:
+            raise ApiError(400, "1 validation error: query.starting_after: Input should be a valid integer",
+                           param="query.starting_after") from None
+    return stream, starting_after
+
+
 def _int(body: dict, name: str, default: int | None) -> int | None:
     value = body.get(name, default)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -53,6 +86,8 @@ class Extras:
     def __init__(self, app) -> None:
         self.app = app
         self.stored: OrderedDict[str, dict] = OrderedDict()
+        self.events: OrderedDict[str, Events] = OrderedDict()  # of background streamed responses
+        self.background: set[asyncio.Task] = set()
         self.routes = {
             "/v1/responses": self.responses, "/v1/messages": self.messages,
             "/v1/messages/count_tokens": self.count_tokens, "/tokenize": self.tokenize,
@@ -90,13 +125,27 @@ class Extras:
         gen = self.submit(history + _text(body.get("instructions")) + _text(body.get("input")), max_tokens, body)
         response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
             f"resp_{secrets.token_hex(8)}"
+        background = body.get("background") is True
         shape = {"id": response_id, "created_at": int(time.time()), "object": "response",
                  "model": self.app.cfg.model, "max_output_tokens": max_tokens, "previous_response_id": previous,
                  "instructions": body.get("instructions"), "tools": [], "tool_choice": "none",
-                 "temperature": body.get("temperature", 1.0), "background": False, "metadata": body.get("metadata")}
+                 "temperature": body.get("temperature", 1.0), "background": background,
+                 "metadata": body.get("metadata")}
+        if background and body.get("stream") is True:  # as vLLM: made on its own, its events kept to stream again
+            events = self.events[response_id] = Events({**shape, "status": "queued", "output": [], "usage": None})
+            while len(self.events) > STORED:
+                self.events.popitem(last=False)
+            task = asyncio.create_task(self._keep_events(gen, shape, body, events))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+            await self._replay(http, events, 0)
+            return
         async with http.abort_on_disconnect(gen):
             if body.get("stream") is True:
-                await self._stream_response(http, gen, shape, body)
+                await http.start(200, b"text/event-stream; charset=utf-8")
+                async for frames in self._frames(gen, shape, body):
+                    await http.write(b"".join(frames))
+                await http.write(b"", more=False)
                 return
             await gen.wait()
             if gen.finish_reason in ("stop", "length"):
@@ -122,8 +171,8 @@ class Extras:
                 self.stored.popitem(last=False)
         return response
 
-    async def _stream_response(self, http, gen: GenRequest, shape: dict, body: dict) -> None:
-        await http.start(200, b"text/event-stream; charset=utf-8")
+    async def _frames(self, gen: GenRequest, shape: dict, body: dict) -> AsyncIterator[list[bytes]]:
+        """A response's stream as vLLM frames it, in batches as generated (none after an abort)."""
         seq = 0
 
         def frame(kind: str, data: dict) -> bytes:
@@ -133,28 +182,54 @@ class Extras:
 
         pending = {**shape, "status": "in_progress", "output": [], "usage": None}
         item = f"msg_{secrets.token_hex(8)}"
-        await http.write(frame("response.created", {"response": pending}) +
-                         frame("response.in_progress", {"response": pending}) +
-                         frame("response.output_item.added", {"output_index": 0, "item": {
-                             "id": item, "type": "message", "role": "assistant", "status": "in_progress",
-                             "content": []}}))
+        yield [frame("response.created", {"response": pending}), frame("response.in_progress", {"response": pending}),
+               frame("response.output_item.added", {"output_index": 0, "item": {
+                   "id": item, "type": "message", "role": "assistant", "status": "in_progress", "content": []}})]
         async for batch in gen.batches():
-            await http.write(b"".join(frame("response.output_text.delta", {
-                "item_id": item, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": []})
-                for piece in batch))
+            yield [frame("response.output_text.delta", {"item_id": item, "output_index": 0, "content_index": 0,
+                                                         "delta": piece, "logprobs": []}) for piece in batch]
         if gen.finish_reason not in ("stop", "length"):
-            await http.write(b"", more=False)
             return
         final = self._keep(self._response(gen, shape), body)
-        await http.write(frame("response.output_text.done", {"item_id": item, "output_index": 0,
-                                                               "content_index": 0, "text": gen.text}) +
-                         frame("response.completed", {"response": final}), more=False)
+        yield [frame("response.output_text.done", {"item_id": item, "output_index": 0, "content_index": 0,
+                                                    "text": gen.text}),
+               frame("response.completed", {"response": final})]
+
+    async def _keep_events(self, gen: GenRequest, shape: dict, body: dict, events: Events) -> None:
+        try:
+            async for frames in self._frames(gen, shape, body):
+                events.frames += frames
+                events.more.set()
+        finally:
+            events.done = True
+            events.more.set()
+
+    async def _replay(self, http, events: Events, start: int) -> None:
+        """A background response's events from `start` on, as they come, until its last (vLLM's event store)."""
+        await http.start(200, b"text/event-stream; charset=utf-8")
+        while True:
+            events.more.clear()
+            if start < len(events.frames):
+                await http.write(b"".join(events.frames[start:]))
+                start = len(events.frames)
+            if events.done:
+                break
+            await events.more.wait()
+        await http.write(b"", more=False)
 
     async def retrieve(self, http, response_id: str) -> None:
+        stream, starting_after = _retrieve_query(http.query)
         stored = self.stored.get(response_id)
-        if stored is None:
+        events = self.events.get(response_id)
+        if stored is None and events is None:
             raise ApiError(404, f"Response with id '{response_id}' not found.", "NotFoundError", "response_id")
-        await http.json(200, {k: v for k, v in stored.items() if k != "_text"})
+        if not stream:
+            await http.json(200, {k: v for k, v in stored.items() if k != "_text"} if stored else events.pending)
+            return
+        if events is None:  # vLLM has no events of a response not made in the background: its stream breaks off
+            await http.start(200, b"text/event-stream; charset=utf-8")
+            raise RuntimeError(f"Unknown response_id: {response_id}")
+        await self._replay(http, events, 0 if starting_after is None else starting_after + 1)
 
     async def cancel(self, http, response_id: str) -> None:
         stored = self.stored.get(response_id)

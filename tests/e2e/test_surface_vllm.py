@@ -1,6 +1,7 @@
 """The wider surface through the gateway in front of real vLLM servers: model lookup, the Responses API (plain,
-streamed, a stored response retrieved), tokenize round trip, tool calls passed through, Anthropic's Messages
-API through the anthropic SDK, and the pooling routes against the tiny model served as a pooling model."""
+streamed, a stored response retrieved, a background one streamed again), tokenize round trip, tool calls passed
+through, Anthropic's Messages API through the anthropic SDK, and the pooling routes against the tiny model served
+as a pooling model."""
 
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def test_responses_plain_stored_and_streamed(sdk, gateway):
     assert used["completion_tokens"] - used_before.get("completion_tokens", 0) == 8 + 5
     prompts = made.usage.input_tokens + events[-1].response.usage.input_tokens
     assert used["prompt_tokens"] - used_before.get("prompt_tokens", 0) == prompts
+
+
+def test_a_background_response_is_streamed_again_by_retrieve(sdk, gateway):
+    before = gateway.metric("llm_gateway_completion_tokens_total", model="alpha")
+    made = list(sdk.responses.create(model="alpha", input="Tell me about lakes.", max_output_tokens=6,
+                                     temperature=0, background=True, stream=True))
+    assert made[0].response.background is True and made[-1].type == "response.completed"
+    response_id = made[-1].response.id
+    counted = gateway.metric("llm_gateway_completion_tokens_total", model="alpha")
+    assert counted - before == made[-1].response.usage.output_tokens == 6
+    # vLLM streams the events it kept of a background response again, all or those after `starting_after`
+    again = list(sdk.responses.retrieve(response_id, stream=True))
+    assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in made]
+    assert again[0].response.model == "alpha"  # vLLM's served name is not the public one
+    later = list(sdk.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in later] == [e.sequence_number for e in made[3:]]
+    plain = sdk.responses.retrieve(response_id, include=["message.output_text.logprobs"])
+    assert plain.id == response_id and plain.output_text == made[-1].response.output_text
+    # its tokens were counted when it was made, not again for each replay
+    assert gateway.metric("llm_gateway_completion_tokens_total", model="alpha") == counted
 
 
 def test_tokenize_detokenize_round_trip(http):

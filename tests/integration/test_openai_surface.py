@@ -73,6 +73,46 @@ async def test_responses_plain_streamed_retrieved_and_continued_on_their_replica
         await sdk.responses.create(model="m", input="x", previous_response_id="resp_nope")
 
 
+async def test_a_background_response_streams_again_from_its_replica_with_no_tokens_counted(surface):
+    gw, sdk, _ = surface
+    made = [e async for e in await sdk.responses.create(model="m", input="Tell me a story", max_output_tokens=6,
+                                                          background=True, stream=True)]
+    assert made[0].response.background is True and made[-1].type == "response.completed"
+    response_id = made[-1].response.id
+    tokens = await gw.metric("llm_gateway_completion_tokens_total", model="m")
+    first_tokens = await gw.metric("llm_gateway_time_to_first_token_seconds_count", model="m")
+    for _ in range(2):  # two replicas: the id leads the query to its own
+        again = [e async for e in await sdk.responses.retrieve(response_id, stream=True)]
+        assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in made]
+        assert again[0].response.model == "m" and again[-1].response.usage.output_tokens == 6
+    later = [e async for e in await sdk.responses.retrieve(response_id, stream=True, starting_after=2)]
+    assert [e.sequence_number for e in later] == [e.sequence_number for e in made[3:]]
+    plain = await sdk.responses.retrieve(response_id, include=["message.output_text.logprobs"])
+    assert plain.id == response_id and plain.output_text == made[-1].response.output_text
+    # the tokens were counted when it was made: a replay adds none, and no first-token time either
+    assert await gw.metric("llm_gateway_completion_tokens_total", model="m") == tokens
+    assert await gw.metric("llm_gateway_time_to_first_token_seconds_count", model="m") == first_tokens
+    assert await gw.metric("llm_gateway_requests_total", endpoint="responses/retrieve", status="200") == 4
+
+
+async def test_a_retrieve_query_is_checked_and_a_replay_vllm_cannot_serve_ends_in_an_error_event(surface):
+    gw, sdk, http = surface
+    made = await sdk.responses.create(model="m", input="not in the background", max_output_tokens=3)
+    path = f"/v1/responses/{made.id}"
+    for query in ("stream=maybe", "stream", "starting_after=-1", "stream=true&stream=false", "colour=red",
+                  "include=%ff", "a=1&&b=2", "include=" + "x" * 3000):
+        answer = await http.get(f"{path}?{query}")
+        assert answer.status_code == 400, (query, answer.text)
+        assert answer.json()["error"]["code"] == "invalid_query", query
+    # vLLM keeps no events of a response made in the foreground: it breaks off such a stream, which says nothing
+    # about its health
+    answer = await http.get(f"{path}?stream=true")
+    assert answer.status_code == 200 and answer.text.startswith("event: error\n"), answer.text
+    assert "made with background and stream" in answer.text
+    assert await gw.metric("llm_gateway_upstream_errors_total") == 0
+    assert (await sdk.responses.retrieve(made.id)).id == made.id
+
+
 async def test_usage_of_responses_reaches_the_keys_usage(surface):
     gw, sdk, _ = surface
     made = await sdk.responses.create(model="m", input="count me", max_output_tokens=4)
