@@ -57,7 +57,9 @@ async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
         served += [(await http.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 3})).headers[
             "x-gateway-variant"] for _ in range(10)]
         na, nb = served.count("a"), served.count("b")
-        assert abs(na - nb) <= 2  # 50/50, evenly spread
+        # 50/50, evenly spread: from any start, 30 steps of the golden-ratio sequence split 15/15 or 16/14, and
+        # 17/13 for 2.6% of starts (never worse); 30 independent draws stray past 17/13 in 36% of runs
+        assert abs(na - nb) <= 4
 
         view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()
         a_, b_ = view["models"]["m"]["variants"]
