@@ -226,6 +226,10 @@ class RedisLimiter:
         if failed:
             raise failed[0]
 
+    async def close(self) -> None:
+        """At shutdown: send the releases still queued now, and wait (bounded) until Redis has them."""
+        await self.returning.close()
+
     async def flush(self, batch: dict[tuple[Scope, ...], Pending]) -> None:
         """The releases queued meanwhile, one script call per set of scopes, all sent at once."""
         await asyncio.gather(*(self.run_release(scopes, pending) for scopes, pending in batch.items()))
