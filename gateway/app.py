@@ -258,6 +258,7 @@ class Gateway:
             await self.admission.close()
             self.background.run(self.record_ledger.flush())
             await self.background.drain(timeout=5)
+            await self.limiter.close()  # a rate-limit release still queued reaches Redis before the store closes
             await client.aclose()
             await self.ledger.close()
             await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout

@@ -65,6 +65,15 @@ class Waiter:
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+@dataclass(slots=True, eq=False)
+class Hold:
+    """A freed slot kept a moment for its class's next request (ModelQueue.release)."""
+
+    rank: int  # the class it is kept for (and better ones)
+    replica: Replica
+    timer: asyncio.TimerHandle | None = None  # ends the hold: the slot then goes to the waiters
+
+
 class WaitLine:
     """Waiters by class rank, then round-robin across owners (API keys), FIFO within an owner."""
 
@@ -142,7 +151,7 @@ class ModelQueue:
         self.classes = self.priorities.classes
         self.default = self.priorities.named(self.priorities.default)
         self.line = WaitLine(len(self.classes))
-        self.holds: list[list] = []  # [class rank, replica, timer ending the hold]: see release
+        self.holds: list[Hold] = []  # see release
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
         public = model.partition("#")[0]  # a variant's queue (`model#variant`): its backends are the model's
@@ -241,8 +250,8 @@ class ModelQueue:
             if not self.line.ahead_of(rank):
                 # only worse classes wait: the slot stays taken a moment for this class's next request, which
                 # takes it over (take_held); otherwise it goes to the waiters when the moment is over
-                hold: list = [rank, replica, None]
-                hold[2] = asyncio.get_running_loop().call_later(self.priorities.hold, self.end_hold, hold)
+                hold = Hold(rank, replica)
+                hold.timer = asyncio.get_running_loop().call_later(self.priorities.hold, self.end_hold, hold)
                 self.holds.append(hold)
                 return
         self.free(replica)
@@ -256,16 +265,16 @@ class ModelQueue:
 
     def take_held(self, rank: int, exclude: Sequence[Replica]) -> Replica | None:
         """A slot held for this class (or a worse one), handed over as it is: still counted as taken."""
-        for i, (held_for, replica, handle) in enumerate(self.holds):
-            if rank <= held_for and replica.routable and replica not in exclude:
+        for i, hold in enumerate(self.holds):
+            if rank <= hold.rank and hold.replica.routable and hold.replica not in exclude:
                 del self.holds[i]
-                handle.cancel()
-                return replica
+                hold.timer.cancel()
+                return hold.replica
         return None
 
-    def end_hold(self, hold: list) -> None:
+    def end_hold(self, hold: Hold) -> None:
         self.holds.remove(hold)
-        self.free(hold[1])
+        self.free(hold.replica)
 
     def dispatch(self) -> None:
         """Hand free slots to waiters, class by class and fairly within one, for as long as there are both."""

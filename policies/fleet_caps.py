@@ -54,6 +54,7 @@ from policies.errors import StateUnavailable
 from policies.pipeline import Call
 from policies.see_through import see_through
 from policies.store import StoreError, StoreUnavailable
+from policies.store.release_batch import ReleaseBatch
 
 log = logging.getLogger("gateway.caps")
 
@@ -245,8 +246,8 @@ class FleetModelQueue(ModelQueue):
         self.held: dict[Replica, list[str | None]] = {r: [] for r in self.replicas}  # None: counted locally only
         self.fleet_count: dict[Replica, int] = dict.fromkeys(self.replicas, 0)
         self.claimed: set[Replica] = set()  # backends where this process left a waiting claim
-        self.returning: dict[Replica, list[str]] = {}  # leases given back but not yet sent to Redis
-        self.flusher: asyncio.TimerHandle | None = None
+        # leases given back but not yet sent to Redis: with the next acquire for the backend, or in a batch
+        self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(RETURN_AFTER, self.send_back)
         self.tasks: set[asyncio.Task] = set()
         self.poller: asyncio.Task | None = None
         self.wake = asyncio.Event()  # another process left room this one is first in line for
@@ -290,7 +291,7 @@ class FleetModelQueue(ModelQueue):
                 return self.take(replica)  # no cap: nothing to share
             if self.fleet.down:
                 return self.take_locally(call, exclude, candidates)
-            give_back = self.returning.pop(replica, ())
+            give_back = self.returning.take(replica)
             try:
                 member, held = await see_through(
                     self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register, give_back),
@@ -312,7 +313,7 @@ class FleetModelQueue(ModelQueue):
         member, held = got
         self.seen(replica, held)
         if member is not None:
-            self.give_back(replica, member)
+            self.returning.add(replica, member)
 
     def claim(self, replica: Replica) -> None:
         self.claimed.add(replica)
@@ -356,27 +357,13 @@ class FleetModelQueue(ModelQueue):
         member = held.pop() if held else None
         if member is None:
             self.held_gauge(replica.name).set(max(self.fleet_count[replica], replica.in_flight))
-        else:
-            # Sent with the next acquire for this backend, or on its own RETURN_AFTER from now with every other
-            # lease given back meanwhile: under load that saves most release round trips, and the count in
-            # Redis only ever runs high (never past the cap) for those few milliseconds.
-            self.give_back(replica, member)
+        else:  # with the next acquire for this backend, or within RETURN_AFTER with the others given back
+            self.returning.add(replica, member)
         self.dispatch()  # waiters here: the pump's acquire carries the lease back at once
 
-    def give_back(self, replica: Replica, member: str) -> None:
-        self.returning.setdefault(replica, []).append(member)
-        if self.flusher is None:
-            self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
-
-    def flush_soon(self) -> None:
-        self.flusher = None
-        self.spawn(self.flush())
-
-    async def flush(self) -> None:
-        for replica in list(self.returning):
-            members = self.returning.pop(replica, None)
-            if not members:
-                continue
+    async def send_back(self, batch: dict[Replica, list[str]]) -> None:
+        """The leases given back meanwhile, one script call per backend; then serve the waiters they free."""
+        for replica, members in batch.items():
             try:
                 self.seen(replica, await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members))
             except StoreUnavailable:
@@ -456,9 +443,6 @@ class FleetModelQueue(ModelQueue):
             self.poller.cancel()
         for listener in list(self.listeners.values()):
             listener.cancel()
-        if self.flusher is not None:
-            self.flusher.cancel()
-            self.flusher = None
-        await self.flush()
+        await self.returning.close()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=5)

@@ -67,6 +67,9 @@ class Limiter(Protocol):
     async def slots(self, scope: str) -> int:
         """Requests in flight in a scope (for tests and metrics)."""
 
+    async def close(self) -> None:
+        """At shutdown: send what is still queued to the store (bounded), so no slot waits for its lease."""
+
 
 class Bucket:
     """A token bucket's level after refilling to `now`; the same arithmetic as the Lua script."""

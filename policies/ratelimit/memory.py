@@ -87,3 +87,6 @@ class MemoryLimiter:
 
     async def slots(self, scope: str) -> int:
         return len(self._live(scope, self.clock()))
+
+    async def close(self) -> None:
+        """Nothing waits to be sent: every release is applied as it comes."""

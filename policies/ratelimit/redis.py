@@ -27,6 +27,7 @@ import time
 from policies.ratelimit.base import Decision, Scope, Ticket
 from policies.store import StoreError
 from policies.store.redis import RedisStore
+from policies.store.release_batch import ReleaseBatch
 
 LEVEL = """
 local function level(key, cap, now)
@@ -130,7 +131,8 @@ return 0
 
 
 RETURN_AFTER = 0.002  # seconds a release may wait to travel with an admission or other releases
-Pending = list[tuple[str, int, asyncio.Future]]  # (member, refund, settled when Redis has it)
+Release = tuple[str, int, asyncio.Future]  # (member, refund, settled when Redis has it)
+Pending = list[Release]
 
 
 class RedisLimiter:
@@ -142,9 +144,8 @@ class RedisLimiter:
         self._undo = store.script(UNDO)
         self.per_scope = store.cluster  # one script may not span the scopes' slots
         self.loaded = False
-        self.returning: dict[tuple[Scope, ...], Pending] = {}  # releases not yet sent, by the scopes they free
-        self.flusher: asyncio.TimerHandle | None = None
-        self.flushing: set[asyncio.Task] = set()
+        # releases not yet sent, by the scopes they free: with the next admission of those scopes, or in a batch
+        self.returning: ReleaseBatch[tuple[Scope, ...], Release] = ReleaseBatch(RETURN_AFTER, self.flush)
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every script once, on every primary, so no admission pays a NOSCRIPT round trip midway
@@ -171,7 +172,7 @@ class RedisLimiter:
         for scope in scopes:
             keys.extend(self._keys(scope.name))
             args.extend(limits(scope))
-        pending = self.returning.pop(scopes, None)
+        pending = self.returning.take(scopes)
         if pending:
             args.extend(x for m, refund, _ in pending for x in (m, refund))
         try:
@@ -219,26 +220,18 @@ class RedisLimiter:
         waits = []
         for scopes in groups:
             settled = loop.create_future()
-            self.returning.setdefault(scopes, []).append((ticket.member, ticket.reserved - used, settled))
+            self.returning.add(scopes, (ticket.member, ticket.reserved - used, settled))
             waits.append(settled)
-        self.arm()
         failed = [r for r in await asyncio.gather(*waits, return_exceptions=True) if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
 
-    def arm(self) -> None:
-        if self.flusher is None:
-            self.flusher = asyncio.get_running_loop().call_later(RETURN_AFTER, self.flush_soon)
+    async def close(self) -> None:
+        """At shutdown: send the releases still queued now, and wait (bounded) until Redis has them."""
+        await self.returning.close()
 
-    def flush_soon(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.flush())
-        self.flushing.add(task)
-        task.add_done_callback(self.flushing.discard)
-
-    async def flush(self) -> None:
-        """Every release still waiting, one script call per set of scopes, all sent at once."""
-        self.flusher = None
-        batch, self.returning = self.returning, {}
+    async def flush(self, batch: dict[tuple[Scope, ...], Pending]) -> None:
+        """The releases queued meanwhile, one script call per set of scopes, all sent at once."""
         await asyncio.gather(*(self.run_release(scopes, pending) for scopes, pending in batch.items()))
 
     async def run_release(self, scopes: tuple[Scope, ...], pending: Pending) -> None:
@@ -266,8 +259,7 @@ class RedisLimiter:
             if settled.done():
                 continue
             if isinstance(exc, asyncio.CancelledError):
-                self.returning.setdefault(scopes, []).append((member, 0, settled))
-                self.arm()
+                self.returning.add(scopes, (member, 0, settled))
             elif exc is not None:
                 settled.set_exception(exc)
             else:

@@ -106,10 +106,12 @@ class Pipelined:
     def __init__(self, client: Redis | RedisCluster, timeout: float) -> None:
         self.client = client
         self.timeout = timeout
-        self.wires: dict[tuple[str, int], Wire] = {}
-        self.connecting: dict[tuple[str, int], asyncio.Future] = {}
+        self.cluster = isinstance(client, RedisCluster)
+        # by a Cluster node's address; else one wire under None: the server's, or Sentinel's primary's, found
+        # without asking Sentinel where the primary is while its connection lasts
+        self.wires: dict[tuple[str, int] | None, Wire] = {}
+        self.connecting: dict[tuple[str, int] | None, asyncio.Future] = {}
         self.auth: dict[str, Any] = {}
-        self.primary: Wire | None = None
 
     @classmethod
     def for_client(cls, client: Redis | RedisCluster, timeout: float) -> Pipelined | None:
@@ -126,7 +128,7 @@ class Pipelined:
         return fast
 
     async def address(self, keys: list[str]) -> tuple[str, int]:
-        if isinstance(self.client, RedisCluster):
+        if self.cluster:
             if not self.client.nodes_manager.slots_cache:
                 await self.client.initialize()
             node = self.client.get_node_from_key(keys[0])
@@ -138,30 +140,28 @@ class Pipelined:
         return kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))
 
     async def wire(self, keys: list[str]) -> Wire:
-        wire = self.primary  # one server or Sentinel's primary: no lookup while its connection lasts
-        if wire is not None and not wire.closed:
-            return wire
-        where = await self.address(keys)
+        where = await self.address(keys) if self.cluster else None
         wire = self.wires.get(where)
         if wire is not None and not wire.closed:
             return wire
         pending = self.connecting.get(where)
         if pending is None:
-            pending = asyncio.ensure_future(self.connect(where))
+            pending = asyncio.ensure_future(self.connect(where, keys))
             self.connecting[where] = pending
             pending.add_done_callback(lambda _: self.connecting.pop(where, None))
         return await asyncio.shield(pending)
 
-    async def connect(self, where: tuple[str, int]) -> Wire:
+    async def connect(self, where: tuple[str, int] | None, keys: list[str]) -> Wire:
+        address = where or await self.address(keys)  # the primary now, by Sentinel's word
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.timeout):
-                _, wire = await loop.create_connection(Wire, *where)
+                _, wire = await loop.create_connection(Wire, *address)
                 hello = []
                 if self.auth.get("password"):
                     user = self.auth.get("username")
                     hello.append(wire.send("AUTH", *((user,) if user else ()), self.auth["password"]))
-                if self.auth.get("db") and not isinstance(self.client, RedisCluster):
+                if self.auth.get("db") and not self.cluster:
                     hello.append(wire.send("SELECT", self.auth["db"]))
                 for reply in await asyncio.gather(*hello):
                     if isinstance(reply, Exception):
@@ -170,8 +170,6 @@ class Pipelined:
         except (OSError, TimeoutError) as exc:
             raise redis_errors.ConnectionError(f"redis connect failed ({type(exc).__name__})") from None
         self.wires[where] = wire
-        if not isinstance(self.client, RedisCluster):
-            self.primary = wire
         return wire
 
     async def evalsha(self, sha: str, source: str, keys: list[str], args: list[Any]) -> Any:

@@ -148,6 +148,22 @@ def test_memory_limiter_is_atomic_because_it_never_suspends():
     assert finish_without_suspending(limiter.slots("key:a")) == 0
 
 
+async def test_a_release_queued_before_close_reaches_the_store(limiter):
+    """At shutdown (gateway/app.py) a release still waiting for its batch is sent at once, not left to its lease."""
+    key = Scope("key:close", tokens_per_minute=1000, max_concurrent=1)
+    first, ticket = await take(limiter, [key], cost=600, member="a")
+    assert first.allowed
+    if isinstance(limiter, RedisLimiter):
+        limiter.returning.delay = 3600.0  # no batch timer sends it within the test: only close can
+    releasing = asyncio.create_task(limiter.release(ticket, used=100))
+    await asyncio.sleep(0)  # queued
+    await limiter.close()
+    await asyncio.wait_for(releasing, 5)
+    assert await limiter.slots("key:close") == 0
+    again, _ = await take(limiter, [key], cost=800, member="b")  # the slot and the 500 unused tokens came back
+    assert again.allowed and again.remaining_tokens == 1000 - 600 + 500 - 800
+
+
 @pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
 async def test_a_release_travels_with_the_next_admission_of_its_scopes(setup, redis_server, redis_prefix):  # noqa: F811
     store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
