@@ -27,7 +27,6 @@ import math
 import random
 import time
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -35,7 +34,7 @@ from policies.config import Model, Policy, group_of
 from policies.memo import Memo
 from policies.pipeline import Call
 from policies.variant_guard import VariantGuard
-from policies.variant_signals import Sample, Window, sample_of, summary, wants_structure
+from policies.variant_signals import Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
 
@@ -235,10 +234,10 @@ class AssignVariant:
             i = plan.index(point)
         call.variant, call.group = plan.names[i], plan.groups[i]
         call.response_headers.update(plan.headers[i])
-        call.shadow = plan.shadow()
-        # a stream's chunks, for the signals and the shadow's comparison: all of them, or the tail (finish_reason,
-        # usage, [DONE])
-        call.tap = [] if call.shadow is not None or wants_structure(call.body) else deque(maxlen=4)
+        call.shadow = shadow = plan.shadow()
+        # what a stream's signals need, gathered as it passes: its text only for structured output or a comparison
+        body = call.body
+        call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
     async def leave(self, call: Call) -> None:
         if call.variant is not None:
