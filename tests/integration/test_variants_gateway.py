@@ -12,8 +12,9 @@ from backends.simulator import SimConfig, create_app
 from gateway.admin_auth import mint_token
 from gateway.variants_cli import render
 from policies.config import Admin
+from policies.keys import key_id_of
 from policies.variant_guard import latency_ratio
-from tests.support.gateway import AUTH, running_gateway
+from tests.support.gateway import AUTH, TEST_KEY, running_gateway
 from tests.support.probes import metric_sum
 from tests.support.redis_server import RedisServer
 from tests.support.servers import serve_app
@@ -291,6 +292,30 @@ async def test_the_shadow_copy_goes_once_the_live_answer_is_under_way_not_after_
                 break
             await asyncio.sleep(0.02)
         assert fp8["requests"] == 1 and fp8["shadow_compared"] == 1 and fp8["exact_match_rate"] == 1.0
+
+
+async def test_the_usage_ledger_shows_the_variant_each_keys_requests_went_to(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(FAST)) as b, \
+            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        served = {"a": 0, "b": 0}
+        for i in range(20):
+            r = await http.post(f"{gw.url}/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 2, "stream": i % 2 == 0})
+            assert r.status_code == 200
+            served[r.headers["x-gateway-variant"]] += 1
+        for _ in range(100):  # a flush the timer started may still be writing when the view flushes
+            usage = (await http.get(f"{gw.url}/admin/keys/{key_id_of(TEST_KEY)}/usage", headers=viewer)).json()
+            if usage["total"].get("requests") == 20:
+                break
+            await asyncio.sleep(0.05)
+    assert min(served.values()) > 0  # 50/50: both served some
+    assert {name: v["requests"] for name, v in usage["variants"]["m"].items()} == served
+    assert usage["models"]["m"]["requests"] == 20 == usage["total"]["requests"]
+    assert usage["models"]["m"]["completion_tokens"] == sum(v["completion_tokens"]
+                                                             for v in usage["variants"]["m"].values()) == 40
 
 
 def sse(text: str) -> list[dict]:
