@@ -318,6 +318,28 @@ async def test_the_usage_ledger_shows_the_variant_each_keys_requests_went_to(mon
                                                              for v in usage["variants"]["m"].values()) == 40
 
 
+async def test_a_model_name_with_slashes_works_in_the_variants_admin_path(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    operator = {"authorization": f"Bearer {mint_token(Admin(), 600, role='operator')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(FAST)) as b:
+        policy = variants_policy(a, b)
+        policy["models"][0]["name"] = "Qwen/Qwen3-4B"  # vLLM's usual served name
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=operator) as http:
+            as_is, encoded = f"{gw.url}/admin/models/Qwen/Qwen3-4B/variants", \
+                f"{gw.url}/admin/models/Qwen%2FQwen3-4B/variants"
+            for url in (as_is, encoded):
+                r = await http.get(url)
+                assert r.status_code == 200 and r.json()["model"] == "Qwen/Qwen3-4B", r.text
+            r = await http.put(encoded, json={"weights": [{"name": "b", "weight": 0}]})
+            assert r.status_code == 200 and [v["weight"] for v in r.json()["variants"]] == [50, 0]
+            r = await http.put(as_is, json={"weights": [{"name": "b", "weight": 30}]})
+            assert r.status_code == 200 and gw.state.shared.variants.weights["Qwen/Qwen3-4B"] == {"a": 50, "b": 30}
+            r = await http.get(f"{gw.url}/admin/models/Qwen/Other/variants")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await http.get(f"{gw.url}/admin/models/Qwen/Qwen3-4B/other")  # only .../variants is rewritten
+            assert r.status_code == 404
+
+
 def sse(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
