@@ -57,7 +57,6 @@ class Plan:
 
     names: tuple[str, ...]  # the live (non-shadow) variants, in policy order
     groups: tuple[str, ...]  # their replica sets
-    headers: tuple[dict[str, str], ...]  # the response header naming each
     bounds: tuple[float, ...]  # cumulative weight fractions; the last is 1.0
     header: str | None  # sticky on this request header's value
     key: bool  # sticky on the API key (when the header is absent)
@@ -91,8 +90,7 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
     sticky = model.sticky
     shadows = tuple((v.name, group_of(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
                     for v in model.variants if v.shadow and weights[v.name] > 0)
-    return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live),
-                tuple({HEADER: v.name} for v in live), tuple(bounds),
+    return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live), tuple(bounds),
                 sticky.header if sticky else None, bool(sticky and sticky.key), shadows)
 
 
@@ -232,12 +230,12 @@ class AssignVariant:
         else:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
-        call.variant, call.group = plan.names[i], plan.groups[i]
-        call.response_headers.update(plan.headers[i])
-        call.shadow = shadow = plan.shadow()
-        # what a stream's signals need, gathered as it passes: its text only for structured output or a comparison
+        call.variant = call.response_headers[HEADER] = plan.names[i]
+        call.group = plan.groups[i]
+        call.shadow = shadow = plan.shadow() if plan.shadows else None
         body = call.body
-        call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
+        if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
+            call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
     async def leave(self, call: Call) -> None:
         if call.variant is not None:
