@@ -21,6 +21,7 @@ from gateway.admin_live import live_handlers
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.variant_routes import variant_handlers
+from policies.accounting import by_model
 from policies.errors import NotFound
 from policies.keys import (
     CIDR_PATTERN,
@@ -118,6 +119,8 @@ class Usage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str
     models: dict[str, dict[str, int]]
+    variants: dict[str, dict[str, dict[str, int]]] = Field(
+        default_factory=dict, description="for each model with variants, its usage per variant (also in `models`)")
     total: dict[str, int]
 
 
@@ -197,12 +200,12 @@ def admin_router(gateway) -> Router:
     async def key_usage(key_id: str = KeyId) -> Usage:
         await load(key_id)
         await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
-        models = await store.usage(key_id)
+        models, variants = by_model(await store.usage(key_id))
         total: dict[str, int] = {}
         for counts in models.values():
             for name, value in counts.items():
                 total[name] = total.get(name, 0) + value
-        return Usage(id=key_id, models=models, total=total)
+        return Usage(id=key_id, models=models, variants=variants, total=total)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
                 *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway)]

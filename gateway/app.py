@@ -41,6 +41,7 @@ from gateway.openapi import StrictModels, openapi_config
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
+from gateway.variant_routes import slashed_model_names
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate
 from policies.budget import open_budgets
@@ -407,6 +408,6 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         request_max_body_size=policy.server.max_body_bytes,
         logging_config=None,  # logging is the process's business (gateway/cli.py), not the framework's
     )
-    app = OpenAIRoutes(gateway, ops)
+    app = OpenAIRoutes(gateway, slashed_model_names(ops))
     app.state = gateway  # handy for tests and the CLI
     return app

@@ -123,6 +123,8 @@ class Proxy:
                     stream=self.relay(call, response),
                     close=partial(self.close_stream, call, response),
                 )
+            if call.shadow is not None and response.status == 200 and self.shadow is not None:
+                self.shadow.start(call)  # the live answer is under way: its copy may go now
             reply = await self.read_whole(call, response)
         except BaseException as exc:
             await self.finish(call, exc)
@@ -297,6 +299,7 @@ class Proxy:
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
         relay = call.route.relay(call, self.renames[call.replica])
+        answer = call.answer  # a variant's signals, read from the events as they pass
         first = True
         try:
             while chunk := await response.next_chunk():
@@ -306,13 +309,19 @@ class Proxy:
                     if not relay.replay:  # stored events come at once: no measure of the backend's pace
                         self.metrics.first_token(call.model, now - call.arrived)
                         self.admission.observe(call.replica, now - call.sent_at)
+                    if call.shadow is not None and self.shadow is not None:
+                        self.shadow.start(call)  # the live answer is under way: its copy may go now
                 if call.tap is not None:
                     call.tap.append(chunk)
                 out = relay.feed(chunk)
                 if out:
+                    if answer is not None:
+                        answer.feed(out)
                     yield out
             tail = relay.flush()
             if tail:
+                if answer is not None:
+                    answer.feed(tail)
                 yield tail
         except UpstreamError as exc:
             if relay.replay:  # vLLM ends a replay of a response that has no stored events so: no sign of ill health
@@ -375,7 +384,7 @@ class Proxy:
             self.metrics.call_refused(model, backend, call.status, call.endpoint)
         self.tracing.finished(call)
         if call.shadow is not None and self.shadow is not None:
-            self.shadow.after(call)
+            self.shadow.finished(call)
         self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:

@@ -1,18 +1,22 @@
-"""Shadow traffic: a sampled share of a model's requests is also sent to its shadow variant, once the live
-answer is complete, and the shadow's answer is compared with it and thrown away.
+"""Shadow traffic: a sampled share of a model's requests is also sent to its shadow variant once the live
+answer is under way (its first streamed bytes are relayed, or a whole answer's status line is in), and the
+shadow's answer is compared with the live one and thrown away.
 
 What keeps a shadow from ever hurting real traffic or leaking:
 
-- it starts only after the live call finished (its client has its whole answer), in the background;
+- it starts only once the live call has its answer coming (so it never competes with it for its first token),
+  in the background: the live path only creates a task;
 - it goes only to the shadow variant's own (owned) replicas, never to a rented provider, whatever the key's
   data policy: the copy is the cluster's business alone;
 - it never enters the pipeline: no rate limit, budget, usage or ledger entry is taken or recorded for it;
 - it takes a slot under the shadow variant's own cap or is dropped at once (counted), never queued; and at
-  most MAX_PENDING copies are under way in this process.
+  most MAX_PENDING copies are under way in this process. A live call that fails before its answer is under
+  way sends no copy (counted as dropped too).
 
 Its answer is read like a live one (policies/variant_signals.py: errors, TTFT, ITL, structured validity) and,
-when the live request ran at temperature 0, compared with the live answer (exactly, and as JSON). Those
-figures go to the shadow variant's window, where the guard reads them.
+when the live request ran at temperature 0, compared with the live answer (exactly, and as JSON) once the live
+call has finished (at most LIVE_WAIT seconds after the copy's). Those figures go to the shadow variant's
+window, where the guard reads them.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import time
 import orjson
 
 from backends.upstream import UpstreamError
+from gateway.relay import SSERelay
 from policies.pipeline import Call
-from policies.variant_signals import agreement, answer_of, sample_of, sse_events
+from policies.variant_signals import StreamAnswer, agreement, answer_of, compared, sample_of
 
 log = logging.getLogger("gateway.variants")
 
 MAX_PENDING = 256
+LIVE_WAIT = 600.0  # seconds a finished copy waits for its live call's end, to compare the two
 COMPARED = ("chat/completions", "completions")  # the routes whose answers a shadow's are compared with
 
 
@@ -38,23 +44,39 @@ class Shadow:
         self.proxy = proxy
         self.variants = variants  # policies.variants.Variants: where the copy's signals go
         self.tasks: set[asyncio.Task] = set()
+        self.live: dict[Call, asyncio.Future | None] = {}  # live calls under way whose copy was handled: until they end
 
-    def after(self, live: Call) -> None:
-        """Called once a live call copied to a shadow has finished: send the copy, unless it would wait."""
-        name, group = live.shadow
-        if live.endpoint not in COMPARED:
+    def start(self, live: Call) -> None:
+        """Called once a live call copied to a shadow has its answer under way: send the copy now, in the
+        background, unless it would wait."""
+        if live.endpoint not in COMPARED or live in self.live:
             return
-        if live.status >= 400 or len(self.tasks) >= MAX_PENDING:
+        name, group = live.shadow
+        if len(self.tasks) >= MAX_PENDING:
+            self.live[live] = None
             self.dropped(live.model, name)
             return
-        task = asyncio.get_running_loop().create_task(self.send(live, name, group))
+        done = self.live[live] = asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(self.send(live, name, group, dict(live.body), done))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def finished(self, live: Call) -> None:
+        """Called once a live call copied to a shadow has ended: its copy may compare; a copy never sent (the live
+        call failed before its answer was under way) is counted as dropped."""
+        if live.endpoint not in COMPARED:
+            return
+        if live not in self.live:
+            self.dropped(live.model, live.shadow[0])
+            return
+        done = self.live.pop(live)
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def dropped(self, model: str, variant: str) -> None:
         self.proxy.metrics.variant_shadow_dropped.labels(model, variant).inc()
 
-    async def send(self, live: Call, name: str, group: str) -> None:
+    async def send(self, live: Call, name: str, group: str, body: dict, done: asyncio.Future) -> None:
         queue = self.proxy.admission.queues.get(group)
         replica = None if queue is None else await queue.take_now(None, (), 0, will_wait=False)
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
@@ -63,12 +85,11 @@ class Shadow:
         copy = Call(f"{live.request_id}-shadow", live.endpoint, {}, "", time.perf_counter())
         copy.model, copy.stream, copy.route, copy.replica, copy.load = live.model, live.stream, live.route, \
             replica, replica.in_flight
-        body = dict(live.body)
         body["model"] = replica.served_name
         body.pop("priority", None)
         if live.stream:
             body["stream_options"] = {"include_usage": True}
-            copy.tap = []
+            copy.answer = StreamAnswer(whole=True)
         copy.body = body
         try:
             await self.exchange(copy, replica, body, live.params)
@@ -80,9 +101,14 @@ class Shadow:
         finally:
             self.proxy.admission.release(replica)
         sample = sample_of(copy, time.perf_counter())
-        temperature = live.body.get("temperature")
-        if copy.status < 400 and temperature == 0 and not isinstance(temperature, bool):
-            sample.exact, sample.agreed = agreement(answer_of(live), answer_of(copy))
+        if copy.status < 400 and compared(body):
+            try:
+                await asyncio.wait_for(asyncio.shield(done), LIVE_WAIT)
+            except TimeoutError:
+                pass
+            else:
+                if live.status < 400:
+                    sample.exact, sample.agreed = agreement(answer_of(live), answer_of(copy))
         self.variants.record(live.model, name, sample, copy.status)
 
     async def exchange(self, copy: Call, replica, body: dict, params: dict) -> None:
@@ -92,12 +118,13 @@ class Shadow:
         try:
             copy.status = response.status if response.status < 500 else 502
             if copy.stream and response.status == 200:
+                relay = SSERelay(strip_usage=False)  # cut at event boundaries, its usage taken
                 while chunk := await response.next_chunk():
                     if not copy.first_token_at:
                         copy.first_token_at = time.perf_counter()
-                    copy.tap.append(chunk)
-                events = [e for e in sse_events(copy.tap) if e.get("usage")]
-                copy.usage = events[-1]["usage"] if events else None
+                    copy.answer.feed(relay.feed(chunk))
+                copy.answer.feed(relay.flush())
+                copy.usage = relay.usage
             else:
                 raw = await response.read()
                 if response.status == 200:
@@ -105,4 +132,3 @@ class Shadow:
                     copy.usage = copy.response.get("usage") if isinstance(copy.response, dict) else None
         finally:
             response.close()
-

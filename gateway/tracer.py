@@ -88,11 +88,8 @@ class Tracer:
             span_id = getrandbits(64) or 1
             trace.attempts.append((span_id, replica, perf_counter(), replica.in_flight, replica.limit))
             if trace.sampled:
-                if call.stream and trace.tap is None:
-                    content = call.model in self.content_models
-                    if call.tap is None or (content and not isinstance(call.tap, list)):  # a variant's may be kept
-                        call.tap = [] if content else deque(maxlen=2)  # every chunk, or the last two
-                    trace.tap = call.tap
+                if call.stream and trace.tap is None:  # every chunk, or the last two
+                    call.tap = trace.tap = [] if call.model in self.content_models else deque(maxlen=2)
                 out = b"traceparent: 00-%032x-%016x-01\r\n" % (trace.trace_id, span_id)
             else:
                 out = b"traceparent: 00-%032x-%016x-00\r\n" % (trace.trace_id, span_id)

@@ -5,6 +5,10 @@ GET /admin/variants: every model's variants side by side, with what their recent
 Reading needs a viewer token; changing the weights an operator (or admin) token. A change is in force for the
 next request at once, without a reload or a restart; requests already assigned finish on their variant. The
 policy file's weights come back only when the file's weights for that model change (policies/variants.py).
+
+A model's name may hold "/" (`Qwen/Qwen3-4B`, vLLM's usual served name) where a path segment cannot:
+`slashed_model_names` lets /admin/models/Qwen/Qwen3-4B/variants and /admin/models/Qwen%2FQwen3-4B/variants
+(the server decodes %2F before routing, so the two arrive alike) both reach the route.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.openapi import errors
 from policies.errors import Conflict, NotFound
 from policies.variants import NoLiveWeight, UnknownVariant
+
 
 class VariantView(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -85,7 +90,27 @@ class WeightChange(BaseModel):
     weights: list[NewWeight] = Field(description="the variants whose weight changes; the others keep theirs")
 
 
-ModelName = Parameter(max_length=128, description="the model's public name")
+ModelName = Parameter(max_length=3 * 128, description="the model's public name (a \"/\" in it as %2F)")
+PREFIX, SUFFIX = "/admin/models/", "/variants"
+SLASH = "%2F"  # never in a name: the policy's names leave "%" out
+
+
+def slashed_model_names(app):
+    """An ASGI wrapper: a request for /admin/models/<name>/variants whose name holds "/" is routed with each "/"
+    as %2F, so the name stays one path segment; the route's handlers turn them back (`model_of`)."""
+
+    async def routed(scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith(PREFIX) and path.endswith(SUFFIX) and "/" in path[len(PREFIX):-len(SUFFIX)]:
+                scope = {**scope, "path": PREFIX + path[len(PREFIX):-len(SUFFIX)].replace("/", SLASH) + SUFFIX}
+        await app(scope, receive, send)
+
+    return routed
+
+
+def model_of(segment: str) -> str:
+    return segment.replace(SLASH, "/")
 
 
 def variant_handlers(gateway) -> list:
@@ -100,11 +125,12 @@ def variant_handlers(gateway) -> list:
     @get("/models/{model:str}/variants", summary="A model's variants and the weights in force",
          sync_to_thread=False, responses=errors(400, 401, 404))
     def show(model: str = ModelName) -> ModelVariants:
-        return current(model)
+        return current(model_of(model))
 
     @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
          opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
     def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+        model = model_of(model)
         current(model)
         try:
             if data.weights:

@@ -1,5 +1,9 @@
 """Pipeline step: record each finished request's usage (requests and tokens by key and model) in the store.
 
+A call served by a variant of its model (policies/variants.py) is recorded under its replica set's name,
+`model#variant` ("#" is never in a name), so the usage ledger says which variant each key's tokens went to; the
+admin view (`by_model`) sums a model's variants into the model and lists them beside it.
+
 Finished calls are summed in memory per (key, model, rented) and written every `FLUSH_EVERY` seconds, one
 store write per pair, by the gateway's background runner: the client never waits on the store, and a busy
 gateway makes a handful of writes a second instead of one per request. A batch the store refused is kept and
@@ -61,7 +65,7 @@ class RecordUsage:
     async def leave(self, call: Call) -> None:
         if call.key is None or not call.model or call.replica is None:
             return  # refused before reaching a backend: nothing was used
-        self.add((call.key.id, call.model, call.replica.rented is not None), 1,
+        self.add((call.key.id, call.group or call.model, call.replica.rented is not None), 1,
                  usage_tokens(call.usage, "prompt_tokens"), usage_tokens(call.usage, "completion_tokens"))
         self.timer.arm()
 
@@ -88,3 +92,18 @@ class RecordUsage:
                     self.add(pair, *totals)
                 self.timer.arm(4)
                 raise
+
+
+def by_model(rows: dict[str, dict[str, int]]) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, dict[str, int]]]]:
+    """A key's usage rows ({model or model#variant: counters}) as (per model, summing its variants; per model
+    with variants, per variant)."""
+    models: dict[str, dict[str, int]] = {}
+    variants: dict[str, dict[str, dict[str, int]]] = {}
+    for name, counts in rows.items():
+        model, _, variant = name.partition("#")
+        total = models.setdefault(model, dict.fromkeys(counts, 0))
+        for field, value in counts.items():
+            total[field] = total.get(field, 0) + value
+        if variant:
+            variants.setdefault(model, {})[variant] = dict(counts)
+    return models, variants

@@ -44,7 +44,7 @@ class Call:
     variant: str | None = None  # the model's variant that serves it, when the model has variants
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
-    shadow: Any = None  # (variant, replica set) of a shadow variant this request is copied to once answered
+    shadow: Any = None  # (variant, replica set) of a shadow variant this request is copied to once under way
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream
     replica: Replica | None = None
@@ -64,6 +64,7 @@ class Call:
     first_token_at: float = 0.0  # perf_counter() of the first streamed chunk
     response: Any = None  # the parsed JSON answer of a call that was not streamed
     tap: Any = None  # when a trace wants them, the streamed chunks are appended here
+    answer: Any = None  # a variant's StreamAnswer (policies/variant_signals.py): fed the streamed events
     trace: Any = None  # the call's trace ids, once it has some
 
 

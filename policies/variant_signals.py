@@ -14,8 +14,8 @@ Read from every finished call of a model with variants (policies/variants.py han
 - whether the answer stopped at the length limit (finish_reason `length`).
 
 Each goes to Prometheus (llm_gateway_variant_*) and into a bounded window per variant (the last `size`
-calls) that the admin view and the guard read. A streamed answer is read from its chunks, which the step
-keeps (all of them only when the request asked for structured output, else the last two, for finish_reason).
+calls) that the admin view and the guard read. A streamed answer is read as it passes (`StreamAnswer`): no
+chunk is kept, and its text only when the request asked for structured output or a shadow compares with it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from jsonschema.exceptions import SchemaError
 from policies.memo import Memo
 
 FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
+FINISH_MARK = b'"finish_reason":"'  # a finish_reason that is not null
 FAULTS = frozenset({"upstream_error", "timeout", "no_backend"})  # held against the variant
 ERROR_KINDS = {502: "upstream_error", 504: "timeout", 503: "no_backend", 429: "at_capacity", 499: "client_closed"}
 LOAD_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # in flight to the replica when sent: up to this many
@@ -156,37 +157,59 @@ def sse_events(chunks: Any) -> Iterator[dict]:
             yield event
 
 
-def streamed_answer(chunks: Any) -> tuple[str, list[dict], str | None]:
-    """Content, tool calls and finish_reason assembled from a chat stream's SSE chunks (choice 0)."""
-    text: list[str] = []
-    calls: dict[int, dict] = {}
-    finish = None
-    for event in sse_events(chunks):
+class StreamAnswer:
+    """What the signals need of a streamed chat or completions answer, gathered as the relay passes its complete
+    events on (gateway/proxy.py), so a stream keeps no chunks: always the last finish_reason, found by a byte
+    search; and only when `whole` (the request asked for structured output or tools, or a shadow's answer is
+    compared with it) the text of choice 0 and its tool calls, concatenated from the parsed deltas."""
+
+    __slots__ = ("calls", "finish", "text", "whole")
+
+    def __init__(self, whole: bool) -> None:
+        self.whole = whole
+        self.finish: str | None = None
+        self.text: list[str] = []
+        self.calls: dict[int, dict] = {}
+
+    def feed(self, events: bytes) -> None:
+        if self.whole:
+            for event in sse_events((events,)):
+                self.take(event)
+            return
+        at = events.rfind(FINISH_MARK)  # from the end: the last event with one is the stream's last word
+        if at >= 0:
+            found = FINISH_REASON.match(events, at)
+            if found:
+                self.finish = found.group(1).decode()
+
+    def take(self, event: dict) -> None:
         for choice in event.get("choices") or ():
-            if choice.get("index", 0) != 0:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            finish = choice.get("finish_reason") or finish
+            self.finish = choice.get("finish_reason") or self.finish
             delta = choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
-                text.append(delta["content"])
+                self.text.append(delta["content"])
             elif isinstance(choice.get("text"), str):
-                text.append(choice["text"])
+                self.text.append(choice["text"])
             for part in delta.get("tool_calls") or ():
-                slot = calls.setdefault(part.get("index", 0), {"name": None, "arguments": ""})
+                slot = self.calls.setdefault(part.get("index", 0), {"name": None, "arguments": ""})
                 function = part.get("function") or {}
                 if function.get("name"):
                     slot["name"] = function["name"]
                 if isinstance(function.get("arguments"), str):
                     slot["arguments"] += function["arguments"]
-    return "".join(text), [calls[i] for i in sorted(calls)], finish
+
+    def answer(self) -> tuple[str, list[dict]]:
+        """Content and tool calls (only gathered when `whole`)."""
+        return "".join(self.text), [self.calls[i] for i in sorted(self.calls)]
 
 
 def answer_of(call: Any) -> tuple[Any, list[dict]]:
-    """The content and tool calls of a finished chat call, streamed (whole tap) or not."""
+    """The content and tool calls of a finished chat call, streamed (gathered whole) or not."""
     if call.stream:
-        content, calls, _ = streamed_answer(call.tap or ())
-    else:
-        content, calls, _ = whole_answer(call.response)
+        return call.answer.answer() if call.answer is not None else (None, [])
+    content, calls, _ = whole_answer(call.response)
     return content, calls
 
 
@@ -218,6 +241,12 @@ def wants_structure(body: Any) -> bool:
     return bool(body.get("tools")) or (isinstance(fmt, dict) and fmt.get("type") in STRUCTURED)
 
 
+def compared(body: Any) -> bool:
+    """A request whose shadow copy's answer is compared with its own: one at temperature 0 (else they differ)."""
+    temperature = body.get("temperature") if isinstance(body, dict) else None
+    return temperature == 0 and not isinstance(temperature, bool)
+
+
 def sample_of(call: Any, now: float) -> Sample:
     """`now`: perf_counter() as the call finished."""
     status = call.status
@@ -234,16 +263,13 @@ def sample_of(call: Any, now: float) -> Sample:
             if completion > 1 and after > 0:
                 sample.itl = after / (completion - 1)
                 sample.tokens_per_second = (completion - 1) / after
-        tap = call.tap
-        if isinstance(tap, list):
-            content, tool_calls, finish = streamed_answer(tap)
-            sample.structured = structured_validity(call.body, content, tool_calls)
-        else:
-            reasons = FINISH_REASON.findall(b"".join(tap)) if tap else ()
-            finish = reasons[-1].decode() if reasons else None
+        answer = call.answer
+        finish = answer.finish if answer is not None else None
+        if answer is not None and answer.whole:
+            sample.structured = structured_validity(call.body, *answer.answer())
     else:
         content, tool_calls, finish = whole_answer(call.response)
-        if wants_structure(call.body):
+        if call.answer.whole if call.answer is not None else wants_structure(call.body):  # decided as it came in
             sample.structured = structured_validity(call.body, content, tool_calls)
     sample.length = finish == "length"
     return sample

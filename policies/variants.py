@@ -27,7 +27,6 @@ import math
 import random
 import time
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -35,7 +34,7 @@ from policies.config import Model, Policy, group_of
 from policies.memo import Memo
 from policies.pipeline import Call
 from policies.variant_guard import VariantGuard
-from policies.variant_signals import Sample, Window, sample_of, summary, wants_structure
+from policies.variant_signals import Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
 
@@ -58,7 +57,6 @@ class Plan:
 
     names: tuple[str, ...]  # the live (non-shadow) variants, in policy order
     groups: tuple[str, ...]  # their replica sets
-    headers: tuple[dict[str, str], ...]  # the response header naming each
     bounds: tuple[float, ...]  # cumulative weight fractions; the last is 1.0
     header: str | None  # sticky on this request header's value
     key: bool  # sticky on the API key (when the header is absent)
@@ -92,8 +90,7 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
     sticky = model.sticky
     shadows = tuple((v.name, group_of(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
                     for v in model.variants if v.shadow and weights[v.name] > 0)
-    return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live),
-                tuple({HEADER: v.name} for v in live), tuple(bounds),
+    return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live), tuple(bounds),
                 sticky.header if sticky else None, bool(sticky and sticky.key), shadows)
 
 
@@ -233,12 +230,12 @@ class AssignVariant:
         else:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
-        call.variant, call.group = plan.names[i], plan.groups[i]
-        call.response_headers.update(plan.headers[i])
-        call.shadow = plan.shadow()
-        # a stream's chunks, for the signals and the shadow's comparison: all of them, or the tail (finish_reason,
-        # usage, [DONE])
-        call.tap = [] if call.shadow is not None or wants_structure(call.body) else deque(maxlen=4)
+        call.variant = call.response_headers[HEADER] = plan.names[i]
+        call.group = plan.groups[i]
+        call.shadow = shadow = plan.shadow() if plan.shadows else None
+        body = call.body
+        if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
+            call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
     async def leave(self, call: Call) -> None:
         if call.variant is not None:

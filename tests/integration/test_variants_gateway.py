@@ -12,8 +12,10 @@ from backends.simulator import SimConfig, create_app
 from gateway.admin_auth import mint_token
 from gateway.variants_cli import render
 from policies.config import Admin
+from policies.keys import key_id_of
 from policies.variant_guard import latency_ratio
-from tests.support.gateway import AUTH, running_gateway
+from tests.support.gateway import AUTH, TEST_KEY, running_gateway
+from tests.support.probes import metric_sum
 from tests.support.redis_server import RedisServer
 from tests.support.servers import serve_app
 
@@ -205,59 +207,139 @@ async def both_gateways(redis_url: str, clean: SimConfig, broken: SimConfig, ope
             assert view.guard.state("m", "b").state == "watching"
 
 
+def shadow_policy(live: str, shadow: str) -> dict:
+    """Variant `live` serves; every request is copied to `fp8`, a shadow of cap 2."""
+    return {"models": [{"name": "m", "served_name": "served", "variants": [
+        {"name": "live", "weight": 1, "backends": [{"url": live}]},
+        {"name": "fp8", "shadow": True, "weight": 100, "backends": [{"url": shadow, "cap": 2}]}]}],
+        "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+
+
 async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreement(monkeypatch):
     monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
     viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
     clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
     broken = clean.model_copy(update={"corrupt_fraction": 0.3})
-    async with serve_app(create_app(clean)) as live, serve_app(create_app(broken)) as shadow:
-        policy = {"models": [{"name": "m", "served_name": "served", "variants": [
-            {"name": "live", "weight": 1, "backends": [{"url": live}]},
-            {"name": "fp8", "shadow": True, "weight": 100, "backends": [{"url": shadow, "cap": 2}]}]}],
-            "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
-        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
-            await wait_ready(http, gw.url)
-            body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "tools": TOOLS,
-                    "temperature": 0}
+    async with serve_app(create_app(clean)) as live, serve_app(create_app(broken)) as shadow, \
+            running_gateway(shadow_policy(live, shadow)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "tools": TOOLS,
+                "temperature": 0}
 
-            async def one(i: int) -> None:
-                r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
-                assert r.status_code == 200 and r.headers["x-gateway-variant"] == "live"
-                text = r.text
-                if i % 2 == 0:  # streamed: every argument delta, joined
-                    calls = [c for e in sse(text) for c in e["choices"][0]["delta"].get("tool_calls") or ()]
-                    arguments = "".join(c["function"].get("arguments", "") for c in calls)
-                else:
-                    arguments = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
-                assert json.loads(arguments) == {"city": "xxxxx", "days": 1}  # never a shadow's broken one
+        async def one(i: int) -> None:
+            r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
+            assert r.status_code == 200 and r.headers["x-gateway-variant"] == "live"
+            text = r.text
+            if i % 2 == 0:  # streamed: every argument delta, joined
+                calls = [c for e in sse(text) for c in e["choices"][0]["delta"].get("tool_calls") or ()]
+                arguments = "".join(c["function"].get("arguments", "") for c in calls)
+            else:
+                arguments = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            assert json.loads(arguments) == {"city": "xxxxx", "days": 1}  # never a shadow's broken one
 
-            state = gw.state.shared.variants
+        state = gw.state.shared.variants
 
-            async def compared(n: int) -> dict:
-                for _ in range(200):
-                    fp8 = state.report()["m"]["variants"][1]
-                    if fp8["requests"] >= n:
-                        return fp8
-                    await asyncio.sleep(0.02)
-                raise AssertionError(f"only {fp8['requests']} shadow answers")
+        async def compared(n: int) -> dict:
+            for _ in range(200):
+                fp8 = state.report()["m"]["variants"][1]
+                if fp8["requests"] >= n:
+                    return fp8
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"only {fp8['requests']} shadow answers")
 
-            for i in range(100):  # one at a time, each copy answered before the next: the cap is always free
-                await one(i)
-                await compared(i + 1)
-            fp8 = await compared(100)
-            assert fp8["shadow"] and fp8["requests"] == 100
-            assert abs(fp8["structured_valid_rate"] - 0.7) <= 0.02
-            assert abs(fp8["agreement_rate"] - 0.7) <= 0.02 and abs(fp8["exact_match_rate"] - 0.7) <= 0.02
-            # the copies were never requests of the gateway: not counted, not limited, not in the usage
-            assert await gw.metric("llm_gateway_requests_total", model="m") == 100
-            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]["variants"]
-            assert view[1]["agreement_rate"] == fp8["agreement_rate"]
+        for i in range(100):  # one at a time, each copy answered before the next: the cap is always free
+            await one(i)
+            await compared(i + 1)
+        fp8 = await compared(100)
+        assert fp8["shadow"] and fp8["requests"] == 100
+        assert abs(fp8["structured_valid_rate"] - 0.7) <= 0.02
+        assert abs(fp8["agreement_rate"] - 0.7) <= 0.02 and abs(fp8["exact_match_rate"] - 0.7) <= 0.02
+        # the copies were never requests of the gateway: not counted, not limited, not in the usage
+        assert await gw.metric("llm_gateway_requests_total", model="m") == 100
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]["variants"]
+        assert view[1]["agreement_rate"] == fp8["agreement_rate"]
 
-            # many at once: the shadow's cap (2) is full and copies are dropped, never queued
-            await asyncio.gather(*(one(i) for i in range(1, 60, 2)))
-            await asyncio.sleep(0.5)
-            dropped = await gw.metric("llm_gateway_variant_shadow_dropped_total", variant="fp8")
-            assert dropped > 0 and (await compared(100))["requests"] + dropped == 130
+        # many at once: the shadow's cap (2) is full and copies are dropped, never queued
+        await asyncio.gather(*(one(i) for i in range(1, 60, 2)))
+        await asyncio.sleep(0.5)
+        dropped = await gw.metric("llm_gateway_variant_shadow_dropped_total", variant="fp8")
+        assert dropped > 0 and (await compared(100))["requests"] + dropped == 130
+
+
+async def test_the_shadow_copy_goes_once_the_live_answer_is_under_way_not_after_it(monkeypatch):
+    live_config = SimConfig(model="served", step_base_ms=50, step_ms_per_seq=0)  # 100 tokens: about 5 s
+    async with serve_app(create_app(live_config)) as live, serve_app(create_app(FAST)) as shadow, \
+            running_gateway(shadow_policy(live, shadow)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 100,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
+            chunks = r.aiter_raw()
+            assert r.status_code == 200 and b"data: {" in await anext(chunks)  # the live answer is under way
+            for _ in range(400):  # the copy is answered (100 fast tokens) while the live stream goes on
+                async with httpx.AsyncClient() as plain:
+                    answered = metric_sum((await plain.get(f"{shadow}/metrics")).text,
+                                          "vllm:request_success_total")
+                if answered:
+                    break
+                await asyncio.sleep(0.02)
+            assert answered == 1
+            assert await gw.metric("llm_gateway_requests_total", model="m") == 0  # the live call is not done
+            rest = b"".join([chunk async for chunk in chunks])
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        state = gw.state.shared.variants
+        for _ in range(200):  # compared with the live answer once that ended
+            fp8 = state.report()["m"]["variants"][1]
+            if fp8["shadow_compared"]:
+                break
+            await asyncio.sleep(0.02)
+        assert fp8["requests"] == 1 and fp8["shadow_compared"] == 1 and fp8["exact_match_rate"] == 1.0
+
+
+async def test_the_usage_ledger_shows_the_variant_each_keys_requests_went_to(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(FAST)) as b, \
+            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        await wait_ready(http, gw.url)
+        served = {"a": 0, "b": 0}
+        for i in range(20):
+            r = await http.post(f"{gw.url}/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 2, "stream": i % 2 == 0})
+            assert r.status_code == 200
+            served[r.headers["x-gateway-variant"]] += 1
+        for _ in range(100):  # a flush the timer started may still be writing when the view flushes
+            usage = (await http.get(f"{gw.url}/admin/keys/{key_id_of(TEST_KEY)}/usage", headers=viewer)).json()
+            if usage["total"].get("requests") == 20:
+                break
+            await asyncio.sleep(0.05)
+    assert min(served.values()) > 0  # 50/50: both served some
+    assert {name: v["requests"] for name, v in usage["variants"]["m"].items()} == served
+    assert usage["models"]["m"]["requests"] == 20 == usage["total"]["requests"]
+    assert usage["models"]["m"]["completion_tokens"] == sum(v["completion_tokens"]
+                                                             for v in usage["variants"]["m"].values()) == 40
+
+
+async def test_a_model_name_with_slashes_works_in_the_variants_admin_path(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    operator = {"authorization": f"Bearer {mint_token(Admin(), 600, role='operator')}"}
+    async with serve_app(create_app(FAST)) as a, serve_app(create_app(FAST)) as b:
+        policy = variants_policy(a, b)
+        policy["models"][0]["name"] = "Qwen/Qwen3-4B"  # vLLM's usual served name
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=operator) as http:
+            as_is, encoded = f"{gw.url}/admin/models/Qwen/Qwen3-4B/variants", \
+                f"{gw.url}/admin/models/Qwen%2FQwen3-4B/variants"
+            for url in (as_is, encoded):
+                r = await http.get(url)
+                assert r.status_code == 200 and r.json()["model"] == "Qwen/Qwen3-4B", r.text
+            r = await http.put(encoded, json={"weights": [{"name": "b", "weight": 0}]})
+            assert r.status_code == 200 and [v["weight"] for v in r.json()["variants"]] == [50, 0]
+            r = await http.put(as_is, json={"weights": [{"name": "b", "weight": 30}]})
+            assert r.status_code == 200 and gw.state.shared.variants.weights["Qwen/Qwen3-4B"] == {"a": 50, "b": 30}
+            r = await http.get(f"{gw.url}/admin/models/Qwen/Other/variants")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            r = await http.get(f"{gw.url}/admin/models/Qwen/Qwen3-4B/other")  # only .../variants is rewritten
+            assert r.status_code == 404
 
 
 def sse(text: str) -> list[dict]:

@@ -14,7 +14,7 @@ from gateway.access_log import AccessLog
 from gateway import background as background_module
 from gateway.background import Background
 from policies import accounting
-from policies.accounting import RecordUsage
+from policies.accounting import RecordUsage, by_model
 from policies.config import Ledger
 from policies.ledger import record
 from policies.ledger.record import RecordLedger
@@ -34,9 +34,10 @@ class FlakyStore:
         self.writes.append((key_id, model, requests, prompt_tokens, completion_tokens, rented))
 
 
-def finished(key: str, model: str, prompt: int, completion: int, rented: str | None = None):
+def finished(key: str, model: str, prompt: int, completion: int, rented: str | None = None, variant=None):
     return SimpleNamespace(key=SimpleNamespace(id=key), model=model, replica=SimpleNamespace(rented=rented),
-                           usage={"prompt_tokens": prompt, "completion_tokens": completion})
+                           usage={"prompt_tokens": prompt, "completion_tokens": completion},
+                           group=f"{model}#{variant}" if variant else "")
 
 
 async def test_usage_is_summed_per_pair_and_written_once_per_flush(monkeypatch):
@@ -53,6 +54,24 @@ async def test_usage_is_summed_per_pair_and_written_once_per_flush(monkeypatch):
     await background.drain(1)
     assert sorted(store.writes) == [("k1", "m", 1, 5, 5, True), ("k1", "m", 100, 1000, 200, False),
                                     ("k2", "m", 1, 1, 1, False)]
+
+
+async def test_a_variants_usage_is_its_own_row_and_the_admin_view_sums_it_into_the_model():
+    store, background = FlakyStore(), Background()
+    step = RecordUsage(store, background.run)
+    await step.leave(finished("k1", "chat", 10, 2, variant="bf16"))
+    await step.leave(finished("k1", "chat", 10, 4, variant="fp8"))
+    await step.leave(finished("k1", "chat", 1, 1, variant="fp8"))
+    await step.leave(finished("k1", "plain", 3, 3))
+    await step.flush()
+    assert sorted(store.writes) == [("k1", "chat#bf16", 1, 10, 2, False), ("k1", "chat#fp8", 2, 11, 5, False),
+                                    ("k1", "plain", 1, 3, 3, False)]
+    rows = {model: {"requests": r, "prompt_tokens": p, "completion_tokens": c} for _, model, r, p, c, _ in store.writes}
+    models, variants = by_model(rows)
+    assert models == {"chat": {"requests": 3, "prompt_tokens": 21, "completion_tokens": 7},
+                      "plain": {"requests": 1, "prompt_tokens": 3, "completion_tokens": 3}}
+    assert variants == {"chat": {"bf16": {"requests": 1, "prompt_tokens": 10, "completion_tokens": 2},
+                                 "fp8": {"requests": 2, "prompt_tokens": 11, "completion_tokens": 5}}}
 
 
 async def test_a_refused_batch_is_kept_for_the_next_flush():

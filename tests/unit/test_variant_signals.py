@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import orjson
 import pytest
 
+from gateway.relay import SSERelay
 from policies.pipeline import Call
-from policies.variant_signals import Window, load_level, sample_of, summary, structured_validity
+from policies.variant_signals import (
+    StreamAnswer,
+    Window,
+    load_level,
+    sample_of,
+    structured_validity,
+    summary,
+)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
           "required": ["city", "days"], "additionalProperties": False}
@@ -51,8 +57,19 @@ def call(body: dict, stream: bool, **fields) -> Call:
 
 
 def sse(*events: dict) -> list[bytes]:
-    out = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
+    out = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
     return [b"".join(out)[i:i + 7] for i in range(0, len(b"".join(out)), 7)]  # cut anywhere, as a socket does
+
+
+def relayed(chunks: list[bytes], whole: bool) -> StreamAnswer:
+    """What the proxy's relay does: cut the upstream bytes at event boundaries, feed each batch of events on."""
+    relay, answer = SSERelay(strip_usage=True), StreamAnswer(whole)
+    for chunk in chunks:
+        out = relay.feed(chunk)
+        if out:
+            answer.feed(out)
+    answer.feed(relay.flush())
+    return answer
 
 
 def test_a_streamed_tool_call_is_assembled_from_its_deltas():
@@ -64,28 +81,31 @@ def test_a_streamed_tool_call_is_assembled_from_its_deltas():
                       "finish_reason": "tool_calls"}]},
         {"choices": [], "usage": {"completion_tokens": 11}},
     )
-    c = call({"tools": TOOLS}, True, tap=chunks, sent_at=1.0, first_token_at=1.25, load=3,
+    c = call({"tools": TOOLS}, True, answer=relayed(chunks, whole=True), sent_at=1.0, first_token_at=1.25, load=3,
              usage={"completion_tokens": 11})
     s = sample_of(c, now=2.25)
     assert s.structured is True and s.length is False and s.load == "4"
     assert s.ttft == pytest.approx(0.25) and s.itl == pytest.approx(0.1) and s.tokens_per_second == pytest.approx(10)
+    assert c.answer.answer() == ("", [{"name": "weather", "arguments": '{"city": "Oslo", "days": 4}'}])
 
 
 def test_a_streamed_json_answer_cut_at_the_length_limit():
     chunks = sse({"choices": [{"index": 0, "delta": {"content": '{"city": "Os'}}]},
                  {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "length"}]})
-    s = sample_of(call({"response_format": {"type": "json_object"}}, True, tap=chunks), now=1.0)
-    assert s.structured is False and s.length is True
+    answer = relayed(chunks, whole=True)
+    s = sample_of(call({"response_format": {"type": "json_object"}}, True, answer=answer), now=1.0)
+    assert s.structured is False and s.length is True and answer.answer() == ('{"city": "Oslo', [])
 
 
-def test_an_unstructured_stream_keeps_only_its_tail_for_finish_reason():
-    events = [b"data: " + orjson.dumps(e) + b"\n\n" for e in (
-        {"choices": [{"index": 0, "delta": {"content": "x"}}]},
-        {"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "length"}]},
-        {"choices": [], "usage": {"completion_tokens": 2}})] + [b"data: [DONE]\n\n"]
-    tail = deque(events, maxlen=4)
-    s = sample_of(call({}, True, tap=tail), now=1.0)
-    assert s.length is True and s.structured is None
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_an_unstructured_stream_keeps_nothing_but_its_finish_reason(finish):
+    chunks = sse({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]},
+                 {"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": finish}]},
+                 {"choices": [], "usage": {"completion_tokens": 2}})
+    answer = relayed(chunks, whole=False)
+    assert answer.finish == finish and answer.text == [] and answer.calls == {}
+    s = sample_of(call({}, True, answer=answer), now=1.0)
+    assert s.length is (finish == "length") and s.structured is None
 
 
 def test_a_whole_answer_and_a_failed_call():

@@ -217,3 +217,25 @@ def test_each_variant_is_admitted_to_its_own_replicas():
                 await admission.acquire("chat#a", "owner")
 
     asyncio.run(run())
+
+
+def test_a_streams_text_is_gathered_only_when_structured_output_or_a_shadows_comparison_needs_it():
+    v = configured(POLICY.replace("weight: 5\n", "weight: 100\n"))  # every request is copied to the shadow
+    kept = {}
+    for label, body in (("plain", {}), ("json", {"response_format": {"type": "json_object"}}),
+                        ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                        ("compared", {"temperature": 0}), ("sampled", {"temperature": 0.7})):
+        c = call()
+        c.body = {**body, "stream": True}
+        assign(v, c)
+        assert c.shadow == ("shadowed", "chat#shadowed")
+        kept[label] = c.answer.whole
+    assert kept == {"plain": False, "json": True, "tools": True, "compared": True, "sampled": False}
+    c = call()
+    c.body = {"temperature": 0, "stream": True}
+    assign(configured(POLICY.replace("weight: 5\n", "weight: 0\n")), c)  # a shadow at weight 0 gets no copy
+    assert c.shadow is None and c.answer.whole is False
+    c = call()
+    c.body = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    assign(v, c)
+    assert c.answer is None  # not streamed: its whole answer is read once it is in

@@ -103,6 +103,7 @@ class Samples:
     added_p50: list[float] = field(default_factory=list)
     added_p99: list[float] = field(default_factory=list)
     events: list[float] = field(default_factory=list)  # token events/s
+    cpu_us_event: list[float] = field(default_factory=list)  # CPU microseconds per SSE token event (64 streams)
     ttlb50: list[float] = field(default_factory=list)
     ttlb99: list[float] = field(default_factory=list)
     rss_mib: float | None = None
@@ -123,10 +124,13 @@ def median(values: list[float]) -> float | None:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
+WARMUP_STREAMS = 8
+
+
 def stream_round(system: System, args) -> dict:
     cmd = ["taskset", "-c", str(LOAD_CORE), sys.executable, "-m", "tests.benchmarks.peers.sse_client",
            "--url", system.sse_url, "--model", system.sse_model, "--concurrency", str(args.streams),
-           "--duration", str(args.seconds), "--warmup-streams", "8", "--expect", str(TOKENS),
+           "--duration", str(args.seconds), "--warmup-streams", str(WARMUP_STREAMS), "--expect", str(TOKENS),
            "--hard-timeout", str(args.stream_timeout)]
     if system.auth:
         cmd += ["--auth", system.auth]
@@ -157,7 +161,9 @@ def measure(system: System, samples: Samples, direct: dict | None, scripts: dict
     for label, result in (("c=64", hi), ("c=1", lo)):
         if result.errors or result.requests == 0:
             raise RuntimeError(f"{system.name} {label}: {result.errors} errors in {result.requests} requests")
+    cpu0 = system.cpu_seconds()
     st = stream_round(system, args)
+    cpu_us_event = (system.cpu_seconds() - cpu0) / ((st["streams"] + WARMUP_STREAMS) * TOKENS) * 1e6
     system.check_alive()
     samples.rps.append(hi.rps)
     samples.cpu_ms.append(cpu / hi.requests * 1000)
@@ -167,10 +173,11 @@ def measure(system: System, samples: Samples, direct: dict | None, scripts: dict
         samples.added_p50.append(lo.p50_ms - direct["p50"])
         samples.added_p99.append(lo.p99_ms - direct["p99"])
     samples.events.append(st["token_events_per_s"])
+    samples.cpu_us_event.append(cpu_us_event)
     samples.ttlb50.append(st["ttlb_p50_ms"])
     samples.ttlb99.append(st["ttlb_p99_ms"])
     return {"rps": hi.rps, "p50": lo.p50_ms, "p99": lo.p99_ms, "events": st["token_events_per_s"],
-            "cpu_ms": cpu / hi.requests * 1000, "streams": st["good"]}
+            "cpu_ms": cpu / hi.requests * 1000, "cpu_us_event": cpu_us_event, "streams": st["good"]}
 
 
 def soak(procs: Procs, work: Path, standin, args, rps_hint: float) -> dict:
@@ -381,6 +388,7 @@ def table(samples: dict[str, Samples], soak_result: dict | None) -> str:
         row("stream time to last byte p50 (ms)", lambda s: median(s.ttlb50), 1),
         row("stream time to last byte p99 (ms)", lambda s: median(s.ttlb99), 1),
         row("CPU ms per request, c=64", lambda s: median(s.cpu_ms), 3),
+        row("CPU µs per SSE token event, 64 streams", lambda s: median(s.cpu_us_event), 2),
         row("RSS after the rounds (MiB)", lambda s: s.rss_mib, 0),
     ]
     absolute = rows[3]
@@ -577,14 +585,22 @@ def start_store_variants(procs, work: Path, standin, env: dict, args) -> list[Sy
 
 
 def within_10_percent(samples: dict[str, Samples], label: str, baseline: str, target: str) -> None:
-    """One MET/MISSED line: requests/s at c=64 of `label` against `baseline`, measured in the same rounds."""
+    """MET/MISSED lines: requests/s at c=64 and SSE token events/s of `label` against `baseline`, measured in the
+    same rounds, with CPU per request and per event (less moved by the machine's drift)."""
     if label not in samples or baseline not in samples or not median(samples[baseline].rps):
         return
     a, b = samples[label], samples[baseline]
     ratio = median(a.rps) / median(b.rps)
     print(f"{'MET   ' if ratio >= 0.9 else 'MISSED'} {target}: {median(a.rps):,.0f} vs {median(b.rps):,.0f} req/s"
           f" at c=64 = {ratio:.1%} (per round: " + ", ".join(f"{x / y:.0%}" for x, y in zip(a.rps, b.rps) if y)
-          + f"); CPU ms per request {median(a.cpu_ms):.3f} vs {median(b.cpu_ms):.3f}")
+          + f"); CPU ms per request {median(a.cpu_ms):.3f} vs {median(b.cpu_ms):.3f} (per round: "
+          + ", ".join(f"{x / y:.0%}" for x, y in zip(a.cpu_ms, b.cpu_ms) if y) + ")")
+    print(f"{'MET   ' if median(a.events) >= 0.9 * median(b.events) else 'MISSED'} {target}, streaming: "
+          f"{median(a.events):,.0f} vs {median(b.events):,.0f} SSE token events/s = "
+          f"{median(a.events) / median(b.events):.1%} (per round: "
+          + ", ".join(f"{x / y:.0%}" for x, y in zip(a.events, b.events) if y)
+          + f"); CPU µs per event {median(a.cpu_us_event):.2f} vs {median(b.cpu_us_event):.2f} (per round: "
+          + ", ".join(f"{x / y:.0%}" for x, y in zip(a.cpu_us_event, b.cpu_us_event) if y) + ")")
 
 
 def main(argv=None) -> int:
@@ -679,7 +695,8 @@ def main(argv=None) -> int:
             for system in order:
                 got = measure(system, samples[system.name], direct, scripts, args)
                 log(f"  {system.name}: {got['rps']:,.0f} req/s, p50 {got['p50']:.3f} ms, "
-                    f"{got['events']:,.0f} events/s, {got['cpu_ms']:.3f} CPU ms/req")
+                    f"{got['events']:,.0f} events/s, {got['cpu_ms']:.3f} CPU ms/req, "
+                    f"{got['cpu_us_event']:.2f} CPU µs/event")
         if sink_url is not None:
             sink_stats = httpx.get(f"{sink_url}/stats", timeout=10).json()
         for system in systems:
