@@ -58,7 +58,6 @@ from policies.store.release_batch import ReleaseBatch
 
 log = logging.getLogger("gateway.caps")
 
-RETURN_AFTER = 0.002  # seconds a given-back lease may wait to travel with an acquire or other releases
 WAKE_WAIT = 0.5  # seconds one blocking wait for a wake-up lasts (under the store's socket timeout)
 
 NOW = """
@@ -247,7 +246,7 @@ class FleetModelQueue(ModelQueue):
         self.fleet_count: dict[Replica, int] = dict.fromkeys(self.replicas, 0)
         self.claimed: set[Replica] = set()  # backends where this process left a waiting claim
         # leases given back but not yet sent to Redis: with the next acquire for the backend, or in a batch
-        self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(RETURN_AFTER, self.send_back)
+        self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(self.send_back)
         self.tasks: set[asyncio.Task] = set()
         self.poller: asyncio.Task | None = None
         self.wake = asyncio.Event()  # another process left room this one is first in line for
@@ -357,7 +356,7 @@ class FleetModelQueue(ModelQueue):
         member = held.pop() if held else None
         if member is None:
             self.held_gauge(replica.name).set(max(self.fleet_count[replica], replica.in_flight))
-        else:  # with the next acquire for this backend, or within RETURN_AFTER with the others given back
+        else:  # with the next acquire for this backend, or within the batch's 2 ms with the others given back
             self.returning.add(replica, member)
         self.dispatch()  # waiters here: the pump's acquire carries the lease back at once
 

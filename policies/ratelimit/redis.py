@@ -130,7 +130,6 @@ return 0
 """
 
 
-RETURN_AFTER = 0.002  # seconds a release may wait to travel with an admission or other releases
 Release = tuple[str, int, asyncio.Future]  # (member, refund, settled when Redis has it)
 Pending = list[Release]
 
@@ -145,7 +144,7 @@ class RedisLimiter:
         self.per_scope = store.cluster  # one script may not span the scopes' slots
         self.loaded = False
         # releases not yet sent, by the scopes they free: with the next admission of those scopes, or in a batch
-        self.returning: ReleaseBatch[tuple[Scope, ...], Release] = ReleaseBatch(RETURN_AFTER, self.flush)
+        self.returning: ReleaseBatch[tuple[Scope, ...], Release] = ReleaseBatch(self.flush)
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every script once, on every primary, so no admission pays a NOSCRIPT round trip midway

@@ -14,12 +14,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+RETURN_AFTER = 0.002  # seconds a give-back may wait to travel with a request's own call or other give-backs
+
 K = TypeVar("K")
 V = TypeVar("V")
 
 
 class ReleaseBatch(Generic[K, V]):
-    def __init__(self, delay: float, send: Callable[[dict[K, list[V]]], Awaitable[object]]) -> None:
+    def __init__(self, send: Callable[[dict[K, list[V]]], Awaitable[object]], delay: float = RETURN_AFTER) -> None:
         self.delay = delay
         self.send = send  # given every key's queued items; runs in a task of its own
         self.queued: dict[K, list[V]] = {}

@@ -20,7 +20,7 @@ class Sink:
 
 async def test_what_is_queued_meanwhile_goes_in_one_send_every_key_at_once():
     sink = Sink()
-    batch = ReleaseBatch(0.001, sink.send)
+    batch = ReleaseBatch(sink.send, delay=0.001)
     batch.add("a", 1)
     batch.add("b", 2)
     batch.add("a", 3)
@@ -35,7 +35,7 @@ async def test_what_is_queued_meanwhile_goes_in_one_send_every_key_at_once():
 
 async def test_a_key_taken_for_a_call_of_its_own_is_not_sent_again():
     sink = Sink()
-    batch = ReleaseBatch(3600.0, sink.send)
+    batch = ReleaseBatch(sink.send, delay=3600.0)
     batch.add("a", 1)
     batch.add("b", 2)
     assert batch.take("a") == [1] and batch.take("a") == []
@@ -51,7 +51,7 @@ async def test_close_waits_for_a_flush_already_on_its_way():
         await gate.wait()
         sent.append(got)
 
-    batch = ReleaseBatch(0.0, slow)
+    batch = ReleaseBatch(slow, delay=0.0)
     batch.add("a", 1)
     async with asyncio.timeout(5):
         while not batch.flushing:  # the timer fired: its flush waits on the store
