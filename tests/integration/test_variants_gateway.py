@@ -4,6 +4,7 @@ in GET /admin/variants, Prometheus and `llm-gateway variants`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -39,12 +40,24 @@ async def wait_ready(http: httpx.AsyncClient, url: str) -> None:
     raise AssertionError("the gateway never became ready")
 
 
-async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
+def viewer(monkeypatch) -> dict[str, str]:
+    """The admin secret set for the gateway, and a viewer's header for its admin routes."""
     monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
-    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
-    async with serve_app(create_app(FAST)) as a, serve_app(create_app(SLOW)) as b, \
-            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+    return {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(a: SimConfig, b: SimConfig, policy=variants_policy):
+    """Two simulators and a gateway over them (`policy(a_url, b_url)`), ready: (gateway, client)."""
+    async with serve_app(create_app(a)) as a_url, serve_app(create_app(b)) as b_url, \
+            running_gateway(policy(a_url, b_url)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
         await wait_ready(http, gw.url)
+        yield gw, http
+
+
+async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
+    viewer_headers = viewer(monkeypatch)
+    async with gateway_over(FAST, SLOW) as (gw, http):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
 
         async def stream(max_tokens: int) -> str:
@@ -63,7 +76,7 @@ async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
         # 17/13 for 2.6% of starts (never worse); 30 independent draws stray past 17/13 in 36% of runs
         assert abs(na - nb) <= 4
 
-        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()
         a_, b_ = view["models"]["m"]["variants"]
         assert (a_["name"], a_["requests"], b_["name"], b_["requests"]) == ("a", na, "b", nb)
         assert a_["error_rate"] == 0 and a_["errors"] == {}
@@ -81,7 +94,7 @@ async def test_each_variants_signals_come_from_its_own_answers(monkeypatch):
 
         table = render(view)
         assert "model m" in table and "TTFT P50" in table and "100.0%" in table
-        recent = (await http.get(f"{gw.url}/admin/variants", params={"window": 3600}, headers=viewer)).json()
+        recent = (await http.get(f"{gw.url}/admin/variants", params={"window": 3600}, headers=viewer_headers)).json()
         assert recent["models"]["m"]["variants"][0]["requests"] == na
 
 
@@ -99,8 +112,7 @@ def canary_policy(a: str, b: str, guard: dict) -> dict:
 
 
 async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_window(monkeypatch, caplog):
-    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
-    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    viewer_headers = viewer(monkeypatch)
     clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
     broken = clean.model_copy(update={"corrupt_fraction": 0.3})  # 3 in 10 tool calls' arguments are not JSON
     async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
@@ -118,7 +130,7 @@ async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_wind
                     return r.headers["x-gateway-variant"], i
 
             served = await asyncio.gather(*(one(i) for i in range(400)))
-            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()["models"]["m"]
             a_, b_ = view["variants"]
             assert b_["weight"] == 0 and b_["guard"]["state"] == "rolled_back"
             assert "structured-output validity" in b_["guard"]["reason"]
@@ -216,13 +228,10 @@ def shadow_policy(live: str, shadow: str) -> dict:
 
 
 async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreement(monkeypatch):
-    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
-    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    viewer_headers = viewer(monkeypatch)
     clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
     broken = clean.model_copy(update={"corrupt_fraction": 0.3})
-    async with serve_app(create_app(clean)) as live, serve_app(create_app(broken)) as shadow, \
-            running_gateway(shadow_policy(live, shadow)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
-        await wait_ready(http, gw.url)
+    async with gateway_over(clean, broken, shadow_policy) as (gw, http):
         body = {"model": "m", "messages": [{"role": "user", "content": "?"}], "max_tokens": 3, "tools": TOOLS,
                 "temperature": 0}
 
@@ -256,7 +265,7 @@ async def test_a_shadow_never_answers_a_client_and_reports_validity_and_agreemen
         assert abs(fp8["agreement_rate"] - 0.7) <= 0.02 and abs(fp8["exact_match_rate"] - 0.7) <= 0.02
         # the copies were never requests of the gateway: not counted, not limited, not in the usage
         assert await gw.metric("llm_gateway_requests_total", model="m") == 100
-        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer)).json()["models"]["m"]["variants"]
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()["models"]["m"]["variants"]
         assert view[1]["agreement_rate"] == fp8["agreement_rate"]
 
         # many at once: the shadow's cap (2) is full and copies are dropped, never queued
@@ -297,11 +306,8 @@ async def test_the_shadow_copy_goes_once_the_live_answer_is_under_way_not_after_
 
 
 async def test_the_usage_ledger_shows_the_variant_each_keys_requests_went_to(monkeypatch):
-    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
-    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
-    async with serve_app(create_app(FAST)) as a, serve_app(create_app(FAST)) as b, \
-            running_gateway(variants_policy(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
-        await wait_ready(http, gw.url)
+    viewer_headers = viewer(monkeypatch)
+    async with gateway_over(FAST, FAST) as (gw, http):
         served = {"a": 0, "b": 0}
         for i in range(20):
             r = await http.post(f"{gw.url}/v1/chat/completions", json={
@@ -309,7 +315,7 @@ async def test_the_usage_ledger_shows_the_variant_each_keys_requests_went_to(mon
             assert r.status_code == 200
             served[r.headers["x-gateway-variant"]] += 1
         for _ in range(100):  # a flush the timer started may still be writing when the view flushes
-            usage = (await http.get(f"{gw.url}/admin/keys/{key_id_of(TEST_KEY)}/usage", headers=viewer)).json()
+            usage = (await http.get(f"{gw.url}/admin/keys/{key_id_of(TEST_KEY)}/usage", headers=viewer_headers)).json()
             if usage["total"].get("requests") == 20:
                 break
             await asyncio.sleep(0.05)
