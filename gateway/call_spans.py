@@ -9,14 +9,13 @@ time.
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
 from gateway import otlp_wire as wire
-from policies.variant_signals import sse_events
+from policies.variant_signals import FINISH_REASON, sse_events
 
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
 PARAMS = ("max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
@@ -27,7 +26,6 @@ FAILED = wire.status(wire.ERROR)
 CONNECT_ERROR = wire.pair("error.type", "connect")
 USAGE = (("gen_ai.usage.input_tokens", "prompt_tokens"), ("gen_ai.usage.output_tokens", "completion_tokens"))
 OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings"}
-FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
 
 
 class SpanWriter:
