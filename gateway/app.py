@@ -62,6 +62,7 @@ from policies.ledger.record import RecordLedger, open_ledger
 from policies.ledger.report import build_report, costs_of
 from policies.live_metrics import LiveMetrics
 from policies.metrics import GatewayMetrics
+from policies.ownership import Owners
 from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
@@ -106,7 +107,7 @@ class Gateway:
                                           lambda why: self.metrics.background_errors.labels(why).inc())
         self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
-                             self.limiter, self.authenticate, self.record_usage, self.background.run, self.fleet,
+                             self.limiter, self.authenticate, Owners(self.store), self.record_usage, self.background.run, self.fleet,
                              self.budgets, self.record_ledger, Variants(self.metrics))
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())

@@ -34,6 +34,10 @@ class Call:
     asked_model: Any = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     key: Any = None  # the caller's KeyRecord, once authenticated
+    # ids it names that must be its key's (policies/ownership.py): (what the tag covers, the tag, the refusal)
+    claims: list[tuple[str, str, Exception]] = field(default_factory=list)
+    mints_ids: bool = False  # it will mint ids its key owns: the owners step sets tag_owner
+    tag_owner: Any = None  # (rest of an id) -> its owner tag, for this call's key
     priority: Any = None  # its PriorityClass (policies/priority.py); None: the policy's default
     client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included

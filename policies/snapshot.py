@@ -28,6 +28,7 @@ from policies.config import Policy, groups_of, profile_of
 from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
+from policies.ownership import Owners
 from policies.pipeline import Pipeline
 from policies.priority import Classify
 from policies.ratelimit.base import Limiter
@@ -61,6 +62,7 @@ class Shared:
     metrics: GatewayMetrics
     limiter: Limiter
     authenticate: Authenticate
+    owners: Owners
     record_usage: RecordUsage
     background: object  # gateway.background.Background.run
     fleet: object = None  # policies.fleet_caps.FleetSlots when caps count every gateway replica (Redis store)
@@ -99,6 +101,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
     pipeline = Pipeline([
         client_network,
         shared.authenticate,
+        shared.owners,
         ResolveModel(policy),
         *([AssignVariant(shared.variants, shared.metrics)] if shared.variants.models else []),
         Authorize(),

@@ -3,8 +3,9 @@ GET /v1/responses/{id} and POST /v1/responses/{id}/cancel.
 
 vLLM keeps a stored response in the memory of the one server that made it, so a response id must lead back
 to that replica, from any gateway replica, with no shared state: the gateway names each response itself
-(vLLM takes the id from the body's `request_id`) as `resp_<tag><random>`, where the tag is a hash of the
-replica's stable name. A retrieve, a cancel, or a new response continuing it (`previous_response_id`) goes to
+(vLLM takes the id from the body's `request_id`) as `resp_<tag><owner><random>`, where the tag is a hash of the
+replica's stable name and `owner` binds the id to the key that made it (policies/ownership.py): another key's
+retrieve, cancel, replay or `previous_response_id` of it is the same 404 as for an id no one made. A retrieve, a cancel, or a new response continuing it (`previous_response_id`) goes to
 the replica whose tag the id carries; an id the gateway did not make, or whose replica is gone, is a 404.
 A retrieve forwards its query (`stream`, `starting_after`, `include`): with `stream=true` vLLM streams the stored
 events of a response made with `background` and `stream`, relayed with no tokens counted (they were, when it
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Any
 
@@ -25,11 +26,13 @@ from gateway.endpoints.base import (NONE, Route, forward_query, io_usage, no_usa
                                     query_text)
 from gateway.relay import EventRelay, ReplayRelay
 from policies.errors import NotFound
+from policies.ownership import TAG as OWNER_TAG
 from policies.pipeline import Call
 from policies.tokens import RESPONSES
 
 PREFIX = "resp_"
 TAG = 8  # hex characters of the replica's tag
+START = len(PREFIX) + TAG + OWNER_TAG  # where the id's random part begins
 
 
 @lru_cache(maxsize=1024)
@@ -37,43 +40,52 @@ def tag(replica_name: str) -> str:
     return hashlib.blake2b(replica_name.encode(), digest_size=TAG // 2).hexdigest()
 
 
-def new_id(replica: Replica) -> str:
-    return f"{PREFIX}{tag(replica.name)}{secrets.token_hex(12)}"
+def new_id(replica: Replica, tag_owner: Callable[[str], str]) -> str:
+    replica_tag, nonce = tag(replica.name), secrets.token_hex(12)
+    return f"{PREFIX}{replica_tag}{tag_owner(replica_tag + nonce)}{nonce}"
 
 
 def replica_of(response_id: Any, replicas: Iterable[Replica]) -> Replica | None:
-    if not isinstance(response_id, str) or not response_id.startswith(PREFIX) or len(response_id) <= len(PREFIX) + TAG:
+    if not isinstance(response_id, str) or not response_id.startswith(PREFIX) or len(response_id) <= START:
         return None
     wanted = response_id[len(PREFIX):len(PREFIX) + TAG]
     return next((r for r in replicas if r.rented is None and tag(r.name) == wanted), None)
 
 
-def pin_by_path(call: Call, replicas: Iterable[Replica]) -> Replica:
-    response_id = call.params["id"]
+def pinned(call: Call, response_id: Any, replicas: Iterable[Replica], unknown: NotFound) -> Replica:
+    """The replica that holds `response_id`; that the id is the caller's own is checked once it is known who
+    calls (policies/ownership.py), with the same refusal as an id no replica has."""
     replica = replica_of(response_id, replicas)
     if replica is None:
-        raise NotFound(f"No response found with id '{response_id}'.", param="response_id", code="response_not_found")
+        raise unknown
+    replica_tag = response_id[len(PREFIX):len(PREFIX) + TAG]
+    call.claims.append((replica_tag + response_id[START:], response_id[len(PREFIX) + TAG:START], unknown))
     return replica
+
+
+def pin_by_path(call: Call, replicas: Iterable[Replica]) -> Replica:
+    response_id = call.params["id"]
+    return pinned(call, response_id, replicas, NotFound(f"No response found with id '{response_id}'.",
+                                                        param="response_id", code="response_not_found"))
 
 
 def pin_previous(call: Call, replicas: Iterable[Replica]) -> Replica | None:
+    call.mints_ids = True  # the new response's id is tagged with its key
     previous = call.body.get("previous_response_id")
     if previous is None:
         return None
-    replica = replica_of(previous, replicas)
-    if replica is None:
-        raise NotFound(f"Previous response with id '{str(previous)[:200]}' not found.",
-                       param="previous_response_id", code="previous_response_not_found")
-    return replica
+    return pinned(call, previous, replicas, NotFound(f"Previous response with id '{str(previous)[:200]}' not found.",
+                                                     param="previous_response_id",
+                                                     code="previous_response_not_found"))
 
 
 def pinned_model(call: Call) -> str | None:
     return call.pinned.model if call.pinned is not None else None
 
 
-def assign_id(_call: Call, body: dict[str, Any], replica: Replica) -> None:
+def assign_id(call: Call, body: dict[str, Any], replica: Replica) -> None:
     if replica.rented is None:
-        body["request_id"] = new_id(replica)
+        body["request_id"] = new_id(replica, call.tag_owner)
     else:
         body.pop("request_id", None)
 

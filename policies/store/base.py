@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from policies.keys import KeyRecord
 
+SECRET_BYTES = 32  # of a shared_secret
 USAGE_FIELDS = (
     "requests",
     "prompt_tokens",
@@ -84,6 +85,10 @@ class Store(Protocol):
 
     async def usage(self, key_id: str) -> dict[str, dict[str, int]]:
         """{model: {field: total}} for every model the key has used, each with all of USAGE_FIELDS."""
+
+    async def shared_secret(self, name: str) -> bytes:
+        """32 random bytes under `name`, made by the first caller and the same for every later one (every
+        gateway replica on this store): a key for tags the replicas must check without asking the store."""
 
     async def ping(self) -> None:
         """Return if the store is reachable; raise StoreUnavailable if not."""

@@ -5,6 +5,7 @@ Layout, with P = `prefix` (default "llmgw:"); the braces are literal, a Redis Cl
     {P}key:<id>             string   the KeyRecord as JSON
     {P}keys                 zset     id -> created_at: the index list_keys walks, already in order
     {P}last_used            zset     id -> latest touch_key time (ZADD GT), kept apart so a touch is one command
+    P secret:<name>         string   32 random bytes in hex, set once (SET NX): see shared_secret
     P usage:<id>            hash     "{model}:{field}" -> count, field one of USAGE_FIELDS (model names may
                                      hold ':'; the field is what follows the last one)
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 from collections.abc import AsyncIterator
 
 from redis import exceptions as redis_errors
@@ -31,6 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 from policies.keys import KeyRecord
 from policies.store.base import (
     KeyExists,
+    SECRET_BYTES,
     KeyNotFound,
     StoreError,
     StoreUnavailable,
@@ -145,6 +148,9 @@ class RedisStore:
     def _last_used(self) -> str:
         return f"{{{self.prefix}}}last_used"
 
+    def _secret(self, name: str) -> str:
+        return f"{self.prefix}secret:{name}"
+
     def _usage(self, key_id: str) -> str:
         return f"{self.prefix}usage:{key_id}"
 
@@ -228,6 +234,12 @@ class RedisStore:
             model, _, field = name.rpartition(":")
             totals.setdefault(model, empty_usage())[field] = int(value)
         return dict(sorted(totals.items()))
+
+    async def shared_secret(self, name: str) -> bytes:
+        fresh = secrets.token_hex(SECRET_BYTES)  # as text: the client decodes every answer as UTF-8
+        async with self.guard("shared_secret"):
+            await self._redis.set(self._secret(name), fresh, nx=True)
+            return bytes.fromhex(await self._redis.get(self._secret(name)))
 
     async def ping(self) -> None:
         async with self.guard("ping"):

@@ -6,12 +6,13 @@ synchronous=NORMAL makes each write a cheap append; a power cut may lose the las
 Other processes (the CLI) may open the same file; busy_timeout makes them wait their turn instead of failing.
 
 Tables: `keys` (the record as JSON, plus created_at for ordering and the touched last_used_at kept apart so a
-touch never rewrites the record) and `usage` (one row per key and model, one column per USAGE_FIELDS).
+touch never rewrites the record), `secrets` (see shared_secret) and `usage` (one row per key and model, one column per USAGE_FIELDS).
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from policies.keys import KeyRecord
 from policies.store.base import (
     USAGE_FIELDS,
     KeyExists,
+    SECRET_BYTES,
     KeyNotFound,
     StoreError,
     StoreUnavailable,
@@ -46,6 +48,10 @@ CREATE TABLE IF NOT EXISTS usage (
     {", ".join(f"{name} INTEGER NOT NULL DEFAULT 0" for name in USAGE_FIELDS)},
     PRIMARY KEY (key_id, model)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS secrets (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+);
 PRAGMA user_version = {SCHEMA_VERSION};
 """
 
@@ -159,6 +165,15 @@ class SQLiteStore:
         sql = f"SELECT model, {', '.join(USAGE_FIELDS)} FROM usage WHERE key_id = ? ORDER BY model"
         rows = await self._run("usage", lambda conn: conn.execute(sql, (key_id,)).fetchall())
         return {row[0]: empty_usage() | dict(zip(USAGE_FIELDS, row[1:])) for row in rows}
+
+    async def shared_secret(self, name: str) -> bytes:
+        fresh = secrets.token_bytes(SECRET_BYTES)
+
+        def get_or_make(conn: sqlite3.Connection) -> bytes:
+            conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, fresh))
+            return conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0]
+
+        return await self._run("shared_secret", get_or_make)
 
     async def ping(self) -> None:
         await self._run("ping", lambda conn: conn.execute("SELECT 1").fetchone())

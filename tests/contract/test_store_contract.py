@@ -207,6 +207,20 @@ async def test_concurrent_add_usage_is_exact(store):
         }  # fmt: skip
 
 
+async def test_shared_secret_is_made_once_for_every_store_on_the_same_data(store, request, tmp_path):
+    if request.node.callspec.params["store"] == "sqlite":
+        second = open_store("sqlite", path=store.path)
+    else:
+        second = open_store("redis", url=request.getfixturevalue("redis_server").url, prefix=store.prefix)
+    try:
+        first_view = await asyncio.gather(*(s.shared_secret("owners") for s in (store, second, store, second)))
+        assert len(set(first_view)) == 1 and len(first_view[0]) == 32
+        assert await second.shared_secret("owners") == first_view[0]
+        assert await store.shared_secret("other") not in (first_view[0], b"")
+    finally:
+        await second.close()
+
+
 async def test_closed_store_refuses_calls_and_closes_twice(store):
     await store.close()
     await store.close()

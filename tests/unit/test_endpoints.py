@@ -133,7 +133,7 @@ def test_anthropic_stream_usage_is_merged_from_start_and_delta():
 def test_response_ids_lead_back_to_their_replica():
     a = Replica("vllm-a", "m", "http://127.0.0.1:1", "tiny")
     b = Replica("vllm-b", "m", "http://127.0.0.1:2", "tiny")
-    made = responses.new_id(b)
+    made = responses.new_id(b, lambda rest: "0" * 16)
     assert made.startswith("resp_") and responses.replica_of(made, [a, b]) is b
     assert responses.replica_of(made, [a]) is None  # its replica is gone
     assert responses.replica_of("resp_8514732114e24fc8", [a, b]) is None  # an id vLLM made on its own
