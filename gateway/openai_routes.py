@@ -15,7 +15,7 @@ import time
 from gateway.endpoints import Registry
 from gateway.endpoints.base import MULTIPART, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
-from policies.auth import check_key_source
+from policies.auth import bearer_key, check_key_source
 from policies.errors import (
     BadRequest,
     GatewayError,
@@ -161,8 +161,11 @@ class OpenAIRoutes:
             error = MethodNotAllowed(f"{method} is not allowed on {path[:200]}", headers={"allow": ", ".join(methods)})
             await send_error(send, error, request_id_from(headers), render=any_route.errors)
             return
-        if route.key_header and "authorization" not in headers and route.key_header in headers:
-            headers["authorization"] = "Bearer " + headers[route.key_header]
+        if route.key_header and route.key_header in headers:
+            if "authorization" not in headers:
+                headers["authorization"] = "Bearer " + headers[route.key_header]
+            elif bearer_key(headers["authorization"]) != headers[route.key_header].strip():
+                headers["authorization"] = ""  # two different keys: trust neither (the 401 of a missing key)
         if route.answer is not None:
             await self.answer(route, params, headers, scope, send)
         else:

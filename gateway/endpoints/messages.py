@@ -1,6 +1,7 @@
 """Anthropic's Messages API as vLLM serves it: POST /v1/messages (streamed as `event:` frames: the prompt's
 tokens in `message_start`, the output's in `message_delta`) and /v1/messages/count_tokens. Anthropic's SDK
-sends its key as `x-api-key`, so that header is accepted as the key here, and every error on these routes
+sends its key as `x-api-key`, so that header is accepted as the key here (sent with an `Authorization: Bearer`
+that holds another key, neither is trusted: a 401), and every error on these routes
 has Anthropic's shape ({"type": "error", "error": {"type", "message"}}) so that SDK raises the right class."""
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          529: "overloaded_error"}
 
 
+INVALID_KEY = ("Incorrect or missing API key. Pass one valid key as `x-api-key: sk-...` (or as `Authorization:"
+               " Bearer`, not both with different keys).")
+
+
 def anthropic_error(error: GatewayError) -> bytes:
     kind = TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+    message = INVALID_KEY if error.status == 401 else error.message  # these clients send the key as x-api-key
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
 def start_usage(frame: dict[str, Any]) -> dict[str, int] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -162,6 +163,35 @@ async def test_anthropic_messages_take_x_api_key_and_answer_errors_in_anthropics
     async with httpx.AsyncClient(base_url=gw.url, timeout=20) as anonymous:
         denied = await anonymous.post("/v1/messages", json=body, headers={"x-api-key": "sk-wrong"})
         assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+
+
+
+async def test_anthropic_sdk_with_conflicting_keys_gets_a_401_that_names_x_api_key(surface):
+    gw, _, _ = surface
+    other = new_key(new_key_id())  # a second valid key
+    await gw.state.store.create_key(KeyRecord(id=key_id_of(other), name="other", created_at=time.time(),
+                                              hash=hash_key(other)))
+    hi = [{"role": "user", "content": "hi"}]
+
+    def sdk(x_api_key: str | None, bearer: str | None) -> anthropic.AsyncAnthropic:
+        """Anthropic's SDK (this version) sends `api_key` as Authorization: Bearer, older ones and Anthropic's
+        docs as x-api-key: a client may well carry both (one from a default header or a proxy)."""
+        extra = {"x-api-key": x_api_key} if x_api_key else None
+        return anthropic.AsyncAnthropic(base_url=gw.url, api_key=bearer, default_headers=extra, max_retries=0,
+                                        timeout=20)
+
+    for x_api_key, bearer in ((TEST_KEY, None), (TEST_KEY, TEST_KEY), (None, other)):
+        async with sdk(x_api_key, bearer) as client:
+            assert (await client.messages.create(model="m", max_tokens=3, messages=hi)).usage.output_tokens == 3
+    for x_api_key, bearer in (("sk-wrong", TEST_KEY), (other, TEST_KEY), (TEST_KEY, other), ("sk-wrong", None)):
+        async with sdk(x_api_key, bearer) as client:
+            with pytest.raises(anthropic.AuthenticationError) as refused:
+                await client.messages.create(model="m", max_tokens=3, messages=hi)
+            assert refused.value.status_code == 401 and "x-api-key" in refused.value.message
+            assert refused.value.body["error"]["type"] == "authentication_error"
+            assert TEST_KEY not in str(refused.value.body) and other not in str(refused.value.body)
+            with pytest.raises(anthropic.AuthenticationError):
+                await client.messages.count_tokens(model="m", messages=hi)
 
 
 BATTERY = [
