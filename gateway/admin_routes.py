@@ -22,7 +22,7 @@ from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.variant_routes import variant_handlers
 from policies.accounting import by_model
-from policies.errors import NotFound
+from policies.errors import NotFound, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
     CLASS_NAME,
@@ -35,12 +35,13 @@ from policies.keys import (
     new_key_id,
     normalize_cidrs,
 )
-from policies.store import KeyNotFound
+from policies.store import KeyExists, KeyNotFound
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
 
 
 READS = ("GET", "HEAD", "OPTIONS")
+CREATE_ATTEMPTS = 5  # ids tried for one new key
 # The pattern is for the document; the validator below checks the same form with a readable message.
 Cidr = Annotated[str, KwargDefinition(pattern=CIDR_PATTERN,
                                       description="a network, e.g. 10.0.0.0/8 or 2001:db8::/32")]
@@ -149,14 +150,19 @@ def admin_router(gateway) -> Router:
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
           responses=errors(400, 401, 403, 413, 503))
     async def create_key(data: JSONBody[NewKey]) -> IssuedKey:
-        key_id = new_key_id()
-        key = new_key(key_id)
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
             fields["expires_at"] = time.time() + data.expires_in
-        record = KeyRecord(id=key_id, created_at=time.time(), hash=hash_key(key), **fields)
-        await store.create_key(record)
-        return IssuedKey(key=key, record=KeyView.of(record))
+        for _ in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
+            key_id = new_key_id()
+            key = new_key(key_id)
+            record = KeyRecord(id=key_id, created_at=time.time(), hash=hash_key(key), **fields)
+            try:
+                await store.create_key(record)
+            except KeyExists:
+                continue
+            return IssuedKey(key=key, record=KeyView.of(record))
+        raise StateUnavailable(f"no free key id in {CREATE_ATTEMPTS} tries; try again")
 
     @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
     async def list_keys() -> list[KeyView]:
@@ -174,6 +180,8 @@ def admin_router(gateway) -> Router:
         for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when the key was issued
             if field in changes and changes[field] is None:
                 changes[field] = KeyRecord.model_fields[field].get_default()
+        if isinstance(changes.get("limits"), dict):  # only the limits sent change (one sent as null: unlimited)
+            changes["limits"] = {**record.limits.model_dump(), **changes["limits"]}
         return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
 
     @post("/keys/{key_id:str}/revoke", status_code=200,

@@ -59,13 +59,21 @@ def _integral(value):
 Count = Annotated[int, BeforeValidator(_integral)]
 
 
+# Upper bounds of a key's limits: far above any one key's real traffic (the benchmarks use them for limits that
+# never bind), and low enough that every count the limiter keeps stays exact (Redis scripts compute in doubles,
+# exact to 2**53) and a key's concurrency leases stay few.
+MAX_RPM = 1_000_000_000
+MAX_TPM = 1_000_000_000_000
+MAX_CONCURRENT = 100_000
+
+
 class KeyLimits(BaseModel):
     """Per-key limits, enforced by the rate-limit step; None means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
-    requests_per_minute: Count | None = Field(None, ge=1)
-    tokens_per_minute: Count | None = Field(None, ge=1)
-    max_concurrent: Count | None = Field(None, ge=1)
+    requests_per_minute: Count | None = Field(None, ge=1, le=MAX_RPM)
+    tokens_per_minute: Count | None = Field(None, ge=1, le=MAX_TPM)
+    max_concurrent: Count | None = Field(None, ge=1, le=MAX_CONCURRENT)
 
 
 class KeyBudget(BaseModel):
@@ -74,8 +82,9 @@ class KeyBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_rented_spend: float | None = Field(None, ge=0.0, le=1e9, description="currency units of rented tokens per"
                                            " period; once spent, see when_spent")
-    max_tokens_per_period: Count | None = Field(None, ge=1, description="prompt + completion tokens per period,"
-                                                " owned and rented; past it requests get 429 until the reset")
+    max_tokens_per_period: Count | None = Field(None, ge=1, le=10**15, description="prompt + completion tokens"
+                                                " per period, owned and rented; past it requests get 429 until"
+                                                " the reset")
     period: Literal["day", "week", "month"] = "month"
     when_spent: Literal["owned_only", "reject"] = Field("owned_only", description="once max_rented_spend is spent:"
                                                         " stay on owned backends, or answer 429 until the reset")

@@ -1,7 +1,12 @@
 """Keys end to end on the embedded store: the admin API issues them, the request path enforces them."""
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import jwt
@@ -10,9 +15,10 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from gateway import admin_routes
 from gateway.admin_auth import mint_token
 from policies.config import Admin
-from policies.keys import KEY_PATTERN
+from policies.keys import KEY_PATTERN, new_key_id
 from tests.support.gateway import one_model, running_gateway
 from tests.support.recorder import Recorder
 from tests.support.servers import serve_app
@@ -267,3 +273,50 @@ async def test_keys_survive_a_gateway_restart_on_sqlite(monkeypatch, tmp_path):
             assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
         async with running_gateway(policy, issue_test_key=False) as gw:
             assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
+
+
+async def test_an_update_changes_only_the_limits_it_names_through_the_api_and_the_cli(env):
+    gw, http, call = env
+    limits = {"requests_per_minute": 60, "tokens_per_minute": 9000, "max_concurrent": 4}
+    key_id = (await call("POST", "/keys", json={"name": "limited", "limits": limits})).json()["record"]["id"]
+    r = await call("PATCH", f"/keys/{key_id}", json={"limits": {"requests_per_minute": 30}})
+    assert r.status_code == 200 and r.json()["limits"] == {**limits, "requests_per_minute": 30}
+    cli = str(Path(sys.executable).with_name("llm-gateway"))
+    env_vars = {**os.environ, "LLM_GATEWAY_ADMIN_TOKEN": token()}
+    done = await asyncio.to_thread(subprocess.run, [cli, "keys", "--url", gw.url, "--json", "update", key_id,
+                                                    "--max-concurrent", "2"],
+                                   env=env_vars, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["limits"] == {**limits, "requests_per_minute": 30, "max_concurrent": 2}
+    # one limit sent as null lifts that one; `limits: null` lifts them all
+    r = await call("PATCH", f"/keys/{key_id}", json={"limits": {"tokens_per_minute": None}})
+    assert r.json()["limits"] == {"requests_per_minute": 30, "tokens_per_minute": None, "max_concurrent": 2}
+    r = await call("PATCH", f"/keys/{key_id}", json={"limits": None})
+    assert r.json()["limits"] == dict.fromkeys(limits)
+
+
+@pytest.mark.parametrize("limits", [{"requests_per_minute": 10**9 + 1}, {"tokens_per_minute": 10**12 + 1},
+                                    {"max_concurrent": 100_001}, {"requests_per_minute": 10**40}])
+async def test_key_limits_beyond_their_bounds_are_a_400_naming_the_field(env, limits):
+    gw, http, call = env
+    (field, _), = limits.items()
+    r = await call("POST", "/keys", json={"name": "greedy", "limits": limits})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    key_id = (await call("POST", "/keys", json={"name": "modest"})).json()["record"]["id"]
+    r = await call("PATCH", f"/keys/{key_id}", json={"limits": limits})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = await call("POST", "/keys", json={"name": "budget", "budget": {"max_tokens_per_period": 10**15 + 1}})
+    assert r.status_code == 400 and "max_tokens_per_period" in r.json()["error"]["message"], r.text
+
+
+async def test_a_key_id_collision_on_create_takes_another_id(env, monkeypatch):
+    """Ids are 64 random bits: a collision cannot be waited for, so the id source repeats a taken id once."""
+    gw, http, call = env
+    taken = (await call("POST", "/keys", json={"name": "first"})).json()["record"]["id"]
+    ids = iter([taken, taken])
+    monkeypatch.setattr(admin_routes, "new_key_id", lambda: next(ids, None) or new_key_id())
+    r = await call("POST", "/keys", json={"name": "second"})
+    assert r.status_code == 201, r.text
+    second = r.json()["record"]["id"]
+    assert second != taken and (await call("GET", f"/keys/{taken}")).json()["name"] == "first"
+    assert (await call("GET", f"/keys/{second}")).json()["name"] == "second"
