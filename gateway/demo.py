@@ -1,7 +1,7 @@
 """`llm-gateway demo` (what `make run` starts): the embedded default, with nothing to install or configure.
 
 Three simulated vLLM servers run as child processes (two replicas of one model, one of another) and the gateway
-serves them on 127.0.0.1:8080. Ctrl-C stops all of it. The simulators stand in for GPUs here only.
+serves them on 127.0.0.1:8080. Ctrl-C or SIGTERM stops all of it. The simulators stand in for GPUs here only.
 """
 
 from __future__ import annotations
@@ -108,6 +108,16 @@ llm-gateway demo: simulated vLLM backends behind the gateway at {base}
 """
 
 
+class Stop(Exception):
+    """SIGTERM: end the demo as Ctrl-C does, simulators included. (uvicorn takes SIGTERM while it serves, then
+    raises it again once it has shut down: with the default action that would end this process before it
+    stops its simulators, leaving them running.)"""
+
+
+def stop(_signum, _frame) -> None:
+    raise Stop
+
+
 def run_demo(host: str, port: int, log_level: str) -> int:
     import uvicorn
 
@@ -119,6 +129,7 @@ def run_demo(host: str, port: int, log_level: str) -> int:
     # The demo's admin secret lives only in this process unless the caller set one.
     os.environ.setdefault("LLM_GATEWAY_ADMIN_SECRET", secrets.token_urlsafe(32))
     state = tempfile.TemporaryDirectory(prefix="llm-gateway-demo-")
+    signal.signal(signal.SIGTERM, stop)
     procs, models = start_simulators()
     try:
         wait_healthy([b["url"] for m in models for b in m["backends"]], procs)
@@ -135,9 +146,10 @@ def run_demo(host: str, port: int, log_level: str) -> int:
         server = uvicorn.Server(config)
         print(banner(f"http://{host}:{port}", key, admin_token), flush=True)
         server.run()
-    except KeyboardInterrupt:  # Ctrl-C is how the demo is meant to end
+    except (KeyboardInterrupt, Stop):  # Ctrl-C (or SIGTERM) is how the demo is meant to end
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""`llm-gateway demo` (what `make run` starts) serves the openai SDK and Ctrl-C stops every process it started."""
+"""`llm-gateway demo` (what `make run` starts) serves the openai SDK, and Ctrl-C or SIGTERM stops every process
+it started."""
 
 import os
 import signal
@@ -68,3 +69,23 @@ def test_demo_serves_and_ctrl_c_stops_everything():
         assert expected in output, output
     for pid in simulators:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_stops_the_demo_and_its_simulators():
+    port = free_port()
+    cli = Path(sys.executable).with_name("llm-gateway")
+    proc = subprocess.Popen([str(cli), "demo", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, 30, "the demo")
+        simulators = children_of(proc.pid)
+        assert len(simulators) == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)  # as `kill`, systemd or a container runtime stop it
+        proc.wait(timeout=30)
+    left = [pid for pid in simulators if Path(f"/proc/{pid}").exists()
+            and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+    for pid in left:  # the test's own clean-up of what the demo failed to stop
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "simulators left running under init"  # reaped by the demo instead
+    assert proc.returncode == 0
