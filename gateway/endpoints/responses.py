@@ -4,9 +4,9 @@ GET /v1/responses/{id} and POST /v1/responses/{id}/cancel.
 vLLM keeps a stored response in the memory of the one server that made it, so a response id must lead back
 to that replica, from any gateway replica, with no shared state: the gateway names each response itself
 (vLLM takes the id from the body's `request_id`) as `resp_<tag><owner><random>`, where the tag is a hash of the
-replica's stable name and `owner` binds the id to the key that made it (policies/ownership.py): another key's
-retrieve, cancel, replay or `previous_response_id` of it is the same 404 as for an id no one made. A retrieve, a cancel, or a new response continuing it (`previous_response_id`) goes to
-the replica whose tag the id carries; an id the gateway did not make, or whose replica is gone, is a 404.
+replica's stable name and `owner` binds the id to the key that made it (policies/ownership.py). A retrieve, a
+cancel, or a new response continuing it (`previous_response_id`) goes to the replica whose tag the id carries;
+an id the gateway did not make, whose replica is gone, or that another key made, is the same 404.
 A retrieve forwards its query (`stream`, `starting_after`, `include`): with `stream=true` vLLM streams the stored
 events of a response made with `background` and `stream`, relayed with no tokens counted (they were, when it
 was made).
