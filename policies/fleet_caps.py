@@ -31,7 +31,11 @@ per stream is the difference between a fleet that keeps its backend full and one
 While Redis is unreachable, `rate_limits.on_store_failure.concurrency` decides: fail_closed (the default)
 answers 503 to requests that need a new slot; fail_open admits under the cap counted in this process alone,
 so N replicas may send a backend up to N x its cap. Both are logged once per outage and counted in
-llm_gateway_cap_store_failures_total. Leases taken before the outage run out by themselves.
+llm_gateway_cap_store_failures_total. A lease whose give-back the store missed (a request that ended during the
+outage, or an acquire whose answer was lost with the old primary, which may have granted it) is sent again
+every RETRY_EVERY seconds, and with the next acquire for its backend, until the store answers (a promoted
+replica has the lease too) or the lease must have run out: after a failover the backend is back at its full
+cap as soon as the new primary answers, not one lease later.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from policies.store.release_batch import ReleaseBatch
 log = logging.getLogger("gateway.caps")
 
 WAKE_WAIT = 0.5  # seconds one blocking wait for a wake-up lasts (under the store's socket timeout)
+RETRY_EVERY = 0.25  # seconds between tries to give back leases the store missed
 
 NOW = """
 local t = redis.call('TIME')
@@ -185,12 +190,16 @@ class FleetSlots:
         except StoreUnavailable:
             self.down_until = time.monotonic() + 1.0
             raise
+        self.down_until = 0.0  # it answers again: no need to wait out the second
+
+    def new_member(self) -> str:
+        return f"{self.process}:{next(self.members)}"
 
     async def acquire(self, backend: str, limit: int, rank: int, waited: float, register: bool,
-                      give_back: Sequence[str] = ()) -> tuple[str | None, int]:
-        """(the new lease's member, or None when the fleet has no room for this process now; leases held).
-        `give_back`: leases of this process to release first, in the same round trip."""
-        member = f"{self.process}:{next(self.members)}"
+                      give_back: Sequence[str] = (), member: str | None = None) -> tuple[str | None, int]:
+        """(the new lease's member, `member` if given, or None when the fleet has no room for this process now;
+        leases held). `give_back`: leases of this process to release first, in the same round trip."""
+        member = member or self.new_member()
         async with self.guard("cap_acquire"):
             granted, held = await self._acquire(
                 keys=[self.leases(backend), self.waiting(backend)],
@@ -247,6 +256,8 @@ class FleetModelQueue(ModelQueue):
         self.claimed: set[Replica] = set()  # backends where this process left a waiting claim
         # leases given back but not yet sent to Redis: with the next acquire for the backend, or in a batch
         self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(self.send_back)
+        self.stranded: dict[Replica, dict[str, float]] = {}  # leases the store missed -> when to stop trying
+        self.retrier: asyncio.Task | None = None
         self.tasks: set[asyncio.Task] = set()
         self.poller: asyncio.Task | None = None
         self.wake = asyncio.Event()  # another process left room this one is first in line for
@@ -290,13 +301,15 @@ class FleetModelQueue(ModelQueue):
                 return self.take(replica)  # no cap: nothing to share
             if self.fleet.down:
                 return self.take_locally(call, exclude, candidates)
-            give_back = self.returning.take(replica)
+            asked = self.fleet.new_member()
+            give_back = self.returning.take(replica) + list(self.stranded.pop(replica, {}))
             try:
                 member, held = await see_through(
-                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register, give_back),
+                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register, give_back, asked),
                     partial(self.orphaned, replica))
-            except StoreUnavailable:
-                return self.take_locally(call, exclude, candidates)  # what it gave back ends with its lease
+            except StoreUnavailable:  # the old primary may have granted `asked` before it went
+                self.strand(replica, [asked, *give_back])
+                return self.take_locally(call, exclude, candidates)
             self.outage_logged = False
             self.seen(replica, held)
             if member is not None:
@@ -366,9 +379,41 @@ class FleetModelQueue(ModelQueue):
             try:
                 self.seen(replica, await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members))
             except StoreUnavailable:
-                log.warning("could not give back %d slot(s) of backend %s while the store is down; their leases"
-                            " will expire", len(members), replica.name)
+                self.strand(replica, members)
         await self.pump()
+
+    def strand(self, replica: Replica, members: Sequence[str]) -> None:
+        """Leases the store missed: tried again until it answers, for as long as one may still be held there."""
+        if not members:
+            return
+        until = time.monotonic() + self.fleet.lease
+        stranded = self.stranded.setdefault(replica, {})
+        for member in members:
+            stranded.setdefault(member, until)
+        if self.retrier is None:
+            log.warning("could not give back %d slot(s) of backend %s while the store is down; trying again"
+                        " until it answers", len(members), replica.name)
+            self.retrier = asyncio.get_running_loop().create_task(self.retry_stranded())
+
+    async def retry_stranded(self) -> None:
+        try:
+            while self.stranded:
+                await asyncio.sleep(RETRY_EVERY)
+                now = time.monotonic()
+                for replica in list(self.stranded):
+                    members = [m for m, until in self.stranded.pop(replica).items() if until > now]
+                    if members:
+                        try:
+                            held = await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members)
+                        except StoreUnavailable:
+                            self.strand(replica, members)  # keeps each one's first deadline
+                        else:
+                            self.seen(replica, held)
+                            log.info("gave back %d slot(s) of backend %s the store had missed", len(members),
+                                     replica.name)
+                self.dispatch()
+        finally:
+            self.retrier = None
 
     def dispatch(self) -> None:
         if self.depth:
@@ -440,6 +485,8 @@ class FleetModelQueue(ModelQueue):
     async def close(self) -> None:
         if self.poller is not None:
             self.poller.cancel()
+        if self.retrier is not None:
+            self.retrier.cancel()
         for listener in list(self.listeners.values()):
             listener.cancel()
         await self.returning.close()

@@ -166,3 +166,91 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
             for url in c.urls:
                 assert works(url, key), "a key issued before the kill no longer authenticates"
         assert "Traceback" not in c.log_text()
+
+
+FULL_WITHIN = 3.0  # seconds after the promotion is observed: the backend is back at its full cap by then
+SUSTAINED = 2.0  # ... and stays there this long
+SLOW_BODY = {**BODY, "max_tokens": 10}  # 10 steps of 20 ms: each request holds its slot ~0.2 s
+
+
+def running_at_backend(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", text, re.M))
+
+
+def full_service_after(samples: list[tuple[float, float]], promoted: float, full: int) -> float | None:
+    """Seconds from the promotion to the first moment from which, for SUSTAINED seconds, at least 80% of the
+    backend's samples show `full` requests running (a slot handed from one request to the next may be seen
+    empty for an instant)."""
+    after = [(t, n) for t, n in samples if t >= promoted]
+    for i, (start, _) in enumerate(after):
+        window = [n for t, n in after[i:] if t <= start + SUSTAINED]
+        if after[-1][0] >= start + SUSTAINED and sum(n >= full for n in window) >= 0.8 * len(window):
+            return start - promoted
+    return None
+
+
+@pytest.mark.parametrize("mode", ["fail_open", "fail_closed"])
+def test_cap_slots_given_back_during_the_outage_are_freed_once_the_new_primary_answers(tmp_path, mode):
+    """Requests holding the backend's whole cap finish while the primary is dead: their give-backs fail. They
+    are sent again until the promoted replica (which has the leases) answers, so the backend is at its full cap
+    within FULL_WITHIN s of the promotion, not one lease (15 s, the default) later; and no slot stays held.
+    The load pauses from the kill to the promotion: requests admitted in fail_open meanwhile would take over
+    the stranded leases (a process's leases are not tied to one request) and hide them."""
+    workers = 2 * CAP  # always someone waiting for a slot: the backend runs at its cap when it can
+    with cluster(tmp_path, replicas=2, slow=True, redis_setup=functools.partial(SentinelSet, down_after_ms=1000),
+                 backend={"cap": CAP}, rate_limits={"on_store_failure": {"concurrency": mode}}) as c:
+        servers: SentinelSet = c.redis
+        key = c.issue_key(name="load")
+        for url in c.urls:
+            assert works(url, key)
+        wait_for(servers.caught_up, 10, "replicas caught up")
+
+        async def run() -> tuple[list[tuple[float, float]], list, float, float]:
+            stop, go, log, samples = asyncio.Event(), asyncio.Event(), [], []
+            go.set()
+
+            async def worker(n: int) -> None:
+                async with httpx.AsyncClient(headers={"authorization": f"Bearer {key}"}, timeout=30) as http:
+                    while not stop.is_set():
+                        await go.wait()
+                        r = await http.post(f"{c.urls[n % len(c.urls)]}/v1/chat/completions", json=SLOW_BODY)
+                        log.append((time.monotonic(), r.status_code))
+                        if r.status_code != 200:
+                            await asyncio.sleep(0.05)
+
+            async def sample() -> None:
+                while not stop.is_set():
+                    samples.append((time.monotonic(), await asyncio.to_thread(running_at_backend, c.backend_url)))
+                    await asyncio.sleep(0.05)
+
+            tasks = [asyncio.create_task(worker(n)) for n in range(workers)] + [asyncio.create_task(sample())]
+            await asyncio.sleep(2)  # steady: the cap full, waiters queued
+            old = servers.primary()
+            go.clear()  # what is in flight ends while the primary is dead
+            killed = time.monotonic()
+            old.kill()
+            while servers.primary().port == old.port:
+                assert time.monotonic() - killed < 30, "no promotion within 30 s"
+                await asyncio.sleep(0.05)
+            promoted = time.monotonic()
+            go.set()
+            await asyncio.sleep(FULL_WITHIN + SUSTAINED + 1)
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            return samples, log, killed, promoted
+
+        samples, log, killed, promoted = asyncio.run(run())
+        assert servers.promotions() == 1
+        before = [n for t, n in samples if t < killed]
+        assert max(before) == CAP, before  # the load did fill the cap before the kill
+        took = full_service_after(samples, promoted, CAP)
+        timeline = [(round(t - promoted, 2), n) for t, n in samples if t >= killed]
+        assert took is not None and took <= FULL_WITHIN, (took, timeline)
+        assert {code for _, code in log} <= {200, 503}
+        assert not [t for t, code in log if code == 503 and t > promoted + FULL_WITHIN]
+        # and once the load stops, no lease is left in the store: every slot came back (none waits out a lease)
+        primary = servers.client()
+        wait_for(lambda: primary.zcount("llmgw:cap:{m-0}", f"({time.time()}", "+inf") == 0, 3,
+                 "every cap slot of the backend given back")
+        assert "Traceback" not in c.log_text()
