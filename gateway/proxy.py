@@ -302,7 +302,7 @@ class Proxy:
         answer = call.answer  # a variant's signals, read from the events as they pass
         first = True
         try:
-            while chunk := await response.next_chunk():
+            while not relay.ended and (chunk := await response.next_chunk()):
                 if first:
                     first = False
                     now = call.first_token_at = time.perf_counter()

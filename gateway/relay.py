@@ -25,6 +25,7 @@ class Frames:
 
     pending = b""
     replay = False  # True: the stream repeats stored events: no tokens, no first-token time, no verdict on the backend
+    ended = False  # True: a frame that ends the stream has passed; whatever the upstream does next is not waited for
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
@@ -99,26 +100,40 @@ class EventRelay(Frames):
     """Streams of `event: <type>` + `data: <json>` frames (the Responses API, Anthropic's Messages API), passed on
     at frame boundaries as they come. Only the frames whose type is in `usage_events` are parsed: each maps the
     frame's JSON to usage in the gateway's terms (prompt_tokens, completion_tokens), merged as they arrive
-    (Anthropic reports the prompt at the start and the output at the end). There is no `[DONE]`."""
+    (Anthropic reports the prompt at the start and the output at the end). There is no `[DONE]`; `ends` names
+    the frames after which the stream is over even if the upstream keeps it open (vLLM does, on a background
+    response that failed)."""
 
     def __init__(self, usage_events: dict[bytes, Callable[[dict[str, Any]], dict[str, Any] | None]],
-                 rename: tuple[bytes, bytes] | None = None) -> None:
+                 rename: tuple[bytes, bytes] | None = None, ends: tuple[bytes, ...] = ()) -> None:
         self.usage_events = usage_events
         self.rename = rename
+        self.ends = ends
         self.usage: dict[str, Any] | None = None
         self.pending = b""
         self.events = 0
 
     def _process(self, frames: bytes) -> bytes:
         for name, extract in self.usage_events.items():
-            at = frames.find(EVENT + name + b"\n")
-            if at >= 0 and (at == 0 or frames[at - 1:at] == b"\n"):
+            at = self._frame_of(frames, name)
+            if at >= 0:
                 self._take_usage(frames, at, extract)
+        self._note_end(frames)
         if self.usage is None:
             self.events += frames.count(SEP)
         if self.rename is not None:
             frames = frames.replace(*self.rename)
         return frames
+
+    def _note_end(self, frames: bytes) -> None:
+        if any(self._frame_of(frames, name) >= 0 for name in self.ends):
+            self.ended = True
+
+    @staticmethod
+    def _frame_of(frames: bytes, name: bytes) -> int:
+        """Where the frame of type `name` starts in `frames`, or -1."""
+        at = frames.find(EVENT + name + b"\n")
+        return at if at >= 0 and (at == 0 or frames[at - 1:at] == b"\n") else -1
 
     def _take_usage(self, frames: bytes, at: int, extract) -> None:
         end = frames.find(SEP, at)
@@ -145,8 +160,9 @@ class ReplayRelay(EventRelay):
 
     replay = True
 
-    def __init__(self, rename: tuple[bytes, bytes] | None = None) -> None:
-        super().__init__({}, rename)
+    def __init__(self, rename: tuple[bytes, bytes] | None = None, ends: tuple[bytes, ...] = ()) -> None:
+        super().__init__({}, rename, ends)
 
     def _process(self, frames: bytes) -> bytes:
+        self._note_end(frames)
         return frames.replace(*self.rename) if self.rename is not None else frames

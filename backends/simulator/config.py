@@ -38,6 +38,10 @@ class SimConfig(BaseModel):
     # the share of structured answers (response_format JSON, tool-call arguments) sent broken, evenly spread
     # (backends/simulator/structured.py): a model whose quantisation breaks JSON, for the variant guard
     corrupt_fraction: float = Field(0.0, ge=0, le=1)
+    # a response made with `background` and `stream` fails after this many output text events: an `error` frame,
+    # as vLLM sends when its engine fails, and then, as vLLM, its stream (made or replayed) stays open and
+    # silent (vLLM ends one only after `response.completed`). None: never
+    fail_background_after: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _cache_holds_one_request(self) -> SimConfig:

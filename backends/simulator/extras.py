@@ -171,9 +171,12 @@ class Extras:
                 self.stored.popitem(last=False)
         return response
 
-    async def _frames(self, gen: GenRequest, shape: dict, body: dict) -> AsyncIterator[list[bytes]]:
-        """A response's stream as vLLM frames it, in batches as generated (none after an abort)."""
+    async def _frames(self, gen: GenRequest, shape: dict, body: dict,
+                      fail_after: int | None = None) -> AsyncIterator[list[bytes]]:
+        """A response's stream as vLLM frames it, in batches as generated (none after an abort). `fail_after`:
+        the engine fails once that many text events are out, and the stream ends in vLLM's `error` frame."""
         seq = 0
+        deltas = 0
 
         def frame(kind: str, data: dict) -> bytes:
             nonlocal seq
@@ -186,8 +189,17 @@ class Extras:
                frame("response.output_item.added", {"output_index": 0, "item": {
                    "id": item, "type": "message", "role": "assistant", "status": "in_progress", "content": []}})]
         async for batch in gen.batches():
+            if fail_after is not None and deltas + len(batch) > fail_after:
+                batch = batch[:fail_after - deltas]
+                gen.abort()
+            deltas += len(batch)
             yield [frame("response.output_text.delta", {"item_id": item, "output_index": 0, "content_index": 0,
                                                          "delta": piece, "logprobs": []}) for piece in batch]
+            if fail_after is not None and deltas >= fail_after:
+                gen.abort()
+                yield [frame("error", {"code": "InternalServerError", "param": None,
+                                       "message": "The simulated engine failed (fail_background_after)."})]
+                return
         if gen.finish_reason not in ("stop", "length"):
             return
         final = self._keep(self._response(gen, shape), body)
@@ -197,7 +209,7 @@ class Extras:
 
     async def _keep_events(self, gen: GenRequest, shape: dict, body: dict, events: Events) -> None:
         try:
-            async for frames in self._frames(gen, shape, body):
+            async for frames in self._frames(gen, shape, body, self.app.cfg.fail_background_after):
                 events.frames += frames
                 events.more.set()
         finally:
@@ -205,17 +217,23 @@ class Extras:
             events.more.set()
 
     async def _replay(self, http, events: Events, start: int) -> None:
-        """A background response's events from `start` on, as they come, until its last (vLLM's event store)."""
+        """A background response's events from `start` on, as they come, until `response.completed` (vLLM's
+        event store): the stream of one that ended otherwise (failed) stays open until the client leaves."""
         await http.start(200, b"text/event-stream; charset=utf-8")
         while True:
             events.more.clear()
-            if start < len(events.frames):
-                await http.write(b"".join(events.frames[start:]))
-                start = len(events.frames)
-            if events.done:
+            done, end = events.done, len(events.frames)  # as of now: more may come while the write waits
+            if start < end:
+                await http.write(b"".join(events.frames[start:end]))
+                start = end
+            if done:
                 break
             await events.more.wait()
-        await http.write(b"", more=False)
+        if events.frames and events.frames[-1].startswith(b"event: response.completed\n"):
+            await http.write(b"", more=False)
+            return
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
     async def retrieve(self, http, response_id: str) -> None:
         stream, starting_after = _retrieve_query(http.query)

@@ -95,13 +95,19 @@ def final_usage(frame: dict[str, Any]) -> dict[str, int] | None:
     return io_usage(response.get("usage")) if isinstance(response, dict) else None
 
 
-def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
+# The last frame of a response's events. vLLM ends its stream of a background response (as it is made, and
+# replayed) only after `response.completed`: one that failed (an `error` frame) it keeps open, silent, until
+# the read timeout; the gateway ends it after that frame instead.
+LAST = (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+
+
+def relay(call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
     return EventRelay({b"response.completed": final_usage, b"response.incomplete": final_usage,
-                       b"response.failed": final_usage}, rename)
+                       b"response.failed": final_usage}, rename, LAST if call.body.get("background") is True else ())
 
 
 def replay(_call: Call, rename: tuple[bytes, bytes] | None) -> ReplayRelay:
-    return ReplayRelay(rename)
+    return ReplayRelay(rename, LAST)
 
 
 RETRIEVE_QUERY = forward_query({"stream": query_flag, "starting_after": query_count, "include": query_text,

@@ -4,6 +4,8 @@ tokenize, pooling, Anthropic's Messages API, and a battery of malformed bodies t
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import anthropic
@@ -230,3 +232,34 @@ async def test_a_battery_of_malformed_bodies_gets_only_4xx(surface):
         assert isinstance(body.get("error"), dict), (path, answer.text)
     assert await gw.metric("llm_gateway_requests_total", status="500") == 0
     assert await gw.metric("llm_gateway_requests_total", status="502") == 0
+
+
+async def test_a_failed_background_response_ends_its_streams_at_its_error_frame():
+    """vLLM keeps the stream of a background response that failed open and silent (it ends one only after
+    `response.completed`): the gateway ends it after the `error` frame, as it is made and as it is replayed,
+    instead of at its read timeout (minutes)."""
+    failing = SimConfig(model="served-m", step_base_ms=2, step_ms_per_seq=0, fail_background_after=2)
+    async with serve_app(create_app(failing)) as sim, running_gateway(one_model(sim)) as gw, \
+            httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=120) as http:
+        body = {"model": "m", "input": "fail me", "max_output_tokens": 8, "background": True, "stream": True}
+
+        async def events(method: str, path: str, **kw) -> list[tuple[str, dict]]:
+            async with http.stream(method, path, **kw) as streamed:
+                assert streamed.status_code == 200
+                text = (await streamed.aread()).decode()
+            return [(frame.split("\n")[0][7:], json.loads(frame.split("\n")[1][6:]))
+                    for frame in text.split("\n\n") if frame.startswith("event: ")]
+
+        for attempt in ("made", "replayed", "replayed after 3"):
+            started = time.monotonic()
+            if attempt == "made":
+                got = await asyncio.wait_for(events("POST", "/v1/responses", json=body), 10)
+                response_id = got[0][1]["response"]["id"]
+            else:
+                query = {"stream": "true"} | ({"starting_after": "3"} if attempt.endswith("3") else {})
+                got = await asyncio.wait_for(events("GET", f"/v1/responses/{response_id}", params=query), 10)
+            assert time.monotonic() - started < 10, attempt
+            assert [kind for kind, _ in got].count("response.output_text.delta") == 2 - (attempt.endswith("3"))
+            assert got[-1][0] == "error" and "failed" in got[-1][1]["message"], (attempt, got)
+        # the backend's own failure, relayed: no verdict on its health, and the gateway logged no error of its own
+        assert await gw.metric("llm_gateway_upstream_errors_total") == 0

@@ -13,6 +13,7 @@ from gateway.endpoints.base import Route, parse_json
 from gateway.endpoints.messages import anthropic_error
 from gateway.relay import EventRelay
 from policies.errors import BadRequest, NotFound, UpstreamStatus
+from policies.pipeline import Call
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
 
@@ -85,10 +86,24 @@ def relay_all(relay: EventRelay, raw: bytes, size: int) -> bytes:
     return out + relay.flush()
 
 
+def a_call(**body) -> Call:
+    return Call(request_id="r", endpoint="responses", headers={}, client_host="127.0.0.1", arrived=0.0, body=body)
+
+
+def test_a_background_responses_stream_ends_at_its_last_frame_even_if_the_backend_keeps_it_open():
+    failed = b'event: response.created\ndata: {}\n\nevent: error\ndata: {"message":"engine failed"}\n\n'
+    for relay in (responses.relay(a_call(background=True), None), responses.replay(a_call(), None)):
+        assert relay.feed(failed[:30]) == b"" and not relay.ended
+        assert relay.feed(failed[30:]) == failed and relay.ended
+    foreground = responses.relay(a_call(), None)  # vLLM ends those itself: the connection may be reused
+    foreground.feed(failed)
+    assert not foreground.ended
+
+
 @pytest.mark.parametrize("size", [1, 7, 100, 100_000])
 def test_responses_frames_pass_through_and_usage_comes_from_response_completed(size):
     raw = (FIXTURES / "responses_stream.sse").read_bytes()
-    relay = responses.relay(None, (b'"model":"tiny"', b'"model":"public"'))
+    relay = responses.relay(a_call(), (b'"model":"tiny"', b'"model":"public"'))
     out = relay_all(relay, raw, size)
     assert out == raw.replace(b'"model":"tiny"', b'"model":"public"')
     assert relay.usage == {"prompt_tokens": 13, "completion_tokens": 6}
