@@ -98,6 +98,7 @@ class Gateway:
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
             on_outage=lambda outcome: self.metrics.store_unavailable.labels("auth", outcome).inc(),
         )
+        self.owners = Owners(self.store)  # who made each stored response (policies/ownership.py)
         self.limiter = open_limiter(self.store)
         self.record_usage = RecordUsage(self.store, self.background.run)
         self.ledger = open_ledger(self.store, policy.ledger.bucket_seconds)
@@ -107,8 +108,8 @@ class Gateway:
                                           lambda why: self.metrics.background_errors.labels(why).inc())
         self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
-                             self.limiter, self.authenticate, Owners(self.store), self.record_usage, self.background.run, self.fleet,
-                             self.budgets, self.record_ledger, Variants(self.metrics))
+                             self.limiter, self.authenticate, self.owners, self.record_usage, self.background.run,
+                             self.fleet, self.budgets, self.record_ledger, Variants(self.metrics))
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -235,6 +236,7 @@ class Gateway:
         self.client = client
         self.install(self.snapshot)
         self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
+        self.background.run(self.owners.warm())  # read now, so an outage later does not find it missing
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))

@@ -3,9 +3,9 @@ it answers exactly as for an id that never existed.
 
 An id the gateway mints carries an owner tag: HMAC-SHA256 over the creating key's id and the rest of the id,
 under a secret every gateway replica shares. The secret lives in the store (Store.shared_secret: made by
-the first replica that needs it, read once per process), so checking an id is a local computation, with no
-store round trip per request and nothing to configure; a key's rotation keeps its id, so its responses stay
-its own. The id itself is the only handle the backend has, so a caller cannot move an id onto its own key,
+the first replica that needs it, read once per process, at start), so checking an id is a local computation,
+with no store round trip per request and nothing to configure; a key's rotation keeps its id, so its
+responses stay its own. The id itself is the only handle the backend has, so a caller cannot move an id onto its own key,
 and without the secret it cannot mint an id that passes: every id it did not get from its own creations is
 refused here, with the same 404 as an unknown one. There is no admin override: admin tokens do not reach
 these routes.
@@ -13,13 +13,14 @@ these routes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 from functools import partial
 
 from policies.errors import StateUnavailable
 from policies.pipeline import Call
-from policies.store import Store, StoreUnavailable
+from policies.store import Store, StoreError, StoreUnavailable
 
 TAG = 16  # hex characters of an owner tag (64 bits: a guess is right once in 2**64)
 SECRET_NAME = "owner-tags"
@@ -39,15 +40,25 @@ class Owners:
         self.store = store
         self.secret: bytes | None = None
 
+    async def warm(self) -> None:
+        """Read the secret ahead of the first request that needs it (at start); if the store does not answer,
+        that request reads it."""
+        with contextlib.suppress(StoreError):
+            await self.load()
+
+    async def load(self) -> bytes:
+        if self.secret is None:
+            self.secret = await self.store.shared_secret(SECRET_NAME)
+        return self.secret
+
     async def enter(self, call: Call) -> None:
         if not call.claims and not call.mints_ids:
             return
-        if self.secret is None:
-            try:
-                self.secret = await self.store.shared_secret(SECRET_NAME)
-            except StoreUnavailable:
-                raise StateUnavailable("the store is unavailable; try again shortly") from None
-        tag = partial(owner_tag, self.secret, call.key.id)
+        try:
+            secret = await self.load()
+        except StoreUnavailable:
+            raise StateUnavailable("the store is unavailable; try again shortly") from None
+        tag = partial(owner_tag, secret, call.key.id)
         for rest, carried, refusal in call.claims:
             if not hmac.compare_digest(tag(rest), carried):
                 raise refusal

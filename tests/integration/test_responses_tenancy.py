@@ -78,3 +78,26 @@ def test_another_keys_response_is_an_unknown_id_on_every_replica(pair):
     admin = httpx.get(f"{one}/v1/responses/{made.id}", headers={"authorization": f"Bearer {pair.admin_token}"},
                       timeout=30)
     assert admin.status_code == 401
+
+
+def test_the_owner_check_needs_no_store_round_trip(pair):
+    """With the store stopped, the owner still retrieves its response on both replicas (its key from the auth
+    cache, the id checked locally), and another key is still refused: the check reads nothing from the store."""
+    (one, two) = pair.urls
+    key_a, key_b = pair.issue_key(name="a2"), pair.issue_key(name="b2")
+    made = openai.OpenAI(base_url=f"{one}/v1", api_key=key_a, max_retries=0, timeout=30).responses.create(
+        model="m", input="kept", max_output_tokens=2)
+    for url in (one, two):  # both replicas have verified both keys (and read the secret) before the outage
+        for key in (key_a, key_b):
+            httpx.get(f"{url}/v1/responses/{made.id}", headers={"authorization": f"Bearer {key}"}, timeout=30)
+    pair.redis.pause()
+    try:
+        for url in (one, two):
+            owner = httpx.get(f"{url}/v1/responses/{made.id}", headers={"authorization": f"Bearer {key_a}"},
+                              timeout=30)
+            assert owner.status_code == 200 and owner.json()["id"] == made.id
+            other = httpx.get(f"{url}/v1/responses/{made.id}", headers={"authorization": f"Bearer {key_b}"},
+                              timeout=30)
+            assert other.status_code == 404
+    finally:
+        pair.redis.resume()
