@@ -9,6 +9,10 @@ What must hold (docs/redis-ha.md says why these bounds):
 - both: within 10 s of the promotion no gateway reaches for the store in vain any more, no concurrency slot
   and no slot of the backend's cap (leases in Redis) is held once the load stops, and every key issued before
   the kill still authenticates on every gateway.
+
+And (Sentinel, both modes): requests holding the backend's whole cap end while the primary is dead; the backend
+is back at its full cap within FULL_WITHIN s of the promotion (their give-backs are sent again until the new
+primary answers, not left to their leases), and no cap lease is left once the load stops.
 """
 
 from __future__ import annotations
@@ -153,8 +157,9 @@ def test_sigkill_of_the_primary_under_load(tmp_path, setup, mode):
         assert codes.count(200) <= served <= allowed, (served, allowed, codes.count(200), per_second)
 
         # no concurrency slot stays held once the load has stopped (releases retry until the new primary answers,
-        # within 35 s of a 120 s lease), and no slot of the backend's cap: a cap slot whose release the store
-        # missed is a lease that runs out (CAP_LEASE), and every later one is given back
+        # within 35 s of a 120 s lease), and no slot of the backend's cap (a give-back the store missed is sent
+        # again until it answers; the wait allows for one the old primary took and never replicated, a lease
+        # that runs out: CAP_LEASE)
         primary = servers.client()
         inflight = f"llmgw:rl:{{key:{key_id_of(loaded)}}}:inflight"  # an empty set is no key at all
         wait_for(lambda: primary.zcount(inflight, f"({time.time()}", "+inf") == 0, 35,
