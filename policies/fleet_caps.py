@@ -302,13 +302,15 @@ class FleetModelQueue(ModelQueue):
             if self.fleet.down:
                 return self.take_locally(call, exclude, candidates)
             asked = self.fleet.new_member()
-            give_back = self.returning.take(replica) + list(self.stranded.pop(replica, {}))
+            returned, stranded = self.returning.take(replica), self.stranded.pop(replica, {})
             try:
                 member, held = await see_through(
-                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register, give_back, asked),
+                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register,
+                                       [*returned, *stranded], asked),
                     partial(self.orphaned, replica))
             except StoreUnavailable:  # the old primary may have granted `asked` before it went
-                self.strand(replica, [asked, *give_back])
+                self.stranded.setdefault(replica, {}).update(stranded)
+                self.strand(replica, [asked, *returned])
                 return self.take_locally(call, exclude, candidates)
             self.outage_logged = False
             self.seen(replica, held)
@@ -383,14 +385,13 @@ class FleetModelQueue(ModelQueue):
         await self.pump()
 
     def strand(self, replica: Replica, members: Sequence[str]) -> None:
-        """Leases the store missed: tried again until it answers, for as long as one may still be held there."""
-        if not members:
-            return
+        """Leases the store missed: tried again until it answers, for as long as one may still be held there
+        (a lease from now: none of them was renewed since)."""
         until = time.monotonic() + self.fleet.lease
         stranded = self.stranded.setdefault(replica, {})
         for member in members:
             stranded.setdefault(member, until)
-        if self.retrier is None:
+        if self.retrier is None and stranded:
             log.warning("could not give back %d slot(s) of backend %s while the store is down; trying again"
                         " until it answers", len(members), replica.name)
             self.retrier = asyncio.get_running_loop().create_task(self.retry_stranded())
@@ -400,17 +401,23 @@ class FleetModelQueue(ModelQueue):
             while self.stranded:
                 await asyncio.sleep(RETRY_EVERY)
                 now = time.monotonic()
-                for replica in list(self.stranded):
-                    members = [m for m, until in self.stranded.pop(replica).items() if until > now]
-                    if members:
-                        try:
-                            held = await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members)
-                        except StoreUnavailable:
-                            self.strand(replica, members)  # keeps each one's first deadline
-                        else:
-                            self.seen(replica, held)
-                            log.info("gave back %d slot(s) of backend %s the store had missed", len(members),
-                                     replica.name)
+                for replica, stranded in list(self.stranded.items()):
+                    members = [m for m, until in stranded.items() if until > now]
+                    if len(members) < len(stranded):  # their leases have run out: nothing left to give back
+                        self.stranded[replica] = stranded = {m: stranded[m] for m in members}
+                    if not members:
+                        self.stranded.pop(replica, None)
+                        continue
+                    try:
+                        held = await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members)
+                    except StoreUnavailable:
+                        continue
+                    for member in members:
+                        stranded.pop(member, None)
+                    if not stranded and self.stranded.get(replica) is stranded:
+                        del self.stranded[replica]
+                    self.seen(replica, held)
+                    log.info("gave back %d slot(s) of backend %s the store had missed", len(members), replica.name)
                 self.dispatch()
         finally:
             self.retrier = None

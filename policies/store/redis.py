@@ -32,8 +32,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from policies.keys import KeyRecord
 from policies.store.base import (
-    KeyExists,
     SECRET_BYTES,
+    KeyExists,
     KeyNotFound,
     StoreError,
     StoreUnavailable,

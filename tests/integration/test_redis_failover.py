@@ -184,13 +184,13 @@ def running_at_backend(url: str) -> float:
 
 
 def full_service_after(samples: list[tuple[float, float]], promoted: float, full: int) -> float | None:
-    """Seconds from the promotion to the first moment from which, for SUSTAINED seconds, at least 80% of the
+    """Seconds from the promotion to the first moment from which, for SUSTAINED seconds, at least 60% of the
     backend's samples show `full` requests running (a slot handed from one request to the next may be seen
     empty for an instant)."""
     after = [(t, n) for t, n in samples if t >= promoted]
     for i, (start, _) in enumerate(after):
         window = [n for t, n in after[i:] if t <= start + SUSTAINED]
-        if after[-1][0] >= start + SUSTAINED and sum(n >= full for n in window) >= 0.8 * len(window):
+        if after[-1][0] >= start + SUSTAINED and sum(n >= full for n in window) >= 0.6 * len(window):
             return start - promoted
     return None
 
