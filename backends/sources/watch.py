@@ -22,7 +22,6 @@ The last known endpoints keep serving meanwhile: an API-server outage must not e
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("gateway.discovery")
+from backends.sources.base import log
 
 
 @dataclass(frozen=True, slots=True)
