@@ -8,7 +8,8 @@ dropped NAT entry, a dead node): the socket then reads nothing, forever, and rou
   one about every minute, so a healthy stream is never silent past the default 90 s. A stream that has sent
   bookmarks and goes silent is a hang: it counts as a failure. One that never sent any (a server without
   bookmarks) is only quiet: it is listed again at once, as cheap as a reconnect;
-- a full list every `relist_every` seconds whatever the watch says (the backstop for events lost in transit);
+- a full list every `relist_every` seconds whatever the watch says (the backstop for events lost in transit):
+  the watch asks the server to end it then, and a timer shuts it down should the server not;
 - a connect timeout.
 
 A change is therefore applied within `read_timeout` + one backoff step + one list, even through a frozen flow.
@@ -174,8 +175,11 @@ class ListWatch:
         relist_at = time.monotonic() + timings.relist_every
         heartbeats = False  # the server has sent a bookmark: its silence then means a dead flow
         stream = watcher.new_stream()
+        # the server ends the stream at the relist (timeout_seconds); so does this timer, should it not
+        relist = threading.Timer(timings.relist_every, stream.stop)
+        relist.daemon = True
+        relist.start()
         try:
-            # the server ends the stream at the relist (timeout_seconds); returning lists again
             for event in stream.stream(self.list_call, **self.kwargs, allow_watch_bookmarks=True,
                                        timeout_seconds=max(1, round(timings.relist_every)),
                                        resource_version=version if version and version.isdigit() else None,
@@ -197,3 +201,9 @@ class ListWatch:
             if exc.status != 410:
                 raise
             # too old to resume from: list again
+        except Exception:
+            if time.monotonic() < relist_at:
+                raise
+            # the relist timer shut the stream down: list again
+        finally:
+            relist.cancel()

@@ -6,6 +6,7 @@ breaks and one when it recovers (and no urllib3 retry warnings), while the last 
 """
 
 import asyncio
+import json
 import contextlib
 import logging
 import tempfile
@@ -37,7 +38,7 @@ A, B = "127.0.0.2", "127.0.0.3"  # nothing listens there: replicas are probed in
 
 
 @contextlib.asynccontextmanager
-async def gateway_behind_proxy(monkeypatch):
+async def gateway_behind_proxy(monkeypatch, **watch):
     """kmock, a proxy in front of it, and a gateway discovering `m` from service `vllm` through the proxy."""
     monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", "s" * 40)
     viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
@@ -50,7 +51,8 @@ async def gateway_behind_proxy(monkeypatch):
             async with tcp_proxy(target.hostname, target.port, free_port()) as proxy:
                 policy = Policy.model_validate({
                     "store": {"kind": "sqlite", "path": f"{tmp}/keys.db"},
-                    "kubernetes": {"kubeconfig": kubeconfig(Path(tmp) / "kubeconfig", proxy.url), **WATCH},
+                    "kubernetes": {"kubeconfig": kubeconfig(Path(tmp) / "kubeconfig", proxy.url),
+                                   **WATCH, **watch},
                     "models": [{"name": "m", "discovery": {"kind": "kubernetes", "namespace": NS, "service": "vllm",
                                                            "port": "http"}}],
                 })
@@ -60,6 +62,17 @@ async def gateway_behind_proxy(monkeypatch):
                     gw = app.state
                     await until(lambda: replica_names(gw, "m") == [f"m@{A}:{PORT}"], 30)
                     yield gw, url, http, proxy, slices
+
+
+async def test_a_full_list_runs_every_relist_seconds_even_on_a_live_quiet_watch(monkeypatch):
+    """The backstop for an event lost in transit: kmock never ends a watch and the read timeout is long, yet
+    the watch is listed again every relist_seconds, without counting as a failure."""
+    async with gateway_behind_proxy(monkeypatch, relist_seconds=1, read_timeout=30) as (gw, url, http, proxy, _):
+        lists = lambda: sum(1 for r in proxy.requests if "endpointslices" in r and "watch=true" not in r)  # noqa: E731
+        first = lists()
+        await until(lambda: lists() >= first + 3, 15)
+        [(_, _, watcher)] = gw.discovery.watches()
+        assert watcher.state == "ok" and watcher.failures == 0
 
 
 def watch_states(replicas: dict) -> list[str]:
@@ -129,3 +142,65 @@ async def test_an_api_server_outage_shows_in_metrics_and_admin_and_recovers_with
     ], [r.getMessage() for r in lines]
     noisy = [r.getMessage() for r in caplog.records if r.name.startswith("urllib3") and r.levelno >= logging.WARNING]
     assert noisy == []
+
+
+@contextlib.asynccontextmanager
+async def api_server_that_goes_silent_after_a_bookmark():
+    """A purpose-built API server: lists answer an empty EndpointSliceList; a watch gets one BOOKMARK, then
+    nothing ever again, its connection left open (what a frozen flow looks like from the client). Yields its
+    URL and the list of request paths it served."""
+    served: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ")[1].decode()
+                served.append(path)
+                if "watch=true" in path:
+                    line = json.dumps({"type": "BOOKMARK", "object": {
+                        "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
+                        "metadata": {"resourceVersion": "7"}}}).encode() + b"\n"
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(line), line))
+                    await writer.drain()
+                    await asyncio.sleep(3600)
+                body = json.dumps({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                                   "metadata": {"resourceVersion": "5"}, "items": []}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", served
+    finally:
+        server.close()
+
+
+async def test_silence_after_a_bookmark_is_a_hang_and_says_so(caplog, tmp_path):
+    """A server that sends bookmarks and then goes silent past the read timeout is presumed dead: a warning
+    (the watch broke), a relist, and a recovery line once the list answers."""
+    from backends.sources.kubernetes import KubernetesSource, api_client
+    from backends.sources.watch import WatchTimings
+
+    caplog.set_level(logging.INFO, "gateway.discovery")
+    async with api_server_that_goes_silent_after_a_bookmark() as (server, served):
+        api = api_client(kubeconfig(tmp_path / "kubeconfig", server))
+        source = KubernetesSource(api, NS, "vllm", None, WatchTimings(read_timeout=1, backoff_initial=0.1,
+                                                                     backoff_max=0.3))
+        emitted = []
+        source.start(emitted.append)
+        [watcher] = source.watchers()
+        try:
+            await until(lambda: any("recovered" in r.getMessage() for r in caplog.records), 15)
+        finally:
+            source.stop()
+    assert emitted and emitted[0] == []
+    assert watcher.failures >= 1 and sum("watch=true" in p for p in served) >= 2
+    assert "allowWatchBookmarks=true" in next(p for p in served if "watch=true" in p)
+    messages = [r.getMessage() for r in caplog.records if "watch of" in r.getMessage()]
+    assert "no event or bookmark for 1 s on an open watch" in messages[0] and "broke" in messages[0]
+    assert "recovered" in messages[1]

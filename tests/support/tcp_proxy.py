@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class TcpProxy:
         self.target = (target_host, target_port)
         self.port = port
         self.links: list[Link] = []
+        self.requests: list[str] = []  # the request targets clients sent, in order
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task] = set()
 
@@ -69,17 +71,21 @@ class TcpProxy:
             return
         link = Link((writer, up_writer))
         self.links.append(link)
-        for task in (self._pump(reader, up_writer, link, True), self._pump(up_reader, writer, link, False)):
+        for task in (self._pump(reader, up_writer, link, self.requests), self._pump(up_reader, writer, link, None)):
             t = asyncio.create_task(task)
             self.tasks.add(t)
             t.add_done_callback(self.tasks.discard)
 
     @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link, from_client: bool):
+    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link,
+                    requests: list[str] | None):
+        """Forward bytes one way; `requests` (from the client only) collects the request targets."""
         try:
             while data := await reader.read(65536):
-                if from_client and len(link.head) < 4096:
-                    link.head += data[: 4096 - len(link.head)]
+                if requests is not None:
+                    if len(link.head) < 4096:
+                        link.head += data[: 4096 - len(link.head)]
+                    requests += [m.decode() for m in re.findall(rb"^[A-Z]+ (\S+) HTTP/1\.1\r$", data, re.M)]
                 while link.frozen:  # hold the bytes: nothing passes, nothing closes
                     await asyncio.sleep(0.05)
                 writer.write(data)
