@@ -83,13 +83,14 @@ async def test_a_watch_frozen_without_a_close_is_noticed_and_the_change_applied_
     async with gateway_behind_proxy(monkeypatch) as (gw, url, http, proxy, slices):
         await until(lambda: proxy.open_watches() >= 1, 10)  # the watch is streaming through the proxy
         assert proxy.freeze() >= 1
-        frozen = time.monotonic()
+        frozen, requests = time.monotonic(), len(proxy.requests)
         await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([A, B])})
         while replica_names(gw, "m") != [f"m@{A}:{PORT}", f"m@{B}:{PORT}"]:
             assert time.monotonic() - frozen < BOUND, f"the change was not applied within {BOUND} s of the freeze"
             await asyncio.sleep(0.05)
-        took = time.monotonic() - frozen
-        assert took >= READ_TIMEOUT * 0.9  # it was the read timeout that noticed, not a stream still flowing
+        # it came through a new connection: the frozen stream was given up (on a random phase of its read
+        # timeout: kmock's watches are quiet, so each one also times out every READ_TIMEOUT s)
+        assert any("endpointslices" in r and "watch=true" not in r for r in proxy.requests[requests:])
         # and the watch goes on: a later change comes through the new connection at once
         await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([B])})
         await until(lambda: replica_names(gw, "m") == [f"m@{B}:{PORT}"], READ_TIMEOUT)
