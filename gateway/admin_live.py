@@ -30,6 +30,23 @@ class ReplicaView(BaseModel):
     limit: int | None = Field(description="most requests in flight to it; null: unlimited")
 
 
+class WatchView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the replica set it feeds: a model, or `model#variant`")
+    source: str = Field(description="kubernetes or kserve")
+    watch: str = Field(description="what it watches, e.g. `endpointslices of llm/vllm`")
+    state: str = Field(description="starting (not listed yet), ok, or broken (retrying with backoff; its replicas"
+                                   " stay as last seen)")
+    last_sync: float | None = Field(description="unix seconds the API server was last heard from (a list, an event"
+                                                " or a bookmark); null: never")
+    broken_since: float | None = Field(description="unix seconds it broke; null while ok")
+    failures: int = Field(description="failed lists and watches since it started")
+    error: str | None = Field(description="the last failure, while broken")
+
+
+WATCHES = "watches"  # the key of the discovery watches in /admin/replicas, beside the models
+
+
 def live_handlers(gateway) -> list:
     @get("/policy", summary="The live policy's version (hash) and when it was loaded", sync_to_thread=False,
          responses=errors(401))
@@ -38,14 +55,19 @@ def live_handlers(gateway) -> list:
         return PolicyVersion(version=snapshot.version, loaded_at=snapshot.loaded_at, path=gateway.policy_path,
                              models=[m.name for m in snapshot.policy.models])
 
-    @get("/replicas", summary="Every model's replicas: source, state, drain", sync_to_thread=False,
+    @get("/replicas", summary="Every model's replicas: source, state, drain; and the discovery watches",
+         description=f"One key per model (or `model#variant`) with its replicas, and `{WATCHES}`: the state of"
+                     " every discovery watch (only when some model uses discovery).", sync_to_thread=False,
          responses=errors(401))
-    def replicas() -> dict[str, list[ReplicaView]]:
-        out: dict[str, list[ReplicaView]] = {}
+    def replicas() -> dict[str, list[ReplicaView | WatchView]]:
+        out: dict[str, list[ReplicaView | WatchView]] = {}
         for model, members in gateway.replicas.by_model.items():
             out[model] = [view(r) for r in members]
         for replica in gateway.replicas.draining:
             out.setdefault(replica.group, []).append(view(replica))
+        watches = [watch_view(*w) for w in gateway.discovery.watches()]
+        if watches:
+            out[WATCHES] = watches
         return out
 
     return [policy_version, replicas]
@@ -55,3 +77,8 @@ def view(replica) -> ReplicaView:
     return ReplicaView(name=replica.name, url=replica.url, source=replica.source, state=replica.state,
                        draining=replica.draining, in_flight=replica.in_flight,
                        limit=None if replica.limit is None else int(replica.limit))
+
+
+def watch_view(model: str, source: str, watcher) -> WatchView:
+    return WatchView(model=model, source=source, watch=watcher.name, state=watcher.state, last_sync=watcher.last_sync,
+                     broken_since=watcher.broken_since, failures=watcher.failures, error=watcher.error)

@@ -117,6 +117,7 @@ class Gateway:
         self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
+        self.live_metrics.watching(self.discovery)
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable

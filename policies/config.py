@@ -455,9 +455,19 @@ class Discovery(Strict):
 
 
 class KubernetesAccess(Strict):
-    """How the gateway reaches the Kubernetes API for discovery: its service account, or a kubeconfig file."""
+    """How the gateway reaches the Kubernetes API for discovery: its service account, or a kubeconfig file;
+    and how its watches notice a dead connection (backends/sources/watch.py). A change on the API server is
+    applied within read_timeout + one backoff step + one list, even through a flow that died silently."""
 
     kubeconfig: str | None = None  # None: the in-cluster service account
+    # no byte for this long on a list or a watch drops the connection; the API server sends a bookmark about
+    # every 60 s on a watch that asks for them, so a healthy watch is never silent this long
+    read_timeout: float = Field(90.0, ge=0.5, le=3600)
+    connect_timeout: float = Field(10.0, ge=0.1, le=300)
+    # a full list at least this often, whatever the watch says: the backstop for an event lost in transit
+    relist_seconds: float = Field(300.0, ge=1, le=86400)
+    backoff_initial: float = Field(0.5, ge=0.01, le=60)  # the first retry of a failed watch, doubled per failure
+    backoff_max: float = Field(30.0, ge=0.1, le=3600)  # up to this (each pause jittered to 50-100% of it)
 
 
 VARIANT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

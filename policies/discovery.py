@@ -15,20 +15,29 @@ import logging
 from backends.egress import inside, networks
 from backends.replicas import Replica, ReplicaSet
 from backends.sources.base import Endpoint, Source
+from backends.sources.watch import Watcher, WatchTimings
 from policies.config import Discovery as DiscoveryConfig
-from policies.config import Model, Policy, groups_of
+from policies.config import KubernetesAccess, Model, Policy, groups_of
 
 log = logging.getLogger("gateway.discovery")
 
 
-def make_source(config: DiscoveryConfig, kubeconfig: str | None) -> Source:
+def make_source(config: DiscoveryConfig, access: KubernetesAccess) -> Source:
     from backends.sources.kubernetes import KubernetesSource, api_client
 
+    timings = watch_timings(access)
     if config.kind == "kubernetes":
-        return KubernetesSource(api_client(kubeconfig), config.namespace, config.service, config.port)
+        return KubernetesSource(api_client(access.kubeconfig), config.namespace, config.service, config.port, timings)
     from backends.sources.kserve import KServeSource
 
-    return KServeSource(api_client(kubeconfig), kubeconfig, config.namespace, config.inference_service, config.port)
+    return KServeSource(api_client(access.kubeconfig), config.namespace, config.inference_service, config.port,
+                        timings)
+
+
+def watch_timings(access: KubernetesAccess) -> WatchTimings:
+    return WatchTimings(read_timeout=access.read_timeout, connect_timeout=access.connect_timeout,
+                        relist_every=access.relist_seconds, backoff_initial=access.backoff_initial,
+                        backoff_max=access.backoff_max)
 
 
 class Discovery:
@@ -54,7 +63,7 @@ class Discovery:
             self.last.pop(name, None)
         for name, (_, config, _) in self.models.items():
             target = (config.kind, config.namespace, config.service, config.inference_service, config.port,
-                      policy.kubernetes.kubeconfig)
+                      policy.kubernetes)
             running = self.running.get(name)
             if running is not None and running[0] == target:
                 self.apply(name, self.last.get(name, []))  # same endpoints, maybe new settings
@@ -62,7 +71,7 @@ class Discovery:
             if running is not None:
                 running[1].stop()
             try:
-                source = self.make_source(config, policy.kubernetes.kubeconfig)
+                source = self.make_source(config, policy.kubernetes)
             except Exception as exc:  # noqa: BLE001 - no kubeconfig, not in a cluster: this model has no replicas
                 self.running.pop(name, None)
                 log.error("model %s: discovery (%s) cannot reach the Kubernetes API, the model gets no replica: %s"
@@ -104,6 +113,11 @@ class Discovery:
                 source=config.kind, variant=variant,
             ))
         self.replicas.apply(name, desired)
+
+    def watches(self) -> list[tuple[str, str, Watcher]]:
+        """(replica set, source kind, watch) of every running source: their state for metrics and the admin API."""
+        return [(name, source.kind, watcher) for name, (_, source) in sorted(self.running.items())
+                for watcher in getattr(source, "watchers", list)()]
 
     def stop(self) -> None:
         for _, source in self.running.values():

@@ -1,4 +1,5 @@
-"""Metrics of what changes while the gateway serves: the policy's version and reloads, and the live replicas.
+"""Metrics of what changes while the gateway serves: the policy's version and reloads, the live replicas, and
+the discovery watches that feed them.
 
 The replica counts are read from the live set when /metrics is scraped (a collector), so nothing on the
 request path or in the replica set keeps them up to date.
@@ -10,7 +11,7 @@ import time
 from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from backends.replicas import ReplicaSet
 
@@ -26,6 +27,11 @@ class LiveMetrics:
             ["version"], registry=registry,
         )
         registry.register(ReplicaCollector(replicas))
+        self.registry = registry
+
+    def watching(self, discovery) -> None:
+        """Export the state of `discovery`'s watches (policies/discovery.py), read at each scrape."""
+        self.registry.register(WatchCollector(discovery))
 
     def reloaded(self, result: str, version: str | None = None) -> None:
         self.reloads.labels(result).inc()
@@ -59,3 +65,33 @@ class ReplicaCollector:
             draining.add_metric([model], n)
         yield counts
         yield draining
+
+
+class WatchCollector:
+    """Each discovery watch's state, last sync and failures, from the watches themselves: a watch that broke
+    (the API server down, a frozen connection, an exception in its thread) shows here, not only in the log."""
+
+    def __init__(self, discovery) -> None:
+        self.discovery = discovery
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["model", "source", "watch"]
+        up = GaugeMetricFamily("llm_gateway_discovery_watch_up", "1 while a discovery watch is in sync with the"
+                               " Kubernetes API; 0 while it is broken (retrying with backoff, its replicas as last"
+                               " seen) or has not listed yet.", labels=labels)
+        synced = GaugeMetricFamily("llm_gateway_discovery_watch_last_sync_timestamp_seconds", "When the watch last"
+                                   " heard from the API server (a list, an event or a bookmark); 0: never.",
+                                   labels=labels)
+        failures = CounterMetricFamily("llm_gateway_discovery_watch_failures", "Failed lists and watches (errors,"
+                                       " timeouts, a stream silent past kubernetes.read_timeout).", labels=labels)
+        for model, source, watcher in self.discovery.watches():
+            values = [model, source, watcher.name]
+            up.add_metric(values, 1 if watcher.state == "ok" else 0)
+            synced.add_metric(values, watcher.last_sync or 0)
+            failures.add_metric(values, watcher.failures)
+        yield up
+        yield synced
+        yield failures

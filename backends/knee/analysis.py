@@ -24,8 +24,14 @@ point more requests in flight only queue and time to first token explodes. The c
    requests in one batch roughly doubles the wait for a first token; much more is the explosion the knee is
    about, as on the talk's GPU: 277 -> 1,300 ms from 32 to 64 for +12%). Without the gauge (a server that
    does not export it) no climb.
-4. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
-5. The recommendation is the smaller of 3 and 4.
+4. The guards, on whichever path chose the level (a Kneedle knee, the peak when there is no knee, the best of
+   fewer than 3 levels, a plateau, a peak before a cliff): never a level where vLLM's mean waiting reached
+   QUEUED or whose TTFT p99 is more than CLIMB_TTFT times the level below's (per doubling). Step down until a level passes
+   (the smallest level always can be the answer: there is nothing safer to offer). A peak that queues was
+   recommended before: a CPU vLLM with --max-num-seqs 8 peaked at 16 with 7 requests waiting and TTFT p99 5.4x
+   the level-8 value, and no knee bulged above the chord, so the peak went out unchecked.
+5. With an SLO on TTFT p99: the largest level such that it and every level below it meet the SLO.
+6. The recommendation is the smaller of 4 and 5.
 
 Degenerate curves are decided without Kneedle, deterministically: fewer than 3 usable levels -> the best
 throughput level (the smaller one on a tie); a flat curve (max within FLAT of min) -> the smallest level,
@@ -47,7 +53,8 @@ CLIMB_TTFT = 3.0  # ...and its TTFT p99 is at most this many times the level bel
 METHOD = ("kneedle on (log2 concurrency, output tok/s), cut at the first error level and at peak throughput; "
           f"scores within {TIE} decided by kneedle on TTFT p99; no bulge of {MIN_BULGE} -> the peak; "
           f"then up while the next level gains >= {CLIMB_GAIN:.0%} with vLLM's mean waiting < {QUEUED} and "
-          f"TTFT p99 at most {CLIMB_TTFT:g}x; "
+          f"TTFT p99 at most {CLIMB_TTFT:g}x; then down past any level with vLLM's mean waiting >= {QUEUED} or TTFT "
+          f"p99 over {CLIMB_TTFT:g}x the level below's; "
           "recommended = min(knee, largest level whose TTFT p99 and all below meet the SLO)")
 
 
@@ -85,6 +92,7 @@ def find_knee(points: list[Point], slo_ttft_p99: float | None = None) -> Knee:
         return Knee(None, None, None, cut or "no measured level", slo_ttft_p99)
     knee, scores, why = _kneedle(usable)
     knee, why = _climb(usable, knee, why)
+    knee, why = _guard(usable, knee, why)
     slo_level = None
     if slo_ttft_p99 is not None:
         for p in usable:
@@ -156,9 +164,7 @@ def _climb(usable: list[Point], knee: int, why: str) -> tuple[int, str]:
     start = at
     while at + 1 < len(usable):
         here, above = usable[at], usable[at + 1]
-        if above.waiting is None or above.waiting >= QUEUED or above.throughput < here.throughput * (1 + CLIMB_GAIN):
-            break
-        if here.ttft_p99 and above.ttft_p99 and above.ttft_p99 > CLIMB_TTFT * here.ttft_p99:
+        if above.waiting is None or above.throughput < here.throughput * (1 + CLIMB_GAIN) or _fault(above, here):
             break
         at += 1
     if at == start:
@@ -167,6 +173,32 @@ def _climb(usable: list[Point], knee: int, why: str) -> tuple[int, str]:
     return top.concurrency, (f"{why}; raised to c={top.concurrency} ({top.throughput:.0f} tok/s): each level up to"
                              f" it added >= {CLIMB_GAIN:.0%} with vLLM's queue empty and TTFT p99 at most"
                              f" {CLIMB_TTFT:g}x")
+
+
+def _guard(usable: list[Point], knee: int, why: str) -> tuple[int, str]:
+    """Step 4: down from the chosen level while vLLM queues there or its TTFT exploded against the level below."""
+    at = next(i for i, p in enumerate(usable) if p.concurrency == knee)
+    refused = []
+    while at > 0:
+        fault = _fault(usable[at], usable[at - 1])
+        if fault is None:
+            break
+        refused.append(f"c={usable[at].concurrency} {fault}")
+        at -= 1
+    if not refused:
+        return knee, why
+    return usable[at].concurrency, f"{why}; lowered to c={usable[at].concurrency}: {', '.join(refused)}"
+
+
+def _fault(level: Point, below: Point) -> str | None:
+    """Why `level` must not be the cap (None: it may be)."""
+    if level.waiting is not None and level.waiting >= QUEUED:
+        return f"has vLLM waiting {level.waiting:.2g} (>= {QUEUED})"
+    # CLIMB_TTFT per doubling: sweeps double the level, and a sparse one (1, 32, 64) may skip several
+    allowed = CLIMB_TTFT ** max(1.0, math.log2(level.concurrency / below.concurrency))
+    if level.ttft_p99 and below.ttft_p99 and level.ttft_p99 > allowed * below.ttft_p99:
+        return f"has TTFT p99 {level.ttft_p99 / below.ttft_p99:.1f}x c={below.concurrency}'s (> {allowed:g}x)"
+    return None
 
 
 def _latency_scores(curve: list[Point]) -> dict[int, float]:

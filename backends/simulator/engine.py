@@ -163,8 +163,9 @@ class Engine:
     def __init__(self, cfg: SimConfig, metrics: SimMetrics | None = None):
         self.cfg = cfg
         self.metrics = metrics if metrics is not None else SimMetrics(cfg)
-        self.metrics.bind_gauges(lambda: len(self._running), lambda: len(self._waiting), self.kv_cache_usage)
+        self.metrics.bind_gauges(lambda: len(self._running), self.waiting_gauge, self.kv_cache_usage)
         self._waiting: deque[GenRequest] = deque()
+        self._waiting_scheduled = 0  # left waiting by the last schedule step
         self._running: list[GenRequest] = []
         self._prefix = PrefixCache(cfg.kv_cache_tokens // cfg.block_size)
         self._wake: asyncio.Event | None = None
@@ -178,6 +179,12 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_gauge(self) -> int:
+        """vLLM's num_requests_waiting: what the last schedule step could not admit (vLLM records its stats after
+        scheduling, so a request that arrived mid-step and is admitted at the next one never shows; counting it
+        made a closed loop below the batch cap look queued)."""
+        return min(self._waiting_scheduled, len(self._waiting))
 
     def kv_cache_usage(self) -> float:
         used = sum(r.prompt_tokens + r.output_tokens for r in self._running)
@@ -238,12 +245,14 @@ class Engine:
         prev_end: float | None = None
         while True:
             if not self._waiting and not self._running:
+                self._waiting_scheduled = 0
                 self._wake.clear()
                 await self._wake.wait()
                 prev_end = None
                 continue
             now = loop.time()
             admitted = self._admit(now)
+            self._waiting_scheduled = len(self._waiting)
             step_s = self._step_seconds(admitted)
             # Continue from the previous deadline unless we fell behind by a whole step (then restart).
             start = prev_end if prev_end is not None and now - prev_end < step_s else now

@@ -1,9 +1,10 @@
 """`kserve`: an InferenceService (serving.kserve.io/v1beta1) by name: its predictor's endpoints while Ready.
 
 KServe's raw-deployment mode puts the predictor behind a Service named `NAME-predictor`; its EndpointSlices
-name each replica (backends/sources/kubernetes.py watches them). The InferenceService itself is read with the
-kserve SDK's client and watched: while its `Ready` condition is not True, the source reports no endpoint, so
-the gateway sends it nothing new.
+name each replica (backends/sources/kubernetes.py watches them). The InferenceService itself is listed and
+watched under the kserve SDK's API names, through the same bounded client as the slices (the SDK's own
+client has no timeouts): while its `Ready` condition is not True, the source reports no endpoint, so the
+gateway sends it nothing new.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import sys
 import threading
 from typing import Any
 
-from backends.sources.base import Emit, Endpoint, Watcher, log
-from backends.sources.kubernetes import SliceWatch, ready_endpoints
+from backends.sources.base import Emit, Endpoint, log
+from backends.sources.kubernetes import ready_endpoints, slice_watch
+from backends.sources.watch import ListWatch, WatchTimings
 
 
 def is_ready(isvc: dict[str, Any] | None) -> bool:
@@ -46,23 +48,45 @@ def import_kserve():
         return kserve
 
 
-def kserve_client(kubeconfig: str | None):
-    kserve = import_kserve()
-    return kserve.KServeClient(config_file=kubeconfig) if kubeconfig else kserve.KServeClient()
-
-
 class KServeSource:
     kind = "kserve"
 
-    def __init__(self, api, kubeconfig: str | None, namespace: str, name: str, port: int | str | None = None) -> None:
-        self.kubeconfig, self.namespace, self.name, self.port = kubeconfig, namespace, name, port
-        self.kserve = None  # the SDK's client, made in the watch thread: importing kserve takes seconds
+    def __init__(self, api, namespace: str, name: str, port: int | str | None = None,
+                 timings: WatchTimings = WatchTimings()) -> None:
+        self.namespace, self.name, self.port = namespace, name, port
         self.ready = False
         self.slices: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.emit: Emit = lambda endpoints: None
-        self.isvc_watch = Watcher(f"inferenceservice {namespace}/{name}", self.run)
-        self.slice_watch = SliceWatch(api, namespace, f"{name}-predictor", self.slices_changed)
+        self.isvc_watch = ListWatch(f"inferenceservice {namespace}/{name}", api, self.list_isvcs(api),
+                                    self.listed, self.changed, timings)
+        self.slice_watch = slice_watch(api, namespace, f"{name}-predictor", self.slices_changed, timings)
+
+    def list_isvcs(self, api):
+        """The namespace's InferenceServices (a watch of one name is a list of its namespace, filtered here).
+        The kserve SDK is imported on the watch's thread, at its first list: importing it takes seconds."""
+        from kubernetes import client
+
+        custom = client.CustomObjectsApi(api)
+
+        def call(**kwargs):
+            c = import_kserve().constants
+            return custom.list_namespaced_custom_object(c.KSERVE_GROUP, c.KSERVE_V1BETA1_VERSION, self.namespace,
+                                                        c.KSERVE_PLURAL_INFERENCESERVICE, **kwargs)
+        return call
+
+    def watchers(self) -> list:
+        return [self.isvc_watch.watcher, self.slice_watch.watcher]
+
+    def mine(self, item: dict[str, Any]) -> bool:
+        return (item.get("metadata") or {}).get("name") == self.name
+
+    def listed(self, items: list[dict[str, Any]]) -> None:
+        self.readiness(next((i for i in items if self.mine(i)), None))
+
+    def changed(self, kind: str, item: dict[str, Any]) -> None:
+        if self.mine(item):
+            self.readiness(None if kind == "DELETED" else item)
 
     def endpoints(self) -> list[Endpoint]:
         return ready_endpoints(self.slices, self.port) if self.ready else []
@@ -81,33 +105,12 @@ class KServeSource:
             self.ready = ready
             self.emit(self.endpoints())
 
-    def run(self, stopped: threading.Event) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        if self.kserve is None:
-            self.kserve = kserve_client(self.kubeconfig)
-        constants = import_kserve().constants
-        try:
-            self.readiness(self.kserve.get(self.name, namespace=self.namespace))
-        except (RuntimeError, ApiException):  # the SDK wraps a 404 in RuntimeError: not there (yet)
-            self.readiness(None)
-        stream = self.isvc_watch.new_stream()
-        for event in stream.stream(self.kserve.api_instance.list_namespaced_custom_object, constants.KSERVE_GROUP,
-                                   constants.KSERVE_V1BETA1_VERSION, self.namespace,
-                                   constants.KSERVE_PLURAL_INFERENCESERVICE, timeout_seconds=300):
-            if stopped.is_set():
-                return
-            item = event["object"]
-            if not isinstance(item, dict) or (item.get("metadata") or {}).get("name") != self.name:
-                continue
-            self.readiness(None if event["type"] == "DELETED" else item)
-
     def start(self, emit: Emit) -> None:
         self.emit = emit
         log.info("watching inferenceservice %s/%s and its predictor's endpoints", self.namespace, self.name)
-        self.isvc_watch.start()
+        self.isvc_watch.watcher.start()
         self.slice_watch.watcher.start()
 
     def stop(self) -> None:
-        self.isvc_watch.stop()
+        self.isvc_watch.watcher.stop()
         self.slice_watch.watcher.stop()

@@ -6,22 +6,29 @@ condition is not false and it is not terminating (a pod on its way out drains, a
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from backends.sources.base import Emit, Endpoint, Watcher, log
+from backends.sources.base import Emit, Endpoint, log
+from backends.sources.watch import ListWatch, WatchTimings
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 
 
 def api_client(kubeconfig: str | None):
-    """A client of the Kubernetes API: from a kubeconfig file, else the pod's service account."""
+    """A client of the Kubernetes API: from a kubeconfig file, else the pod's service account.
+
+    urllib3's own retries are off: every watch retries with backoff itself (backends/sources/watch.py), and
+    urllib3's retry warnings were ~4 lines a second while the API server was down. TCP keepalive is on (the
+    client's defaults, client-go's: probes after 30 s idle), so the kernel too drops a flow that died."""
     from kubernetes import client, config
 
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
     configuration = client.Configuration()
-    config.load_incluster_config(client_configuration=configuration)
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        config.load_incluster_config(client_configuration=configuration)
+    configuration.retries = False
+    configuration.keep_alive = True
     return client.ApiClient(configuration)
 
 
@@ -48,57 +55,53 @@ def slice_port(ports: list[dict[str, Any]], wanted: int | str | None) -> int | N
     return None
 
 
-class SliceWatch:
+def slice_watch(api, namespace: str, service: str, changed, timings: WatchTimings) -> ListWatch:
     """Lists, then watches, the EndpointSlices of `service`; calls `changed(slices)` with all of them."""
+    from kubernetes import client
 
-    def __init__(self, api, namespace: str, service: str, changed) -> None:
-        self.api, self.namespace, self.service, self.changed = api, namespace, service, changed
-        self.watcher = Watcher(f"endpointslices of {namespace}/{service}", self.run)
+    slices: dict[str, dict[str, Any]] = {}
 
-    def mine(self, item: dict[str, Any]) -> bool:
-        return (item.get("metadata") or {}).get("labels", {}).get(SERVICE_LABEL) == self.service
+    def mine(item: dict[str, Any]) -> bool:
+        return ((item.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL) == service
 
-    def run(self, stopped: threading.Event) -> None:
-        from kubernetes import client
+    def listed(items: list[dict[str, Any]]) -> None:
+        slices.clear()
+        slices.update({i["metadata"]["name"]: i for i in items if mine(i)})
+        changed(list(slices.values()))
 
-        discovery = client.DiscoveryV1Api(self.api)
-        selector = f"{SERVICE_LABEL}={self.service}"
-        listed = self.api.sanitize_for_serialization(
-            discovery.list_namespaced_endpoint_slice(self.namespace, label_selector=selector))
-        slices = {i["metadata"]["name"]: i for i in listed.get("items", []) if self.mine(i)}
-        self.changed(list(slices.values()))
-        version = (listed.get("metadata") or {}).get("resourceVersion")
-        stream = self.watcher.new_stream()
-        for event in stream.stream(discovery.list_namespaced_endpoint_slice, self.namespace,
-                                   label_selector=selector, timeout_seconds=300,
-                                   resource_version=version if version and version.isdigit() else None):
-            if stopped.is_set():
-                return
-            item = self.api.sanitize_for_serialization(event["object"])
-            if not isinstance(item, dict) or not self.mine(item):
-                continue
-            name = item["metadata"]["name"]
-            if event["type"] == "DELETED":
-                slices.pop(name, None)
-            else:
-                slices[name] = item
-            self.changed(list(slices.values()))
+    def event(kind: str, item: dict[str, Any]) -> None:
+        if not mine(item):
+            return
+        if kind == "DELETED":
+            slices.pop(item["metadata"]["name"], None)
+        else:
+            slices[item["metadata"]["name"]] = item
+        changed(list(slices.values()))
+
+    discovery = client.DiscoveryV1Api(api)
+    return ListWatch(f"endpointslices of {namespace}/{service}", api,
+                     lambda **kw: discovery.list_namespaced_endpoint_slice(namespace, **kw), listed, event, timings,
+                     label_selector=f"{SERVICE_LABEL}={service}")
 
 
 class KubernetesSource:
     kind = "kubernetes"
 
-    def __init__(self, api, namespace: str, service: str, port: int | str | None = None) -> None:
-        self.port = port
+    def __init__(self, api, namespace: str, service: str, port: int | str | None = None,
+                 timings: WatchTimings = WatchTimings()) -> None:
+        self.namespace, self.service, self.port = namespace, service, port
         self.emit: Emit = lambda endpoints: None
-        self.watch = SliceWatch(api, namespace, service, self.slices_changed)
+        self.watch = slice_watch(api, namespace, service, self.slices_changed, timings)
+
+    def watchers(self) -> list:
+        return [self.watch.watcher]
 
     def slices_changed(self, slices: list[dict[str, Any]]) -> None:
         self.emit(ready_endpoints(slices, self.port))
 
     def start(self, emit: Emit) -> None:
         self.emit = emit
-        log.info("watching the endpoints of service %s/%s", self.watch.namespace, self.watch.service)
+        log.info("watching the endpoints of service %s/%s", self.namespace, self.service)
         self.watch.watcher.start()
 
     def stop(self) -> None:

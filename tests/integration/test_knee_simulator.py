@@ -176,7 +176,7 @@ async def test_cli_sweeps_writes_files_and_the_cap(tmp_path):
     assert [Path(f).suffix for f in files] == [".json", ".png"] and files[0].startswith("knee-sim-8-")
     assert_png(tmp_path / "out" / files[1])
     cap = int(out.split("recommended cap: ")[1].split()[0])
-    assert cap in (8, 16)
+    assert cap in (8, 16), out
     assert policy.read_text() == POLICY.format(url=url) + f"        cap: {cap}\n"
 
 

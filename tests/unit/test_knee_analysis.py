@@ -170,3 +170,34 @@ def test_levels_whose_concurrency_was_not_held_are_warned_about():
     assert warnings[0].startswith("c=256: the client held 166.0 requests in flight on average, not 256 (1 client")
     assert warnings[1].startswith("c=256: vLLM saw 166.0 requests")
     assert warnings[2].startswith("c=64: vLLM saw 40.0 requests")
+
+
+def test_the_guards_hold_when_no_knee_is_found():
+    # A CPU vLLM with --max-num-seqs 8 (measured): no knee bulges above the chord, so the peak (16) was
+    # recommended unchecked although vLLM queued 7 requests there and TTFT p99 was 5.4x level 8's.
+    points = [Point(1, 231, .027, 0, 0), Point(2, 383, .048, 0, 0), Point(4, 659, .075, 0, 0),
+              Point(8, 854, .144, 0, 0), Point(16, 1059, .772, 0, 7.0), Point(32, 1024, 1.889, 0, 23.4)]
+    knee = find_knee(points)
+    assert knee.recommended == 8 and "c=16 has vLLM waiting" in knee.reason
+    # the TTFT guard alone (a server without the waiting gauge) refuses 16 too
+    assert find_knee([Point(p.concurrency, p.throughput, p.ttft_p99) for p in points]).recommended == 8
+
+
+def test_the_guards_hold_on_a_plateau():
+    # Kneedle's point is the last level before the plateau, where vLLM already queues: one level down.
+    plateau = [Point(1, 100, .02, 0, 0), Point(2, 200, .03, 0, 0), Point(4, 390, .04, 0, 0),
+               Point(8, 760, .05, 0, 0), Point(16, 1500, .4, 0, 3.0), Point(32, 1510, 1.0, 0, 12)]
+    knee = find_knee(plateau)
+    assert knee.recommended == 8 and "c=16 has vLLM waiting" in knee.reason
+
+
+def test_the_guards_hold_before_a_cliff_and_with_few_levels():
+    # Throughput peaks at 4 and falls off a cliff; the peak queues and its TTFT exploded: down to 2.
+    cliff = [Point(1, 200, .02, 0, 0), Point(2, 400, .03, 0, 0), Point(4, 800, .3, 0, 2.5),
+             Point(8, 300, 2.0, 0, 20)]
+    assert find_knee(cliff).recommended == 2
+    assert find_knee(cliff[:2] + [Point(4, 800, .05, 0, 0.1)]).recommended == 4  # the same peak, not queuing
+    # fewer than 3 levels: the best throughput level, unless it queues
+    assert find_knee([Point(1, 200, .02, 0, 0), Point(2, 390, .2, 0, 4.0)]).recommended == 1
+    # the smallest level is the floor: nothing safer can be offered
+    assert find_knee([Point(1, 200, .5, 0, 3.0), Point(2, 390, 2.0, 0, 9.0)]).recommended == 1

@@ -130,3 +130,51 @@ models:
     assert (replica.name, replica.model, replica.variant, replica.group, replica.served_name, replica.cap) == \
         ("m#fp8@10.1.2.3:8000", "m", "fp8", "m#fp8", "s-fp8", 8)
     assert [r.name for r in replicas.by_model["m#bf16"]] == ["m-bf16-0"]  # the static variant is untouched
+
+
+def test_a_watch_that_dies_of_any_exception_is_restarted_with_backoff_and_says_so_once_each_way(caplog):
+    """SystemExit (importing the kserve SDK once raised it in the watch thread) ended the thread silently:
+    the watch was stale from then on. Every death is retried with growing pauses; one line says it broke,
+    one that it recovered; the state says which."""
+    import logging
+    import threading
+    import time
+
+    from backends.sources.watch import Watcher, WatchTimings
+
+    caplog.set_level(logging.DEBUG, "gateway.discovery")
+    deaths = [SystemExit(2), RuntimeError("boom"), KeyboardInterrupt(), ValueError("bad")]
+    runs, healed = [], threading.Event()
+
+    def body(stopped):
+        runs.append(time.monotonic())
+        if deaths:
+            raise deaths.pop(0)
+        watcher.synced()
+        healed.set()
+        stopped.wait()
+
+    watcher = Watcher("test", body, WatchTimings(backoff_initial=0.05, backoff_max=0.2))
+    assert watcher.state == "starting"
+    watcher.start()
+    try:
+        assert healed.wait(10), f"the watch was not restarted after each death: {len(runs)} runs"
+        assert watcher.thread.is_alive() and watcher.state == "ok" and watcher.failures == 4
+        pauses = [b - a for a, b in zip(runs, runs[1:])]
+        assert pauses[0] >= 0.025 and pauses[-1] >= 0.1  # 0.05 doubling, capped at 0.2, each 50-100% of it
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+        assert [level for level, _ in lines] == ["WARNING", "INFO"], lines
+        assert "watch of test broke: SystemExit: 2" in lines[0][1] and "recovered" in lines[1][1]
+    finally:
+        watcher.stop()
+        watcher.thread.join(5)
+    assert not watcher.thread.is_alive()
+
+
+def test_backoff_is_exponential_capped_and_jittered():
+    from backends.sources.watch import WatchTimings
+
+    timings = WatchTimings(backoff_initial=0.5, backoff_max=30)
+    for failures, ceiling in ((1, 0.5), (2, 1), (3, 2), (7, 30), (500, 30)):
+        pauses = {timings.backoff(failures) for _ in range(50)}
+        assert all(ceiling / 2 <= p <= ceiling for p in pauses) and len(pauses) > 1
