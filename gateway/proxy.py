@@ -272,7 +272,8 @@ class Proxy:
             raw = await response.read(self.client.limits.body_bytes)
         except UpstreamError as exc:
             self.upstream_failed(call.replica, exc.kind, str(exc))
-            raise upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc) from None
+            raise upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
+                                 "broke off the response") from None
         finally:
             response.close()
         received = time.perf_counter()
@@ -330,7 +331,8 @@ class Proxy:
                                             "response made with background and stream set has events to stream)")
             else:
                 self.upstream_failed(call.replica, exc.kind, str(exc))
-                call.error = upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc)
+                call.error = upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
+                                            "broke off the stream")
             yield relay.error_frame(call.route.errors(call.error))
         finally:
             call.usage = relay.usage
@@ -407,12 +409,13 @@ def is_event_stream(response: Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def upstream_error(kind: str, who: str, exc: UpstreamError) -> GatewayError:
+def upstream_error(kind: str, who: str, exc: UpstreamError, failed: str | None = None) -> GatewayError:
     """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502. `who` names the
-    upstream; a bound crossed is told as it is (the message names the setting), anything else only by its kind."""
+    upstream; a bound crossed is told as it is (the message names the setting), anything else only by what
+    `failed` (default: by its kind)."""
     if exc.bound:
         return (UpstreamTimeout if kind == TIMEOUT else UpstreamFailed)(f"{who} {exc}")
-    message = f"{who} {WHAT_FAILED[kind]}"
+    message = f"{who} {failed or WHAT_FAILED[kind]}"
     return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
 
 

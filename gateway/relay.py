@@ -42,8 +42,9 @@ class Frames:
             self._bound()
             return b""
         end = cut + len(SEP)
-        ready, self.pending = data[:end], data[end:]
-        if self.pending:
+        ready, rest = data[:end], data[end:]
+        self.pending = rest
+        if rest and len(rest) > self.max_event:
             self._bound()
         return self._process(ready)
 
@@ -83,8 +84,10 @@ class SSERelay(Frames):
 
     def _process(self, events: bytes) -> bytes:
         mark = events.rfind(USAGE_KEY)  # from the end: the usage event is the last but [DONE]
-        while mark >= 0 and USAGE_OBJECT.match(events, mark) is None:  # "usage":null on every chunk (OpenAI)
-            mark = events.rfind(USAGE_KEY, 0, mark)
+        while mark >= 0 and not events.startswith(b":{", mark + 7):  # compact JSON (vLLM's) needs no more
+            if not events.startswith(b":null", mark + 7) and USAGE_OBJECT.match(events, mark) is not None:
+                break  # "usage": {  (json.dumps's spacing, or any other)
+            mark = events.rfind(USAGE_KEY, 0, mark)  # "usage":null, as OpenAI sends on every chunk
         if mark >= 0:
             events = self._take_usage(events, mark)
         if self.usage is None:  # only needed while no usage came: then it stands in for the token count
