@@ -29,21 +29,25 @@ from tests.support.servers import free_port, stop_processes
 
 CLI = str(Path(sys.executable).with_name("llm-gateway"))
 GOOD_CLIENT_BOUND = 5.0  # seconds: the slowest answer the well-behaved client may get meanwhile (loaded 2-core CI)
-# Peak RSS of the gateway over its own baseline while every hostile answer above arrives twice, all at once:
-# the bounds in flight (32 MiB body + 2 x 8 MiB event + 4 MiB scrape + 64 KiB heads, each twice at worst)
-# and the allocator's slack. Without the bounds the same run holds hundreds of MB (a 100 MB scrape, a 50 MB
-# body and a 50 MB line read whole).
-MEMORY_BOUND = 160 * MB
+# Peak RSS of the gateway over its own baseline while every hostile answer above arrives twice, all at once
+# (owned and rented): what the bounds let it hold at one time (two 32 MiB bodies, two 8 MiB events each copied
+# once as it grows, a 4 MiB scrape, 1 MiB read buffers, 64 KiB heads) and the allocator's slack; ~140 MiB
+# measured. Without the bounds the owned half alone held 4.3 GiB (a 100 MB scrape every 0.25 s, a 20 MB head,
+# a 50 MB body and a 50 MB line read whole).
+MEMORY_BOUND = 256 * MB
 LIMITS = UpstreamLimits()
 
 
 # A broken head or exchange marks the replica down (and its backoff, 30 s here, outlasts the test): the
 # second request finds no backend. A body or event past its bound, a non-JSON body or a slow head do not.
 PUNISHED = ("header_20mb", "header_endless", "invalid_http", "close_mid_body")
+RENTED = ("header_20mb", "body_50mb", "sse_line_50mb")  # a rented provider that answers so
 
 
 def expected(mode: str, again: bool) -> tuple[int, str]:
     """(status, words the error must carry) for a chat request to the backend of `mode` (`again`: its second)."""
+    if mode.startswith("rented_"):  # never marked down (a provider has no health checks): the same each time
+        return expected(mode.removeprefix("rented_"), False)
     if again and mode in PUNISHED:
         return 503, f"no backend of model {mode}"
     return {
@@ -72,7 +76,8 @@ async def stack(tmp_path):
     """A simulator (model `good`), the hostile upstream (a model per mode) and a gateway process over both."""
     procs: list[subprocess.Popen] = []
     secret = secrets.token_urlsafe(32)
-    env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1",
+           "HOSTILE_PROVIDER_KEY": "pk-" + secrets.token_urlsafe(16)}
     async with hostile_upstream() as hostile:
         sim_port, port = free_port(), free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
@@ -84,7 +89,12 @@ async def stack(tmp_path):
             "timeouts": {"read": 60},
             "upstream": {"header_seconds": 2},
             "models": [{"name": "good", "backends": [{"url": f"http://127.0.0.1:{sim_port}", "cap": 8}]}]
-            + [{"name": mode, "backends": [{"url": f"{base}/{mode}", "cap": 4}]} for mode in MODES],
+            + [{"name": mode, "backends": [{"url": f"{base}/{mode}", "cap": 4}]} for mode in MODES]
+            # the rented provider's answers go through the same bounds: its models' owned backend is down
+            + [{"name": f"rented_{mode}", "backends": [{"url": f"http://127.0.0.1:{free_port()}"}],
+                "overflow": {"provider": f"p_{mode}", "when_unavailable": True}} for mode in RENTED],
+            "providers": [{"name": f"p_{mode}", "base_url": f"{base}/{mode}/v1", "api_key_env": "HOSTILE_PROVIDER_KEY",
+                           "models": {f"rented_{mode}": "x"}, "allow_private_address": True} for mode in RENTED],
         }
         config = tmp_path / "policy.yaml"
         config.write_text(yaml.safe_dump(policy))
@@ -96,10 +106,12 @@ async def stack(tmp_path):
         url = f"http://127.0.0.1:{port}"
         try:
             await asyncio.to_thread(wait_http_ok, f"http://127.0.0.1:{sim_port}/health", procs[0], 60, "simulator")
-            await asyncio.to_thread(wait_http_ok, f"{url}/ready", gateway, 90, "the gateway")
+            # /health, not /ready: the rented models have no owned backend up, on purpose
+            await asyncio.to_thread(wait_http_ok, f"{url}/health", gateway, 90, "the gateway")
             admin = {"authorization": f"Bearer {mint_token(Admin(), 600, secret=secret)}"}
             async with httpx.AsyncClient(timeout=30) as client:
-                issued = await client.post(f"{url}/admin/keys", json={"name": "hostile"}, headers=admin)
+                issued = await client.post(f"{url}/admin/keys", json={"name": "hostile", "data_policy": "allow_rented"},
+                                           headers=admin)
                 issued.raise_for_status()
                 yield url, gateway, hostile, issued.json()["key"], log_path
         finally:
@@ -113,7 +125,7 @@ def chat(model: str, stream: bool = False) -> dict:
 async def hostile_call(client: httpx.AsyncClient, url: str, key: str, mode: str, again: bool) -> None:
     """One request to the backend of `mode`; asserts its answer."""
     status, words = expected(mode, again)
-    stream = mode == "sse_line_50mb" and status == 200
+    stream = mode.endswith("sse_line_50mb") and status == 200
     headers = {"authorization": f"Bearer {key}"}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=chat(mode, stream), headers=headers) as r:
         body = await r.aread()
@@ -154,7 +166,8 @@ async def test_hostile_upstreams_get_bounded_errors_while_a_good_client_is_serve
         good = asyncio.create_task(good_client())
         try:
             for again in (False, True):  # twice: what one round left behind shows in the next
-                await asyncio.gather(*(hostile_call(client, url, key, mode, again) for mode in MODES))
+                await asyncio.gather(*(hostile_call(client, url, key, mode, again)
+                                       for mode in MODES + tuple(f"rented_{m}" for m in RENTED)))
             await asyncio.sleep(1.5)  # a few scrapes of the 100 MB /metrics more
         finally:
             stop.set()
