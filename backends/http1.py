@@ -240,6 +240,8 @@ class Response:
         if self._closed:
             return
         self._closed = True
+        if self._head_timer is not None:
+            self._head_timer.cancel()
         conn = self._conn
         conn.response = None
         if self.complete and self.keep_alive and self._reusable and self._error is None and not conn.closed:

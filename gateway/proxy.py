@@ -45,6 +45,7 @@ from policies.errors import (
 from policies.ids import unique_id
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
+from policies.tokens import CHARS_PER_TOKEN
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange",
@@ -287,10 +288,13 @@ class Proxy:
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
+            raise UpstreamFailed(f"the {_side(call)} for model {call.model} sent a response that is not JSON") \
+                from None
         if isinstance(data, dict):
             call.response = data
             call.usage = call.route.usage(data)
+            if call.usage is None and call.replica.rented:  # paid for all the same
+                call.usage = estimated_usage(call, len(raw) // CHARS_PER_TOKEN)
             if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
                 raw = orjson.dumps(data)
@@ -419,11 +423,12 @@ def upstream_error(kind: str, who: str, exc: UpstreamError, failed: str | None =
     return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
 
 
-def estimated_usage(call: Call, events: int) -> dict[str, Any]:
-    """A rented stream that ended without usage is still paid for: charge the prompt's estimate and one token
-    per event relayed (at least one), marked `estimated` so the ledger says so. Never zero."""
+def estimated_usage(call: Call, completion: int) -> dict[str, Any]:
+    """A rented answer without usage is still paid for: charge the prompt's estimate and `completion` tokens
+    (one per event relayed, or per 4 bytes of a whole answer; at least one), marked `estimated` so the ledger
+    says so. Never zero."""
     prompt = call.tokens.prompt(call.body) if isinstance(call.body, dict) else 0
-    return {"prompt_tokens": prompt, "completion_tokens": max(1, events), "estimated": True}
+    return {"prompt_tokens": prompt, "completion_tokens": max(1, completion), "estimated": True}
 
 
 def _side(call: Call) -> str:

@@ -7,7 +7,7 @@ the request id, path, model and whether the key matched. Replies are small and i
     python -m tests.support.rented_standin --port 9100 --key-env STANDIN_KEY --log /tmp/rented.jsonl
 
 `--usage spaced` writes its JSON as Python's json.dumps does (`"usage": {`, `"choices": []`) with usage first
-and an unknown field in it; `--usage omitted` never sends usage on a stream (some providers do not).
+and an unknown field in it; `--usage omitted` never sends usage (some providers do not, on streams).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def make_app(key: str, log_path: str, usage_style: str = "compact"):
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "rented"}, "finish_reason": "stop"}],
             "usage": usage,
         }
+        if usage_style == "omitted":
+            del answer["usage"]
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": dumps(answer)})
