@@ -16,7 +16,10 @@ What it does, and only that:
 - a request body may also be streamed (chunked encoding, `request(..., body_stream=)`): each chunk is handed to
   the kernel before the next is pulled, so an upload flows through at the backend's pace, never held whole;
 - errors are `UpstreamError`s with a `kind`: connect (nothing reached the server: safe to retry elsewhere),
-  timeout, broken (failed mid-exchange).
+  timeout, broken (failed mid-exchange), too_large (an answer past one of the client's `Limits`);
+- an answer is bounded (`Limits`): its status line and headers in size and, once their first byte came, in
+  time (a head dripped a byte at a time); a body read whole (`read(limit)`, `get`) in size; `get` (health
+  checks, /metrics scrapes) also in total time. A streamed body is bounded per event by its reader.
 Connections are made by a `Dialer`; the egress guard (backends/egress.py) is one that checks addresses first.
 """
 
@@ -32,12 +35,27 @@ from urllib.parse import urlsplit
 
 import httptools
 
-CONNECT, TIMEOUT, BROKEN = "connect", "timeout", "broken"
+CONNECT, TIMEOUT, BROKEN, TOO_LARGE = "connect", "timeout", "broken", "too_large"
 PAUSE_ABOVE = 1 << 20  # bytes buffered for a slow reader before the socket stops being read
+GET_MAX_BYTES = 1 << 20  # a health check's body, unless the caller says otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one answer may be. `head_bytes`: the status line and headers (counted as they arrive, so a head
+    that never ends is cut at this size); `head_seconds`: from the head's first byte to its end; `body_bytes`:
+    a body read whole (a non-streamed answer); `event_bytes`: one event of a streamed body (read by the
+    relay above, which takes it from here). The names are the policy's (`upstream.*`), so errors name them."""
+
+    head_bytes: int = 64 * 1024
+    head_seconds: float = 30.0
+    body_bytes: int = 32 * 1024 * 1024
+    event_bytes: int = 8 * 1024 * 1024
 
 
 class UpstreamError(Exception):
     kind = BROKEN
+    bound = False  # True: the message names the gateway's limit that was crossed, and may be shown as it is
 
 
 class ConnectFailed(UpstreamError):
@@ -58,6 +76,25 @@ class WriteTimedOut(UpstreamError):
 
 class Broken(UpstreamError):
     kind = BROKEN
+
+
+class TooLarge(UpstreamError):
+    """A body or event went past a limit of the gateway's (named in the message): its size may follow the
+    request (a huge prompt echoed back), so this says nothing by itself of the backend's health."""
+
+    kind = TOO_LARGE
+    bound = True
+
+
+class HeadTooLarge(Broken):
+    """The status line and headers went past `upstream.max_header_bytes`: no sane answer does that, whatever
+    was asked, so it counts as a broken exchange."""
+
+    bound = True
+
+
+class HeadTimedOut(ReadTimedOut):
+    bound = True
 
 
 class _Stale(Broken):
@@ -135,7 +172,7 @@ class Response:
 
     __slots__ = ("_conn", "_client", "_timeout", "status", "raw_headers", "headers", "_chunks", "_buffered",
                  "_paused", "complete", "keep_alive", "_error", "_waiter", "_headers_done", "_got_bytes",
-                 "_until_close", "_closed", "_reusable")
+                 "_until_close", "_closed", "_reusable", "_head_bytes", "_head_timer")
 
     def __init__(self, conn: Connection, client: Client, timeout: float | None) -> None:
         self._conn = conn
@@ -156,12 +193,26 @@ class Response:
         self._until_close = False
         self._closed = False
         self._reusable = True  # False when the request's body was not sent whole (the backend answered first)
+        self._head_bytes = 0  # bytes received while the head was not complete
+        self._head_timer: asyncio.TimerHandle | None = None
 
     # -- the reader's side ------------------------------------------------------------------------------
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None, name: str = "upstream.max_body_bytes") -> bytes:
+        """The whole body; past `limit` bytes (`name` says which setting) the connection is closed and TooLarge
+        raised, so no more than about `limit` is ever held."""
+        if limit is not None:
+            length = self.headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                self.close()
+                raise TooLarge(f"answered {int(length)} bytes, over the {name} of {limit} bytes")
         parts = []
+        size = 0
         while chunk := await self.next_chunk():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                self.close()
+                raise TooLarge(f"answered more than the {name} of {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -189,6 +240,8 @@ class Response:
         if self._closed:
             return
         self._closed = True
+        if self._head_timer is not None:
+            self._head_timer.cancel()
         conn = self._conn
         conn.response = None
         if self.complete and self.keep_alive and self._reusable and self._error is None and not conn.closed:
@@ -227,6 +280,23 @@ class Response:
         if self._error is None and not self.complete:
             self._error = error
         self._wake()
+
+    def _head_grew(self, size: int) -> None:
+        """Bytes came and the head is still not complete: bound it in size, and in time from its first byte."""
+        self._head_bytes += size
+        limits = self._client.limits
+        if self._head_bytes > limits.head_bytes:
+            self._fail(HeadTooLarge(f"sent a status line and headers over the upstream.max_header_bytes of "
+                                    f"{limits.head_bytes} bytes"))
+            self._conn.close()
+        elif self._head_timer is None and limits.head_seconds:
+            self._head_timer = self._client.loop.call_later(limits.head_seconds, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        if not self._headers_done:
+            self._fail(HeadTimedOut(f"took over the upstream.header_seconds of "
+                                    f"{self._client.limits.head_seconds:g} s to send its headers"))
+            self._conn.close()
 
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -314,6 +384,9 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             response._fail(Broken(f"the backend sent an invalid HTTP response: {exc}"))
             self.close()
+            return
+        if not response._headers_done:  # rare: a head split over reads (or one that never ends)
+            response._head_grew(len(data))
 
     def eof_received(self):
         return None  # close our side too; connection_lost follows
@@ -348,6 +421,8 @@ class Connection(asyncio.Protocol):
             key, text = name.decode("latin-1").lower(), value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         response.status, response.headers = status, headers
+        if response._head_timer is not None:
+            response._head_timer.cancel()
         response._until_close = "content-length" not in headers and "chunked" not in headers.get(
             "transfer-encoding", "")
         response._headers_done = True
@@ -369,8 +444,10 @@ class Client:
     """The shared pool. `request` sends prepared bytes; `get` is for health checks."""
 
     def __init__(self, connect_timeout: float | None, read_timeout: float | None, *, write_timeout: float | None = None,
-                 dialer: Dialer | None = None, keepalive_expiry: float = 4.0, max_idle_per_origin: int = 512) -> None:
+                 dialer: Dialer | None = None, keepalive_expiry: float = 4.0, max_idle_per_origin: int = 512,
+                 limits: Limits = Limits()) -> None:
         self.connect_timeout = connect_timeout
+        self.limits = limits
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.dialer = dialer or SocketDialer()
@@ -440,15 +517,23 @@ class Client:
                 await aclose()
         return response
 
-    async def get(self, url: str, timeout: float | None = None) -> tuple[int, bytes]:
+    async def get(self, url: str, timeout: float | None = None, max_bytes: int = GET_MAX_BYTES,
+                  limit_name: str = "health check's limit") -> tuple[int, bytes]:
+        """One GET read whole: within `timeout` in all (not only per read: a body dripped a byte at a time ends
+        too) and `max_bytes` of body (`limit_name` names that bound in the error)."""
         origin = self._origins.get(url) or self._origins.setdefault(url, parse_origin(url))
         head = (f"GET {origin.path or '/'} HTTP/1.1\r\nhost: {origin.host_header}\r\n"
                 "accept-encoding: identity\r\n\r\n").encode("latin-1")
-        response = await self.request(origin, head, read_timeout=timeout, connect_timeout=timeout)
+        response = None
         try:
-            return response.status, await response.read()
+            async with asyncio.timeout(timeout):
+                response = await self.request(origin, head, read_timeout=timeout, connect_timeout=timeout)
+                return response.status, await response.read(max_bytes, limit_name)
+        except TimeoutError:
+            raise ReadTimedOut(f"GET {url} took over {timeout:g} s in all") from None
         finally:
-            response.close()
+            if response is not None:
+                response.close()
 
     async def aclose(self) -> None:
         self.close_idle()

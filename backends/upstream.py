@@ -15,14 +15,16 @@ from backends.http1 import (
     BROKEN,
     CONNECT,
     TIMEOUT,
+    TOO_LARGE,
     Client,
+    Limits,
     Response,
     UpstreamError,
     header_block,
     parse_origin,
 )
 
-__all__ = ["BROKEN", "CONNECT", "TIMEOUT", "Upstream", "UpstreamError", "new_client"]
+__all__ = ["BROKEN", "CONNECT", "TIMEOUT", "TOO_LARGE", "Limits", "Upstream", "UpstreamError", "new_client"]
 
 
 class Upstream:
@@ -71,6 +73,7 @@ def new_client(
     resolver: Resolver | None = None,
     exempt: Iterable[tuple[str, int]] = (),
     on_refused: Callable[[str, int, str], None] | None = None,
+    limits: Limits = Limits(),
 ) -> Client:
     """The one client pool every upstream request shares.
 
@@ -80,4 +83,4 @@ def new_client(
     dialer = None
     if private_cidrs is not None:
         dialer = GuardedDialer(private_cidrs, resolver or SystemResolver(), exempt, on_refused)
-    return Client(connect, read, write_timeout=write, dialer=dialer)
+    return Client(connect, read, write_timeout=write, dialer=dialer, limits=limits)

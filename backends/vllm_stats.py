@@ -1,6 +1,7 @@
 """What each vLLM replica says about its own load, read from its Prometheus /metrics.
 
-One `Scraper` polls every replica's /metrics on an interval (bounded by a timeout). A failed or slow scrape
+One `Scraper` polls every replica's /metrics on an interval, each scrape bounded in total time (`timeout`) and
+size (`max_bytes`), so a replica that drips or floods its /metrics holds neither the loop nor memory. A failed or slow scrape
 leaves the replica's last stats in place but lets them grow stale; routing treats stale stats as unknown, so a
 replica that stops answering /metrics is routed by the gateway's own counts, never refused for it.
 
@@ -107,7 +108,9 @@ class Scraper:
 
     def __init__(self, replicas: Callable[[], Iterable[Replica]], interval: float = 0.25, timeout: float = 1.0,
                  stale_after: float | None = None,
-                 on_scrape: Callable[[Replica, VLLMStats | None, str | None], None] | None = None) -> None:
+                 on_scrape: Callable[[Replica, VLLMStats | None, str | None], None] | None = None,
+                 max_bytes: int = 4 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes  # one scrape's body: a larger one is dropped (routing.scrape.max_bytes)
         self.replicas = replicas
         self.interval = interval
         self.timeout = timeout
@@ -128,7 +131,8 @@ class Scraper:
 
     async def scrape(self, client: Client, replica: Replica) -> VLLMStats | None:
         try:
-            status, body = await client.get(f"{replica.url}/metrics", timeout=self.timeout)
+            status, body = await client.get(f"{replica.url}/metrics", timeout=self.timeout, max_bytes=self.max_bytes,
+                                            limit_name="routing.scrape.max_bytes")
             if status != 200:
                 raise ValueError(f"/metrics returned {status}")
             stats = parse_metrics(body.decode("utf-8", "replace"))

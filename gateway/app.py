@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from backends.egress import GuardedDialer, Resolver, SystemResolver
 from backends.http1 import Client
 from backends.replicas import Replica
-from backends.upstream import new_client
+from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
@@ -87,7 +87,7 @@ class Gateway:
         self.replicas.on_drained = self._replica_drained
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
-                               on_scrape=self._scraped)
+                               on_scrape=self._scraped, max_bytes=scrape.max_bytes)
         store = policy.store
         options = redis_options(store) if store.kind == "redis" else {}
         self.store = open_store(store.kind, path=store.path, url=store.redis_url(), **options)
@@ -227,12 +227,13 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
-        t = self.policy.timeouts
+        t, bounds = self.policy.timeouts, self.policy.upstream
         # A policy violation found now stops startup; a name that does not resolve yet only logs (see README).
         await check_backends(self.policy, self.resolver, unresolved_fatal=False)
         client = new_client(
             t.connect, t.read, t.write, private_cidrs=self.policy.network.private_cidrs, resolver=self.resolver,
             exempt=exempt_origins(self.policy), on_refused=self._egress_refused,
+            limits=Limits(bounds.max_header_bytes, bounds.header_seconds, bounds.max_body_bytes, bounds.max_event_bytes),
         )
         self.client = client
         self.install(self.snapshot)

@@ -24,7 +24,7 @@ import orjson
 from backends.http1 import Client, Response
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
-from backends.upstream import BROKEN, CONNECT, TIMEOUT, Upstream, UpstreamError
+from backends.upstream import BROKEN, CONNECT, TIMEOUT, TOO_LARGE, Upstream, UpstreamError
 from gateway.access_log import AccessLog
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
 from gateway.form_upload import FormUpload
@@ -45,9 +45,11 @@ from policies.errors import (
 from policies.ids import unique_id
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
+from policies.tokens import CHARS_PER_TOKEN
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange"}
+WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange",
+               TOO_LARGE: "answered past the gateway's limits"}
 MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
 
 
@@ -177,7 +179,7 @@ class Proxy:
                 if kind == CONNECT:
                     self.metrics.retries.labels(call.model).inc()
                     continue
-                raise upstream_error(kind, f"the backend for model {call.model} {WHAT_FAILED[kind]}") from None
+                raise upstream_error(kind, f"the backend for model {call.model}", exc) from None
             if response.status >= 500:
                 self.upstream_failed(replica, "status_5xx", f"HTTP {response.status}")
             else:
@@ -204,8 +206,7 @@ class Proxy:
             response = await self.send(call, target, holds=False)
         except UpstreamError as exc:
             self.metrics.upstream_errors.labels(call.model, target.name, exc.kind).inc()
-            raise upstream_error(exc.kind, f"the rented provider for model {call.model} {WHAT_FAILED[exc.kind]}") \
-                from None
+            raise upstream_error(exc.kind, f"the rented provider for model {call.model}", exc) from None
         if response.status in (401, 403):  # its message may quote the provider key: never relay it
             response.close()
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
@@ -269,10 +270,11 @@ class Proxy:
 
     async def read_whole(self, call: Call, response: Response) -> Reply:
         try:
-            raw = await response.read()
+            raw = await response.read(self.client.limits.body_bytes)
         except UpstreamError as exc:
             self.upstream_failed(call.replica, exc.kind, str(exc))
-            raise upstream_error(exc.kind, f"the backend for model {call.model} broke off the response") from None
+            raise upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
+                                 "broke off the response") from None
         finally:
             response.close()
         received = time.perf_counter()
@@ -286,10 +288,13 @@ class Proxy:
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise UpstreamFailed(f"the backend for model {call.model} sent a response that is not JSON") from None
+            raise UpstreamFailed(f"the {_side(call)} for model {call.model} sent a response that is not JSON") \
+                from None
         if isinstance(data, dict):
             call.response = data
             call.usage = call.route.usage(data)
+            if call.usage is None and call.replica.rented:  # paid for all the same
+                call.usage = estimated_usage(call, len(raw) // CHARS_PER_TOKEN)
             if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
                 raw = orjson.dumps(data)
@@ -299,6 +304,7 @@ class Proxy:
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
         relay = call.route.relay(call, self.renames[call.replica])
+        relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
         first = True
         try:
@@ -329,11 +335,14 @@ class Proxy:
                                             "response made with background and stream set has events to stream)")
             else:
                 self.upstream_failed(call.replica, exc.kind, str(exc))
-                call.error = upstream_error(exc.kind, f"the backend for model {call.model} broke off the stream")
+                call.error = upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
+                                            "broke off the stream")
             yield relay.error_frame(call.route.errors(call.error))
         finally:
             call.usage = relay.usage
             call.streamed_events = relay.events
+            if relay.usage is None and call.replica.rented and not relay.replay:
+                call.usage = estimated_usage(call, relay.events)
 
     async def close_stream(self, call: Call, response: Response, error: BaseException | None) -> None:
         response.close()  # an unfinished stream drops the connection, and vLLM aborts the request
@@ -345,10 +354,14 @@ class Proxy:
             self.admission.release(call.replica, call)
 
     def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
+        """Count a failed exchange, and mark the replica down for those that say it is unwell: a refused
+        connection, a broken exchange (invalid HTTP, a close mid-answer), a head past its bound. Not a
+        timeout (a long generation is no illness) nor a body or event past its bound: its size follows the
+        request (a huge prompt echoed, many logprobs), so the client's own request must not take a replica out."""
         if replica is None or replica.rented:
             return
         self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
-        if kind != TIMEOUT:
+        if kind not in (TIMEOUT, TOO_LARGE):
             self.replicas.failed(replica, reason)
 
     async def finish(self, call: Call, error: BaseException | None) -> None:
@@ -400,9 +413,26 @@ def is_event_stream(response: Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def upstream_error(kind: str, message: str) -> GatewayError:
-    """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502."""
+def upstream_error(kind: str, who: str, exc: UpstreamError, failed: str | None = None) -> GatewayError:
+    """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502. `who` names the
+    upstream; a bound crossed is told as it is (the message names the setting), anything else only by what
+    `failed` (default: by its kind)."""
+    if exc.bound:
+        return (UpstreamTimeout if kind == TIMEOUT else UpstreamFailed)(f"{who} {exc}")
+    message = f"{who} {failed or WHAT_FAILED[kind]}"
     return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
+
+
+def estimated_usage(call: Call, completion: int) -> dict[str, Any]:
+    """A rented answer without usage is still paid for: charge the prompt's estimate and `completion` tokens
+    (one per event relayed, or per 4 bytes of a whole answer; at least one), marked `estimated` so the ledger
+    says so. Never zero."""
+    prompt = call.tokens.prompt(call.body) if isinstance(call.body, dict) else 0
+    return {"prompt_tokens": prompt, "completion_tokens": max(1, completion), "estimated": True}
+
+
+def _side(call: Call) -> str:
+    return "rented provider" if call.replica is not None and call.replica.rented else "backend"
 
 
 def _count(value: Any) -> int:

@@ -51,6 +51,16 @@ class Timeouts(Strict):
     health_check: Seconds = 2.0
 
 
+class UpstreamLimits(Strict):
+    """What one answer of a backend or rented provider may be (the bounded edge, outbound): past a bound the
+    client gets a 502 (mid-stream, a final error event) naming it, and the gateway holds no more than it."""
+
+    max_header_bytes: int = Field(64 * 1024, ge=4096, le=16 * 1024**2)  # status line and headers
+    header_seconds: Seconds = 30.0  # from the first byte of an answer's head to its end (a dripped head)
+    max_body_bytes: int = Field(32 * 1024**2, ge=64 * 1024, le=4 * 1024**3)  # a non-streamed answer, read whole
+    max_event_bytes: int = Field(8 * 1024**2, ge=64 * 1024, le=1024**3)  # one event of a streamed answer
+
+
 class Health(Strict):
     interval: Seconds = 5.0
     failure_threshold: int = Field(1, ge=1, le=100)
@@ -130,6 +140,8 @@ class Scrape(Strict):
     interval: float = Field(0.25, ge=0.05, le=60)  # seconds between scrapes of every replica
     timeout: float = Field(1.0, gt=0, le=60)  # one scrape; a slow or failed one leaves the stats to go stale
     stale_after: float | None = Field(None, gt=0, le=600)  # older stats are ignored (default: 4 x interval, >= 1 s)
+    # one scrape's body; vLLM's exposition is ~50 KB (more with many LoRA adapters): past this it is dropped
+    max_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024**2)
 
 
 class Routing(Strict):
@@ -643,6 +655,7 @@ class Policy(Strict):
     listen: Listen = Listen()
     server: Server = Server()
     timeouts: Timeouts = Timeouts()
+    upstream: UpstreamLimits = UpstreamLimits()
     health: Health = Health()
     routing: Routing = Routing()
     store: Store = Store()

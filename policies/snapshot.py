@@ -38,7 +38,7 @@ from policies.variants import AssignVariant, Variants
 
 # Parts of the policy that are read once at start (listener, store, timeouts of the shared client, health
 # timings, scraping, admin tokens): a reload that changes them is applied for the rest and says so.
-NEEDS_RESTART = ("listen", "server", "timeouts", "health", "store", "auth", "admin", "tracing")
+NEEDS_RESTART = ("listen", "server", "timeouts", "upstream", "health", "store", "auth", "admin", "tracing")
 
 
 @dataclass(frozen=True, eq=False)

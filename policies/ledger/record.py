@@ -56,8 +56,9 @@ class RecordLedger:
         rented = replica.rented
         cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
         key_id = call.key.id if call.key is not None else ""
+        estimated = isinstance(call.usage, dict) and call.usage.get("estimated") is True
         self.sums.call(now, call.model, replica.name, key_id, rented is not None, prompt, completion,
-                       call.queue_wait, cost)
+                       call.queue_wait, cost, estimated)
         if rented is None:
             self.sums.in_flight(call.model, replica.name, call.sent_at + self.wall, now)
         self.timer.arm()

@@ -46,6 +46,10 @@ class SQLiteLedger:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.executescript(SCHEMA)
+            have = {row[1] for row in conn.execute("PRAGMA table_info(ledger)")}
+            for name in COUNTERS:  # a file written before a counter existed: add it (0 for the old rows)
+                if name not in have:
+                    conn.execute(f"ALTER TABLE ledger ADD COLUMN {name} REAL NOT NULL DEFAULT 0")
             self.conn = conn
         return self.conn
 

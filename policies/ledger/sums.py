@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+# estimated_requests: calls whose tokens (and so cost) are the gateway's estimate, not the upstream's usage (a
+# rented stream that ended without usage is charged its estimate, never zero)
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "queue_seconds", "rented_cost", "busy_seconds",
-            "held_seconds")
-REQUESTS, PROMPT, COMPLETION, QUEUE, COST, BUSY, HELD = range(len(COUNTERS))
+            "held_seconds", "estimated_requests")
+REQUESTS, PROMPT, COMPLETION, QUEUE, COST, BUSY, HELD, ESTIMATED = range(len(COUNTERS))
 KEEP_SPANS = 64
 
 
@@ -56,9 +58,11 @@ class Sums:
         return int(when // self.bucket_seconds) * self.bucket_seconds
 
     def call(self, when: float, model: str, backend: str, key_id: str, rented: bool, prompt: int, completion: int,
-             queue_seconds: float, cost: float) -> None:
+             queue_seconds: float, cost: float, estimated: bool = False) -> None:
         values = self.counters((self.bucket(when), model, backend, key_id, "rented" if rented else "owned"))
         values[REQUESTS] += 1
+        if estimated:
+            values[ESTIMATED] += 1
         values[PROMPT] += prompt
         values[COMPLETION] += completion
         values[QUEUE] += queue_seconds

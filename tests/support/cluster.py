@@ -22,7 +22,7 @@ from gateway.admin_auth import mint_token
 from policies.config import Admin
 from tests.support.probes import wait_http_ok
 from tests.support.redis_server import RedisServer
-from tests.support.servers import free_port
+from tests.support.servers import free_port, stop_processes
 
 CLI = str(Path(sys.executable).with_name("llm-gateway"))
 
@@ -97,10 +97,4 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict
             env["LLM_GATEWAY_ADMIN_TOKEN"] = mint_token(Admin(), 600, secret=secret)
             yield result
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes(procs)

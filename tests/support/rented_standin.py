@@ -5,6 +5,9 @@ tests can check the gateway never relays that) and appends every request it rece
 the request id, path, model and whether the key matched. Replies are small and immediate.
 
     python -m tests.support.rented_standin --port 9100 --key-env STANDIN_KEY --log /tmp/rented.jsonl
+
+`--usage spaced` writes its JSON as Python's json.dumps does (`"usage": {`, `"choices": []`) with usage first
+and an unknown field in it; `--usage omitted` never sends usage (some providers do not, on streams).
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ import uvicorn
 from tests.support.asgi import lifespan, read_body
 
 
-def make_app(key: str, log_path: str):
+def make_app(key: str, log_path: str, usage_style: str = "compact"):
+    def dumps(value: dict) -> bytes:
+        if usage_style == "compact":
+            return orjson.dumps(value)
+        if "usage" in value:  # usage first, an unknown field in it, and json.dumps's spacing
+            value = {"usage": {"completion_tokens": 5, "vendor_cache": {"hit": 0}, **value["usage"]}, **value}
+        return json.dumps(value).encode()
+
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
@@ -48,19 +58,24 @@ def make_app(key: str, log_path: str):
             chunk = {"id": "rent-1", "object": "chat.completion.chunk", "model": body.get("model"),
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": "rented"},
                                   "finish_reason": "stop"}]}
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+            await send({"type": "http.response.body", "body": b"data: " + dumps(chunk) + b"\n\n",
                         "more_body": True})
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if (body.get("stream_options") or {}).get("include_usage") and usage_style != "omitted":
                 tail = {**chunk, "choices": [], "usage": usage}
-                await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(tail) + b"\n\n",
+                await send({"type": "http.response.body", "body": b"data: " + dumps(tail) + b"\n\n",
                             "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
-        await respond(send, 200, {
+        answer = {
             "id": "rent-1", "object": "chat.completion", "model": body.get("model"),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "rented"}, "finish_reason": "stop"}],
             "usage": usage,
-        })
+        }
+        if usage_style == "omitted":
+            del answer["usage"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": dumps(answer)})
 
     return app
 
@@ -83,5 +98,6 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--key-env", required=True)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--usage", choices=("compact", "spaced", "omitted"), default="compact")
     args = parser.parse_args()
-    uvicorn.run(make_app(os.environ[args.key_env], args.log), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(make_app(os.environ[args.key_env], args.log, args.usage), host="127.0.0.1", port=args.port, log_level="warning")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+from collections.abc import AsyncIterator, Iterable
 
 import uvicorn
 
@@ -42,3 +43,15 @@ async def serve_app(app, port: int | None = None, host: str = "127.0.0.1", **uvi
     finally:
         server.should_exit = True
         await task
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace: float = 10) -> None:
+    """Terminate every process, then wait for each (killing one that outlives `grace` seconds)."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -12,9 +12,14 @@ from backends.http1 import (
     CONNECT,
     TIMEOUT,
     Broken,
+    TOO_LARGE,
     Client,
     ConnectFailed,
+    HeadTimedOut,
+    HeadTooLarge,
+    Limits,
     ReadTimedOut,
+    TooLarge,
     WriteTimedOut,
     header_block,
     parse_origin,
@@ -340,3 +345,58 @@ async def test_a_failing_body_closes_the_connection_and_is_raised_as_it_is():
             await client.request_streamed(origin, STREAMED_HEAD, body())
         assert (await asyncio.wait_for(closed, 10)).startswith(b"5\r\nfirst\r\n")
         assert not (await closed).endswith(b"0\r\n\r\n")
+
+
+def dripping(start: bytes):
+    """An answer that sends `start`, then a byte each 50 ms (for 5 s at most)."""
+    async def answer(reader, writer):
+        writer.write(start)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+    return answer
+
+
+SMALL = Limits(head_bytes=4096, head_seconds=0.5, body_bytes=64 * 1024)
+
+
+async def test_a_head_past_its_bound_is_cut_there_and_a_dripped_head_in_time():
+    async def endless(reader, writer):  # a head that never ends: the client must close it
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(10_000):
+                writer.write(b"x-more: and-more\r\n" * 100)
+                await writer.drain()
+
+    client = Client(1, 5, limits=SMALL)
+    for answer, error, words in ((endless, HeadTooLarge, "upstream.max_header_bytes of 4096"),
+                                 (dripping(b"HTTP/1.1 200 OK\r\nx-drip: "), HeadTimedOut, "upstream.header_seconds of 0.5 s")):
+        script = Script(lambda n, req, answer=answer: answer)
+        async with script.running() as url:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(error, match=words) as raised:
+                await client.request(*post(url))
+            assert raised.value.bound and asyncio.get_running_loop().time() - started < 3
+            await asyncio.wait_for(script.gone.wait(), 5)  # the connection was closed
+
+
+async def test_a_body_read_whole_is_bounded_and_get_in_total_time():
+    big = b"a" * (SMALL.body_bytes + 1)
+    client = Client(1, 1, limits=SMALL)
+    script = Script(lambda n, req: ok(big) if n == 1 else b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + b"%x\r\n%b\r\n" % (len(big), big) + b"0\r\n\r\n")
+    async with script.running() as url:
+        for _ in range(2):  # told by content-length, then counted as a chunked body arrives
+            response = await client.request(*post(url))
+            with pytest.raises(TooLarge, match="upstream.max_body_bytes of 65536") as raised:
+                await response.read(SMALL.body_bytes)
+            assert raised.value.kind == TOO_LARGE
+
+    async with Script(lambda n, req: dripping(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")).running() as url:
+        with pytest.raises(ReadTimedOut, match="in all"):  # each byte comes within the read timeout
+            await client.get(f"{url}/metrics", timeout=0.5)
+    async with Script(lambda n, req: ok(big)).running() as url:
+        with pytest.raises(TooLarge, match="routing.scrape.max_bytes"):
+            await client.get(f"{url}/metrics", timeout=1, max_bytes=1024, limit_name="routing.scrape.max_bytes")

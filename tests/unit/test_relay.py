@@ -1,10 +1,12 @@
+import json
 import random
 from pathlib import Path
 
 import orjson
 import pytest
 
-from gateway.relay import SSERelay, model_rename
+from backends.http1 import TooLarge
+from gateway.relay import EventRelay, SSERelay, model_rename
 
 SAMPLES = Path(__file__).resolve().parents[1] / "fixtures/vllm-0.32-cpu"
 CHAT = (SAMPLES / "chat_stream.sse").read_bytes()
@@ -74,3 +76,37 @@ def test_events_are_counted_while_no_usage_came(seed):
     relay = SSERelay(strip_usage=True)
     run(relay, CHAT[:cut], random.Random(seed))
     assert relay.usage is None and relay.events == len(events(CHAT[:cut]))
+
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+
+
+@pytest.mark.parametrize("write", [
+    lambda d: orjson.dumps(d),
+    lambda d: json.dumps(d).encode(),  # "usage": {  and  "choices": []
+    lambda d: json.dumps({"usage": d["usage"] and {"vendor": {"x": 1}, **d["usage"]}, **d}, indent=None,
+                         separators=(" , ", " :  ")).encode(),  # usage first, an unknown field, odd spacing
+], ids=["compact", "json.dumps", "odd"])
+@pytest.mark.parametrize("seed", range(3))
+def test_usage_is_read_as_json_whatever_its_formatting(write, seed):
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}],
+             "usage": None}
+    stream = (b"data: " + write(chunk) + b"\n\n") * 3 + b"data:" + write({**chunk, "choices": [], "usage": USAGE}) \
+        + b"\n\ndata: [DONE]\n\n"
+    relay = SSERelay(strip_usage=True)
+    out = run(relay, stream, random.Random(seed))
+    assert {k: relay.usage[k] for k in USAGE} == USAGE
+    assert events(out) == events(stream)[:3] + [b"data: [DONE]"]  # the usage event cut, the rest untouched
+
+
+def test_event_frames_read_usage_without_the_space_and_one_event_is_bounded():
+    relay = EventRelay({b"response.completed": lambda d: d["response"]["usage"]})
+    frame = b"event:response.completed\ndata:" + json.dumps({"response": {"usage": USAGE}}).encode() + b"\n\n"
+    assert relay.feed(frame) == frame and relay.usage == USAGE
+
+    relay = SSERelay(strip_usage=False)
+    relay.max_event = 1000
+    assert relay.feed(b"data: {}\n\n" + b"x" * 900) == b"data: {}\n\n"
+    with pytest.raises(TooLarge, match="upstream.max_event_bytes of 1000"):
+        relay.feed(b"x" * 200)
+    assert relay.pending == b""
