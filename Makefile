@@ -51,7 +51,7 @@ chart: helm-setup  # the Helm chart's tests alone: lint, render, validate (~10 s
 	$(VENV)/bin/pytest -q tests/chart
 
 bench: venv  # not part of `make test`: the gateway against LiteLLM, vllm-router and nginx (~10 min)
-	$(VENV)/bin/python -m tests.benchmarks.peers.run --variants-compare
+	$(VENV)/bin/python -m tests.benchmarks.peers.run --variants-compare $(ARGS)
 
 bench-caps: venv redis-setup e2e-setup  # not part of `make test`: three gateways on one Redis vs one, on a real CPU vLLM (~2 min), held to 95%
 	CAPS_FLEET_MIN=0.95 $(VENV)/bin/pytest -q -s tests/e2e/test_caps_vllm.py

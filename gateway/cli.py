@@ -92,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.edge import uvicorn_options
     from gateway.server import DrainingServer
 
     try:
@@ -116,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_header=False,  # no "server: uvicorn" on every answer: one header less to write, nothing advertised
         lifespan="on",
         timeout_graceful_shutdown=policy.server.shutdown_timeout,
+        **uvicorn_options(policy.server),  # the bounded edge: head size and time, body rate, idle, connections
     )
     server = DrainingServer(config, policy.server.drain_seconds, on_drain=app.state.start_drain)
     tune_gc()

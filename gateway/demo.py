@@ -124,6 +124,7 @@ def run_demo(host: str, port: int, log_level: str) -> int:
     from gateway.admin_auth import mint_token
     from gateway.app import create_app
     from gateway.cli import configure_logging
+    from gateway.edge import uvicorn_options
 
     configure_logging(log_level)
     # The demo's admin secret lives only in this process unless the caller set one.
@@ -142,7 +143,8 @@ def run_demo(host: str, port: int, log_level: str) -> int:
         key = asyncio.run(issue_demo_key(policy.store.path))
         admin_token = mint_token(policy.admin, 3600)
         config = uvicorn.Config(create_app(policy), host=host, port=port, log_level=log_level, access_log=False,
-                                proxy_headers=False)  # the gateway decides whom to trust (network.trusted_proxies)
+                                proxy_headers=False,  # the gateway decides whom to trust (network.trusted_proxies)
+                                **uvicorn_options(policy.server))
         server = uvicorn.Server(config)
         print(banner(f"http://{host}:{port}", key, admin_token), flush=True)
         server.run()

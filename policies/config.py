@@ -78,6 +78,23 @@ class Server(Strict):
     drain_seconds: float = Field(0.0, ge=0, le=3600)
     # after the drain: how long requests in flight (streams) may take to finish before they are cut
     shutdown_timeout: Seconds = 30.0
+    # The client side of the bounded edge (gateway/edge.py). The request line and headers: 431 beyond (Envoy's
+    # default is 60 KiB, nginx's 4 x 8 KiB; an API request's head is well under 8 KiB).
+    max_header_bytes: int = Field(64 * 1024, ge=4096, le=1024**2)
+    # from a new connection's accept, or a request's first byte, to the end of its headers: 408 beyond (slowloris)
+    header_timeout: Seconds = 30.0
+    # the longest wait for the next bytes of a request body (nginx's client_body_timeout is 60 s): 408 beyond
+    body_timeout: Seconds = 60.0
+    # the least average rate of a body once it has taken 5 s (1 KiB/s: a 25 MB upload may take ~7 h; one byte
+    # per half second is cut after 5 s): 408 beyond
+    body_min_rate: int = Field(1024, ge=0, le=1024**3)
+    # idle keep-alive: longer than the load balancers in front (AWS ALB 60 s, nginx 60-75 s), so that the balancer
+    # closes an idle connection first; a server that closes first races the balancer's reuse of it (the 502s and
+    # "server disconnected" that a 5 s keep-alive gives about once in a few thousand requests)
+    keepalive_seconds: Seconds = 90.0
+    # client connections at once; beyond it the longest-idle one makes room, and only when all serve requests a
+    # new one gets a fast 503 (Retry-After: 1). Also kept under half the process's file limit (see gateway/edge.py).
+    max_connections: int = Field(4096, ge=1, le=1_000_000)
 
 
 class PluginRef(Strict):

@@ -75,7 +75,8 @@ def start_standin(procs: Procs, work: Path) -> StandIn:
 def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gateway",
                   env_extra: dict[str, str] | None = None, args: list[str] | None = None,
                   routing: str | None = None, replicas: int = 1, redis_url: str | None = None,
-                  store: dict | None = None, policy_extra: dict | None = None, variants: bool = False) -> System:
+                  store: dict | None = None, policy_extra: dict | None = None, variants: bool = False,
+                  launcher: list[str] | None = None) -> System:
     """The gateway as `llm-gateway serve` runs it; returns once a key with very high limits is issued.
     `routing` names the routing profile; `replicas` > 1 lists the stand-in that many times per model, so the
     profile has candidates to score (they share one stand-in, so the backend's speed is the same).
@@ -83,7 +84,8 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     slots in Redis); each backend then has a cap far above the load, so every request takes a fleet slot.
     `store`: these store settings as they are (e.g. Redis behind Sentinel or a Cluster), no caps.
     `policy_extra` adds top-level sections to the policy (e.g. `ledger`). `variants`: each model as two variants
-    (a: 80, b: 20) of the same stand-in, so every request is assigned one."""
+    (a: 80, b: 20) of the same stand-in, so every request is assigned one. `launcher`: the command that stands
+    for `llm-gateway` (e.g. a module that changes one thing before running the CLI)."""
     from gateway.admin_auth import mint_token
     from policies.config import Admin
 
@@ -116,7 +118,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     secret = secrets.token_urlsafe(32)
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, **(env_extra or {})}
     cli = str(Path(sys.executable).with_name("llm-gateway"))
-    proc = procs.start(name, [cli, "serve", "--config", str(dir / "policy.yaml"), *(args or [])], SUT_CORE,
+    proc = procs.start(name, [*(launcher or [cli]), "serve", "--config", str(dir / "policy.yaml"), *(args or [])], SUT_CORE,
                        env=env, cwd=dir)
     url = f"http://127.0.0.1:{port}"
     wait_until(http_ok(f"{url}/ready"), proc, 60, name)
