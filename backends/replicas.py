@@ -90,6 +90,7 @@ class ReplicaSet:
         self._on_change = on_change or (lambda replica: None)
         self.draining: list[Replica] = []  # removed replicas whose requests in flight have not all finished
         self.on_drained = lambda replica: None  # called once a drained replica's connections are closed
+        self.probed_once = False  # the first full round of health checks since start has ended (see /ready)
 
     def apply(self, model: str, desired: list[Replica]) -> None:
         """Make `model`'s replicas the `desired` ones, by name: new ones wait for a health probe before they get
@@ -199,6 +200,7 @@ class ReplicaSet:
             if now - last_full >= self.health.interval:
                 last_full = now
                 await self.check_due(client, timeout)
+                self.probed_once = True
             else:  # between rounds: the down ones whose backoff has passed, and new ones waiting for a first probe
                 due = [r for r in self if r.state == PENDING or (r.state == DOWN and r.probe_at <= now)]
                 await asyncio.gather(*(self.check(client, r, timeout) for r in due))

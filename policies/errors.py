@@ -30,6 +30,7 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    retry_after: int | None = None  # seconds, sent as Retry-After: every 503 says when to try again
 
     def __init__(
         self,
@@ -45,6 +46,8 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
+        if self.retry_after is not None:
+            self.headers.setdefault("retry-after", str(self.retry_after))
 
     def body(self) -> bytes:
         return orjson.dumps(
@@ -112,6 +115,7 @@ class NoBackendAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_backend_available"
+    retry_after = 1  # a replica that is out is probed again after health.backoff_initial (1 s by default)
 
 
 class OverBudget(NoBackendAvailable):
@@ -128,10 +132,6 @@ class StateUnavailable(GatewayError):
     type = "service_unavailable"
     code = "store_unavailable"
     retry_after = 2  # seconds: about one Sentinel or Cluster failover (down-after + election)
-
-    def __init__(self, message: str, **kwargs) -> None:
-        super().__init__(message, **kwargs)
-        self.headers.setdefault("retry-after", str(self.retry_after))
 
 
 class UpstreamTimeout(GatewayError):
