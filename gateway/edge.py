@@ -146,18 +146,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._head_seen += len(data)
         super().data_received(data)
-        self._after_read()
+        self._after_read(len(data))
 
-    def _after_read(self) -> None:
+    def _after_read(self, n: int = 0) -> None:
+        """Arm the head timer when a head is still incomplete after a read, the body check when a body is."""
         if self._in_head:
             if self._head_timer is None and self._head_seen and not self.transport.is_closing():
                 self._head_timer = self.loop.call_later(self.bounds.header_timeout, self._head_expired)
-            return
-        cycle = self.cycle
-        if cycle is not None and cycle.more_body and not cycle.response_complete and self._body_timer is None:
-            self._body_started = self._body_last = time.monotonic()
-            self._body_bytes = len(cycle.body)
-            self._body_timer = self.loop.call_later(1.0, self._check_body)
+        elif self._body_timer is not None:
+            self._body_bytes += n  # a body under way: count its progress (a pipelined next request too: close enough)
+            self._body_last = time.monotonic()
+        else:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_complete:
+                self._body_started = self._body_last = time.monotonic()
+                self._body_bytes = len(cycle.body)
+                self._body_timer = self.loop.call_later(1.0, self._check_body)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -166,11 +170,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
-
-    def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
-        self._body_last = time.monotonic()
-        super().on_body(body)
 
     def on_message_complete(self) -> None:
         if self._body_timer is not None:
