@@ -24,7 +24,7 @@ from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
 from gateway.admin_auth import mint_token
 from gateway.app import create_app
-from policies.config import Admin, load_policy
+from policies.config import Admin, load_policy, parse_policy
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record
 from tests.support.probes import metric_sum
 from tests.support.probes import wait_http_ok
@@ -263,3 +263,59 @@ async def test_sighup_reloads_a_real_gateway_process_under_load_and_a_broken_fil
             sim.wait(30)
     text = log_path.read_text()
     assert "cpa: unknown field" in text and "keeps serving" in text, text[-3000:]
+
+
+async def test_a_file_rewritten_in_place_in_two_parts_is_applied_only_whole(caplog):
+    """The first part is itself a valid policy that lacks model `n`: `n` must never vanish while the file is
+    written (no 404/503 for it), and the whole file applies once it is complete."""
+    caplog.set_level(logging.INFO, "gateway.reload")
+    with tempfile.TemporaryDirectory(prefix="llmgw-inplace-") as tmp:
+        path = Path(tmp) / "policy.yaml"
+        store = f"{tmp}/keys.db"
+        async with serve_app(simulator(SIM)) as s1, serve_app(simulator(SIM)) as s2:
+            def text(cap: int) -> tuple[str, str]:
+                head = yaml.safe_dump(policy(store, [{"name": "m", "served_name": "served",  # `models:` last
+                                                      "backends": [{"url": s1, "name": "a", "cap": cap}]}]),
+                                      sort_keys=False)
+                tail = yaml.safe_dump([{"name": "n", "served_name": "served",
+                                        "backends": [{"url": s2, "name": "c"}]}])
+                return head, tail
+            head, tail = text(2)
+            path.write_text(head + tail)
+            assert [m.name for m in load_policy(path).models] == ["m", "n"]
+            app = create_app(load_policy(path), policy_path=str(path))
+            gw = app.state
+            await gw.store.create_key(default_key_record())
+            async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+                await until(lambda: gw.replicas.ready().get("n") and gw.replicas.ready().get("m"), 10)
+                codes: list[int] = []
+                stop = asyncio.Event()
+
+                async def ask_n() -> None:
+                    for _ in range(2000):
+                        if stop.is_set():
+                            return
+                        answer = await http.post(f"{url}/v1/completions",
+                                                 json={"model": "n", "prompt": "x", "max_tokens": 2})
+                        codes.append(answer.status_code)
+                        await asyncio.sleep(0.02)
+
+                asker = asyncio.create_task(ask_n())
+                head, tail = text(5)
+                assert [m.name for m in load_policy_text(head).models] == ["m"]  # the first part alone is valid
+                with open(path, "w", encoding="utf-8") as f:  # in place: same inode, as an editor or a script
+                    f.write(head)
+                    f.flush()
+                    await asyncio.sleep(1.5)
+                    f.write(tail)
+                await until(lambda: gw.replicas.by_model["m"][0].limit == 5, 15)
+                await asyncio.sleep(0.5)
+                stop.set()
+                await asyncio.wait_for(asker, 30)
+                assert [m.name for m in gw.snapshot.policy.models] == ["m", "n"]
+                assert codes and set(codes) == {200}, [c for c in codes if c != 200]
+                assert metric_sum_sync(app, "llm_gateway_policy_reload_total", result="ok") == 1
+
+
+def load_policy_text(text: str):
+    return parse_policy(text, "part")
