@@ -75,13 +75,14 @@ class PolicyReloader:
             except PolicyError as exc:
                 return self.refuse(why, str(exc))
             later = restart_needed(live.policy, policy)
+            if later:  # never "ok" with a setting silently ignored
+                return self.refuse(why, f"{', '.join(later)} take effect only after a restart: restart the "
+                                        f"gateway with this file, or revert those settings to reload the rest")
             apply_static_replicas(policy, self.gateway.replicas)
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
             self.gateway.discovery.sync(policy)
             self.gateway.live_metrics.reloaded(OK, version)
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
-            if later:
-                log.warning("policy reload: changes to %s take effect only after a restart", ", ".join(later))
             return OK
 
     async def stable(self, stamp: tuple | None) -> bool:
