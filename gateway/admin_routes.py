@@ -144,7 +144,7 @@ def admin_router(gateway) -> Router:
             await store.put_key(record)
         except KeyNotFound:
             raise NotFound(f"no API key with id {record.id}", code="key_not_found") from None
-        gateway.forget_key(record.id)
+        await gateway.forget_key(record.id)
         return KeyView.of(record)
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",

@@ -94,6 +94,7 @@ class Gateway:
         self.fleet = open_fleet(self.store, policy)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         self.admin_auth = AdminAuth(policy.admin)
+        self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
             on_outage=lambda outcome: self.metrics.store_unavailable.labels("auth", outcome).inc(),
@@ -197,9 +198,12 @@ class Gateway:
         as it is called from a signal handler)."""
         self.draining = True
 
-    def forget_key(self, key_id: str) -> None:
-        """Drop a changed key from this process's cache at once (other replicas follow within the bound)."""
+    async def forget_key(self, key_id: str) -> None:
+        """Drop a changed key from this process's cache at once and, on Redis, from every replica's: returns
+        once they acknowledged (at most 1 s; a lost message leaves them auth.cache_seconds)."""
         self.authenticate.cache.drop(key_id)
+        if self.key_events is not None:
+            await self.key_events.announce(key_id)
 
     def _replica_changed(self, replica: Replica) -> None:
         if not replica.draining:
@@ -244,6 +248,9 @@ class Gateway:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
         if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
+        if self.key_events is not None:  # other replicas' key changes drop our cached copies
+            loops.append(asyncio.create_task(self.key_events.run(self.authenticate.cache.drop,
+                                                                 self.authenticate.cache.entries.clear)))
         if self.variant_share is not None:  # weights and guard verdicts shared with the other replicas
             loops.append(asyncio.create_task(self.variant_share.run()))
         if self.policy.routing.scrape.enabled:

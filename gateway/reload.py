@@ -2,7 +2,11 @@
 
 A Kubernetes ConfigMap mount changes by swapping a symlink (`..data`) to a new directory, so the file's own
 path keeps its inode and mtime is unreliable through the link: the watch compares the resolved target, its
-mtime and size each `interval`, and the text's hash decides whether anything changed. A new text is validated
+mtime and size each `interval`, and the text's hash decides whether anything changed. A change is read only
+once it is stable, so a file written in pieces is never applied half-written: a new file (a rename, or a
+ConfigMap's symlink swap, both atomic) must keep its stamp for `QUIET_RENAMED`, a file rewritten in place
+(same inode) for `QUIET_IN_PLACE`, longer than the pauses of an editor or a script writing it piecewise; then
+the text is read twice `RECHECK` apart and must hash the same. A new text is validated
 completely (schema, then the egress rules) before anything changes; a file that fails is refused, the log names
 the field, and the policy that was serving stays. A good one becomes a new snapshot (policies/snapshot.py)
 and is swapped in at once; requests in flight finish under the one they started with.
@@ -25,6 +29,10 @@ from policies.snapshot import apply_static_replicas, compile_snapshot, restart_n
 log = logging.getLogger("gateway.reload")
 
 OK, INVALID, UNCHANGED = "ok", "invalid", "unchanged"
+
+QUIET_RENAMED = 0.2  # s a new inode must stay unchanged: a rename or symlink swap is atomic, this is a margin
+QUIET_IN_PLACE = 3.0  # s a file rewritten in place must stay unchanged before it is read
+RECHECK = 0.1  # s between the two reads whose hashes must agree
 
 
 class PolicyReloader:
@@ -50,8 +58,13 @@ class PolicyReloader:
         async with self.lock:
             try:
                 text = Path(self.path).read_text(encoding="utf-8")
+                await asyncio.sleep(RECHECK)
+                again = Path(self.path).read_text(encoding="utf-8")
             except OSError as exc:
                 return self.refuse(why, f"{self.path}: cannot read: {exc.strerror}")
+            if again != text:  # still being written: the poll sees the next change and comes back
+                log.info("policy reload (%s) deferred: %s is still being written", why, self.path)
+                return UNCHANGED
             version = version_of(text)
             live = self.gateway.snapshot
             if version == live.version:
@@ -62,14 +75,22 @@ class PolicyReloader:
             except PolicyError as exc:
                 return self.refuse(why, str(exc))
             later = restart_needed(live.policy, policy)
+            if later:  # never "ok" with a setting silently ignored
+                return self.refuse(why, f"{', '.join(later)} take effect only after a restart: restart the "
+                                        f"gateway with this file, or revert those settings to reload the rest")
             apply_static_replicas(policy, self.gateway.replicas)
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
             self.gateway.discovery.sync(policy)
             self.gateway.live_metrics.reloaded(OK, version)
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
-            if later:
-                log.warning("policy reload: changes to %s take effect only after a restart", ", ".join(later))
             return OK
+
+    async def stable(self, stamp: tuple | None) -> bool:
+        """Whether the file keeps `stamp` for its quiet time: short for a new inode, long for an in-place write."""
+        seen = self.seen
+        in_place = stamp is not None and seen is not None and (stamp[0], stamp[3]) == (seen[0], seen[3])
+        await asyncio.sleep(QUIET_IN_PLACE if in_place else QUIET_RENAMED)
+        return self.stamp() == stamp
 
     def refuse(self, why: str, problem: str) -> str:
         self.gateway.live_metrics.reloaded(INVALID)
@@ -91,6 +112,8 @@ class PolicyReloader:
                 self.wake.clear()
                 stamp = self.stamp()
                 if hup or stamp != self.seen:
+                    if not hup and not await self.stable(stamp):
+                        continue  # changed again while settling: the next poll waits for it anew
                     self.seen = stamp
                     await self.reload("SIGHUP" if hup else "file changed")
         finally:

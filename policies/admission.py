@@ -164,6 +164,27 @@ class ModelQueue:
     def depth(self) -> int:
         return self.line.depth
 
+    def reprioritize(self, priorities: Priorities) -> None:
+        """Take a reloaded `priorities` at once. Queued waiters keep their place within their class, move to
+        its new rank (the default class's, if theirs is gone) and keep the deadline they started with; slots
+        held for a class go to the waiters now."""
+        if priorities == self.priorities:
+            return
+        waiters = []
+        while self.line.depth:
+            waiters.append(self.pop())
+        self.priorities, self.classes = priorities, priorities.classes
+        self.default = priorities.named(priorities.default)
+        self.line = WaitLine(len(self.classes))
+        self.depth_gauges = [self.metrics.queue_depth.labels(self.model, c.name) for c in self.classes]
+        self.wait_histograms = [self.metrics.queue_wait.labels(self.model, c.name) for c in self.classes]
+        for waiter in waiters:
+            waiter.rank = self.class_of(waiter.call)[0]
+            self.push(waiter)
+        for hold in list(self.holds):
+            hold.timer.cancel()
+            self.end_hold(hold)
+
     def class_of(self, call: Call | None) -> tuple[int, PriorityClass]:
         chosen = (call.priority if call is not None else None) or self.default
         for rank, klass in enumerate(self.classes):
@@ -217,14 +238,14 @@ class ModelQueue:
                 replica = waiter.future.result()  # the slot arrived with the deadline: use it
             else:
                 waiter.future.cancel()
-                self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", rank)
+                self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", waiter.rank)
         except asyncio.CancelledError:  # the client went away while waiting
             self.remove(waiter)
             if waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result())
             waiter.future.cancel()
             raise
-        self.wait_histograms[rank].observe(time.monotonic() - waiter.started)
+        self.wait_histograms[waiter.rank].observe(time.monotonic() - waiter.started)  # its rank after a reload
         return replica
 
     def observe(self, replica: Replica, ttft: float) -> None:

@@ -2,7 +2,8 @@
 
 Every failure to authenticate gets the same 401, whatever was wrong (missing, malformed, unknown, expired,
 revoked, wrong secret), and never echoes the key. Verified records are cached per process for
-`auth.cache_seconds`: that is the bound within which a revocation reaches every gateway replica. While the
+`auth.cache_seconds`; on Redis a change is also announced to every replica at once (policies/store/key_events.py),
+so the TTL is only the bound when such a message is lost. While the
 store cannot be reached (an outage, a Redis failover) a record verified within `auth.stale_seconds` is used
 as it was, so keys issued before the failover keep working; a key never seen by this process gets a 503.
 """

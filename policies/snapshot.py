@@ -2,7 +2,8 @@
 
 `compile_snapshot(policy, previous, ...)` builds the pieces a request runs through (routing profiles, the
 admission queues, the pipeline's steps, the rented providers) and reuses what must outlive a reload, by name:
-a model's admission queue (its waiters and drain rate) and its routing profile when its configuration did not
+a model's admission queue (its waiters and drain rate; its priority classes are the new policy's at once, see
+ModelQueue.reprioritize) and its routing profile when its configuration did not
 change (learning scorers keep their state). Rate-limit state lives in the limiter, keyed by scope name, which
 every snapshot shares. The owned replicas are not part of a snapshot: the one live set
 (backends/replicas.py) is brought to what the policy says by `apply_static_replicas`.
@@ -37,8 +38,11 @@ from policies.routing import Profile, Stats, build_profile
 from policies.variants import AssignVariant, Variants
 
 # Parts of the policy that are read once at start (listener, store, timeouts of the shared client, health
-# timings, scraping, admin tokens): a reload that changes them is applied for the rest and says so.
-NEEDS_RESTART = ("listen", "server", "timeouts", "upstream", "health", "store", "auth", "admin", "tracing")
+# timings, scraping, admin tokens): a reload that changes them is refused, naming them, and the old policy
+# keeps serving. Every other setting applies on reload (tests/unit/test_reload_classes.py holds both lists).
+NEEDS_RESTART = ("listen", "server", "timeouts", "upstream", "health", "store", "auth", "admin", "tracing",
+                 "caps", "ledger", "kubernetes", "routing.scrape", "rate_limits.on_store_failure",
+                 "rate_limits.lease_seconds")
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +97,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
                 queue = previous.admission.queues.get(group)
                 if queue is not None:  # waiters, drain rate and adaptive cuts carry over; the settings are new
                     queue.config, queue.profile = model.queue, profiles[model.name]
+                    queue.reprioritize(policy.priorities)
                     queue.replicas = shared.replicas.by_model[group]
                     admission.queues[group] = queue
     shared.variants.configure(policy)
@@ -132,8 +137,15 @@ def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:
 
 
 def restart_needed(old: Policy, new: Policy) -> list[str]:
-    return [field for field in NEEDS_RESTART if getattr(old, field) != getattr(new, field)] + (
-        ["routing.scrape"] if old.routing.scrape != new.routing.scrape else [])
+    """The read-once settings (dotted paths) that differ between the two policies."""
+    return [path for path in NEEDS_RESTART if setting(old, path) != setting(new, path)]
+
+
+def setting(policy: Policy, path: str):
+    value = policy
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _same_profile(old: Policy, new: Policy, model: str) -> bool:

@@ -41,6 +41,7 @@ from policies.store.base import (
     usage_increments,
     with_last_used,
 )
+from policies.store.key_events import KeyEvents
 from policies.store.pipelined import Pipelined, Script
 from policies.store.redis_client import TLSFiles, connect
 
@@ -120,6 +121,9 @@ class RedisStore:
         self._fast = Pipelined.for_client(self._redis, timeout)
         self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
+        # key changes reach the other replicas' auth caches at once (a Cluster client has no pub/sub here:
+        # its replicas follow within auth.cache_seconds)
+        self.key_events = None if self.cluster else KeyEvents(self._redis, prefix)
 
     @property
     def client(self) -> Redis | RedisCluster:

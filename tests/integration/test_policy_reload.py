@@ -24,7 +24,7 @@ from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
 from gateway.admin_auth import mint_token
 from gateway.app import create_app
-from policies.config import Admin, load_policy
+from policies.config import Admin, load_policy, parse_policy
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record
 from tests.support.probes import metric_sum
 from tests.support.probes import wait_http_ok
@@ -263,3 +263,133 @@ async def test_sighup_reloads_a_real_gateway_process_under_load_and_a_broken_fil
             sim.wait(30)
     text = log_path.read_text()
     assert "cpa: unknown field" in text and "keeps serving" in text, text[-3000:]
+
+
+async def test_a_file_rewritten_in_place_in_two_parts_is_applied_only_whole(caplog):
+    """The first part is itself a valid policy that lacks model `n`: `n` must never vanish while the file is
+    written (no 404/503 for it), and the whole file applies once it is complete."""
+    caplog.set_level(logging.INFO, "gateway.reload")
+    with tempfile.TemporaryDirectory(prefix="llmgw-inplace-") as tmp:
+        path = Path(tmp) / "policy.yaml"
+        store = f"{tmp}/keys.db"
+        async with serve_app(simulator(SIM)) as s1, serve_app(simulator(SIM)) as s2:
+            def text(cap: int) -> tuple[str, str]:
+                head = yaml.safe_dump(policy(store, [{"name": "m", "served_name": "served",  # `models:` last
+                                                      "backends": [{"url": s1, "name": "a", "cap": cap}]}]),
+                                      sort_keys=False)
+                tail = yaml.safe_dump([{"name": "n", "served_name": "served",
+                                        "backends": [{"url": s2, "name": "c"}]}])
+                return head, tail
+            head, tail = text(2)
+            path.write_text(head + tail)
+            assert [m.name for m in load_policy(path).models] == ["m", "n"]
+            app = create_app(load_policy(path), policy_path=str(path))
+            gw = app.state
+            await gw.store.create_key(default_key_record())
+            async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+                await until(lambda: gw.replicas.ready().get("n") and gw.replicas.ready().get("m"), 10)
+                codes: list[int] = []
+                stop = asyncio.Event()
+
+                async def ask_n() -> None:
+                    for _ in range(2000):
+                        if stop.is_set():
+                            return
+                        answer = await http.post(f"{url}/v1/completions",
+                                                 json={"model": "n", "prompt": "x", "max_tokens": 2})
+                        codes.append(answer.status_code)
+                        await asyncio.sleep(0.02)
+
+                asker = asyncio.create_task(ask_n())
+                head, tail = text(5)
+                assert [m.name for m in load_policy_text(head).models] == ["m"]  # the first part alone is valid
+                with open(path, "w", encoding="utf-8") as f:  # in place: same inode, as an editor or a script
+                    f.write(head)
+                    f.flush()
+                    await asyncio.sleep(1.5)
+                    f.write(tail)
+                await until(lambda: gw.replicas.by_model["m"][0].limit == 5, 15)
+                await asyncio.sleep(0.5)
+                stop.set()
+                await asyncio.wait_for(asker, 30)
+                assert [m.name for m in gw.snapshot.policy.models] == ["m", "n"]
+                assert codes and set(codes) == {200}, [c for c in codes if c != 200]
+                assert metric_sum_sync(app, "llm_gateway_policy_reload_total", result="ok") == 1
+
+
+def load_policy_text(text: str):
+    return parse_policy(text, "part")
+
+
+RESTART_CHANGES = {  # one valid change of each read-once setting (policies/snapshot.py NEEDS_RESTART)
+    "listen": {"listen": {"host": "127.0.0.1", "port": 1}},
+    "server": {"server": {"max_body_bytes": 1 << 20}},
+    "timeouts": {"timeouts": {"connect": 3.0}},
+    "upstream": {"upstream": {"max_body_bytes": 1 << 20}},
+    "health": {"health": {"interval": 0.3, "backoff_initial": 0.2}},
+    "store": {"store": "other.db"},
+    "auth": {"auth": {"cache_seconds": 7}},
+    "admin": {"admin": {"leeway_seconds": 3}},
+    "tracing": {"tracing": {"sampling_ratio": 0.5}},
+    "caps": {"caps": {"lease_seconds": 20}},
+    "ledger": {"ledger": {"bucket_seconds": 120}},
+    "kubernetes": {"kubernetes": {"kubeconfig": "/nonexistent/kubeconfig"}},
+    "routing.scrape": {"routing": {"scrape": {"interval": 0.5}}},
+    "rate_limits.on_store_failure": {"rate_limits": {"on_store_failure": {"requests": "fail_closed"}}},
+    "rate_limits.lease_seconds": {"rate_limits": {"lease_seconds": 600}},
+}
+
+
+async def test_each_restart_only_setting_is_refused_by_name_and_priorities_apply_to_queued_waiters(caplog):
+    from gateway.reload import INVALID, OK, PolicyReloader
+    from policies.snapshot import NEEDS_RESTART
+
+    assert set(RESTART_CHANGES) == set(NEEDS_RESTART), \
+        "give each setting in NEEDS_RESTART one valid change in RESTART_CHANGES (tests/integration/test_policy_reload.py)"
+    caplog.set_level(logging.INFO, "gateway.reload")
+    with tempfile.TemporaryDirectory(prefix="llmgw-classes-") as tmp:
+        path = Path(tmp) / "policy.yaml"
+        async with serve_app(simulator(SimConfig(model="served", step_base_ms=100))) as sim:
+            def base() -> dict:
+                return {**policy(f"{tmp}/keys.db", [{"name": "m", "served_name": "served",
+                                                     "backends": [{"url": sim, "name": "a", "cap": 1}]}]),
+                        "health": {"interval": 0.2, "backoff_initial": 0.2}}
+            path.write_text(yaml.safe_dump(base()))
+            app = create_app(load_policy(path), policy_path=str(path))
+            gw = app.state
+            await gw.store.create_key(default_key_record())
+            reloader = PolicyReloader(gw, str(path))
+            async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+                await until(lambda: gw.replicas.ready().get("m"), 10)
+                version = gw.snapshot.version
+                for name, change in RESTART_CHANGES.items():
+                    changed = base()
+                    for key, value in change.items():
+                        changed[key] = ({**changed.get(key, {}), **value} if isinstance(value, dict) else
+                                        {**changed[key], "path": f"{tmp}/{value}"})
+                    path.write_text(yaml.safe_dump(changed))
+                    caplog.clear()
+                    assert await reloader.reload("test") == INVALID, name
+                    assert gw.snapshot.version == version, name
+                    refused = " ".join(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+                    assert name in refused and "restart" in refused, (name, refused)
+
+                # priorities: a waiter already queued moves to its class's new rank and is served
+                body = {"model": "m", "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+                first = asyncio.create_task(http.post(f"{url}/v1/completions", json=body))
+                queue = gw.snapshot.admission.queues["m"]
+                await until(lambda: queue.replicas[0].in_flight == 1, 10)
+                second = asyncio.create_task(http.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}))
+                await until(lambda: queue.depth == 1, 10)
+                changed = base()
+                changed["priorities"] = {"default": "interactive", "hold": 0, "classes": [
+                    {"name": "bulk", "max_wait": 60}, {"name": "interactive", "max_wait": 45}]}
+                path.write_text(yaml.safe_dump(changed))
+                assert await reloader.reload("test") == OK
+                live = gw.snapshot.admission.queues["m"]
+                assert live is queue and [c.name for c in live.classes] == ["bulk", "interactive"]
+                assert live.priorities.hold == 0 and live.classes[1].max_wait == 45
+                waiter = live.line.head()
+                assert waiter is not None and waiter.rank == 1  # interactive is now second
+                answers = await asyncio.wait_for(asyncio.gather(first, second), 60)
+                assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]

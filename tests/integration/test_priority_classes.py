@@ -50,7 +50,7 @@ async def test_the_class_reaches_a_priority_backend_and_only_allowed_clients_cho
 
         r = await http.patch(f"/admin/keys/{chat_id}", json={"client_priority": True}, headers=admin)
         assert r.json()["client_priority"] is True
-        gw.state.forget_key(chat_id)
+        await gw.state.forget_key(chat_id)
         assert (await sent(chat, extra={"x-priority-class": "batch"}))["priority"] == 10
         assert (await sent(chat, {**BODY, "priority": -100}))["priority"] == -100  # now its own
         r = await http.post("/v1/chat/completions", json=BODY, headers={**chat, "x-priority-class": "urgent"})

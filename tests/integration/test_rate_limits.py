@@ -23,7 +23,7 @@ HEADERS = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ra
 
 async def with_limits(gw, **limits):
     await gw.state.store.put_key(default_key_record(limits=KeyLimits(**limits)))
-    gw.state.forget_key(default_key_record().id)
+    await gw.state.forget_key(default_key_record().id)
 
 
 async def test_headers_on_every_response_and_sdk_sees_rate_limit_error():
