@@ -1,0 +1,62 @@
+"""A backend's cap holds across endpoint flaps: an endpoint removed and re-added (a flaky readiness probe, a
+slice deleted and recreated) is the same backend, whose requests in flight still count against its cap.
+
+The flaps drive `ReplicaSet.apply` as discovery does (the desired list without the endpoint, then with a fresh
+replica of the same name and address), under a steady load; the backend counts what it serves at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import httpx
+import pytest
+
+from backends.replicas import UNKNOWN
+from backends.simulator import SimConfig, create_app
+from tests.support.asgi import InFlight
+from tests.support.gateway import AUTH, one_model, running_gateway
+from tests.support.servers import serve_app
+
+CAP, CLIENTS = 8, 20
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.05, 0.3])
+async def test_cap_holds_when_the_endpoint_flaps_under_load(gap):
+    sim = SimConfig(model="served-m", step_base_ms=5, step_ms_per_seq=0, max_num_seqs=64)
+    backend = InFlight(create_app(sim))
+    policy = one_model("")
+    async with serve_app(backend) as up:
+        policy["models"][0]["backends"] = [{"url": up, "cap": CAP}]
+        async with running_gateway(policy) as gw, httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+            replicas = gw.state.replicas
+            (original,) = replicas.by_model["m"]
+            stop = asyncio.Event()
+            statuses: list[int] = []
+
+            async def client() -> None:
+                body = {"model": "m", "prompt": "x", "max_tokens": 20, "ignore_eos": True}
+                while not stop.is_set():
+                    statuses.append((await http.post(f"{gw.url}/v1/completions", json=body)).status_code)
+
+            for _ in range(500):  # bounded: until the replica has passed its first probe
+                if original.routable:
+                    break
+                await asyncio.sleep(0.02)
+            clients = [asyncio.create_task(client()) for _ in range(CLIENTS)]
+            for _ in range(500):  # bounded: until the backend holds its cap's worth
+                if backend.now == CAP:
+                    break
+                await asyncio.sleep(0.01)
+            for _ in range(5):  # five flaps while the backend is full
+                fresh = dataclasses.replace(original, in_flight=0, state=UNKNOWN, draining=False, failures=0)
+                replicas.apply("m", [])
+                if gap:
+                    await asyncio.sleep(gap)
+                replicas.apply("m", [fresh])
+                await asyncio.sleep(0.3)
+            stop.set()
+            await asyncio.gather(*clients)
+    assert backend.served > CAP * 5
+    assert backend.peak <= CAP  # never past its cap, as the backend saw it, across every flap
+    assert 200 in statuses
