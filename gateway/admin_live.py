@@ -24,10 +24,11 @@ class ReplicaView(BaseModel):
     name: str
     url: str
     source: str = Field(description="static, kubernetes or kserve")
-    state: str = Field(description="pending (not probed yet), unknown, up or down")
+    state: str = Field(description="pending (not probed yet), unknown, up, down, or refused (never routed to)")
     draining: bool = Field(description="removed: takes no new request, finishes those in flight")
     in_flight: int
     limit: int | None = Field(description="most requests in flight to it; null: unlimited")
+    reason: str | None = Field(default=None, description="why a refused endpoint is not routed to")
 
 
 def live_handlers(gateway) -> list:
@@ -38,7 +39,7 @@ def live_handlers(gateway) -> list:
         return PolicyVersion(version=snapshot.version, loaded_at=snapshot.loaded_at, path=gateway.policy_path,
                              models=[m.name for m in snapshot.policy.models])
 
-    @get("/replicas", summary="Every model's replicas: source, state, drain", sync_to_thread=False,
+    @get("/replicas", summary="Every model's replicas: source, state, drain; refused endpoints and why", sync_to_thread=False,
          responses=errors(401))
     def replicas() -> dict[str, list[ReplicaView]]:
         out: dict[str, list[ReplicaView]] = {}
@@ -46,6 +47,10 @@ def live_handlers(gateway) -> list:
             out[model] = [view(r) for r in members]
         for replica in gateway.replicas.draining:
             out.setdefault(replica.group, []).append(view(replica))
+        for group, refused in gateway.discovery.refused.items():  # endpoints a source reports but egress refuses
+            out.setdefault(group, []).extend(
+                ReplicaView(name=r.name, url=r.url, source=r.source, state="refused", draining=False, in_flight=0,
+                            limit=None, reason=r.reason) for r in refused.values())
         return out
 
     return [policy_version, replicas]
