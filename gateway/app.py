@@ -354,7 +354,7 @@ class Liveness(BaseModel):
 
 class Readiness(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    status: Literal["ready", "not_ready", "draining"]
+    status: Literal["ready", "degraded", "draining"]  # degraded: some model has no healthy backend
     models: dict[str, bool]
 
 
@@ -369,22 +369,21 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         return Liveness(status="ok")
 
     @get("/ready", sync_to_thread=False, responses={
-        503: ResponseSpec(Readiness, description="Some model has no backend that passed its health check, or the"
-                          " process is draining for shutdown (it still serves what reaches it)",
-                          generate_examples=False),
+        503: ResponseSpec(Readiness, description="The process is draining for shutdown (it still serves what"
+                          " reaches it)", generate_examples=False),
     })
     def ready() -> Response[Readiness]:
-        """Readiness: every model has at least one backend that answered its health check, and the process is
-        not draining for shutdown (then 503 while it still serves what reaches it)."""
+        """Readiness of this gateway process: 200 while it can serve (a policy is loaded and it is not draining
+        for shutdown), with each model's readiness in the body (true: a backend passed its health check). A
+        model with no healthy backend is reported false, never a 503 for the pod: every gateway pod sees the
+        same backends, so failing readiness for one model would take the whole gateway out of its Service and
+        make the healthy models unreachable too. Draining: 503 while it still serves what reaches it."""
         models = gateway.replicas.ready()
         if gateway.draining:  # shutting down: still serving, but take this replica out of the Service
-            return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON)
-        # a discovered model with no endpoint (scaled to zero, not Ready) is the cluster's state, the same from
-        # every gateway pod: it does not take this one out of the Service
-        discovered = {model.name for model, _, _ in gateway.discovery.models.values()}
-        ok = all(up for model, up in models.items() if model not in discovered)
-        body = Readiness(status="ready" if ok else "not_ready", models=models)
-        return Response(body, status_code=200 if ok else 503, media_type=MediaType.JSON)
+            return Response(Readiness(status="draining", models=models), status_code=503, media_type=MediaType.JSON,
+                            headers={"retry-after": "1"})  # every 503 says when to ask again
+        body = Readiness(status="ready" if all(models.values()) else "degraded", models=models)
+        return Response(body, status_code=200, media_type=MediaType.JSON)
 
     @get("/metrics", media_type=MediaType.TEXT, sync_to_thread=False)
     def metrics() -> Response[str]:

@@ -18,6 +18,9 @@ The openai SDK picks its exception class from the HTTP status, so the status is 
      +-- StateUnavailable       503   the key/limit store (Redis) cannot be reached
      +-- UpstreamTimeout        504   the backend did not answer in time
 
+Every 503 says when to try again (`retry_after`, sent as Retry-After): a 503 is a state that passes (a backend
+coming back, a store failing over), and clients and SDKs back off by it instead of hammering or giving up.
+
 Messages never contain secrets: callers pass only what is safe to show (never a key, token or header value).
 """
 
@@ -30,6 +33,7 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    retry_after: int | None = None  # seconds: sent as Retry-After when set (every 503 sets it)
 
     def __init__(
         self,
@@ -45,6 +49,8 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
+        if self.retry_after is not None:
+            self.headers.setdefault("retry-after", str(self.retry_after))
 
     def body(self) -> bytes:
         return orjson.dumps(
@@ -112,6 +118,7 @@ class NoBackendAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_backend_available"
+    retry_after = 1  # seconds: about one health probe of a backend that is down or new
 
 
 class OverBudget(NoBackendAvailable):
@@ -128,10 +135,6 @@ class StateUnavailable(GatewayError):
     type = "service_unavailable"
     code = "store_unavailable"
     retry_after = 2  # seconds: about one Sentinel or Cluster failover (down-after + election)
-
-    def __init__(self, message: str, **kwargs) -> None:
-        super().__init__(message, **kwargs)
-        self.headers.setdefault("retry-after", str(self.retry_after))
 
 
 class UpstreamTimeout(GatewayError):
