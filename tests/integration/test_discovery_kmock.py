@@ -23,6 +23,7 @@ from gateway.admin_auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, Policy
 from tests.integration.test_policy_reload import Load, sim_served, until
+from tests.integration.test_replica_flaps import completions
 from tests.support.asgi import InFlight
 from tests.support.gateway import AUTH, default_key_record
 from tests.support.servers import free_port, serve_app
@@ -222,15 +223,8 @@ async def test_cap_holds_when_the_slice_is_deleted_and_recreated_under_load():
         async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=60) as http:
             await until(lambda: gw.replicas.ready().get("m"), 30)
 
-            async def load() -> None:
-                # ~1.5 s each: still in flight when the recreated endpoint has passed its probe
-                body = {"model": "m", "prompt": "x", "max_tokens": 150, "ignore_eos": True}
-                for _ in range(5000):  # bounded even if the test fails before it stops the load
-                    if stop.is_set():
-                        return
-                    statuses.append((await http.post(f"{url}/v1/completions", json=body)).status_code)
-
-            clients = [asyncio.create_task(load()) for _ in range(20)]
+            # ~1.5 s each: still in flight when the recreated endpoint has passed its probe
+            clients = [asyncio.create_task(completions(http, url, stop, statuses, max_tokens=150)) for _ in range(20)]
             await until(lambda: backend.now == 8, 30)
             for gap in (0, 0.05, 0.3):
                 await call(slices.delete_namespaced_endpoint_slice, "vllm-abc", NS)

@@ -21,6 +21,16 @@ from tests.support.servers import serve_app
 CAP, CLIENTS = 8, 20
 
 
+async def completions(http: httpx.AsyncClient, url: str, stop: asyncio.Event, statuses: list[int],
+                      max_tokens: int = 20) -> None:
+    """One client of the load: completions one after another until `stop`, each status kept."""
+    body = {"model": "m", "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True}
+    for _ in range(5000):  # bounded even if the test fails before it stops the load
+        if stop.is_set():
+            return
+        statuses.append((await http.post(f"{url}/v1/completions", json=body)).status_code)
+
+
 @pytest.mark.parametrize("gap", [0.0, 0.05, 0.3])
 async def test_cap_holds_when_the_endpoint_flaps_under_load(gap):
     sim = SimConfig(model="served-m", step_base_ms=5, step_ms_per_seq=0, max_num_seqs=64)
@@ -34,16 +44,11 @@ async def test_cap_holds_when_the_endpoint_flaps_under_load(gap):
             stop = asyncio.Event()
             statuses: list[int] = []
 
-            async def client() -> None:
-                body = {"model": "m", "prompt": "x", "max_tokens": 20, "ignore_eos": True}
-                while not stop.is_set():
-                    statuses.append((await http.post(f"{gw.url}/v1/completions", json=body)).status_code)
-
             for _ in range(500):  # bounded: until the replica has passed its first probe
                 if original.routable:
                     break
                 await asyncio.sleep(0.02)
-            clients = [asyncio.create_task(client()) for _ in range(CLIENTS)]
+            clients = [asyncio.create_task(completions(http, gw.url, stop, statuses)) for _ in range(CLIENTS)]
             for _ in range(500):  # bounded: until the backend holds its cap's worth
                 if backend.now == CAP:
                     break
@@ -79,18 +84,11 @@ async def test_no_503_while_a_healthy_replica_exists_as_another_flaps_or_is_adde
             stop = asyncio.Event()
             statuses: list[int] = []
 
-            async def client() -> None:
-                body = {"model": "m", "prompt": "x", "max_tokens": 20, "ignore_eos": True}
-                for _ in range(5000):  # bounded even if the test fails before it stops the load
-                    if stop.is_set():
-                        return
-                    statuses.append((await http.post(f"{gw.url}/v1/completions", json=body)).status_code)
-
             for _ in range(500):  # bounded: until both have passed their first probe
                 if ra.routable and rb.routable:
                     break
                 await asyncio.sleep(0.02)
-            clients = [asyncio.create_task(client()) for _ in range(CLIENTS)]
+            clients = [asyncio.create_task(completions(http, gw.url, stop, statuses)) for _ in range(CLIENTS)]
             for gap in (0.0, 0.05, 0.3, 1.5):
                 fresh = dataclasses.replace(rb, in_flight=0, state=UNKNOWN, draining=False, failures=0)
                 replicas.apply("m", [ra])
