@@ -7,7 +7,9 @@ again after a backoff that doubles with every failed probe, and one successful p
 The set is live: `ReplicaSet.apply(model, desired)` makes a model's replicas the desired ones, by stable name.
 A replica that is new is `pending` (no traffic) until its first health probe passes; one that is gone is
 drained: it gets no new request, those in flight finish, and then its pooled connections are closed. A replica
-that stays keeps its state, counters and slots; only its settings (cap, served name, health path) change.
+that stays keeps its state, counters and slots; only its settings (cap, served name, health path) change. A replica is its address: one that comes back while
+still draining (an endpoint flap) is the draining one again, with its state and requests in flight, so the cap
+counts them.
 """
 
 from __future__ import annotations
@@ -110,12 +112,33 @@ class ReplicaSet:
                 wanted[new.name] = new  # same name, another URL: the old one drains, the new one is probed
             self.drain(replica)
         for new in wanted.values():
+            back = self._undrain(new)
+            if back is not None:  # the draining replica came back (an endpoint flap): its in-flight count holds
+                keep.append(back)
+                self._on_change(back)
+                continue
             new.state = PENDING
             keep.append(new)
             log.info("backend %s (%s) of model %s added from %s: probing before it gets traffic",
                      new.name, new.url, model, new.source)
             self._on_change(new)
         current[:] = keep
+
+    def _undrain(self, new: Replica) -> Replica | None:
+        """The draining replica with `new`'s name and URL, back in service with `new`'s settings, or None.
+
+        A replica is its address: an endpoint removed and re-added (a flaky readiness probe, a slice deleted and
+        recreated) is the same backend with the same requests in flight, so it must not start again from 0 in
+        flight under the same cap (that would let the backend hold twice its cap)."""
+        back = next((r for r in self.draining if r.name == new.name and r.url == new.url), None)
+        if back is None:
+            return None
+        self.draining.remove(back)
+        back.draining = False
+        back.take_settings(new)
+        log.info("backend %s (%s) of model %s is back while draining: it keeps its %d request(s) in flight",
+                 back.name, back.url, back.model, back.in_flight)
+        return back
 
     def remove_model(self, model: str) -> None:
         """Drain every replica of a model that is no longer served."""

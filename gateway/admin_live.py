@@ -24,10 +24,11 @@ class ReplicaView(BaseModel):
     name: str
     url: str
     source: str = Field(description="static, kubernetes or kserve")
-    state: str = Field(description="pending (not probed yet), unknown, up or down")
+    state: str = Field(description="pending (not probed yet), unknown, up, down, or refused (never routed to)")
     draining: bool = Field(description="removed: takes no new request, finishes those in flight")
     in_flight: int
     limit: int | None = Field(description="most requests in flight to it; null: unlimited")
+    reason: str | None = Field(default=None, description="why a refused endpoint is not routed to")
 
 
 class WatchView(BaseModel):
@@ -55,7 +56,7 @@ def live_handlers(gateway) -> list:
         return PolicyVersion(version=snapshot.version, loaded_at=snapshot.loaded_at, path=gateway.policy_path,
                              models=[m.name for m in snapshot.policy.models])
 
-    @get("/replicas", summary="Every model's replicas: source, state, drain; and the discovery watches",
+    @get("/replicas", summary="Every model's replicas: source, state, drain; refused endpoints and why; the discovery watches",
          description=f"One key per model (or `model#variant`) with its replicas, and `{WATCHES}`: the state of"
                      " every discovery watch (only when some model uses discovery).", sync_to_thread=False,
          responses=errors(401))
@@ -65,6 +66,10 @@ def live_handlers(gateway) -> list:
             out[model] = [view(r) for r in members]
         for replica in gateway.replicas.draining:
             out.setdefault(replica.group, []).append(view(replica))
+        for group, refused in gateway.discovery.refused.items():  # endpoints a source reports but egress refuses
+            out.setdefault(group, []).extend(
+                ReplicaView(name=r.name, url=r.url, source=r.source, state="refused", draining=False, in_flight=0,
+                            limit=None, reason=r.reason) for r in refused.values())
         watches = [watch_view(*w) for w in gateway.discovery.watches()]
         if watches:
             out[WATCHES] = watches

@@ -3,14 +3,16 @@ the policy, feeding the live replica set.
 
 Each endpoint a source reports becomes a replica named `MODEL@ADDRESS:PORT` (stable while the endpoint is),
 with the model's `discovery` settings (cap, health path). An address outside `network.private_cidrs` is
-refused: logged once, counted in llm_gateway_egress_refused_total, never added. Sources report from their
-own threads; the set is changed on the event loop.
+refused, never added: listed with its reason in `refused` (shown by /admin/replicas while the source reports
+it), logged when it appears, and counted in llm_gateway_egress_refused_total at every event that reports it.
+Sources report from their own threads; the set is changed on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from backends.egress import inside, networks
 from backends.replicas import Replica, ReplicaSet
@@ -48,7 +50,7 @@ class Discovery:
         self.running: dict[str, tuple[tuple, Source]] = {}  # model -> (what it watches, the source)
         self.models: dict[str, tuple[Model, DiscoveryConfig, str | None]] = {}  # set -> model, source, variant
         self.last: dict[str, list[Endpoint]] = {}
-        self.refused: set[str] = set()
+        self.refused: dict[str, dict[str, Refused]] = {}  # replica set -> the refused endpoints it has now
         self.nets = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -61,6 +63,7 @@ class Discovery:
         for name in [n for n in self.running if n not in self.models]:
             self.running.pop(name)[1].stop()
             self.last.pop(name, None)
+            self.refused.pop(name, None)
         for name, (_, config, _) in self.models.items():
             target = (config.kind, config.namespace, config.service, config.inference_service, config.port,
                       policy.kubernetes)
@@ -93,25 +96,30 @@ class Discovery:
             return  # a source that was replaced or stopped: its last words do not count
         self.last[model] = endpoints
         self.apply(model, endpoints)
+        for refused in self.refused.get(model, {}).values():  # counted per event, not once per process
+            self.on_refused(refused.address)
 
     def apply(self, name: str, endpoints: list[Endpoint]) -> None:
         """`name` is a replica set: a model, or one of its variants (`model#variant`)."""
         model, config, variant = self.models[name]
         desired = []
+        before, refused = self.refused.get(name, {}), {}
         for endpoint in endpoints:
             if not inside(endpoint.address, self.nets):
-                if endpoint.address not in self.refused:
-                    self.refused.add(endpoint.address)
+                key = f"{name}@{endpoint.address}:{endpoint.port}"
+                refused[key] = Refused(key, endpoint.address, endpoint.url(config.scheme), config.kind,
+                                       "outside network.private_cidrs")
+                if key not in before:
                     log.warning("refused: endpoint %s of model %s (%s %s/%s) is outside network.private_cidrs;"
                                 " never routed to", endpoint.address, name, config.kind, config.namespace,
                                 config.service or config.inference_service)
-                    self.on_refused(endpoint.address)
                 continue
             desired.append(Replica(
                 name=f"{name}@{endpoint.address}:{endpoint.port}", model=model.name, url=endpoint.url(config.scheme),
                 served_name=served_name(model, variant), cap=config.cap, health_path=config.health_path,
                 source=config.kind, variant=variant,
             ))
+        self.refused[name] = refused
         self.replicas.apply(name, desired)
 
     def watches(self) -> list[tuple[str, str, Watcher]]:
@@ -123,6 +131,17 @@ class Discovery:
         for _, source in self.running.values():
             source.stop()
         self.running.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An endpoint a source reported that the gateway will not route to, and why."""
+
+    name: str  # MODEL@ADDRESS:PORT, as its replica would be named
+    address: str
+    url: str
+    source: str
+    reason: str
 
 
 def served_name(model: Model, variant: str | None) -> str:

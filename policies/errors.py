@@ -18,6 +18,9 @@ The openai SDK picks its exception class from the HTTP status, so the status is 
      +-- StateUnavailable       503   the key/limit store (Redis) cannot be reached
      +-- UpstreamTimeout        504   the backend did not answer in time
 
+Every 503 says when to try again (`retry_after`, sent as Retry-After): a 503 is a state that passes (a backend
+coming back, a store failing over), and clients and SDKs back off by it instead of hammering or giving up.
+
 Messages never contain secrets: callers pass only what is safe to show (never a key, token or header value).
 """
 

@@ -19,9 +19,12 @@ from kubernetes import client, config
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
+from gateway.admin_auth import mint_token
 from gateway.app import create_app
-from policies.config import Policy
+from policies.config import Admin, Policy
 from tests.integration.test_policy_reload import Load, sim_served, until
+from tests.integration.test_replica_flaps import completions
+from tests.support.asgi import InFlight
 from tests.support.gateway import AUTH, default_key_record
 from tests.support.servers import free_port, serve_app
 
@@ -138,7 +141,7 @@ async def test_endpoints_scale_up_and_down_under_load_and_a_public_address_is_re
 
                 await call(slices.create_namespaced_endpoint_slice, NS,
                            endpoint_slice("vllm-public", "vllm", ["8.8.8.8"], port))
-                await until(lambda: "8.8.8.8" in gw.discovery.refused, 5)
+                await until(lambda: f"m@8.8.8.8:{port}" in gw.discovery.refused.get("m", {}), 5)
                 assert replica_names(gw, "m") == [f"m@{hosts[0]}:{port}"]
                 assert await metric(http, url, "llm_gateway_egress_refused_total", host="8.8.8.8") == 1
             assert load.failures == [] and load.done > 40
@@ -192,3 +195,82 @@ async def metric(http, url, name, **labels) -> float:
     from tests.support.probes import metric_sum
 
     return metric_sum((await http.get(f"{url}/metrics")).text, name, **labels)
+
+
+def discovered(kubeconfig_path: str, tmp: str, cap: int | None = None) -> Policy:
+    found = {"kind": "kubernetes", "namespace": NS, "service": "vllm", "port": "http"}
+    return Policy.model_validate({
+        "store": {"kind": "sqlite", "path": f"{tmp}/keys.db"},
+        "health": {"interval": 0.5, "backoff_initial": 0.2},
+        "kubernetes": {"kubeconfig": kubeconfig_path},
+        "models": [{"name": "m", "served_name": "served", "discovery": {**found, "cap": cap} if cap else found}],
+    })
+
+
+async def test_cap_holds_when_the_slice_is_deleted_and_recreated_under_load():
+    """Cap 8, 20 clients: the slice deleted and at once recreated (and again after 50 and 300 ms) brings back
+    the draining replica with its requests in flight, so the backend never holds more than 8."""
+    port, host = free_port(), "127.0.0.6"
+    backend = InFlight(simulator(SimConfig(model="served", step_base_ms=10, step_ms_per_seq=0, max_num_seqs=64)))
+    async with cluster() as (kubeconfig_path, api, tmp), serve_app(backend, port=port, host=host):
+        slices = client.DiscoveryV1Api(api)
+        await call(slices.create_namespaced_endpoint_slice, NS, endpoint_slice("vllm-abc", "vllm", [host], port))
+        app = create_app(discovered(kubeconfig_path, tmp, cap=8))
+        gw = app.state
+        await gw.store.create_key(default_key_record())
+        statuses: list[int] = []
+        stop = asyncio.Event()
+        async with serve_app(app) as url, httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+            await until(lambda: gw.replicas.ready().get("m"), 30)
+
+            # ~1.5 s each: still in flight when the recreated endpoint has passed its probe
+            clients = [asyncio.create_task(completions(http, url, stop, statuses, max_tokens=150)) for _ in range(20)]
+            await until(lambda: backend.now == 8, 30)
+            for gap in (0, 0.05, 0.3):
+                await call(slices.delete_namespaced_endpoint_slice, "vllm-abc", NS)
+                if gap:
+                    await asyncio.sleep(gap)
+                await call(slices.create_namespaced_endpoint_slice, NS,
+                           endpoint_slice("vllm-abc", "vllm", [host], port))
+                await until(lambda: gw.replicas.ready().get("m"), 10)
+                await asyncio.sleep(1)
+            stop.set()
+            await asyncio.gather(*clients)
+    assert backend.served > 16
+    assert backend.peak <= 8  # counted at the backend, across every delete and recreate
+    assert 200 in statuses
+
+
+async def test_refused_endpoints_show_in_admin_replicas_and_count_per_event(monkeypatch):
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", "s" * 40)
+    viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+    port, host = free_port(), "127.0.0.7"
+    async with cluster() as (kubeconfig_path, api, tmp), serve_app(simulator(SIM), port=port, host=host):
+        slices = client.DiscoveryV1Api(api)
+        await call(slices.create_namespaced_endpoint_slice, NS, endpoint_slice("vllm-abc", "vllm", [host], port))
+        app = create_app(discovered(kubeconfig_path, tmp))
+        gw = app.state
+        async with serve_app(app) as url, httpx.AsyncClient(timeout=30) as http:
+            await until(lambda: gw.replicas.ready().get("m"), 30)
+            await call(slices.create_namespaced_endpoint_slice, NS,
+                       endpoint_slice("vllm-public", "vllm", ["8.8.8.8"], port))
+            await until(lambda: gw.discovery.refused.get("m"), 10)
+            replicas = (await http.get(f"{url}/admin/replicas", headers=viewer)).json()["m"]
+            assert [(r["name"], r["state"], r["reason"]) for r in replicas if r["state"] == "refused"] == \
+                [(f"m@8.8.8.8:{port}", "refused", "outside network.private_cidrs")]
+            assert [r["name"] for r in replicas if r["state"] != "refused"] == [f"m@{host}:{port}"]
+            assert await metric(http, url, "llm_gateway_egress_refused_total", host="8.8.8.8") == 1
+
+            for n in (2, 3):  # every event that still reports it counts it again (not once per process)
+                await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS,
+                           {"metadata": {"labels": {"kubernetes.io/service-name": "vllm", "event": str(n)}}})
+                for _ in range(200):  # bounded: until the event reached the gateway
+                    if await metric(http, url, "llm_gateway_egress_refused_total", host="8.8.8.8") == n:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await metric(http, url, "llm_gateway_egress_refused_total", host="8.8.8.8") == n
+
+            await call(slices.delete_namespaced_endpoint_slice, "vllm-public", NS)
+            await until(lambda: not gw.discovery.refused.get("m"), 10)
+            replicas = (await http.get(f"{url}/admin/replicas", headers=viewer)).json()["m"]
+            assert [r["state"] for r in replicas] == ["up"]

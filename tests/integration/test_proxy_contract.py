@@ -166,7 +166,31 @@ async def test_no_reachable_backend_is_503(http):
         assert info.value.response.headers["retry-after"] == "1"  # every 503 says when to try again
         # one model down does not take the gateway pod out of its Service: its healthy models must stay reachable
         r = await http.get(f"{gw.url}/ready")
+        # the pod stays in its Service (other models may be healthy); the model is reported not ready
         assert r.status_code == 200 and r.json() == {"status": "degraded", "models": {"m": False}}
+
+
+async def test_one_model_without_a_backend_keeps_the_gateway_ready_for_the_others(http):
+    """/ready stays 200 (the pod stays in its Service) while a model has no healthy backend: it is reported
+    false, the healthy model keeps serving, the dead one's requests get a 503 with Retry-After."""
+    rec = Recorder()
+    async with serve_app(rec) as up:
+        policy = one_model(up)
+        policy["models"].append({"name": "dead", "backends": [{"url": f"http://127.0.0.1:{free_port()}"}]})
+        async with running_gateway(policy) as gw:
+            body = None
+            for _ in range(200):  # bounded: until both models have had their first health check
+                body = (await http.get(f"{gw.url}/ready")).json()
+                if body["models"] == {"m": True, "dead": False}:
+                    break
+                await asyncio.sleep(0.05)
+            r = await http.get(f"{gw.url}/ready")
+            assert r.status_code == 200 and r.json() == {"status": "degraded", "models": {"m": True, "dead": False}}
+            assert (await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})).status_code == 200
+            dead = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "dead"})
+            assert dead.status_code == 503 and int(dead.headers["retry-after"]) >= 1
+            gw.state.start_drain()  # shutting down: now the pod leaves its Service
+            assert (await http.get(f"{gw.url}/ready")).status_code == 503
 
 
 async def test_stream_broken_mid_way_ends_with_an_error_event(http):

@@ -34,7 +34,7 @@ def variants_policy(a: str, b: str, **model) -> dict:
 
 async def wait_ready(http: httpx.AsyncClient, url: str) -> None:
     for _ in range(200):
-        if (await http.get(f"{url}/ready")).status_code == 200:
+        if (await http.get(f"{url}/ready")).json()["status"] == "ready":
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the gateway never became ready")

@@ -21,11 +21,13 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    """Poll `url` until it answers 200; fail early if `proc` exits, and after `timeout` seconds."""
+    """Poll `url` until it answers 200 (a gateway's `/ready`: until every model is ready, not only the process);
+    fail early if `proc` exits, and after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
+            reply = httpx.get(url, timeout=1)
+            if reply.status_code == 200 and (not url.endswith("/ready") or reply.json().get("status") == "ready"):
                 return
         except httpx.HTTPError:
             pass

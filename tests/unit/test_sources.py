@@ -69,7 +69,14 @@ async def test_endpoints_become_replicas_and_public_addresses_are_refused():
     assert refused == ["8.8.8.8"]
     fake.emit([Endpoint("8.8.8.8", 8000)])
     await asyncio.sleep(0.01)
-    assert replicas.by_model["m"] == [] and refused == ["8.8.8.8"]  # logged and counted once
+    assert replicas.by_model["m"] == [] and refused == ["8.8.8.8"] * 2  # counted at every event that reports it
+    [shown] = discovery.refused["m"].values()  # listed (for /admin/replicas) with its reason while reported
+    assert (shown.name, shown.reason) == ("m@8.8.8.8:8000", "outside network.private_cidrs")
+    discovery.sync(policy)  # a reload is no new event: not counted again
+    assert refused == ["8.8.8.8"] * 2
+    fake.emit([])
+    await asyncio.sleep(0.01)
+    assert discovery.refused["m"] == {}
     discovery.sync(parse_policy("models: [{name: n, backends: [{url: 'http://10.0.0.1'}]}]"))
     assert fake.stopped and discovery.running == {}
 
