@@ -320,6 +320,9 @@ class Provider(Strict):
     price_per_million_tokens: Price = Price()
     timeout: Seconds = 120.0
     allow_private_address: bool = False  # only for test stand-ins on loopback: say so explicitly
+    # pass the trace context (`traceparent`, `tracestate`) to this provider: off, since a public API has no
+    # business with a private client's trace ids or vendor state
+    send_trace_context: bool = False
 
     @field_validator("base_url")
     @classmethod
@@ -583,7 +586,8 @@ class Tracing(Strict):
     """OpenTelemetry traces of every call, sent over OTLP/HTTP to the team's own collector (gateway/tracing.py).
 
     Off by default. Header values (a collector's token) come from environment variables, never from this file,
-    and are never logged. A client's `traceparent` is continued and passed upstream whether or not this is on.
+    and are never logged. A client's `traceparent` is continued and passed to owned backends whether or not this
+    is on (to a rented provider only with its `send_trace_context`).
     """
 
     enabled: bool = False
