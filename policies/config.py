@@ -392,6 +392,10 @@ class PriorityClass(Strict):
     max_wait: Seconds | None = None  # its own bound on the wait for a slot (default: the model's queue.max_wait)
     vllm_priority: int = 0  # sent as vLLM's `priority` to backends with scheduling_policy: priority
     rent_first: bool = False  # a key allowed to rent spills to the rented provider rather than wait at all
+    # the least fraction of freed slots this class gets while it waits, ahead of better classes (so nightly
+    # batch work finishes under steady interactive load); 0: served only when no better class wants a slot,
+    # which starves it whenever better classes alone fill the cap
+    min_share: float = Field(0.0, ge=0, le=1)
 
 
 class Priorities(Strict):

@@ -370,7 +370,8 @@ class FleetModelQueue(ModelQueue):
                             " will expire", len(members), replica.name)
         await self.pump()
 
-    def dispatch(self) -> None:
+    def dispatch(self, first: int | None = None) -> None:
+        """(`first`, a class owed a slot by its min_share, is not honoured across processes: see release.)"""
         if self.depth:
             self.spawn(self.pump())
 
