@@ -32,6 +32,7 @@ class ProviderSettings:
     models: dict[str, str] = field(default_factory=dict)  # our public model -> the provider's model
     price: Price = Price()
     timeout: float = 120.0
+    send_trace_context: bool = False  # the trace context headers go to it only when the policy says so
 
 
 class RentedProviders:
@@ -41,6 +42,7 @@ class RentedProviders:
         self.prices: dict[str, Price] = {p.name: p.price for p in providers}
         self.timeouts = {p.name: p.timeout for p in providers}
         self.keys: dict[str, str] = {}
+        self.trace_context = {p.name for p in providers if p.send_trace_context}  # providers told of traces
         for provider in providers:
             key = os.environ.get(provider.api_key_env, "")
             if key:

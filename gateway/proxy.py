@@ -220,7 +220,9 @@ class Proxy:
         path = route.upstream_path(call.params)
         if call.query:
             path += call.query
-        trace_headers = self.tracing.sending(call, target)
+        trace_headers = self.tracing.sending(call, target)  # records the attempt's span either way
+        if target.rented and target.rented not in self.rented.trace_context:
+            trace_headers = b""  # a rented provider hears of the trace only where the policy says so
         call.sent_at = time.perf_counter()
         upstream = self.upstreams.get(target) or self.add_upstream(target)
         if route.body == MULTIPART:

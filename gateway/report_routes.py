@@ -72,6 +72,7 @@ class ModelFigures(Closed):
     rented_price_per_million_tokens: float | None
     rent_all_cost: float | None
     actual_cost: float | None
+    own_all_cost: float | None
     break_even_utilisation: float | None
     burstiness: float | None
     peak_requests_per_minute: float

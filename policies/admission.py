@@ -103,8 +103,9 @@ class WaitLine:
         self.depths[waiter.rank] += 1
         self.depth += 1
 
-    def pop(self) -> Waiter:
-        rank = next(i for i, d in enumerate(self.depths) if d)
+    def pop(self, first: int | None = None) -> Waiter:
+        """The next waiter: of class `first` when it waits, else of the best class that does."""
+        rank = first if first is not None and self.depths[first] else next(i for i, d in enumerate(self.depths) if d)
         by_owner, turns = self.by_owner[rank], self.turns[rank]
         owner = turns.popleft()
         queue = by_owner[owner]
@@ -151,6 +152,7 @@ class ModelQueue:
         self.classes = self.priorities.classes
         self.default = self.priorities.named(self.priorities.default)
         self.line = WaitLine(len(self.classes))
+        self.credits: dict[str, float] = {}  # by class name: freed slots owed to it by its min_share (share_due)
         self.holds: list[Hold] = []  # see release
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
@@ -265,7 +267,26 @@ class ModelQueue:
                 self.dispatch()
         self.metrics.backend_limit.labels(replica.model, replica.name).set(int(replica.limit))
 
+    def share_due(self) -> int | None:
+        """The class a freed slot is owed to by its min_share, if any: each freed slot adds a waiting class's
+        share to its credit, a whole credit is one slot for it ahead of better classes."""
+        due = None
+        for rank, klass in enumerate(self.classes):
+            if not klass.min_share or not self.line.depths[rank]:
+                self.credits.pop(klass.name, None)  # owed only while it waits
+                continue
+            credit = self.credits.get(klass.name, 0.0) + klass.min_share
+            if due is None and credit >= 1.0:
+                credit -= 1.0
+                due = rank
+            self.credits[klass.name] = credit
+        return due
+
     def release(self, replica: Replica, call: Call | None = None) -> None:
+        due = self.share_due() if self.depth else None
+        if due is not None:
+            self.free(replica, first=due)
+            return
         if call is not None and self.depth and self.priorities.hold:
             rank = self.class_of(call)[0]
             if not self.line.ahead_of(rank):
@@ -277,12 +298,12 @@ class ModelQueue:
                 return
         self.free(replica)
 
-    def free(self, replica: Replica) -> None:
+    def free(self, replica: Replica, first: int | None = None) -> None:
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.held_gauge(replica.name).set(replica.in_flight)
         self.drain.tick(time.monotonic())
-        self.dispatch()
+        self.dispatch(first)
 
     def take_held(self, rank: int, exclude: Sequence[Replica]) -> Replica | None:
         """A slot held for this class (or a worse one), handed over as it is: still counted as taken."""
@@ -297,11 +318,13 @@ class ModelQueue:
         self.holds.remove(hold)
         self.free(hold.replica)
 
-    def dispatch(self) -> None:
-        """Hand free slots to waiters, class by class and fairly within one, for as long as there are both."""
+    def dispatch(self, first: int | None = None) -> None:
+        """Hand free slots to waiters, class by class and fairly within one, for as long as there are both;
+        the first to class `first` when it waits (a slot its min_share is owed)."""
         skipped: list[Waiter] = []  # waiters whose only free replica is one they already failed on
         while self.depth and any(r.routable and r.has_room for r in self.replicas):
-            waiter = self.pop()
+            waiter = self.pop(first)
+            first = None
             replica = self.free_replica(waiter.call, waiter.exclude)
             if replica is None:
                 skipped.append(waiter)
@@ -314,8 +337,8 @@ class ModelQueue:
         self.line.push(waiter, front)
         self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
 
-    def pop(self) -> Waiter:
-        waiter = self.line.pop()
+    def pop(self, first: int | None = None) -> Waiter:
+        waiter = self.line.pop(first)
         self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
         return waiter
 
@@ -330,9 +353,21 @@ class ModelQueue:
         ahead = self.depth if rank is None else self.line.ahead_of(rank)
         return (ahead + 1) / rate
 
+    def starved_wait(self, rank: int) -> float:
+        """What a request of class `rank` that just waited its max_wait in vain can expect to wait next: with a
+        min_share, its place among its own class at that share of the drain rate; without, better classes
+        alone may fill the cap for as long again, so its max_wait (never the 1 s the overall rate suggests)."""
+        klass = self.classes[rank]
+        rate = self.drain.per_second(time.monotonic())
+        if klass.min_share and rate:
+            return (self.line.depths[rank] + 1) / (rate * klass.min_share)
+        return klass.max_wait or self.config.max_wait
+
     def refuse(self, reason: str, message: str, rank: int | None = None) -> None:
         self.metrics.admission_rejected.labels(self.model, reason).inc()
         wait = max(0.001, self.retry_after(rank))
+        if reason == QUEUE_TIMEOUT and rank:  # a worse class that got no slot: its own expected wait
+            wait = max(wait, self.starved_wait(rank))
         raise RateLimited(
             f"{message}; try again in {wait:.1f} s",
             code="model_at_capacity",

@@ -51,6 +51,7 @@ def rented_providers(policy: Policy) -> RentedProviders:
         ProviderSettings(
             name=p.name, base_url=p.base_url, api_key_env=p.api_key_env, models=dict(p.models),
             price=Price(p.price_per_million_tokens.input, p.price_per_million_tokens.output), timeout=p.timeout,
+            send_trace_context=p.send_trace_context,
         )
         for p in policy.providers
     ]

@@ -349,6 +349,9 @@ class Provider(Strict):
     price_per_million_tokens: Price = Price()
     timeout: Seconds = 120.0
     allow_private_address: bool = False  # only for test stand-ins on loopback: say so explicitly
+    # pass the trace context (`traceparent`, `tracestate`) to this provider: off, since a public API has no
+    # business with a private client's trace ids or vendor state
+    send_trace_context: bool = False
 
     @field_validator("base_url")
     @classmethod
@@ -418,6 +421,10 @@ class PriorityClass(Strict):
     max_wait: Seconds | None = None  # its own bound on the wait for a slot (default: the model's queue.max_wait)
     vllm_priority: int = 0  # sent as vLLM's `priority` to backends with scheduling_policy: priority
     rent_first: bool = False  # a key allowed to rent spills to the rented provider rather than wait at all
+    # the least fraction of freed slots this class gets while it waits, ahead of better classes (so nightly
+    # batch work finishes under steady interactive load); 0: served only when no better class wants a slot,
+    # which starves it whenever better classes alone fill the cap
+    min_share: float = Field(0.0, ge=0, le=1)
 
 
 class Priorities(Strict):
@@ -622,7 +629,8 @@ class Tracing(Strict):
     """OpenTelemetry traces of every call, sent over OTLP/HTTP to the team's own collector (gateway/tracing.py).
 
     Off by default. Header values (a collector's token) come from environment variables, never from this file,
-    and are never logged. A client's `traceparent` is continued and passed upstream whether or not this is on.
+    and are never logged. A client's `traceparent` is continued and passed to owned backends whether or not this
+    is on (to a rented provider only with its `send_trace_context`).
     """
 
     enabled: bool = False

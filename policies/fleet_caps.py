@@ -422,7 +422,8 @@ class FleetModelQueue(ModelQueue):
         finally:
             self.retrier = None
 
-    def dispatch(self) -> None:
+    def dispatch(self, first: int | None = None) -> None:
+        """(`first`, a class owed a slot by its min_share, is not honoured across processes: see release.)"""
         if self.depth:
             self.spawn(self.pump())
 

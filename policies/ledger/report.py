@@ -13,6 +13,10 @@ For each model over the window:
   owned cost per million owned cost / owned tokens x 10^6: what a token cost at that utilisation
   owned at rented price  the owned tokens priced at the rented provider's per-token price
   rent-all cost          that, plus what the rented overflow actually cost: renting every request
+  actual cost            what was paid: the owned cost plus the rented overflow
+  own-all cost           an estimate of owning enough for every request: the owned cost scaled by all tokens /
+                         owned tokens, assuming the added capacity would have run at the measured utilisation
+                         (a lower bound when the overflow came in bursts: capacity sized for a peak idles more)
   burstiness             peak / mean of requests per bucket (per minute at the default bucket_seconds) over the
                          window (1 = perfectly steady)
   break-even utilisation the utilisation at which owning would have cost what renting did, if tokens grow
@@ -131,6 +135,8 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
     owned_at_rented = None if price is None else \
         (owned["prompt_tokens"] * price.input + owned["completion_tokens"] * price.output) / 1e6
     rent_all = None if owned_at_rented is None else owned_at_rented + rented["cost"]
+    all_tokens = owned_tokens + rented["prompt_tokens"] + rented["completion_tokens"]
+    own_all = owned_cost * all_tokens / owned_tokens if owned_cost is not None and owned_tokens else None
     per_million = owned_cost / owned_tokens * 1e6 if owned_cost is not None and owned_tokens else None
     rented_per_million = owned_at_rented / owned_tokens * 1e6 if owned_at_rented is not None and owned_tokens \
         else None
@@ -148,13 +154,13 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
         "rented_price_per_million_tokens": _round(rented_per_million),
         "rent_all_cost": _round(rent_all),
         "actual_cost": _round(None if owned_cost is None else owned_cost + rented["cost"]),
+        "own_all_cost": _round(own_all),
         "break_even_utilisation": _round(break_even),
         "burstiness": _round(burst, 3),
         "peak_requests_per_minute": _round(max((s["requests"] for s in per_bucket.values()), default=0)
                                            * 60 / bucket_seconds, 3),
     }
-    figures["recommendation"] = recommend(figures, owned_tokens + rented["prompt_tokens"]
-                                          + rented["completion_tokens"])
+    figures["recommendation"] = recommend(figures, all_tokens)
     figures["series"] = series(per_bucket, model, price, since, seconds, bucket_seconds)
     return figures
 
@@ -169,10 +175,15 @@ def burstiness(requests_per_bucket: list[float], seconds: float, bucket_seconds:
 
 
 def recommend(f: dict, tokens: int) -> dict:
-    owned, rent_all, util, burst = f["owned_cost"], f["rent_all_cost"], f["utilisation"], f["burstiness"] or 0.0
+    """The cheapest of what was paid (owned + rented overflow), renting everything, and owning enough for
+    everything (`own_all_cost`, an estimate at the measured utilisation); the reason names the figures."""
+    owned, paid, rent_all, own_all = f["owned_cost"], f["actual_cost"], f["rent_all_cost"], f["own_all_cost"]
+    util, burst = f["utilisation"], f["burstiness"] or 0.0
     fill = f", batches {f['batch_fill']:.0%} of the cap" if f["batch_fill"] is not None else ""
-    numbers = (f"utilisation {util:.0%}{fill}, peak/mean {burst:.1f}, owned {_money(owned)} "
-               f"vs renting everything {_money(rent_all)}")
+    overflow = f["rented"]["cost"]
+    numbers = (f"utilisation {util:.1%}{fill}, peak/mean {burst:.1f}; paid {_money(paid)} (owned {_money(owned)}"
+               f" + rented overflow {_money(overflow)}) vs renting everything {_money(rent_all)}"
+               f" vs owning enough for everything about {_money(own_all)}")
     if owned is None:
         return {"verdict": "unknown", "reason": "no backend of this model declares cost.per_hour"}
     if rent_all is None:
@@ -181,25 +192,35 @@ def recommend(f: dict, tokens: int) -> dict:
     if not tokens:
         return {"verdict": "rent", "reason": f"no traffic in the window: the owned replicas cost {_money(owned)} "
                                              "doing nothing; scale them down or rent"}
-    if owned <= rent_all:
-        if burst >= BURSTY:
-            return {"verdict": "own the base, rent the bursts",
-                    "reason": f"owning was cheaper, but the peaks are {burst:.1f}x the mean: size the owned "
-                              f"replicas for the base load and let the bursts overflow; {numbers}"}
-        return {"verdict": "own", "reason": f"steady traffic keeps the GPUs working: owning was cheaper; {numbers}"}
+    if rent_all < paid and (own_all is None or rent_all < own_all):
+        return _rent(f, util, burst, numbers)
+    # Owning more is estimated at the measured utilisation: bursts would leave the added capacity idler, so the
+    # estimate only decides for steady traffic.
+    if own_all is not None and own_all < paid and burst < BURSTY:
+        return {"verdict": "own", "reason": f"steady traffic: owning enough for the overflow too was estimated "
+                                            f"cheapest (at the measured utilisation); {numbers}"}
+    if f["rented"]["requests"]:
+        return {"verdict": "own the base, rent the bursts",
+                "reason": f"owning the base and renting the overflow was cheapest (peaks {burst:.1f}x the mean); "
+                          f"{numbers}"}
+    return {"verdict": "own", "reason": f"owning was cheaper than renting everything; {numbers}"}
+
+
+def _rent(f: dict, util: float, burst: float, numbers: str) -> dict:
     break_even = f["break_even_utilisation"]
     if break_even is None:
         above = ""
     elif break_even <= 1:
-        above = f"; owning pays off above {break_even:.0%} utilisation"
+        above = f"; owning pays off above {break_even:.2%} utilisation"
     else:  # more tokens per busy hour (fuller batches) or a cheaper GPU would have to change the sums
         above = (f"; even always busy at this batch size, owning would not pay off ({break_even:.0%} "
                  "utilisation needed): fuller batches or cheaper GPUs would")
     if burst >= BURSTY or util < HIGH_UTILISATION:
         return {"verdict": "rent", "reason": f"the GPUs were idle most of the time or the traffic came in bursts: "
-                                             f"renting would have been cheaper; {numbers}{above}"}
+                                             f"renting everything would have been cheapest; {numbers}{above}"}
     return {"verdict": "rent, or fill the GPUs", "reason": f"steady but too little traffic for the owned "
-                                                          f"replicas; {numbers}{above}"}
+                                                          f"replicas: renting everything would have been "
+                                                          f"cheapest; {numbers}{above}"}
 
 
 def _money(value: float | None) -> str:

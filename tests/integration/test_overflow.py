@@ -121,3 +121,30 @@ async def test_provider_key_errors_are_never_relayed(standin, monkeypatch):
         r = await http.post(f"{gw.url}/v1/chat/completions", headers={"authorization": f"Bearer {renter}"},
                             json={"model": "m", "messages": []})
         assert r.status_code == 502 and "XXXX" not in r.text and "credentials" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("tracing", [False, True])
+@pytest.mark.parametrize("send_trace_context", [False, True])
+async def test_rented_provider_gets_trace_context_only_when_the_policy_asks(standin, tracing, send_trace_context):
+    rented_url, log, _ = standin
+    rules = policy(f"http://127.0.0.1:{free_port()}", rented_url)
+    rules["providers"][0]["send_trace_context"] = send_trace_context
+    if tracing:  # a collector nobody listens on: export fails quietly, the headers are what counts here
+        rules["tracing"] = {"enabled": True, "endpoint": f"http://127.0.0.1:{free_port()}/v1/traces"}
+    client_trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                    "tracestate": "vendor=private-tenant-42", "baggage": "user=alice"}
+    async with running_gateway(rules) as gw, httpx.AsyncClient(timeout=10) as http:
+        renter = await issue(gw, "allow_rented")
+        for stream in (False, True):
+            r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "messages": [], "stream": stream},
+                                headers={"authorization": f"Bearer {renter}", **client_trace})
+            assert r.status_code == 200 and r.headers["x-gateway-served-by"] == "rented"
+    seen = [entry["trace"] for entry in read_log(log)]
+    assert len(seen) == 2
+    for trace in seen:
+        assert "baggage" not in trace  # never forwarded to any upstream
+        if send_trace_context:
+            assert trace["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+            assert trace["tracestate"] == "vendor=private-tenant-42"
+        else:
+            assert trace == {}

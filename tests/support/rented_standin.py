@@ -2,7 +2,7 @@
 
 It requires its own API key (401 otherwise, quoting a fragment of the bad key the way real providers do, so
 tests can check the gateway never relays that) and appends every request it receives to a JSON-lines log:
-the request id, path, model and whether the key matched. Replies are small and immediate.
+the request id, path, model, whether the key matched and the trace context headers it got. Replies are small and immediate.
 
     python -m tests.support.rented_standin --port 9100 --key-env STANDIN_KEY --log /tmp/rented.jsonl
 
@@ -21,6 +21,8 @@ import orjson
 import uvicorn
 
 from tests.support.asgi import lifespan, read_body
+
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # logged, so tests see what trace context got out
 
 
 def make_app(key: str, log_path: str, usage_style: str = "compact"):
@@ -44,7 +46,8 @@ def make_app(key: str, log_path: str, usage_style: str = "compact"):
         authorized = headers.get("authorization") == f"Bearer {key}"
         with open(log_path, "a") as log:
             log.write(json.dumps({"request_id": headers.get("x-request-id"), "path": scope["path"],
-                                  "model": body.get("model"), "authorized": authorized, "at": time.time()}) + "\n")
+                                  "model": body.get("model"), "authorized": authorized, "at": time.time(),
+                                  "trace": {h: headers[h] for h in TRACE_HEADERS if h in headers}}) + "\n")
         if not authorized:
             given = headers.get("authorization", "")[-4:]
             error = {"message": f"Incorrect API key provided: ...{given}", "type": "invalid_request_error",

@@ -233,3 +233,65 @@ async def test_no_hold_when_the_policy_sets_none():
     q.release(first, interactive)
     assert q.depth == 0 and r.in_flight == 1  # handed on to batch within the release itself
     assert await asyncio.wait_for(batch, 1) is r
+
+
+def classed_queue(batch_max_wait: float, min_share: float):
+    from policies.config import Priorities, PriorityClass
+
+    replica = Replica(name="r0", model="m", url="http://10.0.0.1:1", served_name="m", cap=1)
+    priorities = Priorities(classes=[PriorityClass(name="interactive"),
+                                     PriorityClass(name="batch", max_wait=batch_max_wait, min_share=min_share)])
+    return ModelQueue("m", [replica], Queue(max_wait=30), Profile([(LeastInFlight(), 1.0)],
+                      picker=MaxScore(random.Random(0))), GatewayMetrics(), priorities), replica
+
+
+async def steady_interactive_load(q, slots: int, pause: float = 0.0) -> tuple[dict[str, int], list]:
+    """Interactive requests alone fill the cap (two always waiting); a batch request always waits too. Each of
+    `slots` rounds frees the slot and resubmits whoever got it. Returns who was served and what batch got."""
+    holder = classed("interactive")
+    await q.acquire("i", (), call=holder)
+    waiting = {asyncio.create_task(q.acquire(f"i{n}", (), call=c)): c for n, c in
+               enumerate((classed("interactive"), classed("interactive"), classed("batch")))}
+    served = {"interactive": 0, "batch": 0}
+    refused = []
+    for n in range(slots):
+        if refused and pause:
+            break
+        await asyncio.sleep(0)  # the resubmitted requests are in the queue before the slot frees
+        q.release(q.replicas[0], holder)
+        done, _ = await asyncio.wait(waiting, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert done, "a freed slot reached nobody"
+        for task in done:
+            call = waiting.pop(task)
+            if task.exception() is not None:
+                refused.append(task.exception())
+                waiting[asyncio.create_task(q.acquire(f"n{n}", (), call=call))] = call
+                continue
+            holder = call
+            served[call.priority.name] += 1
+            fresh = classed(call.priority.name)
+            waiting[asyncio.create_task(q.acquire(f"n{n}", (), call=fresh))] = fresh
+        if pause:
+            await asyncio.sleep(pause)
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    q.release(q.replicas[0], holder)
+    return served, refused
+
+
+async def test_batch_gets_its_min_share_of_freed_slots_under_steady_interactive_load():
+    q, _ = classed_queue(batch_max_wait=300, min_share=0.25)
+    served, _ = await steady_interactive_load(q, 40)
+    assert served["batch"] == 10 and served["interactive"] == 30  # every 4th freed slot, as 0.25 says
+
+
+async def test_without_min_share_batch_starves_and_its_429_says_so_honestly():
+    q, _ = classed_queue(batch_max_wait=2.5, min_share=0.0)
+    # bounded: 2000 slots at 10 ms or more each outlast the batch request's 2.5 s, which ends the loop
+    served, refused = await steady_interactive_load(q, 2000, pause=0.01)
+    assert served["batch"] == 0 and refused
+    late = refused[0]
+    assert late.param == "queue_timeout"
+    # the drain rate alone (~100 slots/s) would say 1 s; it starved 2.5 s and will again: its max_wait
+    assert late.headers["retry-after"] == "3" and late.headers["retry-after-ms"] == "2500"

@@ -193,3 +193,64 @@ def test_policy_costs_and_their_errors():
         with pytest.raises(PolicyError) as info:
             parse_policy(text, "p.yaml")
         assert expected in str(info.value)
+
+
+# The known workload of an hour, by hand: prices 1.0 in / 2.0 out per million tokens. Owned: 4.2 an hour;
+# 1.277M prompt + 1.0M completion tokens = 3.277 at the rented price; busy 108 s of 3600 = 3.0%. Rented overflow:
+# 0.4M + 1.0M tokens that cost 2.4. Paid 4.2 + 2.4 = 6.6; renting everything 3.277 + 2.4 = 5.677; owning enough
+# for everything about 4.2 x 3.677M / 2.277M = 6.7823; break-even 0.03 x 4.2 / 3.277 = 3.845%.
+KNOWN = ModelCosts("m", [BackendCost("gpu", 4.2, 8)], Prices(1.0, 2.0, "p"))
+
+
+def test_known_workload_paid_more_than_renting_everything_is_not_called_cheaper_to_own():
+    rows = [row(600, "owned", requests=100, prompt=1_277_000, completion=1_000_000), row(600, "", busy=108.0),
+            row(600, "rented", requests=50, prompt=400_000, completion=1_000_000, cost=2.4)]
+    m = build_report(rows, [KNOWN], 0, 3600, 60)["models"]["m"]
+    assert m["owned_cost"] == pytest.approx(4.2) and m["owned_tokens_at_rented_price"] == pytest.approx(3.277)
+    assert m["actual_cost"] == pytest.approx(6.6) and m["rent_all_cost"] == pytest.approx(5.677)
+    assert m["own_all_cost"] == pytest.approx(4.2 * 3_677_000 / 2_277_000)
+    assert m["utilisation"] == pytest.approx(0.03) and m["break_even_utilisation"] == pytest.approx(0.0384498, 1e-4)
+    verdict, reason = m["recommendation"]["verdict"], m["recommendation"]["reason"]
+    assert verdict == "rent" and "cheaper to own" not in reason and "owning was cheaper" not in reason
+    for figure in ("paid 6.6", "owned 4.2", "overflow 2.4", "renting everything 5.677", "about 6.782", "3.0%",
+                   "3.84%"):
+        assert figure in reason, (figure, reason)
+
+
+def test_steady_busy_traffic_dearer_than_renting_everything_reads_rent_or_fill():
+    # 60 minutes, 2 x 30k tokens each at 1.0 + 2.0: renting the owned tokens 5.4 < owned 7.2; busy 60%.
+    rows = [row(b, "owned", requests=10, prompt=30_000, completion=30_000) for b in range(0, 3600, 60)]
+    rows += [row(b, "", busy=36.0) for b in range(0, 3600, 60)]
+    m = build_report(rows, [ModelCosts("m", [BackendCost("gpu", 7.2, 8)], MODEL.rented)], 0, 3600, 60)["models"]["m"]
+    assert m["actual_cost"] == pytest.approx(7.2) and m["rent_all_cost"] == pytest.approx(5.4)
+    assert m["own_all_cost"] == pytest.approx(7.2)
+    assert m["recommendation"]["verdict"] == "rent, or fill the GPUs"
+    assert "paid 7.2" in m["recommendation"]["reason"] and "renting everything 5.4" in m["recommendation"]["reason"]
+
+
+def test_bursty_overflow_cheaper_than_renting_everything_reads_own_the_base():
+    # Owned 3.6 for 60 x 120k tokens = 10.8 at the rented price; a burst of 200k tokens rented for 0.5 in one
+    # minute. Paid 4.1 < renting everything 11.3; owning for it too about 3.6 x 7.4M / 7.2M = 3.7, but only at
+    # the measured utilisation, which a burst would not keep: bursty, so the base stays owned and bursts rented.
+    rows = [row(b, "owned", requests=60, prompt=60_000, completion=60_000) for b in range(0, 3600, 60)]
+    rows += [row(b, "", busy=54.0) for b in range(0, 3600, 60)]
+    rows.append(row(1200, "rented", requests=600, prompt=100_000, completion=100_000, cost=0.5))
+    m = build_report(rows, [MODEL], 0, 3600, 60)["models"]["m"]
+    assert m["actual_cost"] == pytest.approx(4.1) and m["rent_all_cost"] == pytest.approx(11.3)
+    assert m["own_all_cost"] == pytest.approx(3.7) and m["burstiness"] >= 3
+    assert m["recommendation"]["verdict"] == "own the base, rent the bursts"
+    assert "paid 4.1" in m["recommendation"]["reason"] and "11.3" in m["recommendation"]["reason"]
+
+
+def test_steady_overflow_dearer_than_owning_more_reads_own():
+    # Owned 3.6 for 7.2M tokens (10.8 at the rented price); 10 requests a minute of steady overflow, 60 x 12k
+    # tokens that cost 1.2 in all. Paid 4.8; renting everything 12.0; owning for it too about
+    # 3.6 x 7.92M / 7.2M = 3.96: the cheapest, so own enough for everything.
+    rows = [row(b, "owned", requests=60, prompt=60_000, completion=60_000) for b in range(0, 3600, 60)]
+    rows += [row(b, "", busy=54.0) for b in range(0, 3600, 60)]
+    rows += [row(b, "rented", requests=10, prompt=6_000, completion=6_000, cost=0.02) for b in range(0, 3600, 60)]
+    m = build_report(rows, [MODEL], 0, 3600, 60)["models"]["m"]
+    assert m["actual_cost"] == pytest.approx(4.8) and m["rent_all_cost"] == pytest.approx(12.0)
+    assert m["own_all_cost"] == pytest.approx(3.96)
+    assert m["recommendation"]["verdict"] == "own"
+    assert "paid 4.8" in m["recommendation"]["reason"] and "about 3.96" in m["recommendation"]["reason"]
