@@ -177,6 +177,8 @@ class ModelQueue:
             waiters.append(self.pop())
         self.priorities, self.classes = priorities, priorities.classes
         self.default = priorities.named(priorities.default)
+        names = {c.name for c in self.classes}
+        self.credits = {name: credit for name, credit in self.credits.items() if name in names}
         self.line = WaitLine(len(self.classes))
         self.depth_gauges = [self.metrics.queue_depth.labels(self.model, c.name) for c in self.classes]
         self.wait_histograms = [self.metrics.queue_wait.labels(self.model, c.name) for c in self.classes]
