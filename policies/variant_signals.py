@@ -314,7 +314,7 @@ def summary(samples: list[Sample]) -> dict:
     agreed = [s.agreed for s in served if s.agreed is not None]
     exact = [s.exact for s in served if s.exact is not None]
     by_load: dict[str, dict] = {}
-    for level in sorted({s.load for s in served}, key=_level_key):
+    for level in sorted({s.load for s in served}, key=level_key):
         at = [s for s in served if s.load == level]
         by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),
                           "itl_p50": median([s.itl for s in at])}
@@ -335,7 +335,7 @@ def summary(samples: list[Sample]) -> dict:
     }
 
 
-def _level_key(level: str) -> int:
+def level_key(level: str) -> int:
     return int(level.lstrip(">")) + (1 if level.startswith(">") else 0)
 
 
