@@ -28,6 +28,8 @@ class VariantView(BaseModel):
     weight: float = Field(description="the weight now in force")
     shadow: bool
     filed_weight: float = Field(description="the weight the policy file gives it")
+    guard: dict | None = Field(None, description="the guard's state, the reason of its last action, and while it"
+                               " cannot judge yet why (`undecided`) and since when (`undecided_for_s`, `warning`)")
 
 
 class ModelVariants(BaseModel):

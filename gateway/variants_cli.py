@@ -56,6 +56,11 @@ def render(view: dict, by_load: bool = False) -> str:
             reason = (v.get("guard") or {}).get("reason")
             if reason:
                 out.append(f"  {v['name']}: {reason}")
+            guard = v.get("guard") or {}
+            if guard.get("undecided"):
+                waited = guard.get("undecided_for_s") or 0
+                out.append(f"  {v['name']}: {'WARNING: ' if guard.get('warning') else ''}cannot judge yet"
+                           f" ({waited:.0f} s): {guard['undecided']}")
         if by_load:
             load_rows = [[v["name"], level, at["requests"], ms(at["ttft_p50"]), ms(at["itl_p50"])]
                          for v in entry["variants"] for level, at in v["by_load"].items()]

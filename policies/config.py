@@ -551,7 +551,7 @@ class Guard(Strict):
     max_validity_drop: float | None = Field(0.02, ge=0, le=1)  # structured-output validity, in points
     max_error_increase: float | None = Field(0.01, ge=0, le=1)  # the variant's own faults, in points
     max_itl_ratio: float | None = Field(1.2, gt=1, le=100)  # inter-token latency p50 at comparable load
-    max_ttft_ratio: float | None = Field(None, gt=1, le=100)  # time to first token p50 at comparable load
+    max_ttft_ratio: float | None = Field(1.5, gt=1, le=100)  # time to first token p50 at comparable load
     min_agreement: float | None = Field(0.9, ge=0, le=1)  # shadow answers equal to the live one (temperature 0)
     promotion: Promotion | None = None
 

@@ -142,6 +142,11 @@ class GatewayMetrics:
             "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
             " worse than the baseline's) or promote.", ["model", "variant", "action", "signal"], registry=r,
         )
+        self.variant_guard_undecided = Gauge(
+            "llm_gateway_variant_guard_undecided_seconds", "How long a candidate's guard has been unable to judge"
+            " every signal (too few samples at comparable load; the reason is in the admin view); 0 while it"
+            " judges.", ["model", "variant"], registry=r,
+        )
         self.variant_shadow_dropped = Counter(
             "llm_gateway_variant_shadow_dropped", "Copies for a shadow variant not sent: its cap was full, it had no"
             " replica up, or the live call failed.", ["model", "variant"], registry=r,

@@ -8,14 +8,19 @@ both sides have `min_samples` of it:
 - structured-output validity no more than `max_validity_drop` below the baseline's;
 - the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
 - inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
-  baseline's at the same load: per load level where both sides have `min_samples` calls (in flight to the
-  replica when sent), the ratio of the medians, judged on the worst level; a light canary is thus neither flattered
-  by its light load nor blamed for the baseline's heavier one;
+  baseline's at comparable load (in flight to the replica when sent, in power-of-two levels): at one level both
+  sides met `min_samples` times, or the candidate at level L or lighter against the baseline at L or heavier
+  (latency does not fall as load rises, so the gap only flatters the candidate); judged on the worst. A light
+  canary on a busy model, whose levels never both fill, is thus judged after `min_samples` of its calls, and an
+  identical candidate is never blamed for the baseline's heavier load;
 - for a shadow, agreement with the live answer at least `min_agreement`.
 
 A breach sets the candidate's weight to 0 at once (Variants.set_weights, so every request after it goes to
 the others), logs one warning with the reason, counts llm_gateway_variant_guard_actions_total and keeps the
-reason for GET /admin/variants. The variant stays out until an operator gives it a weight again (admin API or
+reason for GET /admin/variants. While some signal the candidate has samples of cannot be judged yet, the view
+says why (`undecided`, e.g. "ITL: not enough samples at comparable load: candidate 12/50, baseline 400/50") and
+since when (`judging_since`, `undecided_for_s`, the gauge llm_gateway_variant_guard_undecided_seconds), and
+`warning` turns true once that has lasted longer than `window_seconds`. The variant stays out until an operator gives it a weight again (admin API or
 the file). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
 next share of traffic (the baseline takes the rest).
 """
@@ -23,11 +28,12 @@ next share of traffic (the baseline takes the rest).
 from __future__ import annotations
 
 import logging
+from itertools import chain
 import time
 from dataclasses import dataclass
 
 from policies.config import Guard, Model
-from policies.variant_signals import FAULTS, Sample, median
+from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, level_key
 
 log = logging.getLogger("gateway.variants")
 
@@ -44,9 +50,17 @@ class GuardState:
     step: int = -1  # the promotion step reached (-1: none yet)
     held: int = 0  # the candidate's calls since its last step
     calls: int = 0
+    undecided: str | None = None  # why some signal could not be judged at the last look (None: all were)
+    judging_since: float | None = None  # unix seconds since when some signal has been waiting
+    warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
 
     def view(self) -> dict:
-        return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step}
+        waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
+        return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step,
+                "undecided": self.undecided if self.state == WATCHING else None,
+                "judging_since": self.judging_since if self.state == WATCHING else None,
+                "undecided_for_s": waited if self.state == WATCHING else None,
+                "warning": self.state == WATCHING and waited is not None and waited > self.warn_after}
 
 
 def baseline_of(model: Model) -> str:
@@ -57,55 +71,111 @@ def baseline_of(model: Model) -> str:
 
 def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, str] | None:
     """The first signal on which the candidate is worse than the baseline: (signal, reason), or None."""
+    return judge(guard, cand, base)[0]
+
+
+def judge(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[tuple[str, str] | None, list[str]]:
+    """(breach, waiting): the first signal on which the candidate is worse, or None; and why each signal the
+    candidate has samples of could not be judged yet (empty while every one was)."""
     need = guard.min_samples
+    waiting: list[str] = []
     if guard.max_validity_drop is not None:
         c = [s.structured for s in cand if s.structured is not None]
         b = [s.structured for s in base if s.structured is not None]
         if len(c) >= need and len(b) >= need:
             rc, rb = sum(c) / len(c), sum(b) / len(b)
             if rb - rc > guard.max_validity_drop + EPSILON:
-                return "structured_validity", (f"structured-output validity {rc:.1%} vs baseline {rb:.1%} (more than"
-                                               f" {guard.max_validity_drop * 100:g} points lower, {len(c)} answers)")
-    if guard.max_error_increase is not None and len(cand) >= need and len(base) >= need:
-        rc = sum(1 for s in cand if s.error in FAULTS) / len(cand)
-        rb = sum(1 for s in base if s.error in FAULTS) / len(base)
-        if rc - rb > guard.max_error_increase + EPSILON:
-            return "errors", (f"errors {rc:.1%} vs baseline {rb:.1%} (more than {guard.max_error_increase * 100:g}"
-                              f" points higher, {len(cand)} calls)")
+                return ("structured_validity", (f"structured-output validity {rc:.1%} vs baseline {rb:.1%} (more"
+                                                f" than {guard.max_validity_drop * 100:g} points lower, {len(c)}"
+                                                f" answers)")), waiting
+        elif c:
+            waiting.append(f"structured validity: not enough structured answers: candidate {len(c)}/{need},"
+                           f" baseline {len(b)}/{need}")
+    if guard.max_error_increase is not None:
+        if len(cand) >= need and len(base) >= need:
+            rc = sum(1 for s in cand if s.error in FAULTS) / len(cand)
+            rb = sum(1 for s in base if s.error in FAULTS) / len(base)
+            if rc - rb > guard.max_error_increase + EPSILON:
+                return ("errors", (f"errors {rc:.1%} vs baseline {rb:.1%} (more than"
+                                   f" {guard.max_error_increase * 100:g} points higher, {len(cand)} calls)")), waiting
+        else:
+            waiting.append(f"errors: not enough calls: candidate {len(cand)}/{need}, baseline {len(base)}/{need}")
     for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
         if limit is None:
             continue
-        worst = latency_ratio(cand, base, field, need)
+        worst, closest = compare_latency(cand, base, field, need)
         if worst is not None and worst[0] > limit:
-            ratio, level, nc, nb = worst
-            return signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at the same load (limit {limit:g}x;"
-                            f" load level {level}: {nc} vs {nb} calls)")
+            ratio, where = worst
+            return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
+                             f" {limit:g}x; {where})")), waiting
+        if worst is None and closest is not None:
+            waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
+                           f" baseline {closest[1]}/{need}")
     if guard.min_agreement is not None:
         agreed = [s.agreed for s in cand if s.agreed is not None]
         if len(agreed) >= need and sum(agreed) / len(agreed) < guard.min_agreement:
-            return "agreement", (f"agreement with the live answer {sum(agreed) / len(agreed):.1%} (below"
-                                 f" {guard.min_agreement:.0%}, {len(agreed)} compared)")
-    return None
+            return ("agreement", (f"agreement with the live answer {sum(agreed) / len(agreed):.1%} (below"
+                                  f" {guard.min_agreement:.0%}, {len(agreed)} compared)")), waiting
+    return None, waiting
 
 
 def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int):
-    """The worst candidate-over-baseline ratio of `field`'s p50 among the load levels where both sides have
-    `need` calls: (ratio, level, candidate calls, baseline calls), or None while no level has. Per level, not
-    averaged over levels: a flag that hurts only under concurrency (--max-num-seqs 1) shows only where the
-    candidate had company."""
-    levels: dict[str, tuple[list[float], list[float]]] = {}
+    """The worst candidate-over-baseline ratio of `field`'s p50 at comparable load: (ratio, where), or None."""
+    return compare_latency(cand, base, field, need)[0]
+
+
+def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: int):
+    """(worst, closest). `worst`: the highest candidate-over-baseline ratio of `field`'s p50 among the
+    comparisons at comparable load that have `need` calls on both sides, as (ratio, where), or None while none
+    has. `closest`: (candidate calls, baseline calls) of the comparison nearest to being judged, or None when
+    the candidate has no sample of `field`.
+
+    Two kinds of comparison, each sound on its own since latency does not fall as load rises:
+    - at one load level, on both sides (a flag that hurts only with company shows only at the levels where the
+      candidate had some: per level, not averaged over levels);
+    - the candidate at load level L or lighter against the baseline at L or heavier, for each level L the
+      candidate met: the load gap can only flatter the candidate, so an identical one never looks worse, while a
+      light canary on a busy model (candidate at level 8, baseline at 16 or 32, whose levels never both fill)
+      is judged as soon as it has `need` calls."""
+    by_name: dict[str, tuple[list[float], list[float]]] = {}
     for side, samples in ((0, cand), (1, base)):
         for s in samples:
             value = getattr(s, field)
             if value is not None:
-                levels.setdefault(s.load, ([], []))[side].append(value)
-    worst = None
-    for level, (c, b) in levels.items():
-        if len(c) >= need and len(b) >= need and median(b):
-            ratio = median(c) / median(b)
-            if worst is None or ratio > worst[0]:
-                worst = (ratio, level, len(c), len(b))
-    return worst
+                by_name.setdefault(s.load, ([], []))[side].append(value)
+    levels = {level_key(name): values for name, values in by_name.items()}
+    worst = closest = None
+    order = sorted(levels)
+    for c, b in levels.values():
+        c.sort()
+        b.sort()
+    for i, level in enumerate(order):
+        if not levels[level][0]:
+            continue
+        name = _level_name(level)
+        # sorted runs joined: sorting them again is a merge, not a full sort (a look stays about 1 ms)
+        lighter = sorted(chain.from_iterable(levels[k][0] for k in order[:i + 1]))
+        heavier = sorted(chain.from_iterable(levels[k][1] for k in order[i:]))
+        for c, b, where in ((levels[level][0], levels[level][1], f"load level {name}"),
+                            (lighter, heavier, f"candidate at load level {name} or lighter, baseline at {name} or"
+                                               f" heavier")):
+            if len(c) >= need and len(b) >= need:
+                ratio = middle(c) / middle(b) if middle(b) else 0.0
+                if worst is None or ratio > worst[0]:
+                    worst = (ratio, f"{where}: {len(c)} vs {len(b)} calls")
+            elif closest is None or min(len(c), need) + min(len(b), need) > sum(min(n, need) for n in closest):
+                closest = (len(c), len(b))
+    return worst, closest
+
+
+def middle(known: list[float]) -> float:
+    """The median of a sorted, non-empty list."""
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def _level_name(key: int) -> str:
+    return str(key) if key <= LOAD_LEVELS[-1] else f">{LOAD_LEVELS[-1]}"
 
 
 class VariantGuard:
@@ -127,7 +197,8 @@ class VariantGuard:
         if config is None or config.guard is None:
             return None
         if variant == baseline_of(config):
-            return {"state": BASELINE, "reason": None, "at": None, "step": -1}
+            return {"state": BASELINE, "reason": None, "at": None, "step": -1, "undecided": None,
+                    "judging_since": None, "undecided_for_s": None, "warning": False}
         return self.state(model, variant).view()
 
     def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
@@ -162,12 +233,22 @@ class VariantGuard:
             return
         cand = self.variants.window(model, variant).recent(guard.window_seconds)
         baseline = self.variants.window(model, base).recent(guard.window_seconds)
-        breach = verdict(guard, cand, baseline)
+        breach, waiting = judge(guard, cand, baseline)
+        self.waiting(model, variant, st, guard, waiting)
         if breach is not None:
             self.roll_back(model, variant, *breach)
         elif guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
                 and len(cand) >= guard.min_samples:
             self.promote(config, variant, base, st)
+
+    def waiting(self, model: str, variant: str, st: GuardState, guard: Guard, waiting: list[str]) -> None:
+        """Keep why the guard could not judge yet, and since when (the admin view; the metric's seconds)."""
+        now = time.time()
+        st.warn_after = guard.window_seconds
+        st.undecided = "; ".join(waiting) or None
+        st.judging_since = (st.judging_since or now) if waiting else None
+        if self.metrics is not None:
+            self.metrics.variant_guard_undecided.labels(model, variant).set(now - st.judging_since if waiting else 0)
 
     def roll_back(self, model: str, variant: str, signal: str, reason: str) -> None:
         st = self.state(model, variant)

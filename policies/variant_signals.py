@@ -10,7 +10,8 @@ Read from every finished call of a model with variants (policies/variants.py han
 - output tokens per second of each stream (completion tokens over the time after the first token);
 - structured output: an answer to `response_format` json_object (a JSON object) or json_schema (valid against
   the schema, by jsonschema), and each tool call's arguments (a JSON object valid against the declared tool's
-  `parameters`); a call with neither is not a structured sample;
+  `parameters`); a call with neither is not a structured sample. Every answer to a request that required
+  JSON counts: empty or null content, a refusal, or an answer cut at the length limit is invalid;
 - whether the answer stopped at the length limit (finish_reason `length`).
 
 Each goes to Prometheus (llm_gateway_variant_*) and into a bounded window per variant (the last `size`
@@ -101,13 +102,19 @@ def json_object(text: Any) -> Any:
     return value if isinstance(value, dict) else None
 
 
-def structured_validity(body: dict, content: Any, tool_calls: list[dict]) -> bool | None:
-    """Whether the structured parts of an answer are valid; None when it has none."""
+def structured_validity(body: dict, content: Any, tool_calls: list[dict], finish: str | None = None,
+                        refused: bool = False) -> bool | None:
+    """Whether the structured parts of an answer are valid; None when it has none. Where JSON was required
+    (response_format json_object or json_schema) every answer counts: empty or null content, an answer cut at
+    the length limit (finish_reason `length`) and a refusal are invalid, as the client cannot parse them. A tool
+    call counts the same way: missing arguments, arguments that are not a JSON object or break the tool's
+    `parameters`, an undeclared tool, or a call cut at the length limit."""
     verdicts = []
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind in STRUCTURED and isinstance(content, str) and content:
-        value = json_object(content)
+    cut = finish == "length"
+    if kind in STRUCTURED and not tool_calls:
+        value = json_object(content) if not (cut or refused) else None
         ok = value is not None
         if ok and kind == "json_schema":
             spec = fmt.get("json_schema")
@@ -120,17 +127,17 @@ def structured_validity(body: dict, content: Any, tool_calls: list[dict]) -> boo
             if isinstance(function, dict) and isinstance(function.get("name"), str):
                 declared[function["name"]] = function.get("parameters")
         for call in tool_calls:
-            name, arguments = call.get("name"), call.get("arguments")
-            value = json_object(arguments) if arguments not in ("", None) else {}
-            verdicts.append(value is not None and name in declared and valid_against(value, declared[name]))
+            name, value = call.get("name"), json_object(call.get("arguments"))
+            verdicts.append(not cut and value is not None and name in declared
+                            and valid_against(value, declared[name]))
     return all(verdicts) if verdicts else None
 
 
-def whole_answer(response: Any) -> tuple[Any, list[dict], str | None]:
-    """Content, tool calls and finish_reason of a chat completion that was not streamed."""
+def whole_answer(response: Any) -> tuple[Any, list[dict], str | None, bool]:
+    """Content, tool calls, finish_reason and whether it is a refusal, of a chat completion not streamed."""
     choices = response.get("choices") if isinstance(response, dict) else None
     if not choices or not isinstance(choices[0], dict):
-        return None, [], None
+        return None, [], None, False
     choice = choices[0]
     message = choice.get("message") or {}
     content = message.get("content") if isinstance(message, dict) else None
@@ -141,7 +148,8 @@ def whole_answer(response: Any) -> tuple[Any, list[dict], str | None]:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             calls.append({"name": function.get("name"), "arguments": function.get("arguments")})
-    return content, calls, choice.get("finish_reason")
+    refused = isinstance(message, dict) and bool(message.get("refusal"))
+    return content, calls, choice.get("finish_reason"), refused
 
 
 def sse_events(chunks: Any) -> Iterator[dict]:
@@ -163,11 +171,12 @@ class StreamAnswer:
     search; and only when `whole` (the request asked for structured output or tools, or a shadow's answer is
     compared with it) the text of choice 0 and its tool calls, concatenated from the parsed deltas."""
 
-    __slots__ = ("calls", "finish", "text", "whole")
+    __slots__ = ("calls", "finish", "refused", "text", "whole")
 
     def __init__(self, whole: bool) -> None:
         self.whole = whole
         self.finish: str | None = None
+        self.refused = False
         self.text: list[str] = []
         self.calls: dict[int, dict] = {}
 
@@ -188,6 +197,8 @@ class StreamAnswer:
                 continue
             self.finish = choice.get("finish_reason") or self.finish
             delta = choice.get("delta") or {}
+            if delta.get("refusal"):
+                self.refused = True
             if isinstance(delta.get("content"), str):
                 self.text.append(delta["content"])
             elif isinstance(choice.get("text"), str):
@@ -209,7 +220,7 @@ def answer_of(call: Any) -> tuple[Any, list[dict]]:
     """The content and tool calls of a finished chat call, streamed (gathered whole) or not."""
     if call.stream:
         return call.answer.answer() if call.answer is not None else (None, [])
-    content, calls, _ = whole_answer(call.response)
+    content, calls, _, _ = whole_answer(call.response)
     return content, calls
 
 
@@ -266,11 +277,11 @@ def sample_of(call: Any, now: float) -> Sample:
         answer = call.answer
         finish = answer.finish if answer is not None else None
         if answer is not None and answer.whole:
-            sample.structured = structured_validity(call.body, *answer.answer())
+            sample.structured = structured_validity(call.body, *answer.answer(), finish, answer.refused)
     else:
-        content, tool_calls, finish = whole_answer(call.response)
+        content, tool_calls, finish, refused = whole_answer(call.response)
         if call.answer.whole if call.answer is not None else wants_structure(call.body):  # decided as it came in
-            sample.structured = structured_validity(call.body, content, tool_calls)
+            sample.structured = structured_validity(call.body, content, tool_calls, finish, refused)
     sample.length = finish == "length"
     return sample
 
@@ -303,7 +314,7 @@ def summary(samples: list[Sample]) -> dict:
     agreed = [s.agreed for s in served if s.agreed is not None]
     exact = [s.exact for s in served if s.exact is not None]
     by_load: dict[str, dict] = {}
-    for level in sorted({s.load for s in served}, key=_level_key):
+    for level in sorted({s.load for s in served}, key=level_key):
         at = [s for s in served if s.load == level]
         by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),
                           "itl_p50": median([s.itl for s in at])}
@@ -324,7 +335,7 @@ def summary(samples: list[Sample]) -> dict:
     }
 
 
-def _level_key(level: str) -> int:
+def level_key(level: str) -> int:
     return int(level.lstrip(">")) + (1 if level.startswith(">") else 0)
 
 

@@ -201,7 +201,8 @@ class Variants:
         weights = self.weights[model]
         return {"model": model, "sticky": config.sticky.model_dump() if config.sticky else None,
                 "variants": [{"name": v.name, "weight": weights[v.name], "shadow": v.shadow,
-                              "filed_weight": v.weight} for v in config.variants]}
+                              "filed_weight": v.weight, "guard": self.guard.view(model, v.name)}
+                             for v in config.variants]}
 
 
 class AssignVariant:

@@ -146,6 +146,65 @@ async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_wind
     assert any("rolled back (weight 20 -> 0): structured-output validity" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_light_canary_on_a_busy_model_is_judged_and_a_slower_one_rolled_back(monkeypatch):
+    """80/20 under 40 clients: the candidate runs at a lighter load than the baseline, so their load levels never
+    both fill; a candidate 1.5x slower per token is still pulled back by a default guard once it has its 50 calls,
+    and until then the admin view says why it cannot judge."""
+    viewer_headers = viewer(monkeypatch)
+    base = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0)
+    slower = base.model_copy(update={"step_base_ms": 30})
+    async with serve_app(create_app(base)) as a, serve_app(create_app(slower)) as b:
+        async with running_gateway(canary_policy(a, b, {})) as gw, httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True}
+            for _ in range(60):  # alone: 12 calls of the candidate (evenly spread), too few to judge
+                assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
+            view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
+            guard = view["variants"][1]["guard"]  # the guard looked once, at its 10th call
+            assert guard["state"] == "watching" and "ITL: not enough samples at comparable load: candidate" in \
+                guard["undecided"], guard
+            assert guard["undecided_for_s"] is not None and guard["warning"] is False
+            signals = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()
+            assert "b: cannot judge yet" in render(signals) and "not enough samples at comparable load" in render(signals)
+            gate = asyncio.Semaphore(40)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(600)))
+            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()
+            cand = view["models"]["m"]["variants"][1]
+            assert cand["weight"] == 0 and cand["guard"]["state"] == "rolled_back", cand
+            assert "ITL p50" in cand["guard"]["reason"] and "comparable load" in cand["guard"]["reason"]
+            print("candidate calls when pulled back:", cand["requests"], cand["guard"]["reason"])
+            assert cand["requests"] <= 50 + 10 + 40  # its 50 calls, the next look, and those already under way
+            assert await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="rollback",
+                                   signal="itl") == 1
+
+
+async def test_a_candidate_slow_only_to_its_first_token_is_rolled_back_by_a_default_guard():
+    base = SimConfig(model="served", step_base_ms=5, step_ms_per_seq=0, prefill_base_ms=5)
+    slow_start = base.model_copy(update={"prefill_base_ms": 180})  # every first token ~18x later, then as fast
+    async with serve_app(create_app(base)) as a, serve_app(create_app(slow_start)) as b:
+        async with running_gateway(canary_policy(a, b, {})) as gw, httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+            # two clients: both sides meet the same light loads (a candidate slow enough to queue its own calls
+            # runs at a heavier load than the baseline, and is judged where their levels both fill)
+            gate = asyncio.Semaphore(2)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
+
+            await asyncio.gather(*(one(i) for i in range(400)))
+            state = gw.state.shared.variants
+            guard = state.guard.state("m", "b")
+            assert guard.state == "rolled_back" and guard.reason.startswith("TTFT p50"), guard
+            assert state.weights["m"]["b"] == 0
+
+
 async def test_a_candidate_identical_to_the_baseline_is_not_pulled_back_in_1000_requests():
     # steps of 5 ms, as a small model on a GPU: at 1 ms the event loop's own jitter would be the measurement
     same = SimConfig(model="served", step_base_ms=5, step_ms_per_seq=0, tool_calling=True)

@@ -107,3 +107,85 @@ def test_bad_guards_are_refused(bad, message):
     with pytest.raises(PolicyError, match=message):
         parse_policy(POLICY.replace("guard: {min_samples: 20, promotion: {steps: [5, 25, 100], after_requests: 20}}",
                                     bad))
+
+
+def loaded(rng, n: int, in_flight: int, speed: float = 1.0) -> list[Sample]:
+    """`n` calls sent while about `in_flight` others ran on the replica: latency rises with the load, and each
+    call's ITL (a mean over its tokens) and TTFT scatter around it."""
+    from policies.variant_signals import load_level
+
+    out = []
+    for _ in range(n):
+        k = max(0, round(rng.gauss(in_flight, in_flight / 4)))
+        step = 0.004 + 0.0001 * k  # the simulator's default step: 4 ms + 0.1 ms per running sequence
+        out.append(Sample(0.0, None, load_level(k), itl=speed * step * rng.lognormvariate(0, 0.15),
+                          ttft=speed * 4 * step * rng.lognormvariate(0, 0.3)))
+    return out
+
+
+def run_split(rng, guard: Guard, calls: int, cand_load: int, base_load: int, speed: float, window: int = 2000):
+    """A candidate's `calls` calls at 20% beside a baseline's at 80%, judged every 10 calls as the guard does
+    (each side's last `window` calls): the candidate call at which it was pulled back and why, or None."""
+    from policies.variant_guard import EVERY
+
+    cand: list[Sample] = []
+    base: list[Sample] = []
+    for i in range(EVERY, calls + 1, EVERY):
+        cand += loaded(rng, EVERY, cand_load, speed)
+        base += loaded(rng, 4 * EVERY, base_load)
+        cand, base = cand[-window:], base[-window:]
+        breach = verdict(guard, cand, base)
+        if breach is not None:
+            return i, breach
+    return None
+
+
+MIXES = [(8, 32), (16, 16), (32, 8), (1, 1), (2, 24), (40, 40)]  # (candidate, baseline) in flight
+
+
+@pytest.mark.parametrize("cand_load, base_load", MIXES)
+def test_an_identical_candidate_is_never_pulled_back_at_any_load_mix(cand_load, base_load):
+    import random
+
+    rng = random.Random(cand_load * 100 + base_load)
+    assert run_split(rng, Guard(), 3000, cand_load, base_load, speed=1.0) is None  # the default guard
+
+
+@pytest.mark.parametrize("cand_load, base_load", [(8, 32), (8, 16), (4, 32), (16, 16)])
+def test_a_slower_candidate_at_a_lighter_load_is_judged_within_50_calls(cand_load, base_load):
+    import random
+
+    rng = random.Random(7)
+    found = run_split(rng, Guard(), 3000, cand_load, base_load, speed=1.5 * (1 + 0.0001 * base_load / 0.004))
+    assert found is not None
+    at, (signal, reason) = found
+    assert at <= 50 and signal == "itl" and "comparable load" in reason  # min_samples: the first look that can
+
+
+def test_a_candidate_36x_slower_to_its_first_token_is_pulled_back_by_the_default_guard():
+    base = samples(60, "8", ttft=0.05, itl=0.01)
+    cand = samples(60, "8", ttft=1.8, itl=0.01)
+    signal, reason = verdict(Guard(), cand, base)
+    assert signal == "ttft" and "36.00x" in reason
+
+
+def test_a_guard_that_cannot_judge_says_why_and_since_when_then_warns():
+    v = Variants()
+    v.configure(parse_policy(POLICY.replace("min_samples: 20, ", "min_samples: 20, window_seconds: 60, ")))
+    now = __import__("time").monotonic()
+    for _ in range(100):
+        v.window("m", "base").add(Sample(now, None, "1", itl=0.01))
+    for _ in range(10):  # ten calls: one look, too few to judge
+        v.window("m", "cand").add(Sample(now, None, "1", itl=0.01))
+        v.guard.after_call("m", "cand")
+    view = v.report()["m"]["variants"][1]["guard"]
+    assert view["state"] == "watching" and view["warning"] is False
+    assert "ITL: not enough samples at comparable load: candidate 10/20, baseline 100/20" in view["undecided"]
+    assert view["undecided_for_s"] is not None and view["undecided_for_s"] < 5
+    v.guard.state("m", "cand").judging_since -= 61  # undecided for longer than the window
+    assert v.report()["m"]["variants"][1]["guard"]["warning"] is True
+    for _ in range(20):
+        v.window("m", "cand").add(Sample(now, None, "1", itl=0.01))
+        v.guard.after_call("m", "cand")
+    view = v.report()["m"]["variants"][1]["guard"]
+    assert view["undecided"] is None and view["undecided_for_s"] is None and view["warning"] is False

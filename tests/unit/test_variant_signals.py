@@ -152,3 +152,61 @@ def test_agreement_exact_or_as_json():
     assert agreement(("", call), ("", [{"name": "forecast", "arguments": call[0]["arguments"]}])) == (False, False)
     assert agreement(("hello", []), ("hello!", [])) == (False, False)
     assert agreement(('{"a": 1}', []), ('{ "a":1 }', [])) == (False, True)
+
+
+JSON_OBJECT = {"response_format": {"type": "json_object"}}
+WITH_SCHEMA = {"response_format": JSON_SCHEMA}
+
+
+@pytest.mark.parametrize("body, content, calls, finish, refused", [
+    (JSON_OBJECT, "", [], "stop", False),  # empty: nothing a client can parse
+    (JSON_OBJECT, None, [], "stop", False),  # null content
+    (WITH_SCHEMA, "", [], "stop", False),
+    (WITH_SCHEMA, None, [], "stop", False),
+    (JSON_OBJECT, '{"a": 1}', [], "length", False),  # whole JSON, but cut at the length limit
+    (WITH_SCHEMA, '{"city": "Oslo", "days": 3}', [], "length", False),
+    (JSON_OBJECT, None, [], "stop", True),  # a refusal where JSON was required
+    (JSON_OBJECT, "I can't help with that.", [], "stop", True),
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": None}], "tool_calls", False),  # missing arguments
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": ""}], "tool_calls", False),
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": "city=Oslo"}], "tool_calls", False),  # not JSON
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": '{"city": "Oslo"}'}], "tool_calls", False),  # schema
+    ({"tools": TOOLS}, None, [{"name": "weather", "arguments": '{"city": "Oslo", "days": 2}'}], "length", False),
+])
+def test_every_structured_answer_counts_empty_cut_or_refused_is_invalid(body, content, calls, finish, refused):
+    assert structured_validity(body, content, calls, finish, refused) is False
+
+
+@pytest.mark.parametrize("message, finish", [
+    ({"content": ""}, "stop"), ({"content": None}, "stop"), ({"content": '{"a": 1'}, "length"),
+    ({"content": None, "refusal": "I can't help with that."}, "stop"),
+])
+def test_a_whole_answer_empty_cut_or_refused_is_an_invalid_sample(message, finish):
+    response = {"choices": [{"message": message, "finish_reason": finish}]}
+    for body in (JSON_OBJECT, {"response_format": JSON_SCHEMA}):
+        assert sample_of(call(body, False, response=response), now=1.0).structured is False
+
+
+def test_a_streamed_refusal_or_empty_json_answer_is_invalid():
+    refusal = sse({"choices": [{"index": 0, "delta": {"refusal": "I can't"}}]},
+                  {"choices": [{"index": 0, "delta": {"refusal": " help."}, "finish_reason": "stop"}]})
+    assert sample_of(call(JSON_OBJECT, True, answer=relayed(refusal, whole=True)), now=1.0).structured is False
+    empty = sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert sample_of(call(JSON_OBJECT, True, answer=relayed(empty, whole=True)), now=1.0).structured is False
+
+
+def test_79_empty_structured_answers_give_validity_0_and_a_rollback():
+    from policies.config import Guard
+    from policies.variant_guard import verdict
+
+    window = Window(size=500)
+    empty = {"choices": [{"message": {"content": ""}, "finish_reason": "stop"}]}
+    for i in range(79):
+        body = JSON_OBJECT if i % 2 else {"response_format": JSON_SCHEMA}
+        window.add(sample_of(call(body, False, response=empty), now=1.0))
+    s = summary(window.recent())
+    assert s["structured"] == 79 and s["structured_valid_rate"] == 0
+    good = {"choices": [{"message": {"content": '{"city": "Oslo", "days": 2}'}, "finish_reason": "stop"}]}
+    base = [sample_of(call({"response_format": JSON_SCHEMA}, False, response=good), now=1.0) for _ in range(79)]
+    assert verdict(Guard(), window.recent(), base)[0] == "structured_validity"

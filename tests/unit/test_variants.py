@@ -181,7 +181,8 @@ def test_a_reload_keeps_live_weights_unless_the_file_changed_them():
     assert v.weights["chat"]["a"] == 50
     v.configure(policy(POLICY.replace("weight: 80", "weight: 70")))
     assert v.weights["chat"] == {"a": 70, "b": 20, "shadowed": 5}
-    assert v.view("chat")["variants"][0] == {"name": "a", "weight": 70, "shadow": False, "filed_weight": 70}
+    assert v.view("chat")["variants"][0] == {"name": "a", "weight": 70, "shadow": False, "filed_weight": 70,
+                                              "guard": None}
 
 
 def test_weights_are_published_as_a_metric():
