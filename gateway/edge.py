@@ -67,11 +67,10 @@ class EdgeError(GatewayError):
     """An edge refusal, carrying its status (431, 408, 503)."""
 
     def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
-        super().__init__(message, code=code)
         self.status = status
         self.type = "invalid_request_error" if status < 500 else "service_unavailable"
-        if retry_after is not None:
-            self.headers["retry-after"] = str(retry_after)
+        self.retry_after = retry_after  # sent as Retry-After by GatewayError, as for every other 503
+        super().__init__(message, code=code)
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
