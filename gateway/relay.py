@@ -7,7 +7,8 @@ when the client did not ask for usage. When the backend's served model name diff
 usage chunk, `[DONE]`); `EventRelay` the `event:` + `data:` frames of the Responses and Anthropic Messages APIs;
 `ReplayRelay` a stored response's events streamed again (a Responses retrieve), whose tokens were counted when
 it was made. One event is bounded (`max_event`, the policy's upstream.max_event_bytes): an upstream that sends
-more without an event boundary ends the stream with TooLarge, holding no more than that.
+more without an event boundary ends the stream with TooLarge, holding no more than that. CRLF line ends (which
+SSE allows) are passed on as LF, so that such a stream is cut into events and metered like any other.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import orjson
 from backends.http1 import Limits, TooLarge
 
 SEP = b"\n\n"
+CR = b"\r"
 USAGE_KEY = b'"usage"'  # cannot occur inside a JSON string (its quotes would be escaped): only as a key
 USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')  # ...whose value is an object (not null, as OpenAI sends on chunks)
 
@@ -37,6 +39,8 @@ class Frames:
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
         data = self.pending + chunk if self.pending else chunk
+        if CR in data:  # CRLF framing (SSE allows it): events and usage must not depend on a provider's line ends
+            data = data.replace(b"\r\n", b"\n")  # a \r that ends a chunk waits in `pending` for its \n
         cut = data.rfind(SEP)
         if cut < 0:
             self.pending = data

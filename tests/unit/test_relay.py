@@ -110,3 +110,17 @@ def test_event_frames_read_usage_without_the_space_and_one_event_is_bounded():
     with pytest.raises(TooLarge, match="upstream.max_event_bytes of 1000"):
         relay.feed(b"x" * 200)
     assert relay.pending == b""
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_crlf_framing_is_cut_into_events_and_its_usage_metered(seed):
+    """SSE allows CRLF line ends: a provider that uses them is streamed event by event and metered, not held to
+    the end (or to the event bound) with its usage unseen."""
+    crlf = CHAT.replace(b"\n", b"\r\n")
+    relay = SSERelay(strip_usage=True)
+    out = run(relay, crlf, random.Random(seed))  # chunks of 1-200 bytes: many split a \r from its \n
+    assert relay.usage["completion_tokens"] == 8
+    assert events(out) == [e for e in events(CHAT) if b'"choices":[]' not in e]
+    relay = SSERelay(strip_usage=False)
+    first = crlf.index(b"\r\n\r\n") + 4
+    assert relay.feed(crlf[:first]) == CHAT[: CHAT.index(b"\n\n") + 2]  # the first event goes on at once
