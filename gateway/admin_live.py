@@ -45,7 +45,7 @@ class WatchView(BaseModel):
     error: str | None = Field(description="the last failure, while broken")
 
 
-WATCHES = "watches"  # the key of the discovery watches in /admin/replicas, beside the models
+WATCHES = "_watches"  # the discovery watches in /admin/replicas, beside the models: no model name starts with "_"
 
 
 def live_handlers(gateway) -> list:

@@ -76,7 +76,7 @@ async def test_a_full_list_runs_every_relist_seconds_even_on_a_live_quiet_watch(
 
 
 def watch_states(replicas: dict) -> list[str]:
-    return [w["state"] for w in replicas["watches"]]
+    return [w["state"] for w in replicas["_watches"]]
 
 
 async def test_a_watch_frozen_without_a_close_is_noticed_and_the_change_applied_within_its_bound(monkeypatch):
@@ -94,7 +94,7 @@ async def test_a_watch_frozen_without_a_close_is_noticed_and_the_change_applied_
         # and the watch goes on: a later change comes through the new connection at once
         await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([B])})
         await until(lambda: replica_names(gw, "m") == [f"m@{B}:{PORT}"], READ_TIMEOUT)
-        watches = (await http.get(f"{url}/admin/replicas")).json()["watches"]
+        watches = (await http.get(f"{url}/admin/replicas")).json()["_watches"]
         assert [(w["model"], w["source"], w["watch"], w["state"]) for w in watches] == \
             [("m", "kubernetes", f"endpointslices of {NS}/vllm", "ok")]
 
@@ -121,7 +121,7 @@ async def test_an_api_server_outage_shows_in_metrics_and_admin_and_recovers_with
             assert time.monotonic() < deadline, "the outage never showed in llm_gateway_discovery_watch_up"
             await asyncio.sleep(0.1)
         view = (await http.get(f"{url}/admin/replicas")).json()
-        [watch] = view["watches"]
+        [watch] = view["_watches"]
         assert watch["state"] == "broken" and watch["broken_since"] and watch["error"]
         assert replica_names(gw, "m") == [f"m@{A}:{PORT}"]  # the last known endpoints keep serving
         await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([A, B])})
