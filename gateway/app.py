@@ -23,6 +23,7 @@ from litestar.exceptions import (
     NotFoundException,
 )
 from litestar.openapi import ResponseSpec
+from litestar.params import Parameter
 from litestar.plugins.pydantic import PydanticInitPlugin
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -37,7 +38,7 @@ from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
-from gateway.openapi import StrictModels, openapi_config
+from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
@@ -411,14 +412,15 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         # The header is set whole: given a media type, Litestar would append a second charset to this one.
         return Response(generate_latest(gateway.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
 
-    @get("/scaling", sync_to_thread=False)
-    def scaling(model: str | None = None) -> dict:
+    @get("/scaling", sync_to_thread=False, responses=errors(400, 404))
+    def scaling(model: str | None = Parameter(default=None, max_length=3 * 128, description="one model (or"
+                                              " `model#variant`): its figures alone")) -> dict:
         """The replicas each model needs at its knee (policies/scaling.py), for an autoscaler: KEDA's metrics-api
         scaler reads `needed` from `/scaling?model=NAME`. Served as /metrics is, without a token (the chart's
         NetworkPolicy decides who reaches it); it holds counts only, never a key or a prompt."""
         view = gateway.scaling.view(model)
         if view is None:
-            raise NotFound(f"model {model!r} has no scaling signal (unknown, or its replica cap is not known)",
+            raise NotFound(f"model {model[:128]!r} has no scaling signal (unknown, or its replica cap is not known)",
                            param="model", code="model_not_found")
         return view
 
