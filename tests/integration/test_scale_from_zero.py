@@ -17,6 +17,7 @@ from policies.config import Policy
 from tests.integration.test_discovery_kmock import NS, call, cluster, endpoint_slice, endpoints
 from tests.integration.test_policy_reload import until
 from tests.support.gateway import AUTH, default_key_record
+from tests.support.redis_fixtures import redis_prefix, redis_server, redis_standalone  # noqa: F401
 from tests.support.servers import free_port, serve_app
 
 SIM = SimConfig(model="served", step_base_ms=25)  # 8-token answers of ~0.2 s
@@ -103,3 +104,49 @@ async def test_no_replica_within_the_bound_is_a_503_in_the_routes_shape_with_ret
             assert error["code"] == "no_replica_started" and "no replica running" in error["message"]
             anthropic = messages.json()
             assert anthropic["type"] == "error" and "no replica running" in anthropic["error"]["message"]
+
+
+async def test_on_a_shared_redis_two_gateways_hold_their_requests_until_the_replica_appears(
+        redis_server, redis_prefix):  # noqa: F811
+    """The chart's autoscaled setup: several gateway replicas on Redis, caps counted across them."""
+    port, host = free_port(), "127.0.0.7"
+    async with cluster() as (kubeconfig_path, api, tmp), serve_app(simulator(SIM), port=port, host=host):
+        slices = client.DiscoveryV1Api(api)
+        await call(slices.create_namespaced_endpoint_slice, NS, endpoint_slice("vllm-abc", "vllm", [], port))
+        base = policy(tmp, kubeconfig_path, cold_start_wait=60).model_dump(exclude_unset=True)
+        shared = Policy.model_validate({**base, "store": {"kind": "redis", "url": redis_server.url,
+                                                          "prefix": redis_prefix}})
+        apps = [create_app(shared), create_app(shared)]
+        await apps[0].state.store.create_key(default_key_record(client_priority=True))
+        async with serve_app(apps[0]) as url_a, serve_app(apps[1]) as url_b, httpx.AsyncClient(timeout=90) as http:
+            calls = [asyncio.create_task(ask(http, url, stream, "interactive"))
+                     for url in (url_a, url_b) for stream in (True, False)]
+            await until(lambda: all(a.state.admission.queues["m"].depth == 2 for a in apps), 30)
+            deadline = time.monotonic() + 10
+            while (await http.get(f"{url_a}/scaling", params={"model": "m"})).json()["demand"] != 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([host])})
+            results = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            assert [status for status, _, _ in results] == [200] * 4, [text[:300] for _, _, text in results]
+
+
+async def test_on_a_shared_redis_a_replica_that_appears_serves_a_gateway_that_had_no_waiters(
+        redis_server, redis_prefix):  # noqa: F811
+    """A scale-up seen by a gateway with nobody waiting: its next request takes a slot of the new replica at once
+    (the fleet's count of that replica starts at 0 there, not at its first lease renewal)."""
+    port, host = free_port(), "127.0.0.8"
+    async with cluster() as (kubeconfig_path, api, tmp), serve_app(simulator(SIM), port=port, host=host):
+        slices = client.DiscoveryV1Api(api)
+        await call(slices.create_namespaced_endpoint_slice, NS, endpoint_slice("vllm-abc", "vllm", [], port))
+        base = policy(tmp, kubeconfig_path, cold_start_wait=60).model_dump(exclude_unset=True)
+        shared = Policy.model_validate({**base, "caps": {"lease_seconds": 300},  # no renewal during the test
+                                        "store": {"kind": "redis", "url": redis_server.url, "prefix": redis_prefix}})
+        app = create_app(shared)
+        gw = app.state
+        await gw.store.create_key(default_key_record())
+        async with serve_app(app) as url, httpx.AsyncClient(timeout=30) as http:
+            await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([host])})
+            await until(lambda: any(r.routable for r in gw.replicas.by_model.get("m", [])), 30)
+            status, _, text = await ask(http, url, False, "interactive")
+            assert status == 200, text[:300]
