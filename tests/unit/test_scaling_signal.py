@@ -127,3 +127,22 @@ async def test_without_autoscaling_or_for_a_key_that_may_rent_no_replica_is_a_50
         with pytest.raises(NoBackendAvailable) as refused:
             await asyncio.wait_for(q.acquire("k", (), spill_after=spill_after), 1)
         assert refused.value.code == "no_backend_available"
+
+
+def test_a_reload_gives_the_kept_queue_the_new_autoscaling(tmp_path):
+    from gateway.app import Gateway
+    from policies.snapshot import compile_snapshot
+
+    def with_wait(wait):
+        models = [{"name": "m", "backends": [{"url": "http://10.0.0.1:1", "cap": 4}]}]
+        if wait is not None:
+            models[0]["autoscaling"] = {"cold_start_wait": wait}
+        return Policy.model_validate({"store": {"kind": "sqlite", "path": str(tmp_path / "k.db")}, "models": models})
+
+    gw = Gateway(with_wait(None))
+    queue = gw.snapshot.admission.queues["m"]
+    assert queue.autoscaling is None
+    reloaded = compile_snapshot(with_wait(42), gw.snapshot, gw.shared, "v2")
+    assert reloaded.admission.queues["m"] is queue and queue.autoscaling.cold_start_wait == 42
+    compile_snapshot(with_wait(None), reloaded, gw.shared, "v3")
+    assert queue.autoscaling is None
