@@ -59,12 +59,13 @@ class Ramp:
         await asyncio.gather(*self.workers)
 
 
-async def sample_ramp(ramp: Ramp, sample) -> list[tuple[float, int, dict]]:
-    """Run RAMP; every 0.1 s record (seconds since start, the level, `sample()`)."""
+async def sample_ramp(ramp: Ramp, sample, levels=RAMP, step=STEP) -> list[tuple[float, int, dict]]:
+    """Run the ramp's `levels`, `step` seconds each; every 0.1 s record (seconds since start, the level,
+    `sample()`)."""
     samples, start = [], time.monotonic()
-    for level in RAMP:
+    for level in levels:
         ramp.set(level)
-        until_next = time.monotonic() + STEP
+        until_next = time.monotonic() + step
         while time.monotonic() < until_next:
             samples.append((time.monotonic() - start, level, await sample()))
             await asyncio.sleep(0.1)
@@ -82,7 +83,7 @@ async def test_on_a_ramp_the_signal_rises_before_vllms_waiting_count_and_falls_b
             return metric_sum((await http.get(f"{sim}/metrics")).text, "vllm:num_requests_waiting")
 
         # vLLM alone, as an autoscaler on its waiting count sees it
-        direct = await sample_ramp(Ramp(http, f"{sim}", "served"), lambda: _async_dict(waiting=waiting))
+        direct = await sample_ramp(Ramp(http, f"{sim}", "served"), lambda: read_all(waiting=waiting))
         policy = {"models": [{"name": "m", "served_name": "served", "backends": [{"url": sim, "cap": KNEE}],
                               "autoscaling": {"headroom": 0.1, "smoothing_seconds": 1}}],
                   "health": {"interval": 0.5}}
@@ -108,8 +109,8 @@ async def test_on_a_ramp_the_signal_rises_before_vllms_waiting_count_and_falls_b
     assert peak >= 5  # 40 offered at a cap of 8 with 10% headroom
 
 
-async def _async_dict(**probes) -> dict:
-    return {name: await probe() for name, probe in probes.items()}
+async def read_all(**named) -> dict:
+    return {name: await probe() for name, probe in named.items()}
 
 
 async def test_two_gateways_on_one_redis_both_report_the_fleets_demand(redis_server, redis_prefix):  # noqa: F811
