@@ -349,11 +349,14 @@ def known_metric_names() -> set[str]:
     """Every sample name the gateway and vLLM 0.32 expose: the gateway's from its registry, vLLM's from a
     real /metrics capture."""
     from policies.metrics import GatewayMetrics
+    from policies.scaling import ScalingSignal
 
     names = set()
     suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
                 "gauge": [""], "summary": ["", "_sum", "_count", "_created"]}
-    for family in GatewayMetrics().registry.collect():
+    metrics = GatewayMetrics()
+    ScalingSignal(metrics.registry)  # its gauges join the gateway's registry
+    for family in metrics.registry.collect():
         names |= {family.name + s for s in suffixes.get(family.type, [""])}
     for line in (FIXTURES / "metrics.txt").read_text().splitlines():
         if line and not line.startswith("#"):
@@ -374,7 +377,7 @@ def test_dashboard_queries_only_metrics_that_exist():
     assert not used - known, f"the dashboard queries metrics nobody exposes: {sorted(used - known)}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ["requests", "time to first token", "inter-token", "tokens/s", "queue depth", "queue wait",
-                  "in flight vs cap", "owned vs rented", "rented cost", "own or rent", "errors"]:
+                  "in flight vs cap", "owned vs rented", "rented cost", "own or rent", "errors", "replicas needed"]:
         assert topic in titles, topic
     assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
     assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"
