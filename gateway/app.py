@@ -23,6 +23,7 @@ from litestar.exceptions import (
     NotFoundException,
 )
 from litestar.openapi import ResponseSpec
+from litestar.params import Parameter
 from litestar.plugins.pydantic import PydanticInitPlugin
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -37,7 +38,7 @@ from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
 from gateway.openai_routes import OpenAIRoutes
-from gateway.openapi import StrictModels, openapi_config
+from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
@@ -65,6 +66,7 @@ from policies.metrics import GatewayMetrics
 from policies.ownership import Owners
 from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
+from policies.scaling import ScalingSignal
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
 from policies.store import StoreError, StoreUnavailable, open_store
 from policies.variant_share import open_shared_variants
@@ -119,6 +121,8 @@ class Gateway:
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
         self.live_metrics.watching(self.discovery)
+        # the replicas each model needs (GET /scaling, llm_gateway_replicas_needed), over every gateway replica
+        self.scaling = ScalingSignal(self.metrics.registry, self.store if store.kind == "redis" else None)
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
@@ -257,6 +261,7 @@ class Gateway:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         if self.policy.ledger.enabled:
             loops.append(asyncio.create_task(self.refresh_report_gauges()))
+        loops.append(asyncio.create_task(self.scaling.run(lambda: (self.policy, self.admission.queues))))
         try:
             yield
         finally:
@@ -407,8 +412,20 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         # The header is set whole: given a media type, Litestar would append a second charset to this one.
         return Response(generate_latest(gateway.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
 
+    @get("/scaling", sync_to_thread=False, responses=errors(400, 404))
+    def scaling(model: str | None = Parameter(default=None, max_length=3 * 128, description="one model (or"
+                                              " `model#variant`): its figures alone")) -> dict:
+        """The replicas each model needs at its knee (policies/scaling.py), for an autoscaler: KEDA's metrics-api
+        scaler reads `needed` from `/scaling?model=NAME`. Served as /metrics is, without a token (the chart's
+        NetworkPolicy decides who reaches it); it holds counts only, never a key or a prompt."""
+        view = gateway.scaling.view(model)
+        if view is None:
+            raise NotFound(f"model {model[:128]!r} has no scaling signal (unknown, or its replica cap is not known)",
+                           param="model", code="model_not_found")
+        return view
+
     ops = Litestar(
-        route_handlers=[health, ready, metrics, admin_router(gateway)],
+        route_handlers=[health, ready, metrics, scaling, admin_router(gateway)],
         openapi_config=openapi_config(),
         # Bodies are validated strictly: `true` is not 1 and "5" is not 5, as the schema says.
         plugins=[PydanticInitPlugin(validate_strict=True), StrictModels()],

@@ -12,6 +12,13 @@ to first token of streamed requests: an answer slower than `target_ttft` cuts th
 a second, so one slow burst is one cut, never below `floor`); an answer within target while the backend is
 using its whole limit raises it by 1/limit (about +1 per limit's worth of answers, never above `cap`). A
 backend serving longer prompts (slower first tokens) thus gets fewer requests at once.
+
+Scale from zero (a model with `autoscaling`): while none of its replicas can serve (all scaled away, or still
+starting), a request waits in the queue as any other, class first and fair across keys, for up to
+`autoscaling.cold_start_wait` (or its class's max_wait if longer) instead of getting a 503 at once; the scaling
+signal (policies/scaling.py) counts it, so the autoscaler starts a replica, and the first one to pass its
+health probe serves the queue. Still none past the bound: 503 `no_replica_started` with Retry-After
+COLD_RETRY_AFTER. A key that may rent the model's overflow rents at once instead, as before.
 """
 
 from __future__ import annotations
@@ -25,14 +32,15 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from backends.replicas import Replica, ReplicaSet
-from policies.config import Policy, Priorities, PriorityClass, Queue, groups_of
+from policies.config import Autoscaling, Policy, Priorities, PriorityClass, Queue, groups_of
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.routing import Profile
 
-QUEUE_FULL, QUEUE_TIMEOUT = "queue_full", "queue_timeout"
+QUEUE_FULL, QUEUE_TIMEOUT, COLD_START_TIMEOUT = "queue_full", "queue_timeout", "cold_start_timeout"
+COLD_RETRY_AFTER = 30  # seconds: a model that started no replica within its bound is worth asking again after
 
 
 class WouldWait(Exception):
@@ -141,6 +149,8 @@ class WaitLine:
 class ModelQueue:
     """One model's replicas and queue, counting slots in this process (the embedded store's behaviour)."""
 
+    autoscaling: Autoscaling | None = None  # the model's: with it, requests wait for a first replica (see above)
+
     def __init__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile,
                  metrics: GatewayMetrics, priorities: Priorities | None = None) -> None:
         self.model = model
@@ -216,7 +226,8 @@ class ModelQueue:
 
     async def acquire(self, owner: str, exclude: Sequence[Replica], spill_after: float | None = None,
                       call: Call | None = None) -> Replica:
-        if not any(r.routable and r not in exclude for r in self.replicas):
+        cold = not any(r.routable and r not in exclude for r in self.replicas)
+        if cold and not self.waits_for_a_replica(exclude, spill_after):
             raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
         rank, klass = self.class_of(call)
         if klass.rent_first and spill_after is not None:
@@ -231,6 +242,8 @@ class ModelQueue:
         if self.depth >= self.config.max_depth:
             self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full", rank)
         max_wait = klass.max_wait or self.config.max_wait
+        if cold:
+            max_wait = max(max_wait, self.autoscaling.cold_start_wait)
         waiter = Waiter(owner, exclude, call, rank, time.monotonic())
         self.push(waiter)
         try:
@@ -242,6 +255,8 @@ class ModelQueue:
                 replica = waiter.future.result()  # the slot arrived with the deadline: use it
             else:
                 waiter.future.cancel()
+                if cold and not any(r.routable for r in self.replicas):
+                    self.none_started(max_wait)
                 self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", waiter.rank)
         except asyncio.CancelledError:  # the client went away while waiting
             self.remove(waiter)
@@ -251,6 +266,19 @@ class ModelQueue:
             raise
         self.wait_histograms[waiter.rank].observe(time.monotonic() - waiter.started)  # its rank after a reload
         return replica
+
+    def waits_for_a_replica(self, exclude: Sequence[Replica], spill_after: float | None) -> bool:
+        """No replica can serve: wait for one to start (scale from zero) rather than fail at once? Only for a
+        model with autoscaling, on a first attempt (not a retry after a replica failed), for a key that cannot
+        rent the model's overflow."""
+        return self.autoscaling is not None and not exclude and spill_after is None
+
+    def none_started(self, waited: float) -> None:
+        self.metrics.admission_rejected.labels(self.model, COLD_START_TIMEOUT).inc()
+        raise NoBackendAvailable(
+            f"model {self.model} has no replica running and none started within {waited:g} s; try again in"
+            f" {COLD_RETRY_AFTER} s", code="no_replica_started", param=COLD_START_TIMEOUT,
+            headers={"retry-after": str(COLD_RETRY_AFTER)})
 
     def observe(self, replica: Replica, ttft: float) -> None:
         """An upstream time to first token, for the adaptive limit."""
@@ -396,6 +424,9 @@ class Admission:
             group: make(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
             for m in policy.models for group, _ in groups_of(m)
         }
+        for m in policy.models:
+            for group, _ in groups_of(m):
+                self.queues[group].autoscaling = m.autoscaling
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
 

@@ -465,6 +465,23 @@ class Caps(Strict):
 DNS_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
+class Autoscaling(Strict):
+    """The replicas a model needs at its knee, for an autoscaler to read (policies/scaling.py), and what its
+    requests do while it has none (scale from zero). See the README's "Autoscaling" section."""
+
+    # extra replicas asked for beyond the demand, as a fraction of it: a new replica takes minutes to start,
+    # so the signal asks for one before the queue forms rather than once it has
+    headroom: float = Field(0.1, ge=0, le=10)
+    # a fall in demand is followed with this time constant (a rise at once): a lull between bursts does not
+    # scale a replica away only to start it again; 0 follows the demand as it is
+    smoothing_seconds: float = Field(60.0, ge=0, le=3600)
+    # while no replica of the model can serve (all scaled away, or starting), requests wait this long for one
+    # in the queue (within queue.max_depth); past it: 503 with Retry-After. About one vLLM cold start.
+    cold_start_wait: Seconds = 300.0
+    # the cap of one replica the signal divides by; default: discovery.cap, else the mean of the backends' caps
+    replica_cap: int | None = Field(None, ge=1, le=100_000)
+
+
 class Discovery(Strict):
     """Where a model's replicas are found in a cluster instead of a `backends:` list (backends/sources/).
 
@@ -580,6 +597,7 @@ class Model(Strict):
     variants: list[Variant] = []
     sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
     guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
+    autoscaling: Autoscaling | None = None  # the replica-count signal's settings and scale from zero
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
@@ -604,6 +622,15 @@ class Model(Strict):
             raise ValueError("sticky and guard apply to variants; this model has none")
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a model needs either a non-empty `backends` list or `discovery`, not both")
+        return self
+
+    @model_validator(mode="after")
+    def scaling_needs_a_cap(self) -> Model:
+        if self.autoscaling is not None:
+            for group, variant in groups_of(self):
+                if replica_cap(self, variant) is None:
+                    raise ValueError(f"autoscaling of {group} needs the cap of one replica: set"
+                                     " autoscaling.replica_cap, discovery.cap or every backend's cap")
         return self
 
     def compared_provider(self) -> str | None:
@@ -758,6 +785,20 @@ def group_of(model: str, variant: str | None) -> str:
 def groups_of(model: Model) -> list[tuple[str, Variant | None]]:
     """A model's replica sets: one per variant, or the model's own."""
     return [(group_of(model.name, v.name), v) for v in model.variants] or [(model.name, None)]
+
+
+def replica_cap(model: Model, variant: Variant | None) -> int | None:
+    """The cap of one replica of a model's replica set (its variant's, if given), for the scaling signal:
+    autoscaling.replica_cap, else discovery.cap, else the mean of its backends' caps (None if one has none)."""
+    if model.autoscaling is not None and model.autoscaling.replica_cap is not None:
+        return model.autoscaling.replica_cap
+    owner = variant or model
+    if owner.discovery is not None:
+        return owner.discovery.cap
+    caps = [b.cap for b in owner.backends]
+    if not caps or None in caps:
+        return None
+    return max(1, round(sum(caps) / len(caps)))
 
 
 def backend_name(model: Model, index: int) -> str:

@@ -48,6 +48,7 @@ import os
 import secrets
 import socket
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -252,7 +253,8 @@ class FleetModelQueue(ModelQueue):
         self.fleet = fleet
         self.mode = on_store_failure
         self.held: dict[Replica, list[str | None]] = {r: [] for r in self.replicas}  # None: counted locally only
-        self.fleet_count: dict[Replica, int] = dict.fromkeys(self.replicas, 0)
+        # a replica discovery adds later starts at 0 too, until its first acquire or renewal says more
+        self.fleet_count: dict[Replica, int] = defaultdict(int, dict.fromkeys(self.replicas, 0))
         self.claimed: set[Replica] = set()  # backends where this process left a waiting claim
         # leases given back but not yet sent to Redis: with the next acquire for the backend, or in a batch
         self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(self.send_back)

@@ -97,6 +97,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
                 queue = previous.admission.queues.get(group)
                 if queue is not None:  # waiters, drain rate and adaptive cuts carry over; the settings are new
                     queue.config, queue.profile = model.queue, profiles[model.name]
+                    queue.autoscaling = model.autoscaling
                     queue.reprioritize(policy.priorities)
                     queue.replicas = shared.replicas.by_model[group]
                     admission.queues[group] = queue

@@ -18,11 +18,12 @@ from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
 EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml",
-            "kubernetes-discovery.yaml", "tracing.yaml"]
+            "kubernetes-discovery.yaml", "tracing.yaml", "autoscaling.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject-keda.sh-v1alpha1.json",
 }
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
@@ -348,11 +349,14 @@ def known_metric_names() -> set[str]:
     """Every sample name the gateway and vLLM 0.32 expose: the gateway's from its registry, vLLM's from a
     real /metrics capture."""
     from policies.metrics import GatewayMetrics
+    from policies.scaling import ScalingSignal
 
     names = set()
     suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
                 "gauge": [""], "summary": ["", "_sum", "_count", "_created"]}
-    for family in GatewayMetrics().registry.collect():
+    metrics = GatewayMetrics()
+    ScalingSignal(metrics.registry)  # its gauges join the gateway's registry
+    for family in metrics.registry.collect():
         names |= {family.name + s for s in suffixes.get(family.type, [""])}
     for line in (FIXTURES / "metrics.txt").read_text().splitlines():
         if line and not line.startswith("#"):
@@ -373,7 +377,7 @@ def test_dashboard_queries_only_metrics_that_exist():
     assert not used - known, f"the dashboard queries metrics nobody exposes: {sorted(used - known)}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ["requests", "time to first token", "inter-token", "tokens/s", "queue depth", "queue wait",
-                  "in flight vs cap", "owned vs rented", "rented cost", "own or rent", "errors"]:
+                  "in flight vs cap", "owned vs rented", "rented cost", "own or rent", "errors", "replicas needed"]:
         assert topic in titles, topic
     assert {m for m in used if m.startswith("vllm:")} and {m for m in used if m.startswith("llm_gateway_")}
     assert CHART.joinpath("files", "dashboard.json").read_text() == cm["data"]["llm-gateway.json"].rstrip("\n") + "\n"
@@ -560,3 +564,65 @@ def test_kubernetes_backend_needs_a_service():
         render("minimal.yaml", sets={"models[0].name": "m", "models[0].backend": "kubernetes"})
     with pytest.raises(RenderError, match="service"):  # the values schema: a Service's name is a DNS label
         render("minimal.yaml", sets={"models[0].backend": "kubernetes", "models[0].kubernetes.service": "Not_A_Name"})
+
+
+def test_keda_scales_vllm_and_kserve_on_the_replicas_needed_signal():
+    """With autoscaling on, one ScaledObject per scaled model reads `needed` from the gateway's GET /scaling; the
+    vLLM model runs as one Deployment (KEDA owns its count) whose pods the gateway discovers, the KServe one
+    leaves its HPA to KEDA; the policy carries the signal's settings; KEDA (and the ingress) reach the gateway."""
+    docs = list(rendered("autoscaling.yaml"))
+    scaled = {d["metadata"]["name"]: d["spec"] for d in find(docs, "ScaledObject")}
+    assert set(scaled) == {"rel-llm-gateway-vllm-qwen-qwen3-4b", "rel-llm-gateway-mistral-7b-predictor"}
+    vllm = scaled["rel-llm-gateway-vllm-qwen-qwen3-4b"]
+    assert vllm["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                      "name": "rel-llm-gateway-vllm-qwen-qwen3-4b"}
+    assert (vllm["minReplicaCount"], vllm["maxReplicaCount"], vllm["cooldownPeriod"]) == (0, 3, 600)
+    (trigger,) = vllm["triggers"]
+    assert trigger["type"] == "metrics-api" and trigger["metadata"] == {
+        "url": f"http://rel-llm-gateway.{NAMESPACE}.svc.cluster.local:80/scaling?model=Qwen%2FQwen3-4B",
+        "format": "json", "valueLocation": "needed", "targetValue": "1", "activationTargetValue": "0"}
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway-vllm-qwen-qwen3-4b")
+    assert "replicas" not in deploy["spec"]  # KEDA's to set; a helm upgrade must not reset it
+    assert find(docs, "Service", "rel-llm-gateway-vllm-qwen-qwen3-4b")
+    assert len(find(docs, "Deployment", "rel-llm-gateway-vllm-llama-3b-1")) == 1  # not scaled: as before
+    models = {m["name"]: m for m in policy_of(docs)["models"]}
+    qwen = models["Qwen/Qwen3-4B"]
+    assert "backends" not in qwen and qwen["discovery"] == {
+        "kind": "kubernetes", "namespace": NAMESPACE, "service": "rel-llm-gateway-vllm-qwen-qwen3-4b",
+        "port": "http", "cap": 64}
+    assert qwen["autoscaling"] == {"headroom": 0.1, "smoothing_seconds": 60, "cold_start_wait": 240, "replica_cap": 64}
+    assert models["mistral-7b"]["autoscaling"]["replica_cap"] == 32 and "autoscaling" not in models["llama-3b"]
+
+    (isvc,) = find(docs, "InferenceService")
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/autoscalerClass"] == "external"
+    assert (isvc["spec"]["predictor"]["minReplicas"], isvc["spec"]["predictor"]["maxReplicas"]) == (1, 2)
+    (role,) = find(docs, "Role")  # the scaled vLLM's EndpointSlices and the InferenceService, in one namespace
+    assert role["metadata"]["namespace"] == NAMESPACE
+    (gateway_np,) = find(docs, "NetworkPolicy", "rel-llm-gateway-gateway")
+    allowed = gateway_np["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in allowed
+
+
+@pytest.mark.parametrize("values_file", [f for f in EXAMPLES if f != "autoscaling.yaml"])
+def test_without_autoscaling_no_scaled_object(values_file):
+    docs = rendered(values_file)
+    assert not find(list(docs), "ScaledObject")
+    assert all("autoscaling" not in m for m in policy_of(list(docs))["models"])
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    ({"models[1].kserve.discover": False}, "set kserve.discover=true"),
+    ({"models[0].vllm.autoscaling.minReplicas": 5}, "minReplicas (5) exceeds maxReplicas (3)"),
+])
+def test_autoscaling_values_that_cannot_work_fail_the_render(sets, message):
+    with pytest.raises(RenderError, match=re.escape(message)):
+        render("autoscaling.yaml", sets=sets)
+
+
+def test_autoscaling_without_a_cap_fails_the_render(tmp_path):
+    values = yaml.safe_load((Path(__file__).parent / "values" / "autoscaling.yaml").read_text())
+    del values["models"][0]["cap"]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    with pytest.raises(RenderError, match=re.escape("models[Qwen/Qwen3-4B] autoscales but has no cap")):
+        render(str(path))

@@ -53,6 +53,29 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- printf "%s-vllm-%s-%d" (include "llm-gateway.fullname" .root | trunc 24 | trimSuffix "-") (include "llm-gateway.modelId" .model) (int .index) -}}
 {{- end -}}
 
+{{/* (dict "root" $ "model" $m): the one Deployment and Service of a model whose vLLM replicas KEDA scales */}}
+{{- define "llm-gateway.vllmScaledName" -}}
+{{- printf "%s-vllm-%s" (include "llm-gateway.fullname" .root | trunc 24 | trimSuffix "-") (include "llm-gateway.modelId" .model) -}}
+{{- end -}}
+
+{{/* (dict "root" $ "model" $m): the model's autoscaling values (vllm or kserve), as YAML; `enabled` false for
+     other backends. With it on, a ScaledObject (templates/scaledobject.yaml) scales the model on GET /scaling. */}}
+{{- define "llm-gateway.autoscaling" -}}
+{{- $a := dict "enabled" false -}}
+{{- if eq .model.backend "vllm" -}}
+{{- $a = (include "llm-gateway.vllm" . | fromYaml).autoscaling | default $a -}}
+{{- else if eq .model.backend "kserve" -}}
+{{- $a = (include "llm-gateway.kserve" . | fromYaml).autoscaling | default $a -}}
+{{- end -}}
+{{- toYaml $a -}}
+{{- end -}}
+
+{{/* (dict "root" $ "model" $m): the policy's autoscaling block of a model that autoscales */}}
+{{- define "llm-gateway.policyAutoscaling" -}}
+{{- $a := include "llm-gateway.autoscaling" . | fromYaml -}}
+{{- toYaml (dict "headroom" $a.headroom "smoothing_seconds" $a.smoothingSeconds "cold_start_wait" $a.coldStartWait "replica_cap" (int .model.cap)) -}}
+{{- end -}}
+
 {{/* (dict "root" $ "model" $m): the InferenceService (KServe adds "-predictor" and more to its names) */}}
 {{- define "llm-gateway.isvcName" -}}
 {{- printf "%s-%s" (include "llm-gateway.fullname" .root | trunc 16 | trimSuffix "-") (include "llm-gateway.modelId" .model) | trunc 45 | trimSuffix "-" -}}
@@ -150,6 +173,18 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- else -}}
 {{- fail (printf "models[%s].backend must be vllm, kserve, external or kubernetes (got %v)" $m.name $m.backend) -}}
 {{- end -}}
+{{- $a := include "llm-gateway.autoscaling" (dict "root" $ "model" $m) | fromYaml -}}
+{{- if $a.enabled -}}
+{{- if not $m.cap -}}
+{{- fail (printf "models[%s] autoscales but has no cap: the signal is the replicas needed at one replica's cap (`llm-gateway knee` measures it)" $m.name) -}}
+{{- end -}}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) -}}
+{{- fail (printf "models[%s] autoscaling.minReplicas (%d) exceeds maxReplicas (%d)" $m.name (int $a.minReplicas) (int $a.maxReplicas)) -}}
+{{- end -}}
+{{- if and (eq $m.backend "kserve") (not (include "llm-gateway.kserve" (dict "root" $ "model" $m) | fromYaml).discover) -}}
+{{- fail (printf "models[%s] autoscales on KServe: set kserve.discover=true, so the gateway sees each predictor pod (and none while scaled to zero)" $m.name) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if $v.tracing.enabled -}}
 {{- if not (regexMatch "^https?://[^/@]+(/.*)?$" $v.tracing.endpoint) -}}
@@ -233,11 +268,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if eq $m.backend "vllm" -}}
 {{- $vl := include "llm-gateway.vllm" (dict "root" $root "model" $m) | fromYaml -}}
 {{- if $m.servedName -}}{{- $_ := set $entry "served_name" $m.servedName -}}{{- end -}}
+{{- if (default dict $vl.autoscaling).enabled -}}
+{{- /* one Deployment that KEDA scales: each of its pods, from its Service's EndpointSlices (watched) */ -}}
+{{- $d := dict "kind" "kubernetes" "namespace" $ns "service" (include "llm-gateway.vllmScaledName" (dict "root" $root "model" $m)) "port" "http" "cap" (int $m.cap) -}}
+{{- $_ := set $entry "discovery" $d -}}
+{{- else -}}
 {{- range $i := until (int $vl.replicas) -}}
 {{- $name := include "llm-gateway.vllmName" (dict "root" $root "model" $m "index" $i) -}}
 {{- $b := dict "name" $name "url" (printf "http://%s.%s.svc.cluster.local:%d" $name $ns (int $vl.port)) -}}
 {{- if $m.cap -}}{{- $_ := set $b "cap" (int $m.cap) -}}{{- end -}}
 {{- $backends = append $backends $b -}}
+{{- end -}}
 {{- end -}}
 {{- else if eq $m.backend "kserve" -}}
 {{- $ks := include "llm-gateway.kserve" (dict "root" $root "model" $m) | fromYaml -}}
@@ -275,6 +316,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 {{- end -}}
 {{- if $backends -}}{{- $_ := set $entry "backends" $backends -}}{{- end -}}
+{{- if (include "llm-gateway.autoscaling" (dict "root" $root "model" $m) | fromYaml).enabled -}}
+{{- $_ := set $entry "autoscaling" (include "llm-gateway.policyAutoscaling" (dict "root" $root "model" $m) | fromYaml) -}}
+{{- end -}}
 {{- $models = append $models $entry -}}
 {{- end -}}
 {{- $_ := set $p "models" $models -}}
@@ -306,12 +350,16 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 
 {{/* What discovery reads, per namespace (YAML: NAMESPACE -> [resources]): the EndpointSlices of every namespace
-     a `backend: kubernetes` Service lives in, and, with KServe discovery, the InferenceServices and the predictor
+     a `backend: kubernetes` Service lives in (and of the release namespace for autoscaled vLLM), and, with KServe discovery, the InferenceServices and the predictor
      Services' EndpointSlices of the release namespace. templates/rbac.yaml grants exactly that. */}}
 {{- define "llm-gateway.discoveryReads" -}}
 {{- $reads := dict -}}
 {{- range $m := .Values.models -}}
-{{- if eq $m.backend "kserve" -}}
+{{- if eq $m.backend "vllm" -}}
+{{- if (include "llm-gateway.autoscaling" (dict "root" $ "model" $m) | fromYaml).enabled -}}
+{{- $_ := set $reads $.Release.Namespace (get $reads $.Release.Namespace | default list | concat (list "endpointslices") | uniq) -}}
+{{- end -}}
+{{- else if eq $m.backend "kserve" -}}
 {{- $ks := include "llm-gateway.kserve" (dict "root" $ "model" $m) | fromYaml -}}
 {{- if $ks.discover -}}
 {{- $_ := set $reads $.Release.Namespace (get $reads $.Release.Namespace | default list | concat (list "endpointslices" "inferenceservices") | uniq) -}}

@@ -1,6 +1,6 @@
 """Writes the CRD schemas the chart tests validate against, from upstream CRD files (run by hand, not by tests).
 
-    python tests/chart/schemas/vendor_crds.py ISVC_CRD.yaml SERVICEMONITOR_CRD.yaml
+    python tests/chart/schemas/vendor_crds.py ISVC_CRD.yaml SERVICEMONITOR_CRD.yaml [SCALEDOBJECT_CRD.yaml]
 
 Each output is the CRD version's openAPIV3Schema with descriptions dropped; the InferenceService schema keeps only
 the predictor fields a chart may set (the full one is ~2 MB, mostly PodSpec copies for other components).
@@ -37,7 +37,7 @@ def schema(crd_path: str, version: str) -> dict:
     return strip(found["schema"]["openAPIV3Schema"])
 
 
-def main(isvc_crd: str, servicemonitor_crd: str) -> None:
+def main(isvc_crd: str, servicemonitor_crd: str, scaledobject_crd: str | None = None) -> None:
     isvc = schema(isvc_crd, "v1beta1")
     spec = isvc["properties"]["spec"]
     predictor = spec["properties"]["predictor"]
@@ -46,6 +46,10 @@ def main(isvc_crd: str, servicemonitor_crd: str) -> None:
     isvc["properties"].pop("status", None)
     out = {"serving.kserve.io/v1beta1/InferenceService": isvc,
            "monitoring.coreos.com/v1/ServiceMonitor": schema(servicemonitor_crd, "v1")}
+    if scaledobject_crd is not None:
+        scaled = schema(scaledobject_crd, "v1alpha1")
+        scaled["properties"].pop("status", None)
+        out["keda.sh/v1alpha1/ScaledObject"] = scaled
     for name, body in out.items():
         group, version, kind = name.split("/")
         (HERE / f"{kind.lower()}-{group}-{version}.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
