@@ -5,6 +5,8 @@ Labels carry only model and backend names, statuses and error kinds: never keys,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -242,8 +244,9 @@ class GatewayMetrics:
     def decision(self, model: str, scorer: str, outcome: str) -> None:
         self.routing_decisions.add((model, scorer, outcome))
 
-    def plugin_time(self, model: str, plugin: str, step: str, seconds: float) -> None:
-        self.routing_plugin_time.observe((model, plugin, step), seconds)
+    def plugin_timer(self, model: str, plugin: str, step: str) -> Callable[[float], None]:
+        """Observes one plugin's seconds for one step of a pick (a routing profile asks once per plugin)."""
+        return self.routing_plugin_time.child((model, plugin, step))
 
     def prefix_match(self, model: str, chars: int, ratio: float) -> None:
         self.prefix_match_chars.labels(model).observe(chars)

@@ -9,7 +9,7 @@ thread) and turned into a counter family only when /metrics is read. The series 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
@@ -54,6 +54,19 @@ class TallyHistogram:
             series = self.series[values] = [0.0] * (len(self.bounds) + 2)
         series[bisect_left(self.bounds, value)] += 1
         series[-1] += value
+
+    def child(self, values: tuple[str, ...]) -> Callable[[float], None]:
+        """`observe` for one label set, its series looked up once (the request path calls it per pick)."""
+        series = self.series.get(values)
+        if series is None:
+            series = self.series[values] = [0.0] * (len(self.bounds) + 2)
+        bounds = self.bounds
+
+        def observe(value: float) -> None:
+            series[bisect_left(bounds, value)] += 1
+            series[-1] += value
+
+        return observe
 
     def count(self, values: tuple[str, ...]) -> int:
         series = self.series.get(values)

@@ -104,6 +104,7 @@ class PrefixAffinity:
         blocks = self.blocks(call)
         if not blocks:  # (what vLLM reports is looked at by the next call that has a prefix: nothing is lost)
             note.outcome = "no_prompt"
+            note.data = (blocks, [])
             return [0.0] * len(candidates)
         seen = [stats.vllm(r) for r in candidates]
         for replica, vllm in zip(candidates, seen):
@@ -182,11 +183,15 @@ class PrefixAffinity:
         # a full LRU dropped the first block and with it the whole match, while vLLM still held the prefix.
         # Each block is marked with its continuation in this prompt: a second, different one marks it SHARED.
         child = None
+        move = lru.move_to_end
         for h in reversed(blocks):
-            mark = lru.pop(h, None)
-            if child is not None and mark != child and mark is not SHARED:
-                mark = child if mark is None else SHARED
-            lru[h] = mark
+            mark = lru.get(h, lru)  # (the LRU itself stands for "absent")
+            if mark is lru:
+                lru[h] = child
+            else:
+                move(h)
+                if mark != child and child is not None and mark is not SHARED:
+                    lru[h] = child if mark is None else SHARED
             child = h
         capacity = self._capacity.get(replica.name, self.params.lru_blocks)
         while len(lru) > capacity:

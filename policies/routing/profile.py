@@ -1,7 +1,8 @@
 """One model's routing: filters -> weighted scorers -> picker, and what each decision tells the metrics.
 
 Every plugin's time for each pick goes to the metrics (`llm_gateway_routing_plugin_duration_seconds`, by plugin
-and step), kept in a plain tally as the decisions are, so timing costs two clock reads per plugin.
+and step), kept in a plain tally as the decisions are, each series looked up once when the profile is built:
+timing costs two clock reads and one call per plugin.
 """
 
 from __future__ import annotations
@@ -30,19 +31,24 @@ class Profile:
         self.learners = [s for s, _ in self.scorers if s.learns]
         self.picker: Picker = picker or PICKERS["max-score"]()
         self.stats = stats or Stats()
-        self.metrics = metrics  # GatewayMetrics (decision, plugin_time) or None
+        self.metrics = metrics  # GatewayMetrics (decision, plugin_timer) or None
+        timer = (lambda plugin, step: metrics.plugin_timer(model, plugin, step)) if metrics is not None else None
+        # per plugin and step, the histogram's observe for it (None: not timed), looked up once here
+        self.filter_timers = [timer(f.name, "filter") if timer else None for f in self.filters]
+        self.score_timers = [timer(s.name, "score") if timer else None for s, _ in self.scorers]
+        self.learn_timers = [timer(s.name, "learn") if timer else None for s in self.learners]
+        self.pick_timer = timer(self.picker.name, "pick") if timer else None
 
     def pick(self, call: Call | None, replicas: Sequence[Replica], exclude: Sequence[Replica] = ()) -> Replica | None:
         call = call or NO_CALL
-        timed = self.metrics.plugin_time if self.metrics is not None else None
         candidates = [r for r in replicas if r.routable and r not in exclude]
-        for f in self.filters:
+        for f, timed in zip(self.filters, self.filter_timers):
             if len(candidates) <= 1:
                 break
             start = perf_counter()
             candidates = f.keep(call, candidates, self.stats)
             if timed is not None:
-                timed(self.model, f.name, "filter", perf_counter() - start)
+                timed(perf_counter() - start)
         if not candidates:
             return None
         notes: dict[int, Note] = {}
@@ -50,24 +56,23 @@ class Profile:
             chosen = candidates[0]
         else:
             chosen = self.choose(call, candidates, notes)
-        for scorer in self.learners:
+        for scorer, timed in zip(self.learners, self.learn_timers):
             start = perf_counter()
             scorer.picked(call, chosen, notes.get(id(scorer)) or Note())
             if timed is not None:
-                timed(self.model, scorer.name, "learn", perf_counter() - start)
+                timed(perf_counter() - start)
         return chosen
 
     def choose(self, call: Call, candidates: list[Replica], notes: dict[int, Note]) -> Replica:
         stats = self.stats
-        timed = self.metrics.plugin_time if self.metrics is not None else None
         totals: list[float] = [0.0] * len(candidates)
         decisions = []
-        for scorer, weight in self.scorers:
+        for (scorer, weight), timed in zip(self.scorers, self.score_timers):
             note = notes[id(scorer)] = Note()
             start = perf_counter()
             scores = scorer.score(call, candidates, stats, note)
             if timed is not None:
-                timed(self.model, scorer.name, "score", perf_counter() - start)
+                timed(perf_counter() - start)
             high = max(scores)
             if high > 1.0 or min(scores) < 0.0:
                 scores = [min(1.0, max(0.0, s)) for s in scores]
@@ -76,8 +81,8 @@ class Profile:
             decisions.append((scorer, note, scores, high))
         start = perf_counter()
         chosen = self.picker.pick(candidates, totals)
-        if timed is not None:
-            timed(self.model, self.picker.name, "pick", perf_counter() - start)
+        if self.pick_timer is not None:
+            self.pick_timer(perf_counter() - start)
         if self.metrics is not None:
             index = candidates.index(chosen)
             model, decision = self.model, self.metrics.decision
