@@ -91,7 +91,8 @@ class Extras:
         self.routes = {
             "/v1/responses": self.responses, "/v1/messages": self.messages,
             "/v1/messages/count_tokens": self.count_tokens, "/tokenize": self.tokenize,
-            "/detokenize": self.detokenize, "/reset_prefix_cache": self.reset_prefix_cache, "/rerank": self.rerank, "/v1/rerank": self.rerank,
+            "/detokenize": self.detokenize, "/reset_prefix_cache": self.reset_prefix_cache, "/rerank": self.rerank,
+            "/v1/rerank": self.rerank,
             "/v2/rerank": self.rerank, "/score": self.score, "/v1/score": self.score, "/pooling": self.pooling,
         }  # no /classify: like a vLLM pooling model converted for embedding, it answers 404
 

@@ -6,10 +6,10 @@ and each block's hash is chained to the previous one's, so a block hash stands f
 Each replica keeps a bounded LRU of the block hashes this gateway sent it; a candidate's score is its number
 of blocks matched from the start beyond what every candidate matches, relative to the best candidate's (the
 best match scores 1, one holding only what all hold 0, so with its default weight the match decides unless the
-load guard trips; when nothing matches, or all match alike, load decides). The LRU holds `lru_blocks` blocks, or, once vLLM
-reports its KV cache size (vllm:cache_config_info), as many blocks as that cache holds tokens: a replica
-cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its finished-request count
-went down) starts over with an empty LRU, as its prefix cache did.
+load guard trips; when nothing matches, or all match alike, load decides). The LRU holds `lru_blocks` blocks,
+or, once vLLM reports its KV cache size (vllm:cache_config_info), as many blocks as that cache holds tokens: a
+replica cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its
+finished-request count went down) starts over with an empty LRU, as its prefix cache did.
 
 Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
 has no threshold to tune per GPU: each rule compares like with like, or reads vLLM's own signal of trouble.

@@ -37,7 +37,8 @@ Per profile: TTFT p50/p99 (client side, through the gateway), TTFT p50 of later 
 profile's wall time, each server's and the overall prefix-cache hit rate, and the workload's ceiling (every
 turn hits all of the previous turn's prompt). Checks per workload (exit status 1 when one fails): the default
 profile's hit rate at least 0.97x the ceiling's, its TTFT p50 at most 1.15x, its req/s at least 0.97x; on the
-hot prefix no server over 60% of the requests and TTFT p99 no worse than least-in-flight's. Every loop is bounded: each profile by --profile-timeout, each request by the client's timeout.
+hot prefix no server over 60% of the requests and TTFT p99 no worse than least-in-flight's. Every loop is
+bounded: each profile by --profile-timeout, each request by the client's timeout.
 Results go to .cache/bench/routing-<time>.json.
 
 External servers (e.g. two vLLM servers sharing one GPU, tests/benchmarks/gpu/step5.sh):
