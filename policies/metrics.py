@@ -5,6 +5,8 @@ Labels carry only model and backend names, statuses and error kinds: never keys,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,12 +17,13 @@ from prometheus_client import (
 
 from policies.ledger.gauges import ReportGauges
 from policies.memo import Memo
-from policies.tally import TallyCounter
+from policies.tally import TallyCounter, TallyHistogram
 
 disable_created_metrics()  # the *_created series double the scrape size and no dashboard reads them
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+PLUGIN_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)  # a plugin takes microseconds
 
 
 class GatewayMetrics:
@@ -188,9 +191,15 @@ class GatewayMetrics:
         self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"
             " scorer's favourite was picked (agreed/overruled) or what it saw (prefix-affinity: hit, miss,"
-            " load_guard, no_prompt; session-affinity: pinned, no_session).", ("model", "scorer", "outcome"),
+            " no_prompt, or which load guard tripped: guard_queue, guard_kv, guard_shared, load_guard;"
+            " session-affinity: pinned, no_session).", ("model", "scorer", "outcome"),
         )
         r.register(self.routing_decisions)
+        self.routing_plugin_time = TallyHistogram(  # one observation per plugin per pick: kept like the decisions
+            "llm_gateway_routing_plugin_duration_seconds", "Time one routing plugin took for one pick, by plugin and"
+            " step (filter, score, pick, learn).", ("model", "plugin", "step"), PLUGIN_BUCKETS,
+        )
+        r.register(self.routing_plugin_time)
         self.prefix_match_chars = Histogram(
             "llm_gateway_routing_prefix_match_chars", "Prompt characters the chosen replica was expected to hold"
             " in its prefix cache (prefix-affinity's match).", ["model"],
@@ -234,6 +243,10 @@ class GatewayMetrics:
 
     def decision(self, model: str, scorer: str, outcome: str) -> None:
         self.routing_decisions.add((model, scorer, outcome))
+
+    def plugin_timer(self, model: str, plugin: str, step: str) -> Callable[[float], None]:
+        """Observes one plugin's seconds for one step of a pick (a routing profile asks once per plugin)."""
+        return self.routing_plugin_time.child((model, plugin, step))
 
     def prefix_match(self, model: str, chars: int, ratio: float) -> None:
         self.prefix_match_chars.labels(model).observe(chars)

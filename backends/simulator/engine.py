@@ -39,6 +39,9 @@ class PrefixCache:
         self._capacity = max(1, capacity_blocks)
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
+    def clear(self) -> None:
+        self._blocks.clear()
+
     def match_and_insert(self, hashes: Sequence[int]) -> int:
         """Return how many leading blocks were cached, then cache all of them."""
         hits = 0

@@ -91,7 +91,8 @@ class Extras:
         self.routes = {
             "/v1/responses": self.responses, "/v1/messages": self.messages,
             "/v1/messages/count_tokens": self.count_tokens, "/tokenize": self.tokenize,
-            "/detokenize": self.detokenize, "/rerank": self.rerank, "/v1/rerank": self.rerank,
+            "/detokenize": self.detokenize, "/reset_prefix_cache": self.reset_prefix_cache, "/rerank": self.rerank,
+            "/v1/rerank": self.rerank,
             "/v2/rerank": self.rerank, "/score": self.score, "/v1/score": self.score, "/pooling": self.pooling,
         }  # no /classify: like a vLLM pooling model converted for embedding, it answers 404
 
@@ -303,6 +304,11 @@ class Extras:
         body = await self.body(http)
         count = len(tokenize(self._messages_prompt(body)))
         await http.json(200, {"input_tokens": count, "context_management": {"original_input_tokens": count}})
+
+    async def reset_prefix_cache(self, http) -> None:
+        """vLLM serves POST /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1: benchmarks empty the cache with it."""
+        self.app.engine._prefix.clear()
+        await http.json(200, {})
 
     # ---- tokenizer ---------------------------------------------------------------------------------------
 

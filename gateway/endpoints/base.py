@@ -175,6 +175,7 @@ class Route:
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
     query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped
     stream_by_answer: bool = False  # it streams when its answer is an event stream (a form's or a query's `stream`)
+    prompt: Callable[[dict[str, Any]], str] | None = None  # the text its prompt starts with (prefix routing reads it)
     pattern: re.Pattern | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from gateway.endpoints.base import Route, io_usage, no_usage
 from gateway.relay import EventRelay
 from policies.errors import GatewayError
 from policies.pipeline import Call
+from policies.routing.prompt import messages_text
 from policies.tokens import Estimate, chat_prompt, max_output
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -49,6 +50,6 @@ def usage(data: dict[str, Any]) -> dict[str, int] | None:
 
 
 MESSAGES = Route("messages", "/v1/messages", tokens=Estimate(chat_prompt, max_output("max_tokens")), usage=usage,
-                 relay=relay, errors=anthropic_error, key_header="x-api-key")
+                 relay=relay, errors=anthropic_error, key_header="x-api-key", prompt=messages_text)
 COUNT_TOKENS = Route("messages/count_tokens", "/v1/messages/count_tokens", usage=no_usage, errors=anthropic_error,
                      key_header="x-api-key")

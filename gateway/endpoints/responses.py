@@ -28,6 +28,7 @@ from gateway.relay import EventRelay, ReplayRelay
 from policies.errors import NotFound
 from policies.ownership import TAG as OWNER_TAG
 from policies.pipeline import Call
+from policies.routing.prompt import responses_text
 from policies.tokens import RESPONSES
 
 PREFIX = "resp_"
@@ -120,7 +121,7 @@ def usage(data: dict[str, Any]) -> dict[str, int] | None:
 
 
 CREATE = Route("responses", "/v1/responses", tokens=RESPONSES, usage=usage, relay=relay, pin=pin_previous,
-               prepare=assign_id, rentable=True)
+               prepare=assign_id, rentable=True, prompt=responses_text)
 RETRIEVE = Route("responses/retrieve", "/v1/responses/{id}", methods=("GET",), body=NONE, pin=pin_by_path,
                  model=pinned_model, usage=no_usage, query=RETRIEVE_QUERY, relay=replay, stream_by_answer=True)
 CANCEL = Route("responses/cancel", "/v1/responses/{id}/cancel", body=NONE, pin=pin_by_path, model=pinned_model,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -39,6 +39,18 @@ class Stats:
         return max(own, stats.load)
 
 
+class Note:
+    """One scorer's scratch for one pick, made by the profile and handed to `score` and then `picked`: what the
+    scorer saw, for the metrics (`outcome`, e.g. "hit"; None: agreed/overruled by the pick), and anything it
+    keeps between the two calls (`data`). A scorer keeps nothing of one call on itself."""
+
+    __slots__ = ("outcome", "data")
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+        self.data: Any = None
+
+
 class Filter(Protocol):
     name: str
 
@@ -48,13 +60,13 @@ class Filter(Protocol):
 
 class Scorer(Protocol):
     name: str
-    outcome: str | None  # set by score() when the scorer has something to say for the metrics (e.g. "hit")
+    learns: bool  # the profile calls `picked` only when True
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         """One score in [0, 1] per candidate; higher is better. Values outside are clamped."""
 
-    def picked(self, call: Call, replica: Candidate) -> None:
-        """The replica the profile chose (learning scorers remember it; the others do nothing)."""
+    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
+        """The replica the profile chose, with this call's note (learning scorers remember the pick)."""
 
 
 class Picker(Protocol):
@@ -69,13 +81,12 @@ class Stateless:
     say otherwise, take no params."""
 
     Params = Params
-    outcome: str | None = None
     learns = False
 
-    def __init__(self, params: Params | None = None, metrics=None) -> None:
+    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
         pass
 
-    def picked(self, call: Call, replica: Candidate) -> None:
+    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
         return None
 
 

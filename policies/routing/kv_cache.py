@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policies.pipeline import Call
-from policies.routing.base import Candidate, Stateless, Stats
+from policies.routing.base import Candidate, Note, Stateless, Stats
 
 
 class KVCache(Stateless):
     name = "kv-cache"
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         free: list[float | None] = []
         for replica in candidates:
             s = stats.vllm(replica)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policies.pipeline import Call
-from policies.routing.base import Candidate, Stateless, Stats, relative_load
+from policies.routing.base import Candidate, Note, Stateless, Stats, relative_load
 
 
 class LeastInFlight(Stateless):
     name = "least-in-flight"
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         return relative_load([float(r.in_flight) for r in candidates])

@@ -4,55 +4,80 @@ The approximate scheme the peers use (llm-d's approximate prefix scorer, product
 prompt text (prompt.py) is cut into blocks of `block_chars` characters (~16 tokens at 4 characters a token)
 and each block's hash is chained to the previous one's, so a block hash stands for the whole prefix up to it.
 Each replica keeps a bounded LRU of the block hashes this gateway sent it; a candidate's score is its number
-of blocks matched from the start relative to the best candidate's (the best match scores 1, so with its
-default weight the match decides unless the load guard trips; when nothing matches, load decides). The LRU holds `lru_blocks` blocks, or, once vLLM
-reports its KV cache size (vllm:cache_config_info), as many blocks as that cache holds tokens: a replica
-cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its finished-request count
-went down) starts over with an empty LRU, as its prefix cache did.
+of blocks matched from the start beyond what every candidate matches, relative to the best candidate's (the
+best match scores 1, one holding only what all hold 0, so with its default weight the match decides unless the
+load guard trips; when nothing matches, or all match alike, load decides). The LRU holds `lru_blocks` blocks,
+or, once vLLM reports its KV cache size (vllm:cache_config_info), as many blocks as that cache holds tokens: a
+replica cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its
+finished-request count went down) starts over with an empty LRU, as its prefix cache did.
 
-Load guard: affinity alone piles one hot prefix onto one replica. When the best-matching candidate holds at
-least `imbalance` more requests than the least loaded one (running + waiting from vLLM, or this gateway's own
-in-flight count, whichever is higher), the scorer scores by load instead, so the request goes where there is
-room and the prefix is learned there too.
+Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
+has no threshold to tune per GPU: each rule compares like with like, or reads vLLM's own signal of trouble.
+The preferred replica is the best match (the least loaded among equals). It loses the request when
+- it queues (outcome `guard_queue`): its vLLM reports requests waiting (not yet running: the batch is full), and
+  the prefill work ahead of this request there (waiting requests x that server's mean uncached prompt tokens
+  per request, from its prefix-cache counters) plus this prompt's unmatched part exceeds another candidate's
+  queued work plus what it would have to recompute there. Both sides are tokens to prefill on servers of the
+  same model, so the prefill rate cancels out. Many running requests are not queueing: a GPU batches them.
+  Candidates then score by that estimate (the cheapest 1).
+- its KV cache is full (`guard_kv`): vLLM reports at least 95% in use (it preempts running requests when it
+  runs out) while another candidate has room. Full candidates score 0, the others by their match.
+- the match is a shared prefix (`guard_shared`): the last matched block has been continued in more than one
+  way (one system prompt under many conversations), or the whole prompt was sent before (a repeated prompt),
+  and another candidate holds less load. Copying a shared
+  prefix to a second replica costs one miss that every later request sharing it saves again, so it goes by load,
+  and once both hold it the tie goes by load anyway. A conversation's own history is never shared: its later
+  turns stay put, however uneven the load, unless the replica queues.
+- optionally (`imbalance`, off by default): it holds at least that many requests more than the least loaded
+  candidate (the old fixed-difference guard; on a GPU running 100+ requests a difference of 8 is noise).
+`guard: false` turns every rule off (the match alone decides: a baseline to measure the guard against).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import Field
 
+from backends.vllm_stats import VLLMStats
 from policies.pipeline import Call
-from policies.routing.base import Candidate, Stats, relative_load
+from policies.routing.base import Candidate, Note, Stats, relative_load
 from policies.routing.base import Params as BaseParams
 from policies.routing.prompt import prompt_text
 
 CHARS_PER_TOKEN = 4
 
 
+KV_FULL = 0.95  # vLLM's KV cache this full preempts soon (the kv-headroom filter's default)
+SHARED = object()  # an LRU block's mark: prompts continued it in more than one way
+
+
 class Params(BaseParams):
     block_chars: int = Field(64, ge=4, le=4096)  # characters per hashed block (~16 tokens)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks hashed per request (longer prompts: the start)
     lru_blocks: int = Field(65536, ge=16, le=100_000_000)  # per replica, until vLLM reports its cache size
-    imbalance: float = Field(8, ge=0)  # requests more than the least loaded candidate that trip the guard
+    guard: bool = True  # false: the match alone decides (a baseline for benchmarks; a hot prefix piles up)
+    imbalance: float | None = Field(None, ge=1)  # opt-in: requests more than the least loaded that also trip it
 
 
 class PrefixAffinity:
     name = "prefix-affinity"
     Params = Params
+    learns = True
 
-    def __init__(self, params: Params | None = None, metrics=None) -> None:
+    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
         self.params = params or Params()
-        self.metrics = metrics  # RoutingMetrics or None
-        self.lrus: dict[str, OrderedDict[int, None]] = {}  # by replica name: survives a reload of the policy
-        self.outcome: str | None = None
-        self._last: tuple[Call | None, list[int], list[int]] = (None, [], [])  # (call, blocks, matched per cand.)
+        self.metrics = metrics  # GatewayMetrics or None
+        # by replica name (they survive a reload of the policy): block hash -> its mark (None: no continuation
+        # seen yet; a hash: the one continuation seen; SHARED), least recent first
+        self.lrus: dict[str, OrderedDict[int, Any]] = {}
         self._capacity: dict[str, int] = {}
         self._finished: dict[str, float] = {}  # by replica name: vLLM's finished-request count, last seen
 
     def blocks(self, call: Call) -> list[int]:
-        text = prompt_text(call.endpoint, call.body)
+        text = prompt_text(call)
         size = self.params.block_chars
         if len(text) < size:
             return []
@@ -75,33 +100,76 @@ class PrefixAffinity:
             n += 1
         return n
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         blocks = self.blocks(call)
         if not blocks:  # (what vLLM reports is looked at by the next call that has a prefix: nothing is lost)
-            self.outcome = "no_prompt"
-            self._last = (call, blocks, [0] * len(candidates))
+            note.outcome = "no_prompt"
+            note.data = (blocks, [])
             return [0.0] * len(candidates)
-        for replica in candidates:
-            self._observe(replica, stats)
+        seen = [stats.vllm(r) for r in candidates]
+        for replica, vllm in zip(candidates, seen):
+            self._observe(replica, vllm)
         matched = [self.matched(r, blocks) for r in candidates]
-        self._last = (call, blocks, matched)
+        note.data = (blocks, matched)
         best = max(matched)
         if best == 0:
-            self.outcome = "miss"
+            note.outcome = "miss"
             return [0.0] * len(candidates)
         loads = [stats.load(r) for r in candidates]
         preferred = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
-        if loads[preferred] - min(loads) >= self.params.imbalance:
-            self.outcome = "load_guard"
-            return relative_load(loads)
-        self.outcome = "hit"
-        return [m / best for m in matched]
+        if self.params.guard:
+            guarded = self.guard(candidates, seen, loads, matched, blocks, preferred, note)
+            if guarded is not None:
+                return guarded
+        note.outcome = "hit"
+        held = min(matched)  # what every candidate holds (a shared prefix copied everywhere) decides nothing
+        if held == best:
+            return [1.0] * len(candidates)
+        return [(m - held) / (best - held) for m in matched]
 
-    def picked(self, call: Call, replica: Candidate) -> None:
-        last_call, blocks, _ = self._last
-        if last_call is not call:  # picked without scoring (a single candidate)
-            blocks = self.blocks(call)
-        self._last = (None, [], [])
+    def guard(self, candidates: Sequence[Candidate], seen: list[VLLMStats | None], loads: list[float],
+              matched: list[int], blocks: list[int], p: int, note: Note) -> list[float] | None:
+        """The scores when the load guard trips (the module's docstring gives the rules), else None."""
+        others = [i for i in range(len(candidates)) if i != p]
+        waiting = seen[p].waiting if seen[p] is not None else None
+        if waiting:
+            per_token = self.params.block_chars / CHARS_PER_TOKEN
+            prompt = len(blocks) * per_token
+            costs = [self.queued(s, prompt) + prompt - m * per_token for s, m in zip(seen, matched)]
+            if costs[p] > min(costs[i] for i in others):
+                note.outcome = "guard_queue"
+                cheapest = max(1.0, min(costs))
+                return [cheapest / max(1.0, c) for c in costs]
+        kv = [None if s is None else s.kv_usage for s in seen]
+        if kv[p] is not None and kv[p] >= KV_FULL and any(kv[i] is None or kv[i] < KV_FULL for i in others):
+            note.outcome = "guard_kv"
+            best = max(m for m, u in zip(matched, kv) if u is None or u < KV_FULL) or 1
+            return [0.0 if u is not None and u >= KV_FULL else m / best for m, u in zip(matched, kv)]
+        least = min(loads)
+        if loads[p] > least:
+            lru = self.lrus[candidates[p].name]
+            if matched[p] == len(blocks) or lru.get(blocks[matched[p] - 1]) is SHARED:
+                note.outcome = "guard_shared"
+                return relative_load(loads)
+            imbalance = self.params.imbalance
+            if imbalance is not None and loads[p] - least >= imbalance:
+                note.outcome = "load_guard"
+                return relative_load(loads)
+        return None
+
+    @staticmethod
+    def queued(vllm: VLLMStats | None, prompt: float) -> float:
+        """Tokens of prefill waiting ahead on a replica: its waiting requests x its mean uncached prompt tokens
+        per finished request (vLLM's counters since it started), or x this prompt's when it has none yet."""
+        if vllm is None or not vllm.waiting:
+            return 0.0
+        per_request = prompt
+        if vllm.requests_finished and vllm.prefix_queries is not None:
+            per_request = max(0.0, vllm.prefix_queries - (vllm.prefix_hits or 0.0)) / vllm.requests_finished
+        return vllm.waiting * per_request
+
+    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
+        blocks = note.data[0] if note.data is not None else self.blocks(call)  # no note: a single candidate
         if not blocks:
             return
         if self.metrics is not None:
@@ -113,19 +181,25 @@ class PrefixAffinity:
         # Tail first, so a prompt's leading blocks are its most recent: eviction then cuts a prefix from its end,
         # as vLLM's cache does (it frees a request's blocks tail first), and the rest still matches. In order,
         # a full LRU dropped the first block and with it the whole match, while vLLM still held the prefix.
+        # Each block is marked with its continuation in this prompt: a second, different one marks it SHARED.
+        child = None
+        move = lru.move_to_end
         for h in reversed(blocks):
-            if h in lru:
-                lru.move_to_end(h)
+            mark = lru.get(h, lru)  # (the LRU itself stands for "absent")
+            if mark is lru:
+                lru[h] = child
             else:
-                lru[h] = None
+                move(h)
+                if mark != child and child is not None and mark is not SHARED:
+                    lru[h] = child if mark is None else SHARED
+            child = h
         capacity = self._capacity.get(replica.name, self.params.lru_blocks)
         while len(lru) > capacity:
             lru.popitem(last=False)
 
-    def _observe(self, replica: Candidate, stats: Stats) -> None:
+    def _observe(self, replica: Candidate, vllm: VLLMStats | None) -> None:
         """Fit the replica's LRU to its cache size, and forget it when its vLLM restarted: a new server's
         prefix cache is empty (its counters starting over say so)."""
-        vllm = stats.vllm(replica)
         if vllm is None:
             return
         finished = vllm.requests_finished

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from policies.pipeline import Call
-from policies.routing.base import Candidate, Stateless, Stats
+from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.base import Params as BaseParams
 
 
@@ -30,12 +30,12 @@ class SessionAffinity(Stateless):
     def __init__(self, params: Params | None = None, metrics=None) -> None:
         self.header = (params or Params()).header.lower()
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[float]:
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         session = call.headers.get(self.header) if call.headers is not None else None
         if not session:
-            self.outcome = "no_session"
+            note.outcome = "no_session"
             return [0.0] * len(candidates)
-        self.outcome = "pinned"
+        note.outcome = "pinned"
         ranks = [rendezvous(session, r.name) for r in candidates]
         best = max(ranks)
         return [1.0 if rank == best else 0.0 for rank in ranks]

@@ -1,19 +1,23 @@
 """Routing benchmark: an agent-like workload over two real CPU vLLM servers, through the gateway, per profile.
 
     python -m tests.benchmarks.routing                     # what `make bench-routing` runs
-    python -m tests.benchmarks.routing --profiles least-in-flight,prefix-affinity --conversations 24
+    python -m tests.benchmarks.routing --profiles ceiling,default --workloads hot --conversations 24
 
 Two `vllm serve` processes (prefix caching on, vLLM's default), each pinned to its own core, serve the `bench`
 model (scripts/build_tiny_model.py --size bench: a tiny model's prefill of a 2k-token prompt is too cheap for
 the cache to matter). One real `llm-gateway serve` lists both as replicas of one model; it is started afresh for
 each routing profile with `routing: {default_profile: <profile>}`, and shares the two cores with the servers
-and with this client (unpinned).
+and with this client (unpinned). The profile "ceiling" has no gateway: the client sends conversation i to
+server i mod 2, every turn where its prefix is (what routing aims at). "unguarded" is the default profile with
+prefix-affinity's load guard off (BENCH_PROFILES).
 
-The workload, the same request sequence under every profile (seeded):
-- N conversations, each a distinct long system prompt (--system-tokens) and T turns; turn t resends the system
+The workloads (--workloads), each the same request sequence under every profile (seeded):
+- distinct: N conversations, each a distinct long system prompt (--system-tokens) and T turns; turn t resends the system
   prompt and every earlier user message and assistant reply, then a new user message (--user-tokens), as an
   agent does. The assistant replies resent are fixed seeded text (the same under every profile), not what the
   random-weight model said; the model is asked for --max-tokens tokens with ignore_eos, streamed.
+- hot: the same, but every conversation's system prompt starts with one shared prompt (a hot prefix, the mean
+  of --system-tokens long), followed by --own-tokens of its own.
 - A closed loop of --active conversations at a time: a worker takes the next conversation when its current one
   ends. Between two turns of a conversation the worker waits its tool time (seeded, uniform in --tool-time).
   Without that pause least-in-flight is accidentally affine (the slot that just freed is on the server that
@@ -31,9 +35,10 @@ served where the conversation's previous turn was).
 
 Per profile: TTFT p50/p99 (client side, through the gateway), TTFT p50 of later turns, output tok/s over the
 profile's wall time, each server's and the overall prefix-cache hit rate, and the workload's ceiling (every
-turn hits all of the previous turn's prompt). Checks (exit status 1 when one fails): prefix-affinity's TTFT
-p50 at most half of least-in-flight's, its measured hit rate at least 1.5x least-in-flight's, its throughput
-not lower. Every loop is bounded: each profile by --profile-timeout, each request by the client's timeout.
+turn hits all of the previous turn's prompt). Checks per workload (exit status 1 when one fails): the default
+profile's hit rate at least 0.97x the ceiling's, its TTFT p50 at most 1.15x, its req/s at least 0.97x; on the
+hot prefix no server over 60% of the requests and TTFT p99 no worse than least-in-flight's. Every loop is
+bounded: each profile by --profile-timeout, each request by the client's timeout.
 Results go to .cache/bench/routing-<time>.json.
 
 External servers (e.g. two vLLM servers sharing one GPU, tests/benchmarks/gpu/step5.sh):
@@ -81,7 +86,11 @@ from tests.e2e.vllm_procs import (  # noqa: E402
 )
 from tests.support.probes import wait_http_ok  # noqa: E402
 
-PROFILES = ("least-in-flight", "prefix-affinity", "session-affinity", "random")
+# "ceiling": no gateway, the client sends each conversation to one server (i mod n): every turn where its prefix is
+PROFILES = ("ceiling", "default", "least-in-flight", "session-affinity")
+# profiles the benchmark adds to the built-in ones: the default's scorers with prefix-affinity's load guard off
+BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": False}},
+                                            {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight"}]}}
 MODEL = "bench"  # the served model name of the servers started here (--served-model for external ones)
 CHARS_PER_TOKEN = 4.0  # for sizing only; measured ~4.2 for this text and the models' tokenizer (see /tokenize check)
 WORDS = """the a of to and in is for that with as on by this be are from or it an at not if which can when
@@ -124,13 +133,22 @@ def prose(rng: random.Random, tokens: int) -> str:
     return " ".join(out)
 
 
-def workload(args) -> list[Conversation]:
+WORKLOADS = ("distinct", "hot")  # each conversation its own system prompt; one system prompt shared by all
+
+
+def workload(args, kind: str = "distinct") -> list[Conversation]:
+    """`distinct`: each conversation its own system prompt (--system-tokens). `hot`: one system prompt of the
+    same mean length shared by every conversation (a hot prefix), then --own-tokens of the conversation's own."""
     rng = random.Random(args.seed)
     lo, hi = args.system_tokens
+    shared = "You are one of many agents. " + prose(random.Random(args.seed + 1), (lo + hi) // 2)
     convs = []
     for i in range(args.conversations):
-        cid = f"conv-{args.seed}-{i:04d}"
-        system = f"You are agent {cid}. " + prose(rng, rng.randint(lo, hi))
+        cid = f"conv-{args.seed}-{kind}-{i:04d}"
+        if kind == "hot":
+            system = shared + f" You are agent {cid}. " + prose(rng, args.own_tokens)
+        else:
+            system = f"You are agent {cid}. " + prose(rng, rng.randint(lo, hi))
         users = [f"Turn {t}. " + prose(rng, args.user_tokens) for t in range(args.turns)]
         replies = [prose(rng, args.max_tokens) for _ in range(args.turns)]
         tool = [round(rng.uniform(*args.tool_time), 3) for _ in range(args.turns)]
@@ -263,16 +281,16 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
     port = free_port()
     policy = {
         "listen": {"port": port},
-        "store": {"kind": "sqlite", "path": str(work / f"keys-{profile}.db")},
+        "store": {"kind": "sqlite", "path": str(work / f"keys-{profile}-{port}.db")},
         "timeouts": {"read": 300},
-        "routing": {"default_profile": profile},
+        "routing": {"default_profile": profile, "profiles": BENCH_PROFILES},
         "models": [{"name": args.served_model, "queue": {"max_depth": 10_000, "max_wait": 300},
                     "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
     }
-    path = work / f"policy-{profile}.yaml"
+    path = work / f"policy-{profile}-{port}.yaml"
     path.write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
-    log = open(work / f"gateway-{profile}.log", "wb")
+    log = open(work / f"gateway-{profile}-{port}.log", "wb")
     proc = subprocess.Popen([*gateway_command(args), "serve", "--config", str(path), "--log-level", "warning"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -289,7 +307,7 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
         proc.terminate()
         proc.wait(10)
         print(f"the gateway's log ({' '.join(gateway_command(args))}):\n"
-              + (work / f"gateway-{profile}.log").read_text(errors="replace")[-3000:], flush=True)
+              + (work / f"gateway-{profile}-{port}.log").read_text(errors="replace")[-3000:], flush=True)
         raise
     return proc, url, r.json()["key"]
 
@@ -342,15 +360,18 @@ async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversa
     return rec
 
 
-async def run_workload(url: str, key: str, convs: list[Conversation], tag: str, args) -> tuple[list[Record], float]:
+async def run_workload(url: str | list[str], key: str, convs: list[Conversation], tag: str,
+                       args) -> tuple[list[Record], float]:
+    """Every conversation through `url`, or, given several (the ceiling), conversation i to url i mod n."""
     records: list[Record] = []
-    todo = deque(convs)
+    todo = deque(enumerate(convs))
+    urls = url if isinstance(url, list) else [url]
 
     async def worker() -> None:
         while todo:
-            conv = todo.popleft()
+            i, conv = todo.popleft()
             for turn in range(args.turns):
-                records.append(await one_turn(client, url, key, conv, turn, tag, args))
+                records.append(await one_turn(client, urls[i % len(urls)], key, conv, turn, tag, args))
                 if turn < args.turns - 1:
                     await asyncio.sleep(conv.tool_times[turn])
 
@@ -381,6 +402,7 @@ def pct(values: list[float], q: float) -> float | None:
 @dataclass
 class Result:
     profile: str
+    workload: str = "distinct"
     requests: int = 0
     errors: int = 0
     wall_s: float = 0.0
@@ -440,13 +462,13 @@ def table(results: list[Result]) -> str:
     def f(v, fmt="{:,.0f}"):
         return "-" if v is None else fmt.format(v)
 
-    rows = [["profile", "TTFT p50 ms", "TTFT p99 ms", "later turns TTFT p50 ms", "output tok/s", "req/s",
-             "vLLM prefix hit rate (a / b / both)", "ceiling", "same server", "requests a / b", "errors", "wall s",
-             "load avg"]]
+    rows = [["workload", "profile", "TTFT p50 ms", "TTFT p99 ms", "later turns TTFT p50 ms", "output tok/s", "req/s",
+             "vLLM prefix hit rate (a / b / both)", "prev-turn ceiling", "same server", "requests a / b", "errors",
+             "wall s",             "load avg"]]
     for r in results:
         a, b = (list(r.hit_rate_by_server.values()) + [None, None])[:2]
         na, nb = (list(r.requests_by_server.values()) + [0, 0])[:2]
-        rows.append([r.profile, f(r.ttft_p50_ms), f(r.ttft_p99_ms), f(r.ttft_later_p50_ms),
+        rows.append([r.workload, r.profile, f(r.ttft_p50_ms), f(r.ttft_p99_ms), f(r.ttft_later_p50_ms),
                      f(r.output_tok_s, "{:,.1f}"), f(r.req_s, "{:.2f}"),
                      f"{f(a, '{:.3f}')} / {f(b, '{:.3f}')} / {f(r.hit_rate, '{:.3f}')}",
                      f(r.ceiling_hit_rate, "{:.3f}"),
@@ -459,19 +481,33 @@ def table(results: list[Result]) -> str:
 
 
 def verdict(results: list[Result]) -> list[tuple[str, bool]]:
-    by = {r.profile: r for r in results}
-    lif, pa = by.get("least-in-flight"), by.get("prefix-affinity")
-    if lif is None or pa is None or None in (lif.ttft_p50_ms, pa.ttft_p50_ms, lif.hit_rate, pa.hit_rate):
-        return [("least-in-flight and prefix-affinity both measured", False)]
-    return [
-        (f"prefix-affinity TTFT p50 {pa.ttft_p50_ms:,.0f} ms <= half of least-in-flight's "
-         f"{lif.ttft_p50_ms:,.0f} ms", pa.ttft_p50_ms <= 0.5 * lif.ttft_p50_ms),
-        (f"prefix-affinity vLLM prefix-cache hit rate {pa.hit_rate:.3f} >= 1.5x least-in-flight's "
-         f"{lif.hit_rate:.3f}", pa.hit_rate >= 1.5 * lif.hit_rate),
-        (f"prefix-affinity throughput {pa.output_tok_s:,.1f} tok/s >= least-in-flight's "
-         f"{lif.output_tok_s:,.1f} tok/s", pa.output_tok_s >= lif.output_tok_s),
-        ("no request failed", all(r.errors == 0 for r in results)),
-    ]
+    """Per workload, the default profile against the ceiling (a client that sends each conversation to one
+    server): hit rate >= 0.97x, TTFT p50 <= 1.15x, req/s >= 0.97x; on the hot prefix also no server over 60%
+    of the requests (two servers) and TTFT p99 no worse than least-in-flight's."""
+    checks: list[tuple[str, bool]] = []
+    for kind in dict.fromkeys(r.workload for r in results):
+        by = {r.profile: r for r in results if r.workload == kind}
+        d, c, lif = by.get("default"), by.get("ceiling"), by.get("least-in-flight")
+        if d is None or c is None or None in (d.ttft_p50_ms, c.ttft_p50_ms, d.hit_rate, c.hit_rate):
+            checks.append((f"{kind}: default and ceiling both measured", False))
+            continue
+        checks += [
+            (f"{kind}: default hit rate {d.hit_rate:.3f} >= 0.97x the ceiling's {c.hit_rate:.3f}",
+             d.hit_rate >= 0.97 * c.hit_rate),
+            (f"{kind}: default TTFT p50 {d.ttft_p50_ms:,.0f} ms <= 1.15x the ceiling's {c.ttft_p50_ms:,.0f} ms",
+             d.ttft_p50_ms <= 1.15 * c.ttft_p50_ms),
+            (f"{kind}: default {d.req_s:.2f} req/s >= 0.97x the ceiling's {c.req_s:.2f}", d.req_s >= 0.97 * c.req_s),
+        ]
+        if kind == "hot":
+            total = sum(d.requests_by_server.values())
+            share = max(d.requests_by_server.values()) / total if total else 1.0
+            checks.append((f"hot: default's busiest server took {share:.0%} of the requests (<= 60%)",
+                           len(d.requests_by_server) != 2 or share <= 0.60))
+            if lif is not None and lif.ttft_p99_ms is not None and d.ttft_p99_ms is not None:
+                checks.append((f"hot: default TTFT p99 {d.ttft_p99_ms:,.0f} ms <= least-in-flight's "
+                               f"{lif.ttft_p99_ms:,.0f} ms", d.ttft_p99_ms <= lif.ttft_p99_ms))
+    checks.append(("no request failed", all(r.errors == 0 for r in results)))
+    return checks
 
 
 # -- main ----------------------------------------------------------------------------------------------------
@@ -491,11 +527,15 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", type=Path, default=REPO / ".cache" / "models" / "bench",
                    help="the model both servers serve (default: %(default)s; scripts/build_tiny_model.py --size bench)")
     p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: distinct (a system prompt "
+                   "per conversation), hot (one shared by all) (default: %(default)s)")
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--active", type=int, default=12, help="conversations in flight at once (closed loop)")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=ints, default=(1400, 2000), help="min,max of each system prompt")
     p.add_argument("--user-tokens", type=int, default=80, help="each user message")
+    p.add_argument("--own-tokens", type=int, default=100, help="hot: each conversation's own part after the "
+                   "shared system prompt")
     p.add_argument("--max-tokens", type=int, default=16, help="each reply (ignore_eos)")
     p.add_argument("--tool-time", type=floats, default=(0.5, 3.0), help="min,max seconds between two turns")
     p.add_argument("--overflow", type=float, default=1.6,
@@ -517,6 +557,9 @@ def parse_args(argv=None):
                      "shape from --model-dir), and exit")
     args = p.parse_args(argv)
     args.profiles = [x for x in args.profiles.split(",") if x]
+    args.workloads = [x for x in args.workloads.split(",") if x]
+    if not args.profiles or not args.workloads or set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: one or more of {', '.join(WORKLOADS)}; --profiles: at least one")
     if not 1 <= args.active <= args.conversations:
         p.error("--active must be between 1 and --conversations")
     args.servers = [u.strip() for u in (args.servers or "").split(",") if u.strip()]
@@ -599,10 +642,12 @@ def main(argv=None) -> int:
                       "profiles cannot be told apart", flush=True)
             warm_up(servers, args)
             results = []
-            for profile in args.profiles:
-                results.append(run_profile(profile, servers, convs, args, work, block))
-                print(table(results[-1:]), flush=True)
-                print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
+            for kind in args.workloads:
+                kind_convs = convs if kind == "distinct" else workload(args, kind)
+                for profile in args.profiles:
+                    results.append(run_profile(profile, servers, kind_convs, args, work, block, kind))
+                    print(table(results[-1:]), flush=True)
+                    print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
             sizing = {"block_size": block, "kv_cache_tokens": real_cache, "kv_cache_memory_bytes": kv_bytes,
                       "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
                       "working_set_tokens": round(real_ws)}
@@ -645,22 +690,31 @@ def warm_up(servers: list[VLLMServer], args) -> None:
 
 
 def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversation], args, work: Path,
-                block: int) -> Result:
+                block: int, kind: str = "distinct") -> Result:
+    """One profile on one workload, from cold prefix caches: through a fresh gateway, or, for "ceiling",
+    straight to the servers, each conversation to one of them."""
     for s in servers:
         reset_prefix_cache(s)
-    proc, url, key = start_gateway(servers, profile, work, args)
+    if profile == "ceiling":
+        proc, url, key = None, [s.base_url for s in servers], "none"
+    else:
+        proc, url, key = start_gateway(servers, profile, work, args)
     load_start = os.getloadavg()[0]
-    tag = f"{profile}-{secrets.token_hex(3)}"
+    tag = f"{kind}-{profile}-{secrets.token_hex(3)}"
+    decisions: dict[str, float] = {}
     try:
         before = {s.label: counters(s) for s in servers}
-        print(f"\n{profile}: {len(convs)} conversations ...", flush=True)
+        print(f"\n{kind} / {profile}: {len(convs)} conversations ...", flush=True)
         records, wall = asyncio.run(run_workload(url, key, convs, tag, args))
         after = {s.label: counters(s) for s in servers}
-        decisions = routing_decisions(url)
+        if proc is not None:
+            decisions = routing_decisions(url)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
     result = summarize(profile, records, wall, before, after, served_by(servers, tag), tag, block)
+    result.workload = kind
     result.routing_decisions = decisions
     result.loadavg = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     return result

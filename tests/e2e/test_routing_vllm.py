@@ -152,8 +152,8 @@ HOT_GUARDED, HOT_UNGUARDED = "hot", "hot-unguarded"
 
 @pytest.fixture(scope="module")
 def guard_gateway(vllm_servers, tmp_path_factory):
-    """A second gateway whose two models share the two servers and differ only in the load guard's threshold:
-    `hot` trips it at 2 requests more than the other replica, `hot-unguarded` practically never."""
+    """A second gateway whose two models share the two servers and differ only in the load guard: `hot` has
+    prefix-affinity's default guard, `hot-unguarded` none (`guard: false`)."""
     policy = e2e_policy(vllm_servers, free_port())
     duo = next(m for m in policy["models"] if m["name"] == "duo")
 
@@ -163,11 +163,11 @@ def guard_gateway(vllm_servers, tmp_path_factory):
 
     policy["models"] = [model(HOT_GUARDED, "guarded"), model(HOT_UNGUARDED, "unguarded")]
 
-    def profile(imbalance: float) -> dict:
-        return {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"imbalance": imbalance}},
+    def profile(guard: bool) -> dict:
+        return {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": guard}},
                             {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight", "weight": 1}]}
 
-    policy["routing"] = {"profiles": {"guarded": profile(2), "unguarded": profile(1_000_000)}}
+    policy["routing"] = {"profiles": {"guarded": profile(True), "unguarded": profile(False)}}
     with gateway_process(policy, tmp_path_factory.mktemp("guard-gateway")) as gw:
         yield gw
 
@@ -198,7 +198,8 @@ def test_load_guard_spreads_a_hot_prefix_that_would_otherwise_pile_on_one_replic
         assert statuses == [200] * n
         spread[model] = served_by(vllm_servers, before, expected=n)
         assert sum(spread[model].values()) == n, spread
-    # with the guard, once the first replica holds 2 more than the other, the prefix is served (and learned) there
+    # with the guard, the prompt seen again is a shared prefix: it goes by load while the first replica is busier,
+    # so the second replica serves (and learns) it too
     assert all(count > 0 for count in spread[HOT_GUARDED].values()), spread
     # without it, affinity outweighs the load scorers: every request on the replica the first one went to
     assert sorted(spread[HOT_UNGUARDED].values()) == [0, n], spread

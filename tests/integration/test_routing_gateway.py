@@ -61,8 +61,12 @@ async def test_a_conversation_stays_on_one_replica_and_decisions_are_counted():
             running_gateway(one_model(a, b)) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
         system = "You are a build agent. Follow the plan. " * 30
         seen = set()
+        body = chat(system, "turn 0: " + "list what the plan needs " * 4)
         for turn in range(6):
-            r = await http.post(f"{gw.url}/v1/chat/completions", json=chat(system, f"turn {turn}"))
+            if turn:  # each turn resends the history and adds to it, as an agent does
+                body["messages"] += [{"role": "assistant", "content": f"done with step {turn}"},
+                                     {"role": "user", "content": f"turn {turn}: " + "now the next step " * 5}]
+            r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
             assert r.status_code == 200
             counts = {rep.name: await gw.metric("llm_gateway_requests_total", backend=rep.name, status="200")
                       for rep in gw.state.replicas.by_model["m"]}

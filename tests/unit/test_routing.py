@@ -4,9 +4,12 @@ import pytest
 
 from backends.replicas import DOWN, UP, Replica
 from backends.vllm_stats import VLLMStats
+from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import BUILTIN_PROFILES, RoutingProfile
+from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.routing import Stats, build_profile
+from policies.routing.base import Note
 from policies.routing.filters import KVHeadroom
 from policies.routing.kv_cache import KVCache
 from policies.routing.least_in_flight import LeastInFlight
@@ -23,8 +26,14 @@ def replicas(*in_flight):
             for i, n in enumerate(in_flight)]
 
 
-def profile(*scorers, seed=0, stats=None, filters=()):
-    return Profile(list(scorers) or [(LeastInFlight(), 1.0)], filters, MaxScore(random.Random(seed)), stats)
+def profile(*scorers, seed=0, stats=None, filters=(), metrics=None):
+    return Profile(list(scorers) or [(LeastInFlight(), 1.0)], filters, MaxScore(random.Random(seed)), stats,
+                   metrics, "m")
+
+
+def outcomes(metrics, scorer="prefix-affinity"):
+    """{outcome: count} of one scorer's decisions, as the gateway's /metrics tallies them."""
+    return {o: n for (_m, s, o), n in metrics.routing_decisions.counts.items() if s == scorer}
 
 
 def chat(system, *turns, headers=None):
@@ -32,7 +41,7 @@ def chat(system, *turns, headers=None):
     for i, text in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
     return Call(request_id="r", endpoint="chat/completions", headers=headers or {}, client_host="127.0.0.1",
-                arrived=0.0, body={"model": "m", "messages": messages}, model="m")
+                arrived=0.0, body={"model": "m", "messages": messages}, model="m", route=CHAT)
 
 
 def test_picks_fewest_in_flight():
@@ -63,7 +72,7 @@ class Fixed:
     def __init__(self, scores):
         self.scores = scores
 
-    def score(self, call, candidates, stats):
+    def score(self, call, candidates, stats, note):
         return list(self.scores)
 
 
@@ -96,6 +105,7 @@ def test_kv_cache_scorer_and_headroom_filter():
 
 
 SYSTEM = "You are a careful agent. " * 40  # ~1000 characters
+PAD = "w" * 80  # a turn long enough to add whole blocks (64 characters) to the hashed prompt
 
 
 def test_prefix_affinity_keeps_a_conversation_on_its_replica():
@@ -121,19 +131,27 @@ def test_prefix_affinity_spreads_new_conversations_by_load():
     assert chosen.count("r0") == 3 and chosen.count("r1") == 3
 
 
-def test_prefix_affinity_load_guard_spreads_a_hot_prefix():
+def conversation(n, turns=1, system=None):
+    """Turn `turns` of conversation n: its own system prompt (or a shared one) and its history."""
+    history = [f"conversation {n} turn {t}: " + "y" * 200 for t in range(2 * turns - 1)]
+    return chat(system or f"agent {n}. " + SYSTEM, *history)
+
+
+def test_the_opt_in_fixed_difference_guard_still_trips_at_its_difference():
+    # (`imbalance` is off by default now; a policy that sets it keeps the old rule on top of the others)
     rs = replicas(0, 0)
+    metrics = GatewayMetrics()
     scorer = PrefixAffinity(PrefixParams(imbalance=3))
-    p = profile((scorer, 4.0), (LeastInFlight(), 1.0))
-    home = p.pick(chat(SYSTEM, "q"), rs)
+    p = profile((scorer, 4.0), (LeastInFlight(), 1.0), metrics=metrics)
+    home = p.pick(conversation(0), rs)
     other = rs[1 - rs.index(home)]
-    for _ in range(2):  # below the guard: the hot prefix stays home however busy it gets
+    for turn in (2, 3):  # below the guard: the conversation stays home however busy it gets
         home.in_flight += 1
-        assert p.pick(chat(SYSTEM, "q"), rs) is home and scorer.outcome == "hit"
+        assert p.pick(conversation(0, turns=turn), rs) is home
+    assert outcomes(metrics) == {"miss": 1, "hit": 2}
     home.in_flight += 1  # 3 more than the other: the guard trips
-    assert p.pick(chat(SYSTEM, "q"), rs) is other and scorer.outcome == "load_guard"
-    home.in_flight = other.in_flight = 0  # learned on both: the tie goes by load again, either is fine
-    assert scorer.matched(other, scorer.blocks(chat(SYSTEM, "q"))) > 0
+    assert p.pick(conversation(0, turns=4), rs) is other and outcomes(metrics)["load_guard"] == 1
+    assert scorer.matched(other, scorer.blocks(conversation(0, turns=4))) > 0  # learned there
 
 
 def test_prefix_lru_is_bounded_by_the_replicas_cache_size():
@@ -165,17 +183,17 @@ def test_prefix_affinity_forgets_a_replica_whose_vllm_restarted():
     seen = {r.name: VLLMStats(running=0, waiting=0, requests_finished=10) for r in rs}
     scorer = PrefixAffinity()
     p = profile((scorer, 4.0), (VLLMQueue(), 2.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen[r.name]))
-    turns = ["q0"]
+    turns = [f"q0: {PAD}"]
     home = p.pick(chat(SYSTEM, *turns), rs)
     other = rs[1 - rs.index(home)]
-    turns += ["a0", "q1"]
+    turns += [f"a0: {PAD}", f"q1: {PAD}"]
     assert p.pick(chat(SYSTEM, *turns), rs) is home
-    turns += ["a1", "q2"]
+    turns += [f"a1: {PAD}", f"q2: {PAD}"]
     assert p.pick(chat(SYSTEM, *turns), rs, exclude=[home]) is other  # home is down: the conversation moves
     # home is back, restarted (its counters start over, its prefix cache is empty); other is one request busier
     seen[home.name] = VLLMStats(running=0, waiting=0, requests_finished=0)
     seen[other.name] = VLLMStats(running=1, waiting=0, requests_finished=12)
-    turns += ["a2", "q3"]
+    turns += [f"a2: {PAD}", f"q3: {PAD}"]
     assert p.pick(chat(SYSTEM, *turns), rs) is other  # not back to home on the strength of what it lost
     assert scorer.matched(home, scorer.blocks(chat(SYSTEM, *turns))) == 0
 
@@ -201,9 +219,9 @@ def test_session_affinity_is_consistent_and_falls_back():
 
 def test_session_affinity_ignores_requests_without_the_header():
     rs = replicas(2, 0)
-    scorer = SessionAffinity()
-    assert profile((scorer, 4.0), (LeastInFlight(), 1.0)).pick(chat("s", "q"), rs) is rs[1]
-    assert scorer.outcome == "no_session"
+    metrics = GatewayMetrics()
+    assert profile((SessionAffinity(), 4.0), (LeastInFlight(), 1.0), metrics=metrics).pick(chat("s", "q"), rs) is rs[1]
+    assert outcomes(metrics, "session-affinity") == {"no_session": 1}
 
 
 def test_builtin_profiles_build_and_pick():
@@ -219,3 +237,137 @@ def test_unknown_plugins_and_bad_params_are_refused():
         RoutingProfile(scorers=[{"name": "prefix-affinity", "params": {"block_chars": 1}}])
     with pytest.raises(ValueError, match="unknown picker"):
         RoutingProfile(picker="best")
+
+
+# -- the load guard: it trips on evidence that following the match costs more than a miss, not on a difference --
+
+def learned_on(scorer, replica, *calls):
+    for call in calls:
+        scorer.picked(call, replica, Note())
+
+
+def test_a_busy_replica_that_does_not_queue_keeps_its_conversations():
+    # A GPU batches 100+ requests: running requests alone are not queueing. The old fixed difference of 8 moved
+    # these turns (each a full miss); now they stay as long as vLLM reports nothing waiting and room in its cache.
+    rs = replicas(0, 0)
+    seen = {"r0": VLLMStats(running=120, waiting=0, kv_usage=0.6),
+            "r1": VLLMStats(running=20, waiting=0, kv_usage=0.1)}
+    metrics = GatewayMetrics()
+    p = profile((PrefixAffinity(), 4.0), (VLLMQueue(), 2.0), (LeastInFlight(), 1.0),
+                stats=Stats(lambda r: seen[r.name]), metrics=metrics)
+    learned_on(p.scorers[0][0], rs[0], *(conversation(n) for n in range(4)))  # first turns, before the load
+    for n in range(4):
+        assert p.pick(conversation(n, turns=2), rs) is rs[0]
+    assert outcomes(metrics) == {"hit": 4}
+
+
+def test_a_replica_that_queues_loses_a_turn_when_its_queue_costs_more_than_the_miss():
+    rs = replicas(0, 0)
+    # r0's vLLM has one request waiting; its finished requests each needed ~1,000 uncached prompt tokens
+    # (queries - hits over finished), more than this ~300-token prompt costs to recompute on r1.
+    seen = {"r0": VLLMStats(running=3, waiting=1, prefix_queries=10_000, prefix_hits=0, requests_finished=10),
+            "r1": VLLMStats(running=3, waiting=0, prefix_queries=10_000, prefix_hits=0, requests_finished=10)}
+    metrics = GatewayMetrics()
+    scorer = PrefixAffinity()
+    p = profile((scorer, 4.0), (VLLMQueue(), 2.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen[r.name]),
+                metrics=metrics)
+    learned_on(scorer, rs[0], conversation(0), conversation(1))
+    assert p.pick(conversation(0, turns=2), rs) is rs[1]
+    assert outcomes(metrics) == {"guard_queue": 1}
+    # the same one waiting request, but r0's requests are mostly cached (~20 uncached tokens each): the wait
+    # ahead is shorter than the miss, so the turn stays
+    seen["r0"] = VLLMStats(running=3, waiting=1, prefix_queries=10_000, prefix_hits=9_800, requests_finished=10)
+    assert p.pick(conversation(1, turns=2), rs) is rs[0]
+    assert outcomes(metrics) == {"guard_queue": 1, "hit": 1}
+
+
+def test_a_replica_with_a_full_kv_cache_loses_a_turn_unless_every_replica_is_full():
+    rs = replicas(0, 0)
+    seen = {"r0": VLLMStats(kv_usage=0.97), "r1": VLLMStats(kv_usage=0.5)}
+    metrics = GatewayMetrics()
+    scorer = PrefixAffinity()
+    p = profile((scorer, 4.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen[r.name]), metrics=metrics)
+    learned_on(scorer, rs[0], conversation(0), conversation(1))
+    assert p.pick(conversation(0, turns=2), rs) is rs[1]
+    seen["r1"] = VLLMStats(kv_usage=0.99)
+    assert p.pick(conversation(1, turns=2), rs) is rs[0]
+    assert outcomes(metrics) == {"guard_kv": 1, "hit": 1}
+
+
+def test_a_hot_prefix_spreads_by_load_while_each_conversation_stays_on_its_replica():
+    # One system prompt under every conversation: affinity alone sends them all where the first went. Once two
+    # conversations continued it differently, it is a shared prefix: new conversations go by load (the copy on
+    # the second replica is one miss that every later conversation saves), their own turns stay put.
+    rs = replicas(0, 0)
+    metrics = GatewayMetrics()
+    p = profile((PrefixAffinity(), 4.0), (LeastInFlight(), 1.0), metrics=metrics)
+    homes = {}
+    for n in range(10):
+        homes[n] = p.pick(conversation(n, system=SYSTEM), rs)
+        homes[n].in_flight += 1
+    assert sorted(r.in_flight for r in rs) == [5, 5]
+    assert outcomes(metrics).get("guard_shared", 0) >= 1
+    # the same prompt again and again (a hot prefix whose differences lie past the last whole block) spreads too
+    busy = replicas(0, 0)
+    for _ in range(6):
+        p.pick(chat("A hot one. " + SYSTEM, "q"), busy).in_flight += 1
+    assert sorted(r.in_flight for r in busy) == [3, 3]
+    rs[0].in_flight, rs[1].in_flight = 9, 0  # uneven, but nothing queues: later turns stay home
+    for n in range(10):
+        assert p.pick(conversation(n, turns=3, system=SYSTEM), rs) is homes[n]
+
+
+def test_each_pick_keeps_its_own_scratch():
+    # score() of two calls before either is picked (as a scorer shared by two profiles could see): each pick
+    # learns its own prompt, from its own note, not the last one scored
+    rs = replicas(0, 0)
+    scorer = PrefixAffinity()
+    a, b = conversation(0), conversation(1)
+    note_a, note_b = Note(), Note()
+    scorer.score(a, rs, Stats(), note_a)
+    scorer.score(b, rs, Stats(), note_b)
+    scorer.picked(a, rs[0], note_a)
+    scorer.picked(b, rs[1], note_b)
+    assert scorer.matched(rs[0], scorer.blocks(a)) == len(scorer.blocks(a))
+    assert scorer.matched(rs[1], scorer.blocks(b)) == len(scorer.blocks(b))
+    assert scorer.matched(rs[0], scorer.blocks(b)) == 0
+
+
+def test_with_the_guard_off_a_hot_prefix_piles_on_one_replica():
+    rs = replicas(0, 0)
+    p = profile((PrefixAffinity(PrefixParams(guard=False)), 4.0), (LeastInFlight(), 1.0))
+    for n in range(10):
+        p.pick(conversation(n, system=SYSTEM), rs).in_flight += 1
+    assert sorted(r.in_flight for r in rs) == [0, 10]  # the first went by load, the rest followed it
+
+
+def test_the_prompt_is_read_as_the_route_declares_it():
+    from gateway.endpoints import embeddings, messages
+
+    scorer = PrefixAffinity()
+    call = conversation(0)
+    assert scorer.blocks(call)
+    call.endpoint = "renamed"  # the route's name plays no part
+    assert scorer.blocks(call) == scorer.blocks(conversation(0))
+    anthropic = Call(request_id="r", endpoint="messages", headers={}, client_host="127.0.0.1", arrived=0.0,
+                     model="m", route=messages.MESSAGES,
+                     body={"model": "m", "system": SYSTEM, "messages": [{"role": "user", "content": "hi"}]})
+    assert len(scorer.blocks(anthropic)) == len(SYSTEM) // 64
+    call.route = embeddings.ROUTE  # a route that declares no prompt
+    assert scorer.blocks(call) == []
+
+
+def test_every_plugin_is_timed_per_pick():
+    from prometheus_client import generate_latest
+
+    rs = replicas(0, 0)
+    metrics = GatewayMetrics()
+    p = profile((PrefixAffinity(), 4.0), (LeastInFlight(), 1.0), filters=[KVHeadroom()], metrics=metrics)
+    for n in range(3):
+        p.pick(conversation(n), rs)
+    text = generate_latest(metrics.registry).decode()
+    for plugin, step in (("kv-headroom", "filter"), ("prefix-affinity", "score"), ("least-in-flight", "score"),
+                         ("max-score", "pick"), ("prefix-affinity", "learn")):
+        assert (f'llm_gateway_routing_plugin_duration_seconds_count{{model="m",plugin="{plugin}",step="{step}"}} 3.0'
+                in text), (plugin, step)
+    assert 'llm_gateway_routing_plugin_duration_seconds_bucket{le="+Inf",model="m",plugin="max-score"' in text

@@ -1,24 +1,73 @@
 #!/bin/bash
 # Step 5: the routing profiles on real GPU servers. Two vLLM BF16 servers share the H200 (:8000 and :8001, 0.4 of
 # its memory each, the same explicit KV cache, sized so that the active conversations need ~1.6x one server's
-# cache), then tests/benchmarks/routing.py in its external mode: the agent-like workload (tool time between
-# turns) through one fresh gateway per routing profile, prefix caches emptied before each. Results to $OUT.
+# cache), then tests/benchmarks/routing.py in its external mode: two agent-like workloads (tool time between
+# turns; a system prompt per conversation, then one shared by all), each under every profile (the ceiling
+# straight to the servers, the others through a fresh gateway), prefix caches emptied before each. Results to $OUT.
 #   bash .cache/gpu/s/step5.sh        (carry .cache/gpu/s; the site and model of steps 1-2 on this machine;
 #                                      stops whatever steps 2-4 left running)
-# Knobs (environment): STEP5_BUDGET (560 s in all), PROFILES (default: three if the servers are up in time, else
-# two), CONVS / ACTIVE (480 / 160), EAGER=1 (--enforce-eager: up ~1 min sooner, but no CUDA graphs, so decode
-# steps are slower and TTFT includes more queueing: not comparable with a CUDA-graph run).
+#   STEP5_DRY=1 OUT=/tmp/x bash tests/benchmarks/gpu/step5.sh   (on a CPU: two simulated vLLM servers stand in
+#                                      for the GPU ones and the workload is tiny: checks the command line and
+#                                      every profile and workload path of routing.py, in ~1-2 minutes)
+# Knobs (environment): STEP5_BUDGET (560 s in all), PROFILES (default: ceiling, default, least-in-flight,
+# session-affinity; the last is dropped when the servers came up too late for 8 runs of 35 s), WORKLOADS
+# (distinct,hot), CONVS / ACTIVE / TURNS / TOOL (320 / 160 / 5 / 0.5,3), EAGER=1 (--enforce-eager: up ~1 min
+# sooner, but no CUDA graphs, so decode steps are slower and TTFT includes more queueing: not comparable with a
+# CUDA-graph run).
 set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 BUDGET=${STEP5_BUDGET:-560}
+DRY=${STEP5_DRY:-}
 [ -f tests/benchmarks/routing.py ] || { echo "run from the repository root"; exit 3; }
+if [ -n "$DRY" ]; then CONVS=${CONVS:-6}; ACTIVE=${ACTIVE:-3}; TURNS=${TURNS:-2}; TOOL=${TOOL:-0.01,0.05}; fi
+# The workloads (seeded; the same under every profile): ~2.3k-token prompts on average, 5 turns, 32 output tokens.
+W="--conversations ${CONVS:-320} --active ${ACTIVE:-160} --turns ${TURNS:-5} --system-tokens 1800,2400 --user-tokens 100
+   --own-tokens 100 --max-tokens 32 --tool-time ${TOOL:-0.5,3} --max-model-len 4096 --overflow 1.6
+   --workloads ${WORKLOADS:-distinct,hot}"
+PROFILES_GIVEN=${PROFILES:-}
+PROFILES=${PROFILES:-ceiling,default,least-in-flight,session-affinity}
+PY=${PYTHON:-python3}
+
+# run_routing REM SERVERS MODEL LOGS GATEWAY_CMD: every workload under every profile, each run cut at a share of REM
+run_routing() {
+  local rem=$1 servers=$2 model=$3 logs=$4 gw=$5 nw np pt
+  nw=$(echo "${WORKLOADS:-distinct,hot}" | tr ',' '\n' | grep -c .)
+  np=$(echo $PROFILES | tr ',' '\n' | grep -c .)
+  pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
+  if [ $pt -lt 35 ] && [ -z "$PROFILES_GIVEN" ]; then  # the comparison profile goes first when time is short
+    PROFILES=ceiling,default,least-in-flight; np=3; pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
+  fi
+  [ $pt -gt 150 ] && pt=150
+  [ $pt -ge 25 ] || { echo "only ${rem}s left: no time for $np profiles x $nw workloads"; return 7; }
+  echo "profiles $PROFILES on ${WORKLOADS:-distinct,hot}, each run cut at ${pt}s (${rem}s left)"
+  timeout $(( rem + 10 )) $PY -m tests.benchmarks.routing --servers $servers --served-model $model \
+    ${logs:+--server-logs $logs} --gateway-cmd "$gw" --profiles $PROFILES --profile-timeout $pt $W \
+    --out $OUT/routing.json 2>&1 | tee $OUT/routing.txt
+  local rc=${PIPESTATUS[0]}; echo "routing.py exit $rc at $(el)s"
+  [ $rc -le 1 ] && [ -s $OUT/routing.json ]  # 1 with results: a target missed (the table says which)
+}
+
+if [ -n "$DRY" ]; then
+  P0=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  P1=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  for p in $P0 $P1; do
+    $PY -m backends.simulator --port $p --model qwen3-4b --max-model-len 8192 --kv-cache-tokens 300000 \
+      --log-level warning > $OUT/sim-$p.log 2>&1 & echo $! > $OUT/sim-$p.pid
+  done
+  trap 'for p in $P0 $P1; do kill $(cat $OUT/sim-$p.pid) 2>/dev/null; done' EXIT
+  for p in $P0 $P1; do
+    for _ in $(seq 1 60); do $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$p/health', timeout=2)" \
+      2>/dev/null && break; sleep 0.5; done
+  done
+  run_routing $(( BUDGET - $(el) )) http://127.0.0.1:$P0,http://127.0.0.1:$P1 qwen3-4b "" "$PY -m gateway"
+  exit $?
+fi
+
 [ -f $SCRATCH/site/.done ] && [ -f $SCRATCH/q4b/config.json ] || { echo "NO site or model: run step1.sh and step2.sh first"; exit 3; }
 for f in "$SCRATCH"/w/gateway-*.pid "$SCRATCH"/w/redis.pid; do [ -f "$f" ] && kill -TERM -- "-$(cat "$f")" 2>/dev/null; rm -f "$f"; done
 bash $D/stop.sh
-export PYTHONPATH=$SCRATCH/gw:$SCRATCH/site PYTHONUNBUFFERED=1
-# The workload (seeded; the same under every profile): ~2.3k-token prompts on average, 5 turns, 32 output tokens.
-W="--conversations ${CONVS:-480} --active ${ACTIVE:-160} --turns 5 --system-tokens 1800,2400 --user-tokens 100
-   --max-tokens 32 --tool-time 0.5,3 --max-model-len 4096 --overflow 1.6"
+# the tree this runs in first: the gateway it measures is this commit's, whatever wheel step 2 unpacked
+export PYTHONPATH=$PWD:$SCRATCH/gw:$SCRATCH/site PYTHONUNBUFFERED=1
 # Qwen3-4B: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 147,456 bytes a token; ~290k tokens (~40 GiB) each.
 KV=$(python3 -m tests.benchmarks.routing --model-dir $SCRATCH/q4b --print-kv-bytes $W) || exit 4
 echo "KV cache per server: $KV bytes ($(( KV / 147456 )) tokens)"
@@ -40,17 +89,7 @@ if [ $R0 != 0 ] || [ $R1 != 0 ]; then
   for p in 8000 8001; do echo "== :$p"; tail -40 $SCRATCH/w/vllm-r$p.log; done | tee $OUT/vllm-failed.log; exit 6
 fi
 echo "both healthy at $(el)s"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader | tee $OUT/gpu-memory.txt
-REM=$(( BUDGET - $(el) - 20 ))   # 20 s for stop.sh at the end
-if [ -z "${PROFILES:-}" ]; then
-  PROFILES=least-in-flight,prefix-affinity; [ $REM -ge 330 ] && PROFILES=$PROFILES,session-affinity
-fi
-NP=$(echo $PROFILES | tr ',' '\n' | grep -c .)
-PT=$(( (REM - 30 - 10 * NP) / NP )); [ $PT -gt 150 ] && PT=150
-[ $PT -ge 30 ] || { echo "only ${REM}s left: no time for $NP profiles"; bash $D/stop.sh; exit 7; }
-echo "profiles $PROFILES, each cut at ${PT}s (${REM}s left)"
-timeout $(( REM + 10 )) python3 -m tests.benchmarks.routing --servers http://127.0.0.1:8000,http://127.0.0.1:8001 \
-  --served-model qwen3-4b --server-logs $SCRATCH/w/vllm-r8000.log,$SCRATCH/w/vllm-r8001.log \
-  --gateway-cmd "python3 -m gateway" --profiles $PROFILES --profile-timeout $PT $W --out $OUT/routing.json \
-  2>&1 | tee $OUT/routing.txt
-echo "routing.py exit ${PIPESTATUS[0]} at $(el)s"
-bash $D/stop.sh; echo "step5 took $(el)s"
+run_routing $(( BUDGET - $(el) - 20 )) http://127.0.0.1:8000,http://127.0.0.1:8001 qwen3-4b \
+  $SCRATCH/w/vllm-r8000.log,$SCRATCH/w/vllm-r8001.log "python3 -m gateway"   # 20 s kept for stop.sh
+RC=$?
+bash $D/stop.sh; echo "step5 took $(el)s"; exit $RC
