@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 from backends.replicas import Replica, ReplicaSet
 from policies.config import Policy, Priorities, PriorityClass, Queue, groups_of
@@ -378,22 +379,21 @@ class ModelQueue:
         )
 
 
+class QueueFactory(Protocol):
+    """Makes a model's queue: ModelQueue counts a cap in this process; the Redis store's FleetModelQueue
+    (policies/fleet_caps.py) counts every gateway replica's requests. The store's state picks (policies/state)."""
+
+    def __call__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile, metrics: GatewayMetrics,
+                 priorities: Priorities | None = None) -> ModelQueue: ...
+
+
 class Admission:
-    """Every model's queue. With `fleet` (the Redis store's shared slots, policies/fleet_caps.py) a cap counts
-    the requests of every gateway replica; without it, this process's own."""
+    """Every model's queue, each made by `queues` (the store kind's: see QueueFactory)."""
 
     def __init__(self, policy: Policy, replicas: ReplicaSet, profiles: dict[str, Profile],
-                 metrics: GatewayMetrics, fleet=None) -> None:
-        self.fleet = fleet
-        if fleet is None:
-            make = ModelQueue
-        else:
-            from policies.fleet_caps import FleetModelQueue
-
-            make = partial(FleetModelQueue, fleet=fleet, caps=policy.caps,
-                           on_store_failure=policy.rate_limits.on_store_failure.concurrency)
+                 metrics: GatewayMetrics, queues: QueueFactory = ModelQueue) -> None:
         self.queues = {  # one per model, or per variant of a model that has variants (`model#variant`)
-            group: make(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
+            group: queues(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
             for m in policy.models for group, _ in groups_of(m)
         }
         for replica in replicas:

@@ -247,7 +247,7 @@ class FleetSlots:
 class FleetModelQueue(ModelQueue):
     """A model's queue whose caps count every gateway replica's requests (see the module's docstring)."""
 
-    def __init__(self, *args, fleet: FleetSlots, caps: Caps, on_store_failure: str, **kwargs) -> None:
+    def __init__(self, *args, fleet: FleetSlots, on_store_failure: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fleet = fleet
         self.mode = on_store_failure

@@ -4,12 +4,13 @@ claims that make the fleet serve the longest waiter first, and one hash slot per
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import pytest
 from redis.crc import key_slot
 
 from policies.config import Caps
-from policies.fleet_caps import FleetSlots
+from policies.fleet_caps import FleetModelQueue, FleetSlots
 from policies.store import open_store
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
@@ -165,7 +166,8 @@ async def test_requests_that_go_away_while_their_slot_is_on_its_way_leave_no_lea
     metrics = GatewayMetrics()
     profiles = {m.name: build_profile(profile_of(policy, m)[1], m.name, Stats(None), metrics) for m in policy.models}
     slots = FleetSlots(store, policy.caps)
-    admission = Admission(policy, replicas, profiles, metrics, fleet=slots)
+    admission = Admission(policy, replicas, profiles, metrics,
+                          partial(FleetModelQueue, fleet=slots, on_store_failure="fail_closed"))
     rng = __import__("random").Random(3)
 
     async def one() -> None:
