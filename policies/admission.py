@@ -119,6 +119,11 @@ class WaitLine:
         self.depth -= 1
         return waiter
 
+    def heads(self) -> list[tuple[int, float]]:
+        """(rank, when its head started waiting) for each class with waiters."""
+        return [(rank, self.by_owner[rank][self.turns[rank][0]][0].started)
+                for rank, depth in enumerate(self.depths) if depth]
+
     def head(self) -> Waiter | None:
         for rank, depth in enumerate(self.depths):
             if depth:
@@ -361,10 +366,16 @@ class ModelQueue:
         min_share, its place among its own class at that share of the drain rate; without, better classes
         alone may fill the cap for as long again, so its max_wait (never the 1 s the overall rate suggests)."""
         klass = self.classes[rank]
-        rate = self.drain.per_second(time.monotonic())
-        if klass.min_share and rate:
-            return (self.line.depths[rank] + 1) / (rate * klass.min_share)
+        rate = self.share_rate(rank)
+        if rate:
+            return (self.line.depths[rank] + 1) / rate
         return klass.max_wait or self.config.max_wait
+
+    def share_rate(self, rank: int) -> float | None:
+        """Slots per second a class's waiters here can count on by its min_share (None: no share, or no recent
+        rate to go by): that share of the slots freed."""
+        rate = self.drain.per_second(time.monotonic())
+        return rate * self.classes[rank].min_share if rate else None
 
     def refuse(self, reason: str, message: str, rank: int | None = None) -> None:
         self.metrics.admission_rejected.labels(self.model, reason).inc()
