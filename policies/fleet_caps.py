@@ -195,9 +195,11 @@ RELEASE = NOW + CLAIMS + """
 local freed = redis.call('ZREM', KEYS[1], unpack(ARGV, 5))
 freed = freed + redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
-local claims = live_claims(KEYS[2], tonumber(ARGV[3]), now)
-local due = owed(KEYS[3], ARGV[4], claims, freed)
-if held < tonumber(ARGV[1]) then wake_first(KEYS[2], ARGV[2], claims, due) end
+if held < tonumber(ARGV[1]) or string.find(ARGV[4], '[1-9]') then  -- room to hand over, or credits to keep
+  local claims = live_claims(KEYS[2], tonumber(ARGV[3]), now)
+  local due = owed(KEYS[3], ARGV[4], claims, freed)
+  if held < tonumber(ARGV[1]) then wake_first(KEYS[2], ARGV[2], claims, due) end
+end
 return held
 """
 
@@ -363,8 +365,12 @@ class FleetModelQueue(ModelQueue):
 
     def first_due(self) -> int | None:
         """A class the fleet owes a slot that waits here: it goes first."""
-        due = [rank for rank in self.due.values() if self.line.depths[rank]]
+        due = [rank for rank in self.due.values() if self.waits(rank)]
         return min(due) if due else None
+
+    def waits(self, rank: int) -> bool:
+        """Whether requests of class `rank` wait here (a rank a reload removed: no)."""
+        return rank < len(self.line.depths) and self.line.depths[rank] > 0
 
     def busy(self, replica: Replica) -> int:
         return self.fleet_count[replica]
@@ -435,7 +441,7 @@ class FleetModelQueue(ModelQueue):
             if register:
                 self.claim(replica)
             due = self.due.get(replica)
-            if due is not None and due != rank and self.line.depths[due]:
+            if due is not None and due != rank and self.waits(due):
                 self.dispatch()  # the slot is owed to a class that waits here too: its waiter asks next
             candidates = [r for r in candidates if r is not replica]
         return None

@@ -109,6 +109,34 @@ async def test_a_class_with_min_share_is_owed_its_share_of_the_leases_freed_whil
     assert (await a.acquire("ms", 1, 0, 0.0, True, shares=shares)).member is not None
 
 
+async def test_a_starved_class_estimates_its_wait_from_the_fleets_rate_not_this_processs(store):
+    """This process frees 10 slots a second holding 1 of a backend's 4 leases; the fleet so frees about 40, a
+    fifth of them batch's (min_share 0.2), shared with one other process whose batch waits: 4 a second here,
+    so a batch request with one ahead of it expects 0.5 s (this process's own rate alone would say 1 s)."""
+    import random
+
+    from backends.replicas import Replica
+    from policies.config import Priorities, PriorityClass, Queue
+    from policies.metrics import GatewayMetrics
+    from policies.routing.least_in_flight import LeastInFlight
+    from policies.routing.pickers import MaxScore
+    from policies.routing.profile import Profile
+
+    replica = Replica(name="r0", model="m", url="http://10.0.0.1:1", served_name="m", cap=4)
+    priorities = Priorities(classes=[PriorityClass(name="interactive"),
+                                     PriorityClass(name="batch", max_wait=300, min_share=0.2)])
+    q = FleetModelQueue("m", [replica], Queue(max_wait=30), Profile([(LeastInFlight(), 1.0)],
+                        picker=MaxScore(random.Random(0))), GatewayMetrics(), priorities, fleet=fleet(store),
+                        on_store_failure="fail_closed")
+    now = __import__("time").monotonic()
+    for i in range(11):
+        q.drain.tick(now - 1.0 + i * 0.1)
+    replica.in_flight, q.fleet_count[replica], q.peers[1] = 1, 4, 1
+    assert q.share_rate(1) == pytest.approx(4.0)
+    q.line.depths[1] = 1  # one batch request waits ahead
+    assert q.starved_wait(1) == pytest.approx(0.5)
+
+
 async def test_a_claim_not_refreshed_for_five_polls_holds_nobody_back(store):
     a, slow = fleet(store), fleet(store)
     held = (await a.acquire("s", 1, 0, 0.0, False))[0]
