@@ -89,12 +89,12 @@ local function live_claims(waiting, stale, now)
   local raw = redis.call('HGETALL', waiting)
   local claims = {}
   for i = 1, #raw, 2 do
-    local who, r = string.match(raw[i], '^(.*)|(%d+)$')
     local c, seen = string.match(raw[i + 1], '^(%S+) (%S+)$')
-    if who == nil or tonumber(seen) < now - stale then
+    if tonumber(seen) < now - stale then
       redis.call('HDEL', waiting, raw[i])
-    else
-      claims[#claims + 1] = {who = who, rank = tonumber(r), claim = tonumber(c)}
+    else  -- (a field without its rank: a process of the version before, during a rolling update)
+      local who = string.match(raw[i], '^(.*)|%d+$') or raw[i]
+      claims[#claims + 1] = {who = who, rank = math.floor(tonumber(c) / 1e10), claim = tonumber(c)}
     end
   end
   return claims
