@@ -45,7 +45,6 @@ from gateway.tracing import tracing_for
 from gateway.variant_routes import slashed_model_names
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate
-from policies.budget import open_budgets
 from policies.compile import replica_set
 from policies.config import Policy
 from policies.discovery import Discovery
@@ -59,17 +58,16 @@ from policies.errors import (
     StateUnavailable,
 )
 from policies.keys import KeyRecord
-from policies.ledger.record import RecordLedger, open_ledger
+from policies.ledger.record import RecordLedger
 from policies.ledger.report import build_report, costs_of
 from policies.live_metrics import LiveMetrics
 from policies.metrics import GatewayMetrics
 from policies.ownership import Owners
-from policies.ratelimit import MemoryLimiter
 from policies.routing import Stats
 from policies.scaling import ScalingSignal
 from policies.snapshot import Shared, Snapshot, compile_snapshot, version_of
-from policies.store import StoreError, StoreUnavailable, open_store
-from policies.variant_share import open_shared_variants
+from policies.state import open_state
+from policies.store import StoreError, StoreUnavailable
 from policies.variants import Variants
 
 log = logging.getLogger("gateway")
@@ -90,11 +88,11 @@ class Gateway:
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped, max_bytes=scrape.max_bytes)
-        store = policy.store
-        options = redis_options(store) if store.kind == "redis" else {}
-        self.store = open_store(store.kind, path=store.path, url=store.redis_url(), **options)
-        self.fleet = open_fleet(self.store, policy)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
+        variants = Variants(self.metrics)
+        state = open_state(policy, variants, self.background.run)  # what the store kind implies (policies/state)
+        self.store, self.fleet, self.variant_share = state.store, state.fleet, state.shared_variants
+        self.limiter, self.ledger, self.budgets = state.limiter, state.ledger, state.budgets
         self.admin_auth = AdminAuth(policy.admin)
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
@@ -102,21 +100,17 @@ class Gateway:
             on_outage=lambda outcome: self.metrics.store_unavailable.labels("auth", outcome).inc(),
         )
         self.owners = Owners(self.store)  # who made each stored response (policies/ownership.py)
-        self.limiter = open_limiter(self.store)
         self.record_usage = RecordUsage(self.store, self.background.run)
-        self.ledger = open_ledger(self.store, policy.ledger.bucket_seconds)
         # priced with the rented providers of whichever snapshot serves (a reload may change them)
         self.record_ledger = RecordLedger(self.ledger, policy.ledger, lambda *a: self.rented.cost(*a),
                                           self.background.run,
                                           lambda why: self.metrics.background_errors.labels(why).inc())
-        self.budgets = open_budgets(self.store, self.ledger)
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.owners, self.record_usage, self.background.run,
-                             self.fleet, self.budgets, self.record_ledger, Variants(self.metrics))
+                             state.queues, self.budgets, self.record_ledger, variants)
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
-        self.variant_share = open_shared_variants(self.store, self.shared.variants, self.background.run)
         self.live_metrics = LiveMetrics(self.metrics.registry, self.replicas)
         self.live_metrics.serving(self.snapshot.version, self.snapshot.loaded_at)
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
@@ -281,40 +275,6 @@ class Gateway:
             await self.ledger.close()
             await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
-
-
-def redis_options(store) -> dict:
-    """What the Redis store takes besides its address: secrets (read from env or files now) and TLS files."""
-    from policies.store.redis_client import TLSFiles
-
-    return {
-        "prefix": store.prefix,
-        "password": store.password(),
-        "sentinel_password": store.sentinel.password() if store.sentinel else None,
-        "tls_files": TLSFiles(store.tls_ca_file, store.tls_cert_file, store.tls_key_file),
-    }
-
-
-def open_limiter(store):
-    """Limits live beside the keys: in Redis when keys are shared, in this process with the embedded store."""
-    from policies.store.redis import RedisStore
-
-    if isinstance(store, RedisStore):
-        from policies.ratelimit.redis import RedisLimiter
-
-        return RedisLimiter(store)
-    return MemoryLimiter()
-
-
-def open_fleet(store, policy: Policy):
-    """Caps count every gateway replica's requests when the store is shared; None: this process's own."""
-    from policies.store.redis import RedisStore
-
-    if isinstance(store, RedisStore):
-        from policies.fleet_caps import FleetSlots
-
-        return FleetSlots(store, policy.caps)
-    return None
 
 
 def openai_error(exc: GatewayError) -> Response:

@@ -98,6 +98,10 @@ def render(report: dict) -> str:
     out.append("")
     for name, m in report["models"].items():
         out.append(f"{name}: {m['recommendation']['verdict']}: {m['recommendation']['reason']}")
+        rented = m["rented"]
+        if rented["requests"]:
+            out.append(f"  rented: {rented['requests']:,} requests, {rented['estimated_requests']:,} of them charged"
+                       " the gateway's estimate (the provider sent no usage)")
         for b in m["backends"]:
             out.append(f"  {b['name']}: busy {_fmt(b['utilisation'], '%')}, {b['average_in_flight']:.2f} in flight"
                        f" on average" + (f" of a cap of {b['cap']} ({b['in_flight_vs_cap']:.0%})" if b["cap"] else ""))

@@ -42,6 +42,8 @@ class RentedFigures(Closed):
     prompt_tokens: int
     completion_tokens: int
     cost: float
+    estimated_requests: int = Field(description="rented calls whose provider sent no usage, charged the gateway's"
+                                    " estimate of their tokens (never zero); their cost is part of `cost`")
     provider: str | None
 
 

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 from backends.replicas import Replica, ReplicaSet
 from policies.config import Autoscaling, Policy, Priorities, PriorityClass, Queue, groups_of
@@ -125,6 +126,11 @@ class WaitLine:
         self.depths[rank] -= 1
         self.depth -= 1
         return waiter
+
+    def heads(self) -> list[tuple[int, float]]:
+        """(rank, when its head started waiting) for each class with waiters."""
+        return [(rank, self.by_owner[rank][self.turns[rank][0]][0].started)
+                for rank, depth in enumerate(self.depths) if depth]
 
     def head(self) -> Waiter | None:
         for rank, depth in enumerate(self.depths):
@@ -388,10 +394,16 @@ class ModelQueue:
         min_share, its place among its own class at that share of the drain rate; without, better classes
         alone may fill the cap for as long again, so its max_wait (never the 1 s the overall rate suggests)."""
         klass = self.classes[rank]
-        rate = self.drain.per_second(time.monotonic())
-        if klass.min_share and rate:
-            return (self.line.depths[rank] + 1) / (rate * klass.min_share)
+        rate = self.share_rate(rank)
+        if rate:
+            return (self.line.depths[rank] + 1) / rate
         return klass.max_wait or self.config.max_wait
+
+    def share_rate(self, rank: int) -> float | None:
+        """Slots per second a class's waiters here can count on by its min_share (None: no share, or no recent
+        rate to go by): that share of the slots freed."""
+        rate = self.drain.per_second(time.monotonic())
+        return rate * self.classes[rank].min_share if rate else None
 
     def refuse(self, reason: str, message: str, rank: int | None = None) -> None:
         self.metrics.admission_rejected.labels(self.model, reason).inc()
@@ -406,22 +418,21 @@ class ModelQueue:
         )
 
 
+class QueueFactory(Protocol):
+    """Makes a model's queue: ModelQueue counts a cap in this process; the Redis store's FleetModelQueue
+    (policies/fleet_caps.py) counts every gateway replica's requests. The store's state picks (policies/state)."""
+
+    def __call__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile, metrics: GatewayMetrics,
+                 priorities: Priorities | None = None) -> ModelQueue: ...
+
+
 class Admission:
-    """Every model's queue. With `fleet` (the Redis store's shared slots, policies/fleet_caps.py) a cap counts
-    the requests of every gateway replica; without it, this process's own."""
+    """Every model's queue, each made by `queues` (the store kind's: see QueueFactory)."""
 
     def __init__(self, policy: Policy, replicas: ReplicaSet, profiles: dict[str, Profile],
-                 metrics: GatewayMetrics, fleet=None) -> None:
-        self.fleet = fleet
-        if fleet is None:
-            make = ModelQueue
-        else:
-            from policies.fleet_caps import FleetModelQueue
-
-            make = partial(FleetModelQueue, fleet=fleet, caps=policy.caps,
-                           on_store_failure=policy.rate_limits.on_store_failure.concurrency)
+                 metrics: GatewayMetrics, queues: QueueFactory = ModelQueue) -> None:
         self.queues = {  # one per model, or per variant of a model that has variants (`model#variant`)
-            group: make(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
+            group: queues(group, replicas.by_model[group], m.queue, profiles[m.name], metrics, policy.priorities)
             for m in policy.models for group, _ in groups_of(m)
         }
         for m in policy.models:

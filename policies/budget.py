@@ -26,6 +26,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 from policies.errors import RateLimited
 from policies.ledger.sums import COMPLETION, COST, PROMPT
@@ -75,8 +76,23 @@ class Hold:
     tokens: int
 
 
+class Budgets(Protocol):
+    """Per (key, period) spend and tokens: MemoryBudgets in this process, RedisBudgets shared by every replica."""
+
+    in_memory: bool  # settling costs no round trip, so it is done on the request's way out, not in the background
+
+    async def reserve(self, key_id: str, start: int, end: int, max_spend: float | None, cost: float,
+                      max_tokens: int | None, want_tokens: int) -> Verdict: ...
+
+    async def settle(self, hold: Hold, cost: float, used: int) -> None: ...
+
+    async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]: ...
+
+
 class MemoryBudgets:
     """Budgets in this process (embedded store): per (key, period) [spent, reserved, tokens, reserved tokens]."""
+
+    in_memory = True
 
     def __init__(self, ledger) -> None:
         self.ledger = ledger
@@ -151,6 +167,8 @@ class RedisBudgets:
     """Budgets in Redis: one hash per key and period, {prefix}budget:{<key id>:<period start>} (its own hash
     slot, so each script touches one slot and runs unchanged on Redis Cluster)."""
 
+    in_memory = False
+
     def __init__(self, store) -> None:
         self.store = store
         self._reserve = store.client.register_script(RESERVE)
@@ -175,12 +193,6 @@ class RedisBudgets:
         async with self.store.guard("budget status"):
             spent, used = await self.store.client.hmget(self.name(key_id, start), "s", "t")
         return float(spent or 0), float(used or 0)
-
-
-def open_budgets(store, ledger):
-    from policies.store.redis import RedisStore
-
-    return RedisBudgets(store) if isinstance(store, RedisStore) else MemoryBudgets(ledger)
 
 
 class Budget:
@@ -262,7 +274,7 @@ class Budget:
         cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
         if not (hold.cost or hold.tokens or cost):
             return  # nothing reserved, nothing spent
-        if isinstance(self.budgets, MemoryBudgets):
+        if self.budgets.in_memory:  # nothing to wait for: settled before the next request of the key reserves
             await self.budgets.settle(hold, cost, prompt + completion)
         else:
             self.background(self.budgets.settle(hold, cost, prompt + completion))

@@ -1,14 +1,20 @@
 """Backend caps that hold across every gateway replica: each slot is a lease in Redis.
 
-Per backend one sorted set of leases and one hash of waiting claims, both under the backend's hash tag so
-every script touches one Redis Cluster slot:
+Per backend one sorted set of leases, one hash of waiting claims and one of min_share credits, all under the
+backend's hash tag so every script touches one Redis Cluster slot:
 
     {prefix}cap:{<backend>}           zset  lease member -> expiry (server time); ZCARD is the fleet's count
-    {prefix}cap:{<backend>}:waiting   hash  process -> "<claim> <last seen>": processes with waiters
+    {prefix}cap:{<backend>}:waiting   hash  "<process>|<class rank>" -> "<claim> <last seen>": classes waiting
+    {prefix}cap:{<backend>}:share     hash  class rank -> min_share credit (slots owed to the class)
 
 Taking a slot is one script (one round trip): drop expired leases, count, and add a lease if the count plus
 the claims of processes waiting longer (by more than `caps.fair_within`, or in a better class) is under the
-limit. A request that finds room
+limit. Priority classes hold across processes as they do in one (policies/admission.py): a process claims
+for every class it has waiters of, and a class with a `min_share` gains that share of every lease freed
+(given back or expired) while it waits anywhere in the fleet; once its credit is whole the next slot is its,
+ahead of better classes: the script refuses the others (one slot is reserved for it), tells them which class
+is due, and wakes the process of that class's longest claim; a process told so asks for its own waiter of
+that class first. A request that finds room
 in the fleet therefore costs one Redis call. Releases are off the request path and batched: a lease given
 back travels with the process's next acquire for that backend, or within 2 ms in one call with every other
 lease given back meanwhile (at once, with the acquire for its own head waiter, when the process has one).
@@ -51,6 +57,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import NamedTuple
 
 from backends.replicas import Replica
 from policies.admission import ModelQueue
@@ -71,15 +78,55 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 
-# Push a wake-up to the process whose live claim is first in line, other than `me` (which acts on its own).
-WAKE = """
-local function wake_first(waiting, me, stale, now)
-  local claims = redis.call('HGETALL', waiting)
+# Claims: the waiting hash maps "<process>|<class rank>" to "<claim> <last seen>" (claim: rank * 1e10 + when its
+# head started waiting), one per class a process has waiters of. `live_claims` reads them and drops the stale.
+# `owed` keeps each class's min_share credit in the `share` hash (rank -> credit): every lease freed (given back
+# or expired) adds a waiting class's share to its credit, a class no longer waiting loses it; the first class
+# whose credit is whole is due: the next slot is its, ahead of better classes (policies/admission.py does the
+# same in one process). `wake_first` pushes a wake-up to the process whose live claim is first in line (of the
+# due class when there is one), other than `me` (which acts on its own).
+CLAIMS = """
+local function live_claims(waiting, stale, now)
+  local raw = redis.call('HGETALL', waiting)
+  local claims = {}
+  for i = 1, #raw, 2 do
+    local c, seen = string.match(raw[i + 1], '^(%S+) (%S+)$')
+    if tonumber(seen) < now - stale then
+      redis.call('HDEL', waiting, raw[i])
+    else  -- (a field without its rank: a process of the version before, during a rolling update)
+      local who = string.match(raw[i], '^(.*)|%d+$') or raw[i]
+      claims[#claims + 1] = {who = who, rank = math.floor(tonumber(c) / 1e10), claim = tonumber(c)}
+    end
+  end
+  return claims
+end
+
+local function owed(share, shares, claims, freed)
+  local waiting = {}
+  for _, c in ipairs(claims) do waiting[c.rank] = true end
+  local due, r = nil, 0
+  for s in string.gmatch(shares, '%S+') do
+    local part = tonumber(s)
+    if part > 0 then
+      if waiting[r] then
+        local credit = tonumber(redis.call('HGET', share, r) or '0')
+        if freed > 0 then credit = tonumber(redis.call('HINCRBYFLOAT', share, r, part * freed)) end
+        if due == nil and credit >= 1 then due = r end
+      else
+        redis.call('HDEL', share, r)
+      end
+    end
+    r = r + 1
+  end
+  if freed > 0 then redis.call('EXPIRE', share, 3600) end
+  return due
+end
+
+local function wake_first(waiting, me, claims, due)
   local first, who = nil, nil
-  for i = 1, #claims, 2 do
-    local c, seen = string.match(claims[i + 1], '^(%S+) (%S+)$')
-    if claims[i] ~= me and tonumber(seen) >= now - stale and (first == nil or tonumber(c) < first) then
-      first, who = tonumber(c), claims[i]
+  for _, c in ipairs(claims) do
+    if c.who ~= me and (due == nil or c.rank == due) and (first == nil or c.claim < first) then
+      first, who = c.claim, c.who
     end
   end
   if who then
@@ -91,47 +138,69 @@ local function wake_first(waiting, me, stale, now)
 end
 """
 
-# KEYS: leases, waiting. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale, fair_within,
-# then leases this process gives back first. Returns {1 granted / 0 refused, leases held after}.
-ACQUIRE = NOW + WAKE + """
+# KEYS: leases, waiting, share. ARGV: limit, member, lease, process, rank, waited, register (1/0), stale,
+# fair_within, each class's min_share ("0 0.1"), this process's other waiting classes ("<rank>:<waited> ..."),
+# then leases this process gives back first. With `register`, this process's claims become the asked class's
+# and the others given, before anything is decided. Returns {1 granted / 0 refused, leases held after, the due
+# class's rank or -1, live claims of the asked class in other processes}.
+ACQUIRE = NOW + CLAIMS + """
 local limit, lease, stale = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[8])
-local me = ARGV[4]
-local claim = tonumber(ARGV[5]) * 1e10 + now - tonumber(ARGV[6])
+local me, rank = ARGV[4], tonumber(ARGV[5])
+local claim = rank * 1e10 + now - tonumber(ARGV[6])
 local ahead_by = claim - tonumber(ARGV[9])  -- claims before this are ahead (a better class always is)
-if #ARGV > 9 then redis.call('ZREM', KEYS[1], unpack(ARGV, 10)) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local freed = 0
+if #ARGV > 11 then freed = redis.call('ZREM', KEYS[1], unpack(ARGV, 12)) end
+freed = freed + redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
-local ahead = 0
-local claims = redis.call('HGETALL', KEYS[2])
-for i = 1, #claims, 2 do
-  local c, seen = string.match(claims[i + 1], '^(%S+) (%S+)$')
-  if tonumber(seen) < now - stale then
-    redis.call('HDEL', KEYS[2], claims[i])
-  elseif claims[i] ~= me and tonumber(c) < ahead_by then
-    ahead = ahead + 1
+if ARGV[7] == '1' then
+  local keep, ranks = {}, 0
+  for _ in string.gmatch(ARGV[10], '%S+') do ranks = ranks + 1 end
+  for r, waited in string.gmatch(ARGV[5] .. ':' .. ARGV[6] .. ' ' .. ARGV[11], '(%d+):(%S+)') do
+    redis.call('HSET', KEYS[2], me .. '|' .. r,
+               string.format('%.6f %.6f', tonumber(r) * 1e10 + now - tonumber(waited), now))
+    keep[tonumber(r)] = true
+  end
+  for r = 0, ranks - 1 do
+    if not keep[r] then redis.call('HDEL', KEYS[2], me .. '|' .. r) end
+  end
+  redis.call('EXPIRE', KEYS[2], math.ceil(stale) + 60)
+end
+local claims = live_claims(KEYS[2], stale, now)
+local due = owed(KEYS[3], ARGV[10], claims, freed)
+local ahead, peers = 0, 0
+for _, c in ipairs(claims) do
+  if c.who ~= me then
+    if c.rank == rank then peers = peers + 1 end
+    if c.claim < ahead_by and (due ~= rank or c.rank == rank) then ahead = ahead + 1 end
   end
 end
+if due ~= nil and due ~= rank then ahead = ahead + 1 end  -- the next slot is the due class's
 if held + ahead < limit then
   redis.call('ZADD', KEYS[1], now + lease, ARGV[2])
   redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 60)
-  redis.call('HDEL', KEYS[2], me)
-  if held + 1 < limit and #claims > 0 then wake_first(KEYS[2], me, stale, now) end
-  return {1, held + 1}
+  redis.call('HDEL', KEYS[2], me .. '|' .. rank)
+  if due == rank then
+    redis.call('HINCRBYFLOAT', KEYS[3], rank, -1)
+    due = nil
+  end
+  if held + 1 < limit and #claims > 0 then wake_first(KEYS[2], me, claims, due) end
+  return {1, held + 1, due or -1, peers}
 end
-if ARGV[7] == '1' then
-  redis.call('HSET', KEYS[2], me, string.format('%.6f %.6f', claim, now))
-  redis.call('EXPIRE', KEYS[2], math.ceil(stale) + 60)
-end
-if held < limit then wake_first(KEYS[2], me, stale, now) end
-return {0, held}
+if held < limit then wake_first(KEYS[2], me, claims, due) end
+return {0, held, due or -1, peers}
 """
 
-# KEYS: leases, waiting. ARGV: limit, process, stale, then the members given back. Returns the leases held after.
-RELEASE = NOW + WAKE + """
-redis.call('ZREM', KEYS[1], unpack(ARGV, 4))
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+# KEYS: leases, waiting, share. ARGV: limit, process, stale, each class's min_share, then the members given back.
+# Returns the leases held after.
+RELEASE = NOW + CLAIMS + """
+local freed = redis.call('ZREM', KEYS[1], unpack(ARGV, 5))
+freed = freed + redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
-if held < tonumber(ARGV[1]) then wake_first(KEYS[2], ARGV[2], tonumber(ARGV[3]), now) end
+if held < tonumber(ARGV[1]) or string.find(ARGV[4], '[1-9]') then  -- room to hand over, or credits to keep
+  local claims = live_claims(KEYS[2], tonumber(ARGV[3]), now)
+  local due = owed(KEYS[3], ARGV[4], claims, freed)
+  if held < tonumber(ARGV[1]) then wake_first(KEYS[2], ARGV[2], claims, due) end
+end
 return held
 """
 
@@ -149,6 +218,17 @@ end
 if #ARGV > 1 then redis.call('EXPIRE', KEYS[1], math.ceil(lease) + 60) end
 return {redis.call('ZCARD', KEYS[1]), lost}
 """
+
+
+class Grant(NamedTuple):
+    """What an acquire got: `member`, the new lease (None: no room for this process now); `held`, the fleet's
+    leases after; `due`, the class the fleet owes the next slot by its min_share (None: none); `peers`, the
+    other processes waiting with a request of the asked class."""
+
+    member: str | None
+    held: int
+    due: int | None = None
+    peers: int = 0
 
 
 class FleetSlots:
@@ -176,6 +256,9 @@ class FleetSlots:
     def waiting(self, backend: str) -> str:
         return f"{self.prefix}{{{backend}}}:waiting"
 
+    def share(self, backend: str) -> str:
+        return f"{self.prefix}{{{backend}}}:share"
+
     def wake_list(self, backend: str) -> str:
         return f"{self.waiting(backend)}:wake:{self.process}"
 
@@ -197,21 +280,24 @@ class FleetSlots:
         return f"{self.process}:{next(self.members)}"
 
     async def acquire(self, backend: str, limit: int, rank: int, waited: float, register: bool,
-                      give_back: Sequence[str] = (), member: str | None = None) -> tuple[str | None, int]:
-        """(the new lease's member, `member` if given, or None when the fleet has no room for this process now;
-        leases held). `give_back`: leases of this process to release first, in the same round trip."""
+                      give_back: Sequence[str] = (), member: str | None = None, shares: str = "0",
+                      others: str = "") -> Grant:
+        """A lease for a request of class `rank` whose wait began `waited` s ago, or none when the fleet has no
+        room for it now. `give_back`: leases of this process to release first, in the same round trip.
+        `shares`: each class's min_share, space-separated, in rank order; `others`: with `register`, this
+        process's other waiting classes as "<rank>:<waited>" (see ACQUIRE)."""
         member = member or self.new_member()
         async with self.guard("cap_acquire"):
-            granted, held = await self._acquire(
-                keys=[self.leases(backend), self.waiting(backend)],
+            granted, held, due, peers = await self._acquire(
+                keys=[self.leases(backend), self.waiting(backend), self.share(backend)],
                 args=[limit, member, self.lease, self.process, rank, f"{waited:.6f}", int(register), self.stale,
-                      self.fair_within, *give_back])
-        return (member if int(granted) else None), int(held)
+                      self.fair_within, shares, others, *give_back])
+        return Grant(member if int(granted) else None, int(held), None if int(due) < 0 else int(due), int(peers))
 
-    async def release(self, backend: str, limit: int, members: Sequence[str]) -> int:
+    async def release(self, backend: str, limit: int, members: Sequence[str], shares: str = "0") -> int:
         async with self.guard("cap_release"):
-            return int(await self._release(keys=[self.leases(backend), self.waiting(backend)],
-                                           args=[limit, self.process, self.stale, *members]))
+            return int(await self._release(keys=[self.leases(backend), self.waiting(backend), self.share(backend)],
+                                           args=[limit, self.process, self.stale, shares, *members]))
 
     async def woken(self, backend: str, timeout: float) -> bool:
         """Block up to `timeout` s until another process's script leaves room this process is first in line for."""
@@ -223,10 +309,10 @@ class FleetSlots:
             held, lost = await self._renew(keys=[self.leases(backend)], args=[self.lease, *members])
         return int(held), int(lost)
 
-    async def withdraw(self, backend: str) -> None:
-        """This process no longer waits for the backend: its claim must not hold others back."""
+    async def withdraw(self, backend: str, ranks: int) -> None:
+        """This process no longer waits for the backend: its claims (one per class) must not hold others back."""
         async with self.guard("cap_withdraw"):
-            await self.store.client.hdel(self.waiting(backend), self.process)
+            await self.store.client.hdel(self.waiting(backend), *(f"{self.process}|{r}" for r in range(ranks)))
 
     async def held(self, backend: str) -> int:
         """Leases held across the fleet now (for tests and tools)."""
@@ -248,7 +334,7 @@ class FleetSlots:
 class FleetModelQueue(ModelQueue):
     """A model's queue whose caps count every gateway replica's requests (see the module's docstring)."""
 
-    def __init__(self, *args, fleet: FleetSlots, caps: Caps, on_store_failure: str, **kwargs) -> None:
+    def __init__(self, *args, fleet: FleetSlots, on_store_failure: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fleet = fleet
         self.mode = on_store_failure
@@ -266,9 +352,41 @@ class FleetModelQueue(ModelQueue):
         self.listeners: dict[Replica, asyncio.Task] = {}
         self.pumping = self.pump_again = False
         self.outage_logged = False
+        self.due: dict[Replica, int] = {}  # the class each backend's fleet owes its next slot (min_share)
+        self.peers: dict[int, int] = {}  # by class rank: other processes waiting with that class, last seen
+
+    @property
+    def shares(self) -> str:
+        """Each class's min_share in rank order, as the scripts take them."""
+        return " ".join(f"{c.min_share:g}" for c in self.classes)
+
+    def others(self, rank: int) -> str:
+        """This process's waiting classes but `rank`, with how long each one's head has waited."""
+        now = time.monotonic()
+        return " ".join(f"{r}:{now - started:.6f}" for r, started in self.line.heads() if r != rank)
+
+    def first_due(self) -> int | None:
+        """A class the fleet owes a slot that waits here: it goes first."""
+        due = [rank for rank in self.due.values() if self.waits(rank)]
+        return min(due) if due else None
+
+    def waits(self, rank: int) -> bool:
+        """Whether requests of class `rank` wait here (a rank a reload removed: no)."""
+        return rank < len(self.line.depths) and self.line.depths[rank] > 0
 
     def busy(self, replica: Replica) -> int:
         return self.fleet_count[replica]
+
+    def share_rate(self, rank: int) -> float | None:
+        """The class's share of the slots the fleet frees, estimated from this process's completions scaled by
+        its part of the leases held (its requests run on the same backends as the others'), split among the
+        processes whose waiters of that class the fleet serves in turn."""
+        rate = super().share_rate(rank)
+        if rate is None:
+            return None
+        capped = [r for r in self.replicas if r.limit is not None]
+        mine, fleet = sum(r.in_flight for r in capped), sum(self.fleet_count.get(r, 0) for r in capped)
+        return rate * (fleet / mine if mine and fleet > mine else 1.0) / (1 + self.peers.get(rank, 0))
 
     def seen(self, replica: Replica, held: int) -> None:
         self.fleet_count[replica] = held
@@ -306,30 +424,42 @@ class FleetModelQueue(ModelQueue):
             asked = self.fleet.new_member()
             returned, stranded = self.returning.take(replica), self.stranded.pop(replica, {})
             try:
-                member, held = await see_through(
+                got = await see_through(
                     self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register,
-                                       [*returned, *stranded], asked),
+                                       [*returned, *stranded], asked, self.shares,
+                                       self.others(rank) if register else ""),
                     partial(self.orphaned, replica))
             except StoreUnavailable:  # the old primary may have granted `asked` before it went
                 self.stranded.setdefault(replica, {}).update(stranded)
                 self.strand(replica, [asked, *returned])
                 return self.take_locally(call, exclude, candidates)
             self.outage_logged = False
-            self.seen(replica, held)
-            if member is not None:
+            self.seen(replica, got.held)
+            self.note_due(replica, got)
+            self.peers[rank] = got.peers
+            if got.member is not None:
                 self.claimed.discard(replica)
-                return self.take(replica, member)
+                return self.take(replica, got.member)
             if register:
                 self.claim(replica)
+            due = self.due.get(replica)
+            if due is not None and due != rank and self.waits(due):
+                self.dispatch()  # the slot is owed to a class that waits here too: its waiter asks next
             candidates = [r for r in candidates if r is not replica]
         return None
 
-    def orphaned(self, replica: Replica, got: tuple[str | None, int]) -> None:
+    def orphaned(self, replica: Replica, got: Grant) -> None:
         """An acquire whose request went away ended: a lease it got goes back with the next release batch."""
-        member, held = got
-        self.seen(replica, held)
-        if member is not None:
-            self.returning.add(replica, member)
+        self.seen(replica, got.held)
+        self.note_due(replica, got)
+        if got.member is not None:
+            self.returning.add(replica, got.member)
+
+    def note_due(self, replica: Replica, got: Grant) -> None:
+        if got.due is None or got.due >= len(self.classes):  # (a rank of an older policy's classes: none here)
+            self.due.pop(replica, None)
+        else:
+            self.due[replica] = got.due
 
     def claim(self, replica: Replica) -> None:
         self.claimed.add(replica)
@@ -365,7 +495,7 @@ class FleetModelQueue(ModelQueue):
 
     def release(self, replica: Replica, call: Call | None = None) -> None:
         """(`call`: the per-process hold for a class's next request is not kept here: across processes the
-        freed lease goes to the longest claim, whatever this process's classes do.)"""
+        freed lease goes to the claim first in line: the due class's (min_share), else the best class's longest.)"""
         replica.in_flight -= 1
         self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())
@@ -381,7 +511,8 @@ class FleetModelQueue(ModelQueue):
         """The leases given back meanwhile, one script call per backend; then serve the waiters they free."""
         for replica, members in batch.items():
             try:
-                self.seen(replica, await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members))
+                self.seen(replica, await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members,
+                                                            self.shares))
             except StoreUnavailable:
                 self.strand(replica, members)
         await self.pump()
@@ -411,7 +542,8 @@ class FleetModelQueue(ModelQueue):
                         self.stranded.pop(replica, None)
                         continue
                     try:
-                        held = await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members)
+                        held = await self.fleet.release(replica.name, int(replica.limit or 1 << 30), members,
+                                                        self.shares)
                     except StoreUnavailable:
                         continue
                     for member in members:
@@ -425,7 +557,8 @@ class FleetModelQueue(ModelQueue):
             self.retrier = None
 
     def dispatch(self, first: int | None = None) -> None:
-        """(`first`, a class owed a slot by its min_share, is not honoured across processes: see release.)"""
+        """(`first`, a class this process owes a slot, is ignored: the fleet keeps the min_share credits, and
+        the pump serves the class it says is due first.)"""
         if self.depth:
             self.spawn(self.pump())
 
@@ -443,7 +576,7 @@ class FleetModelQueue(ModelQueue):
         try:
             while self.depth:
                 self.pump_again = False
-                waiter = self.pop()
+                waiter = self.pop(self.first_due())
                 candidates = [r for r in self.replicas if r.routable and r not in waiter.exclude]
                 try:
                     replica = await self.take_among(waiter.call, waiter.exclude, candidates, waiter.rank,
@@ -475,7 +608,7 @@ class FleetModelQueue(ModelQueue):
         for replica in list(self.claimed):  # nobody waits here any more: stop holding others back
             self.claimed.discard(replica)
             with contextlib.suppress(StoreUnavailable):
-                await self.fleet.withdraw(replica.name)
+                await self.fleet.withdraw(replica.name, len(self.classes))
 
     async def renew(self) -> None:
         for replica in self.replicas:

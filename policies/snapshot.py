@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from backends.rented import RentedProviders
 from backends.replicas import ReplicaSet
 from policies.accounting import RecordUsage
-from policies.admission import Admission
+from policies.admission import Admission, ModelQueue, QueueFactory
 from policies.auth import Authenticate, Authorize
-from policies.budget import Budget
+from policies.budget import Budget, Budgets
 from policies.compile import rented_providers, replica_groups
 from policies.config import Policy, groups_of, profile_of
 from policies.metrics import GatewayMetrics
@@ -69,8 +69,8 @@ class Shared:
     owners: Owners
     record_usage: RecordUsage
     background: object  # gateway.background.Background.run
-    fleet: object = None  # policies.fleet_caps.FleetSlots when caps count every gateway replica (Redis store)
-    budgets: object = None  # policies.budget's store of per-key spend
+    queues: QueueFactory = ModelQueue  # the store kind's (policies/state): caps in this process or the fleet's
+    budgets: Budgets | None = None  # per-key spend (policies/budget.py)
     record_ledger: object = None  # policies.ledger.record.RecordLedger: the cost ledger's pipeline step
     variants: Variants = field(default_factory=Variants)  # every model's variant weights (policies/variants.py)
 
@@ -90,7 +90,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
             profiles[model.name] = previous.profiles[model.name]
         else:
             profiles[model.name] = build_profile(config, model.name, shared.stats, shared.metrics, name=name)
-    admission = Admission(policy, shared.replicas, profiles, shared.metrics, shared.fleet)
+    admission = Admission(policy, shared.replicas, profiles, shared.metrics, shared.queues)
     if previous is not None:
         for model in policy.models:
             for group, _ in groups_of(model):

@@ -21,13 +21,6 @@ log = logging.getLogger("gateway.variants")
 SHARED = "shared"  # the `why` of a change adopted from another replica (not written back)
 
 
-def open_shared_variants(store, variants, background) -> SharedVariants | None:
-    """Shared through the store when it is Redis; with SQLite there is one process and nothing to share."""
-    from policies.store.redis import RedisStore
-
-    return SharedVariants(store, variants, background) if isinstance(store, RedisStore) else None
-
-
 class SharedVariants:
     def __init__(self, store, variants, background, interval: float = 0.5) -> None:
         self.redis = store.client

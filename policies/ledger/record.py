@@ -18,19 +18,6 @@ from policies.pipeline import Call
 MAX_ROWS = 100_000
 
 
-def open_ledger(store, bucket_seconds: int):
-    """The ledger beside the keys: in Redis when the store is Redis, else in the same SQLite file."""
-    from policies.store.redis import RedisStore
-
-    if isinstance(store, RedisStore):
-        from policies.ledger.redis import RedisLedger
-
-        return RedisLedger(store, bucket_seconds)
-    from policies.ledger.sqlite import SQLiteLedger
-
-    return SQLiteLedger(store.path)
-
-
 class RecordLedger:
     name = "record-ledger"
 

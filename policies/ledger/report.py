@@ -14,6 +14,9 @@ For each model over the window:
   owned at rented price  the owned tokens priced at the rented provider's per-token price
   rent-all cost          that, plus what the rented overflow actually cost: renting every request
   actual cost            what was paid: the owned cost plus the rented overflow
+  estimated requests     rented calls whose provider sent no usage (a stream that ended without it): charged
+                         the gateway's estimate of their tokens, never zero, and counted here so the rented
+                         cost can be weighed knowing how much of it is an estimate
   own-all cost           an estimate of owning enough for every request: the owned cost scaled by all tokens /
                          owned tokens, assuming the added capacity would have run at the measured utilisation
                          (a lower bound when the overflow came in bursts: capacity sized for a peak idles more)
@@ -29,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from policies.config import backend_name
-from policies.ledger.sums import BUSY, COMPLETION, COST, HELD, PROMPT, QUEUE, REQUESTS, Row
+from policies.ledger.sums import BUSY, COMPLETION, COST, ESTIMATED, HELD, PROMPT, QUEUE, REQUESTS, Row
 
 BURSTY = 3.0  # peak-to-mean of requests per minute from which traffic counts as bursty
 HIGH_UTILISATION = 0.5
@@ -87,7 +90,7 @@ def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], 
 def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: float, seconds: float,
                  bucket_seconds: int) -> dict:
     owned = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
-    rented = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+    rented = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0, "estimated_requests": 0}
     busy: dict[str, float] = {}
     held: dict[str, float] = {}
     per_bucket: dict[int, dict[str, float]] = {}
@@ -106,6 +109,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
         slot["requests"] += v[REQUESTS]
         if row.served == "rented":
             rented["cost"] += v[COST]
+            rented["estimated_requests"] += int(v[ESTIMATED])
             slot["rented_cost"] += v[COST]
         else:
             owned["queue_seconds"] += v[QUEUE]

@@ -21,7 +21,7 @@ This runs for every finished call: rows are plain tuples until `take` (off the r
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 # estimated_requests: calls whose tokens (and so cost) are the gateway's estimate, not the upstream's usage (a
 # rented stream that ended without usage is charged its estimate, never zero)
@@ -136,3 +136,13 @@ class Batch(NamedTuple):
 
     rows: dict[Row, list[float]]
     busy: dict[tuple[int, str, str], list[tuple[float, float]]]
+
+
+class Ledger(Protocol):
+    """Where flushed sums go and the report reads them: the SQLite file's table, or Redis hashes."""
+
+    async def add(self, batch: Batch, retention_seconds: float, now: float) -> None: ...
+
+    async def read(self, since: float, until: float, key_id: str | None = None) -> list[tuple[Row, list[float]]]: ...
+
+    async def close(self) -> None: ...

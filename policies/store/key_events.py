@@ -7,6 +7,12 @@ the token on `<prefix>keys:dropped`. The writer counts those acknowledgements an
 back as PUBLISH said received the change, or after `ACK_WAIT` (it logs how many were missing). The cache's own
 TTL stays the fallback for a lost message; a listener that loses its connection drops its whole cache when
 it is back, since messages may have been missed meanwhile, and reconnects with capped, jittered backoff.
+
+A connection can also freeze without closing (a peer or a middlebox that stops forwarding, no RST): reads
+then only time out, and changes would be missed for as long as it lasts. So a listener that heard nothing for
+`PING_AFTER` seconds pings on its pub/sub connection, and one that heard nothing, not even the pong, for
+`FROZEN_AFTER` seconds treats the connection as lost: it reconnects and drops its whole cache. A frozen
+connection is thus noticed within FROZEN_AFTER plus one read (about 4 s), under the auth cache's TTL.
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ log = logging.getLogger("policies.store.key_events")
 ACK_WAIT = 1.0  # s the writer waits for every replica to drop its copy
 BACKOFF_MAX = 5.0  # s between reconnection attempts, at most
 MAX_MESSAGE = 256  # bytes: a key id and a token; anything longer is not ours
+READ_WAIT = 1.0  # s one read waits for a message (the client's socket timeout would end a quiet listen())
+PING_AFTER = 1.0  # s of silence after which the listener pings on its connection (one ping per read after)
+FROZEN_AFTER = 3.0  # s of silence, pings unanswered, after which the connection counts as lost
+
+
+class FrozenConnection(Exception):
+    """The pub/sub connection stayed open but answered nothing, not even pings."""
 
 
 class KeyEvents:
@@ -69,14 +82,22 @@ class KeyEvents:
                     self.connected = True
                     log.info("listening for key changes")
                 backoff = 0.1
-                while True:  # a short read timeout: the client's socket timeout would end a quiet listen()
-                    message = await pubsub.get_message(timeout=1.0)
+                clock = asyncio.get_running_loop().time
+                heard = clock()
+                while True:
+                    message = await pubsub.get_message(timeout=READ_WAIT)
                     if self.lost:
                         self.lost = False
                         drop_all()
                         log.info("key change listener reconnected to Redis; the auth cache was dropped")
                     if message is not None:
+                        heard = clock()  # a pong too: the connection answers
                         self.handle(message, drop)
+                    elif clock() - heard > FROZEN_AFTER:
+                        raise FrozenConnection(f"no answer on the pub/sub connection for {FROZEN_AFTER:g} s")
+                    elif clock() - heard >= PING_AFTER:
+                        async with asyncio.timeout(READ_WAIT):  # a send that blocks is a frozen connection too
+                            await pubsub.ping()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any loss of the connection: reconnect

@@ -4,12 +4,13 @@ claims that make the fleet serve the longest waiter first, and one hash slot per
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import pytest
 from redis.crc import key_slot
 
 from policies.config import Caps
-from policies.fleet_caps import FleetSlots
+from policies.fleet_caps import FleetModelQueue, FleetSlots
 from policies.store import open_store
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
@@ -30,9 +31,9 @@ def fleet(store, lease=30.0, poll=0.2) -> FleetSlots:
 async def test_racing_processes_get_exactly_the_cap_and_releases_give_it_back(store):
     procs = [fleet(store) for _ in range(3)]
     results = await asyncio.gather(*(procs[i % 3].acquire("b", 8, 0, 0.0, False) for i in range(60)))
-    granted = [(procs[i % 3], m) for i, (m, _) in enumerate(results) if m is not None]
+    granted = [(procs[i % 3], r.member) for i, r in enumerate(results) if r.member is not None]
     assert len(granted) == 8 and await procs[0].held("b") == 8
-    assert max(held for _, held in results) == 8
+    assert max(r.held for r in results) == 8
     for proc, member in granted:
         await proc.release("b", 8, [member])
     assert await procs[0].held("b") == 0
@@ -42,7 +43,7 @@ async def test_leases_given_back_with_an_acquire_make_room_for_it_in_the_same_ca
     a = fleet(store)
     held = [(await a.acquire("e", 2, 0, 0.0, False))[0] for _ in range(2)]
     assert (await a.acquire("e", 2, 0, 0.0, False))[0] is None  # full
-    member, count = await a.acquire("e", 2, 0, 0.0, False, give_back=held)
+    member, count, _, _ = await a.acquire("e", 2, 0, 0.0, False, give_back=held)
     assert member is not None and count == 1  # both went back, then one was taken
     assert await a.release("e", 2, [member]) == 0
 
@@ -77,7 +78,7 @@ async def test_a_process_whose_waiter_arrived_within_fair_within_takes_the_slot_
     a, b = fleet(store), fleet(store)  # fair_within: 0.05 s, the default
     held = (await a.acquire("f", 1, 0, 0.0, False))[0]
     assert (await b.acquire("f", 1, 0, 2.0, True))[0] is None  # b's head has waited 2 s
-    member, _ = await a.acquire("f", 1, 0, 1.98, True, give_back=[held])  # a's has waited 20 ms less
+    member = (await a.acquire("f", 1, 0, 1.98, True, give_back=[held])).member  # a's has waited 20 ms less
     assert member is not None
     assert (await a.acquire("f", 1, 0, 1.5, True, give_back=[member]))[0] is None  # 0.5 s less: b goes first
     assert (await b.acquire("f", 1, 0, 2.1, True))[0] is not None
@@ -89,6 +90,51 @@ async def test_a_better_class_goes_first_however_long_the_other_waited(store):
     assert (await b.acquire("c", 1, 1, 60.0, True))[0] is None  # batch (rank 1), waiting a minute
     await a.release("c", 1, [held])
     assert (await a.acquire("c", 1, 0, 0.0, False))[0] is not None  # interactive, just arrived: first
+
+
+async def test_a_class_with_min_share_is_owed_its_share_of_the_leases_freed_while_it_waits(store):
+    """Each lease freed while batch (rank 1, min_share 0.5) waits in any process adds 0.5 to its credit; once the
+    credit is whole the next slot is batch's, although interactive (rank 0) asks for it too."""
+    shares = "0 0.5"
+    a, b = fleet(store), fleet(store)
+    held = (await a.acquire("ms", 1, 0, 0.0, False, shares=shares)).member
+    assert (await b.acquire("ms", 1, 1, 1.0, True, shares=shares)).member is None  # batch waits in b
+    got = await a.acquire("ms", 1, 0, 0.0, True, give_back=[held], shares=shares)  # credit 0.5: interactive's
+    assert got.member is not None and got.due is None
+    refused = await a.acquire("ms", 1, 0, 0.0, True, give_back=[got.member], shares=shares)  # credit 1: batch's
+    assert refused.member is None and refused.due == 1
+    granted = await b.acquire("ms", 1, 1, 1.1, True, shares=shares)
+    assert granted.member is not None and granted.due is None  # its credit spent
+    await b.release("ms", 1, [granted.member], shares)  # batch waits no more: interactive's again
+    assert (await a.acquire("ms", 1, 0, 0.0, True, shares=shares)).member is not None
+
+
+async def test_a_starved_class_estimates_its_wait_from_the_fleets_rate_not_this_processs(store):
+    """This process frees 10 slots a second holding 1 of a backend's 4 leases; the fleet so frees about 40, a
+    fifth of them batch's (min_share 0.2), shared with one other process whose batch waits: 4 a second here,
+    so a batch request with one ahead of it expects 0.5 s (this process's own rate alone would say 1 s)."""
+    import random
+
+    from backends.replicas import Replica
+    from policies.config import Priorities, PriorityClass, Queue
+    from policies.metrics import GatewayMetrics
+    from policies.routing.least_in_flight import LeastInFlight
+    from policies.routing.pickers import MaxScore
+    from policies.routing.profile import Profile
+
+    replica = Replica(name="r0", model="m", url="http://10.0.0.1:1", served_name="m", cap=4)
+    priorities = Priorities(classes=[PriorityClass(name="interactive"),
+                                     PriorityClass(name="batch", max_wait=300, min_share=0.2)])
+    q = FleetModelQueue("m", [replica], Queue(max_wait=30), Profile([(LeastInFlight(), 1.0)],
+                        picker=MaxScore(random.Random(0))), GatewayMetrics(), priorities, fleet=fleet(store),
+                        on_store_failure="fail_closed")
+    now = __import__("time").monotonic()
+    for i in range(11):
+        q.drain.tick(now - 1.0 + i * 0.1)
+    replica.in_flight, q.fleet_count[replica], q.peers[1] = 1, 4, 1
+    assert q.share_rate(1) == pytest.approx(4.0)
+    q.line.depths[1] = 1  # one batch request waits ahead
+    assert q.starved_wait(1) == pytest.approx(0.5)
 
 
 async def test_a_claim_not_refreshed_for_five_polls_holds_nobody_back(store):
@@ -105,9 +151,9 @@ async def test_a_claim_not_refreshed_holds_nobody_back(store):
     a, gone = fleet(store), fleet(store)
     seconds, micros = await store.client.time()
     now = seconds + micros / 1e6
-    await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now:.6f}")  # waiting since 1970
+    await store.client.hset(gone.waiting("d"), f"{gone.process}|0", f"0.000000 {now:.6f}")  # waiting since 1970
     assert (await a.acquire("d", 1, 0, 0.0, False))[0] is None  # a live claim ahead: no room for a
-    await store.client.hset(gone.waiting("d"), gone.process, f"0.000000 {now - 5:.6f}")  # its process died
+    await store.client.hset(gone.waiting("d"), f"{gone.process}|0", f"0.000000 {now - 5:.6f}")  # its process died
     assert (await a.acquire("d", 1, 0, 0.0, False))[0] is not None
     assert await store.client.hlen(gone.waiting("d")) == 0
 
@@ -165,7 +211,8 @@ async def test_requests_that_go_away_while_their_slot_is_on_its_way_leave_no_lea
     metrics = GatewayMetrics()
     profiles = {m.name: build_profile(profile_of(policy, m)[1], m.name, Stats(None), metrics) for m in policy.models}
     slots = FleetSlots(store, policy.caps)
-    admission = Admission(policy, replicas, profiles, metrics, fleet=slots)
+    admission = Admission(policy, replicas, profiles, metrics,
+                          partial(FleetModelQueue, fleet=slots, on_store_failure="fail_closed"))
     rng = __import__("random").Random(3)
 
     async def one() -> None:

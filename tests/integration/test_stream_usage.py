@@ -14,10 +14,13 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
+from gateway.admin_auth import mint_token
 from policies.budget import period_bounds
+from policies.config import Admin
 from policies.keys import KeyBudget, KeyRecord, hash_key, new_key, new_key_id
 from policies.ledger.sums import COMPLETION, COST, ESTIMATED, PROMPT, REQUESTS
 from tests.support.gateway import running_gateway
@@ -87,8 +90,9 @@ async def calls(url: str, key: str, tag: str, stream: bool) -> int:
 
 
 @pytest.mark.parametrize("provider", ["spaced", "omitted"], indirect=True)
-async def test_a_rented_budget_holds_on_streams_whatever_the_usage_looks_like(provider):
+async def test_a_rented_budget_holds_on_streams_whatever_the_usage_looks_like(provider, monkeypatch):
     rented_url, log, style = provider
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", "stream-usage-secret-0123456789abcdef")
     async with running_gateway(policy(rented_url)) as gw:
         answered = {}
         for tag, stream in (("plain", False), ("streamed", True)):
@@ -110,4 +114,12 @@ async def test_a_rented_budget_holds_on_streams_whatever_the_usage_looks_like(pr
             assert requests == n and prompt > 0 and completion > 0 and cost >= BUDGET
             assert estimated == (n if style == "omitted" else 0)
         assert await gw.metric("llm_gateway_rented_cost_total") >= 2 * BUDGET
+        # the own-or-rent report says how many rented calls were charged an estimate
+        viewer = {"authorization": f"Bearer {mint_token(Admin(), 600, role='viewer')}"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.get(f"{gw.url}/admin/report", params={"window": 3600}, headers=viewer)
+        assert r.status_code == 200, r.text
+        rented = r.json()["models"]["m"]["rented"]
+        assert rented["requests"] == sum(answered.values())
+        assert rented["estimated_requests"] == (sum(answered.values()) if style == "omitted" else 0)
         assert await gw.metric("llm_gateway_completion_tokens_total", backend="rented:standin") > 0

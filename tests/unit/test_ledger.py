@@ -73,9 +73,9 @@ def test_put_back_is_bounded():
     assert not sums.put_back(Batch({}, {(0, "m", "b"): [(i, i + 0.5) for i in range(11)]}), 10)  # intervals count
 
 
-def row(bucket, served, requests=0, prompt=0, completion=0, cost=0.0, busy=0.0, held=0.0, key="k"):
+def row(bucket, served, requests=0, prompt=0, completion=0, cost=0.0, busy=0.0, held=0.0, key="k", estimated=0):
     return (Row(bucket, "m", "gpu" if served != "rented" else "rented:p", "" if not served else key, served),
-            [requests, prompt, completion, 0.0, cost, busy, held])
+            [requests, prompt, completion, 0.0, cost, busy, held, estimated])
 
 
 MODEL = ModelCosts("m", [BackendCost("gpu", 3.6, 8)], Prices(1.0, 2.0, "p"))
@@ -254,3 +254,16 @@ def test_steady_overflow_dearer_than_owning_more_reads_own():
     assert m["own_all_cost"] == pytest.approx(3.96)
     assert m["recommendation"]["verdict"] == "own"
     assert "paid 4.8" in m["recommendation"]["reason"] and "about 3.96" in m["recommendation"]["reason"]
+
+
+def test_the_report_says_how_many_rented_calls_were_charged_an_estimate_in_json_and_text():
+    from gateway.report_cli import render
+
+    rows = [row(0, "owned", requests=10, prompt=1000, completion=1000), row(0, "", busy=30.0, held=30.0),
+            row(0, "rented", requests=7, prompt=700, completion=70, cost=0.84, estimated=3),
+            row(60, "rented", requests=2, prompt=200, completion=20, cost=0.24, estimated=1, key="other")]
+    report = build_report(rows, [MODEL], 0, 120, 60)
+    rented = report["models"]["m"]["rented"]
+    assert rented["requests"] == 9 and rented["estimated_requests"] == 4
+    assert "  rented: 9 requests, 4 of them charged the gateway's estimate (the provider sent no usage)" in \
+        render(report).splitlines()

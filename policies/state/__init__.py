@@ -1,0 +1,48 @@
+"""Everything a store kind implies, opened in one place: the store, the rate limiter, the backends' caps, the
+budgets, the cost ledger, the shared variant weights and the admission queues' factory.
+
+Each kind is one module (policies/state/embedded.py: SQLite and this process's memory; policies/state/redis.py:
+one Redis for every gateway replica) with an `open_state(policy, variants, background) -> State`; `KINDS` names
+the module of each `store.kind`, so a new kind is one module and one line here. Nothing else asks which store
+it was given.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policies.admission import QueueFactory
+from policies.budget import Budgets
+from policies.config import Policy
+from policies.ledger.sums import Ledger
+from policies.ratelimit.base import Limiter
+from policies.store import Store
+from policies.variants import Variants
+
+if TYPE_CHECKING:
+    from policies.fleet_caps import FleetSlots
+    from policies.variant_share import SharedVariants
+
+KINDS = {"sqlite": "policies.state.embedded", "redis": "policies.state.redis"}
+
+Background = Callable[[Awaitable[object]], None]
+
+
+@dataclass(frozen=True, eq=False)
+class State:
+    store: Store
+    limiter: Limiter
+    budgets: Budgets
+    ledger: Ledger
+    queues: QueueFactory  # makes each model's admission queue
+    fleet: FleetSlots | None = None  # caps counted across every gateway replica; None: in this process
+    shared_variants: SharedVariants | None = None  # variant weights and verdicts other replicas adopt
+
+
+def open_state(policy: Policy, variants: Variants, background: Background) -> State:
+    """The state of `policy.store.kind`; its store connects lazily (State.store.ping() says if it answers)."""
+    module = importlib.import_module(KINDS[policy.store.kind])
+    return module.open_state(policy, variants, background)

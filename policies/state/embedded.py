@@ -1,0 +1,19 @@
+"""One gateway process: keys, usage and the cost ledger in one SQLite file (WAL); rate limits, caps and budgets
+counted in this process's memory; variant weights are this process's own."""
+
+from __future__ import annotations
+
+from policies.admission import ModelQueue
+from policies.budget import MemoryBudgets
+from policies.config import Policy
+from policies.ledger.sqlite import SQLiteLedger
+from policies.ratelimit.memory import MemoryLimiter
+from policies.state import Background, State
+from policies.store.sqlite import SQLiteStore
+from policies.variants import Variants
+
+
+def open_state(policy: Policy, variants: Variants, background: Background) -> State:
+    store = SQLiteStore(policy.store.path)
+    ledger = SQLiteLedger(store.path)
+    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue)
