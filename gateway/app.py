@@ -116,7 +116,7 @@ class Gateway:
         self.discovery = Discovery(self.replicas, on_refused=lambda address: self._egress_refused(address, 0, ""))
         self.live_metrics.watching(self.discovery)
         # the replicas each model needs (GET /scaling, llm_gateway_replicas_needed), over every gateway replica
-        self.scaling = ScalingSignal(self.metrics.registry, self.store if store.kind == "redis" else None)
+        self.scaling = ScalingSignal(self.metrics.registry, state.shared_store)
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable

@@ -40,6 +40,7 @@ class State:
     queues: QueueFactory  # makes each model's admission queue
     fleet: FleetSlots | None = None  # caps counted across every gateway replica; None: in this process
     shared_variants: SharedVariants | None = None  # variant weights and verdicts other replicas adopt
+    shared_store: Store | None = None  # the store every gateway replica shares (None: this process alone)
 
 
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:

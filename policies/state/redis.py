@@ -27,4 +27,4 @@ def open_state(policy: Policy, variants: Variants, background: Background) -> St
     fleet = FleetSlots(store, policy.caps)
     queues = partial(FleetModelQueue, fleet=fleet, on_store_failure=policy.rate_limits.on_store_failure.concurrency)
     return State(store, RedisLimiter(store), RedisBudgets(store), RedisLedger(store, policy.ledger.bucket_seconds),
-                 queues, fleet, SharedVariants(store, variants, background))
+                 queues, fleet, SharedVariants(store, variants, background), shared_store=store)
