@@ -1,0 +1,115 @@
+"""The finished-call record and its observers (the design's fifth shape).
+
+Once a call is over (answered, refused, failed, or its client gone) the proxy builds one frozen `Finished`
+record, its tokens and cost counted once, and hands it to `Observers.finished`. Metrics, the access log, the
+usage and cost ledgers, tracing, shadow comparison and the variants' signals each subscribe: the policy
+snapshot lists them (policies/snapshot.py), so a new report is a module with an `observe(record)` and one
+line there, not an edit of the proxy.
+
+An observer runs on the request path after the reply is settled, so it must be quick (sum in memory, write
+later). Its exception never reaches the client: it is logged and counted (llm_gateway_observer_errors), and
+the other observers still run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from backends.replicas import Replica
+
+if TYPE_CHECKING:
+    from policies.pipeline import Call
+
+log = logging.getLogger("gateway.observers")
+
+OWNED, RENTED = "owned", "rented"
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request_id: str
+    endpoint: str  # the route's name (gateway/endpoints/)
+    model: str  # the public model name; "" when the call ended before it named one it may use
+    group: str  # the replica set it was admitted to: the model, or `model#variant`
+    variant: str | None  # the model's variant that served it, when the model has variants
+    key_id: str | None  # the caller's key id, once authenticated (never the key)
+    replica: Replica | None  # the owned replica or rented target it was last sent to; None: never sent
+    served_by: str | None  # "owned" or "rented" for an answer below 400, else None
+    status: int
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    estimated: bool  # a rented answer without usage: its tokens are the gateway's estimate
+    cost: float  # the rented tokens at the provider's price (0 on an owned replica)
+    elapsed: float  # seconds from arrival to the end
+    overhead: float  # seconds the gateway itself spent on it
+    queue_wait: float  # seconds it waited for a slot on an owned backend
+    sent_at: float  # perf_counter() when it was last sent upstream; 0: never sent
+    ended_at: float  # perf_counter() when it ended
+    call: Call | None  # the exchange itself (body, answer, trace), for the observers that read it
+
+    @property
+    def rented(self) -> str | None:
+        """The provider's name when a rented API served (or failed) it."""
+        return self.replica.rented if self.replica is not None else None
+
+
+def record_of(call: Call, cost: Callable[[str, int, int], float]) -> Finished:
+    """The record of a finished `call`; `cost(provider, prompt, completion)` prices rented tokens."""
+    now = time.perf_counter()
+    usage = call.usage if isinstance(call.usage, dict) else {}
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    replica = call.replica
+    rented = replica.rented if replica is not None else None
+    served_by = None
+    if replica is not None and call.status < 400:
+        served_by = RENTED if rented else OWNED
+    return Finished(
+        request_id=call.request_id, endpoint=call.endpoint, model=call.model, group=call.group or call.model,
+        variant=call.variant, key_id=call.key.id if call.key is not None else None, replica=replica,
+        served_by=served_by, status=call.status, stream=call.stream, prompt_tokens=prompt,
+        completion_tokens=completion, estimated=usage.get("estimated") is True,
+        cost=cost(rented, prompt, completion) if rented else 0.0, elapsed=now - call.arrived,
+        overhead=call.overhead, queue_wait=call.queue_wait, sent_at=call.sent_at, ended_at=now, call=call,
+    )
+
+
+def answered(request_id: str, endpoint: str, status: int, arrived: float) -> Finished:
+    """The record of a call the gateway answered itself (the model list): no model, no backend."""
+    now = time.perf_counter()
+    return Finished(request_id, endpoint, "", "", None, None, None, None, status, False, 0, 0, False, 0.0,
+                    now - arrived, 0.0, 0.0, 0.0, now, None)
+
+
+class Observer(Protocol):
+    name: str
+
+    def observe(self, record: Finished) -> None:
+        """Take note of one finished call; quick, and never raising on purpose."""
+
+
+class Observers:
+    """The observers of one snapshot, called in order for every finished call."""
+
+    def __init__(self, observers: Sequence[Observer], on_error: Callable[[str], None] = lambda name: None) -> None:
+        self.observers = tuple(observers)
+        self.on_error = on_error
+
+    def finished(self, record: Finished) -> None:
+        for observer in self.observers:
+            try:
+                observer.observe(record)
+            except Exception:  # one observer's bug must neither fail the response nor starve the others
+                log.exception("observer %s failed on request %s", observer.name, record.request_id)
+                self.on_error(observer.name)
+
+    def __iter__(self):
+        return iter(self.observers)
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
