@@ -56,3 +56,9 @@ def test_the_default_run_prints_targets_soak_profile_and_ceilings(tmp_path, caps
     assert {t["target"] for t in results["targets"]} >= {"requests/s >= 20x LiteLLM", "added p50 at c=1 <= 0.5 ms"}
     assert "gateway soak" in printed and "gateway profile under c=64" in printed and "ceilings:" in printed
     assert "where the gateway's" in printed  # the CPU breakdown by the ceilings
+
+
+def test_a_baseline_tree_is_a_column_held_to_three_percent(tmp_path, capsys):
+    printed, results = dry_run(tmp_path, capsys, "--baseline-tree", str(tmp_path))
+    assert len(results["samples"][run.BASELINE]["rps"]) == 2
+    assert "this tree within 3% of the baseline tree" in printed

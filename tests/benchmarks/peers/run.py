@@ -90,6 +90,7 @@ LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the co
     ("gateway no ledger", {"ledger": {"enabled": False}}),
 ]
 VARIANTS = "gateway variants 80:20"  # --variants-compare: each model split over two variants
+BASELINE = "gateway baseline tree"  # --baseline-tree: the same gateway from another source tree (a commit before)
 TRACED = "gateway tracing 1.0"
 PLAIN_EDGE = "gateway unbounded edge"  # --edge-compare: uvicorn's own httptools protocol, none of gateway/edge.py  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
@@ -568,6 +569,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-compare", action="store_true",
                    help="also measure the gateway without its bounded edge (uvicorn's own httptools protocol): what"
                         " the client-side bounds cost per request, held to 5%%")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="also measure the gateway as the source tree DIR has it (e.g. `git archive` of the commit"
+                        " before a change, unpacked), a column held to 3%% against this tree's")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
@@ -783,6 +787,11 @@ def main(argv=None) -> int:
                                          env_extra={**env, "PYTHONPATH": str(REPO)}, args=args.gateway_arg,
                                          launcher=[sys.executable, "-m", "tests.benchmarks.peers.plain_edge"]))
             systems[-1].name = PLAIN_EDGE
+        if args.baseline_tree and "gateway" in wanted:
+            log(f"starting {BASELINE} ({args.baseline_tree}) on core {SUT_CORE}")
+            systems.append(lab.start_gateway(procs, work, standin, name="gateway-baseline", args=args.gateway_arg,
+                                             env_extra={**env, "PYTHONPATH": str(Path(args.baseline_tree).resolve())}))
+            systems[-1].name = BASELINE
         if args.store_compare and "gateway" in wanted:
             systems += lab.start_store_variants(procs, work, standin, env, args)
         sink_url = None
@@ -854,6 +863,7 @@ def main(argv=None) -> int:
     (dflt, _), (lif, _) = ROUTING_COMPARE
     within_10_percent(samples, dflt, lif, "default routing profile within 10% of least-in-flight")
     within_10_percent(samples, VARIANTS, "gateway", "variants within 10% of a single variant")
+    within_10_percent(samples, "gateway", BASELINE, "this tree within 3% of the baseline tree", 0.97)
     within_10_percent(samples, "gateway", PLAIN_EDGE, "the bounded edge within 5% of an unbounded one", 0.95)
     (standalone, _), *others = STORE_COMPARE
     for label, _ in others:
