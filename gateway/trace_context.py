@@ -5,14 +5,16 @@ unchanged when tracing is off, and the trace id the access log prints. What gate
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
+
+from policies.pipeline import Call
 
 # W3C Trace Context, version 00: a trace id and a parent id not all zeros, flags; later versions may append
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 TRACESTATE_MAX = 512  # W3C: a propagator may drop a longer one
 
 
-def client_context(headers: Any) -> tuple[str, int, int, bool, str] | None:
+def client_context(headers: Mapping[str, str]) -> tuple[str, int, int, bool, str] | None:
     """The client's valid traceparent as (header, trace id, parent span id, sampled, tracestate), else None."""
     header = headers.get("traceparent")
     if not header:
@@ -29,7 +31,7 @@ def client_context(headers: Any) -> tuple[str, int, int, bool, str] | None:
     return header, trace_id, parent, bool(int(match[4], 16) & 1), state
 
 
-def passthrough(headers: Any) -> bytes:
+def passthrough(headers: Mapping[str, str]) -> bytes:
     """With tracing off: the client's trace context headers, unchanged, for the upstream request."""
     found = client_context(headers)
     if found is None:
@@ -39,7 +41,7 @@ def passthrough(headers: Any) -> bytes:
     return out + b"tracestate: %s\r\n" % state.encode("latin-1") if state else out
 
 
-def trace_id_of(call: Any) -> str:
+def trace_id_of(call: Call) -> str:
     """The call's trace id as 32 hex digits (for the access log), or "" when it has none."""
     if call.trace is not None:
         return f"{call.trace.trace_id:032x}"

@@ -26,12 +26,14 @@ only when tracing is on.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from backends.replicas import Replica
 from gateway.trace_context import passthrough
 from policies.config import Tracing as TracingConfig
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics
+from policies.pipeline import Call
 
 
 class Tracing(Protocol):
@@ -40,7 +42,7 @@ class Tracing(Protocol):
     name: str
     enabled: bool
 
-    def sending(self, call: Any, replica: Any) -> bytes:
+    def sending(self, call: Call, replica: Replica) -> bytes:
         """The header lines that carry the trace to `replica`."""
 
     def observe(self, record: Finished) -> None:
@@ -56,7 +58,7 @@ class Off:
     name = "tracing"
     enabled = False
 
-    def sending(self, call: Any, replica: Any) -> bytes:
+    def sending(self, call: Call, replica: Replica) -> bytes:
         return passthrough(call.headers)
 
     def observe(self, record: Finished) -> None:
