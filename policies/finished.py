@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from backends.replicas import Replica
 
@@ -29,8 +28,10 @@ log = logging.getLogger("gateway.observers")
 OWNED, RENTED = "owned", "rented"
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(NamedTuple):
+    """Immutable, and a tuple because one is built per request: a frozen dataclass's __init__ (an
+    object.__setattr__ per field) cost several times as much on the request path."""
+
     request_id: str
     endpoint: str  # the route's name (gateway/endpoints/)
     model: str  # the public model name; "" when the call ended before it named one it may use
@@ -63,19 +64,13 @@ def record_of(call: Call, cost: Callable[[str, int, int], float]) -> Finished:
     now = time.perf_counter()
     usage = call.usage if isinstance(call.usage, dict) else {}
     prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-    replica = call.replica
+    replica, status, key = call.replica, call.status, call.key
     rented = replica.rented if replica is not None else None
-    served_by = None
-    if replica is not None and call.status < 400:
-        served_by = RENTED if rented else OWNED
-    return Finished(
-        request_id=call.request_id, endpoint=call.endpoint, model=call.model, group=call.group or call.model,
-        variant=call.variant, key_id=call.key.id if call.key is not None else None, replica=replica,
-        served_by=served_by, status=call.status, stream=call.stream, prompt_tokens=prompt,
-        completion_tokens=completion, estimated=usage.get("estimated") is True,
-        cost=cost(rented, prompt, completion) if rented else 0.0, elapsed=now - call.arrived,
-        overhead=call.overhead, queue_wait=call.queue_wait, sent_at=call.sent_at, ended_at=now, call=call,
-    )
+    served_by = (RENTED if rented else OWNED) if replica is not None and status < 400 else None
+    return Finished(call.request_id, call.endpoint, call.model, call.group or call.model, call.variant,
+                    key.id if key is not None else None, replica, served_by, status, call.stream, prompt, completion,
+                    usage.get("estimated") is True, cost(rented, prompt, completion) if rented else 0.0,
+                    now - call.arrived, call.overhead, call.queue_wait, call.sent_at, now, call)
 
 
 def answered(request_id: str, endpoint: str, status: int, arrived: float) -> Finished:
