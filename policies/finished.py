@@ -1,6 +1,6 @@
 """The finished-call record and its observers (the design's fifth shape).
 
-Once a call is over (answered, refused, failed, or its client gone) the proxy builds one frozen `Finished`
+Once a call is over (answered, refused, failed, or its client gone) the proxy builds one immutable `Finished`
 record, its tokens and cost counted once, and hands it to `Observers.finished`. Metrics, the access log, the
 usage and cost ledgers, tracing, shadow comparison and the variants' signals each subscribe: the policy
 snapshot lists them (policies/snapshot.py), so a new report is a module with an `observe(record)` and one
