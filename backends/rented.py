@@ -60,12 +60,12 @@ class RentedProviders:
                     served_name=provider.models[model], rented=provider.name, state=UP,
                 )
 
-    def upstreams(self, client: Client) -> dict[Replica, Upstream]:
-        return {
-            target: Upstream(client, target.url, headers={"authorization": f"Bearer {self.keys[target.rented]}"},
-                             timeout=self.timeouts[target.rented])
-            for target in self.targets.values()
-        }
+    def connect(self, client: Client) -> None:
+        """Each target's upstream through `client`, carrying its provider's key (made once per client)."""
+        for target in self.targets.values():
+            if target.upstream is None or target.upstream.client is not client:
+                target.upstream = Upstream(client, target.url, timeout=self.timeouts[target.rented],
+                                           headers={"authorization": f"Bearer {self.keys[target.rented]}"})
 
     def cost(self, provider: str, prompt_tokens: int, completion_tokens: int) -> float:
         price = self.prices[provider]

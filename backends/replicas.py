@@ -17,14 +17,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from backends.http1 import Client, UpstreamError
+from backends.upstream import Upstream
 
 log = logging.getLogger("gateway.health")
 
 UNKNOWN, UP, DOWN, PENDING = "unknown", "up", "down", "pending"
+VARIANT_MARK = "#"  # never in a model's or a variant's name
+
+
+def group_name(model: str, variant: str | None) -> str:
+    """The name of a variant's own replica set (and admission queue, usage row): `model#variant`; a model
+    without variants is its own set."""
+    return f"{model}{VARIANT_MARK}{variant}" if variant else model
+
+
+def model_of_group(group: str) -> str:
+    """The public model of a replica set's name."""
+    return group.partition(VARIANT_MARK)[0]
+
+
+def split_group(group: str) -> tuple[str, str | None]:
+    """(model, variant or None) of a replica set's name."""
+    model, _, variant = group.partition(VARIANT_MARK)
+    return model, variant or None
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveLimit:
+    """A limit that follows the observed time to first token, between `floor` and the replica's cap."""
+
+    floor: int
+    target_ttft: float  # seconds; slower first tokens shrink the limit
 
 
 @dataclass(eq=False)
@@ -37,7 +63,7 @@ class Replica:
     health_path: str = "/health"  # what the health check GETs (200 = healthy)
     rented: str | None = None  # the provider's name when this is a rented API, not an owned replica
     priority_scheduling: bool = False  # vLLM runs --scheduling-policy priority: requests may carry `priority`
-    adaptive: Any = None  # an Adaptive setting (floor, target_ttft) when the limit follows the observed TTFT
+    adaptive: AdaptiveLimit | None = None  # when the limit follows the observed TTFT
     limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
     in_flight: int = 0
     state: str = UNKNOWN
@@ -47,6 +73,8 @@ class Replica:
     draining: bool = False  # removed from the set: no new requests, those in flight finish
     variant: str | None = None  # the model's variant it serves, when the model has variants
     group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
+    # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
+    upstream: Upstream | None = field(default=None, init=False, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -54,9 +82,15 @@ class Replica:
 
     def __post_init__(self) -> None:
         if not self.group:
-            self.group = f"{self.model}#{self.variant}" if self.variant else self.model
+            self.group = group_name(self.model, self.variant)
         if self.limit is None:
             self.limit = self.cap
+
+    def connect(self, client: Client) -> Upstream:
+        """Its upstream through `client` (made once per client)."""
+        if self.upstream is None or self.upstream.client is not client:
+            self.upstream = Upstream(client, f"{self.url}/v1")
+        return self.upstream
 
     @property
     def has_room(self) -> bool:
@@ -93,6 +127,13 @@ class ReplicaSet:
         self.draining: list[Replica] = []  # removed replicas whose requests in flight have not all finished
         self.on_drained = lambda replica: None  # called once a drained replica's connections are closed
         self.probed_once = False  # the first full round of health checks since start has ended (see /ready)
+        self.client: Client | None = None  # the shared upstream client, once serving (`connect`)
+
+    def connect(self, client: Client) -> None:
+        """Serve through `client`: every replica, and each one that joins later, gets its upstream on it."""
+        self.client = client
+        for replica in self:
+            replica.connect(client)
 
     def apply(self, model: str, desired: list[Replica]) -> None:
         """Make `model`'s replicas the `desired` ones, by name: new ones wait for a health probe before they get
@@ -118,6 +159,8 @@ class ReplicaSet:
                 self._on_change(back)
                 continue
             new.state = PENDING
+            if self.client is not None:
+                new.connect(self.client)
             keep.append(new)
             log.info("backend %s (%s) of model %s added from %s: probing before it gets traffic",
                      new.name, new.url, model, new.source)
@@ -191,7 +234,7 @@ class ReplicaSet:
         """Per model: has at least one replica (of any of its variants) answered its health check."""
         out: dict[str, bool] = {}
         for group, replicas in self.by_model.items():
-            model = group.partition("#")[0]
+            model = model_of_group(group)
             out[model] = out.get(model, False) or any(r.state == UP for r in replicas)
         return out
 

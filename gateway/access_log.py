@@ -18,11 +18,13 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
 import orjson
 
-from gateway.tracing import trace_id_of
+from gateway.trace_context import trace_id_of
+from policies.finished import Finished
+from policies.pipeline import Call
 
 log = logging.getLogger("gateway.access")
 
@@ -31,6 +33,9 @@ MAX_PENDING = 512  # lines buffered before a write is forced
 
 
 class AccessLog:
+    """An observer of finished calls (policies/finished.py): one line each."""
+
+    name = "access-log"
     stream: TextIO | None = None  # set by the CLI (gateway/cli.py): write there, batched
 
     def __init__(self, json: bool = False) -> None:
@@ -40,8 +45,13 @@ class AccessLog:
         self._second = -1
         self._stamp = ""
 
+    def observe(self, record: Finished) -> None:
+        backend = record.replica.name if record.replica is not None else "none"
+        self.write(record.request_id, record.endpoint, record.model or "unknown", backend, record.status,
+                   record.stream, record.elapsed, record.call)
+
     def write(self, request_id: str, endpoint: str, model: str, backend: str, status: int, stream: bool,
-              elapsed: float, call: Any = None) -> None:
+              elapsed: float, call: Call | None = None) -> None:
         if not log.isEnabledFor(logging.INFO):
             return
         if self.json:
@@ -61,7 +71,7 @@ class AccessLog:
             self.flush_handle = asyncio.get_running_loop().call_later(FLUSH_EVERY, self.flush)
 
     def write_json(self, request_id: str, endpoint: str, model: str, backend: str, status: int, stream: bool,
-                   elapsed: float, call: Any) -> None:
+                   elapsed: float, call: Call | None) -> None:
         record = {"time": time.time(), "level": "INFO", "logger": "gateway.access", "request_id": request_id,
                   "trace_id": trace_id_of(call) if call is not None else "", "endpoint": endpoint, "model": model,
                   "backend": backend, "status": status, "stream": stream, "duration_ms": round(elapsed * 1000, 1)}

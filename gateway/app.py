@@ -33,6 +33,7 @@ from backends.http1 import Client
 from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
+from gateway.access_log import AccessLog
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
@@ -101,13 +102,13 @@ class Gateway:
         )
         self.owners = Owners(self.store)  # who made each stored response (policies/ownership.py)
         self.record_usage = RecordUsage(self.store, self.background.run)
-        # priced with the rented providers of whichever snapshot serves (a reload may change them)
-        self.record_ledger = RecordLedger(self.ledger, policy.ledger, lambda *a: self.rented.cost(*a),
-                                          self.background.run,
+        self.record_ledger = RecordLedger(self.ledger, policy.ledger, self.background.run,
                                           lambda why: self.metrics.background_errors.labels(why).inc())
+        self.access_log = AccessLog()  # one batched log for the process
+        self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.owners, self.record_usage, self.background.run,
-                             state.queues, self.budgets, self.record_ledger, variants)
+                             state.queues, self.budgets, self.record_ledger, variants, self._observers)
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -119,7 +120,6 @@ class Gateway:
         self.scaling = ScalingSignal(self.metrics.registry, state.shared_store)
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
-        self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
         self._created = int(time.time())
 
@@ -131,9 +131,16 @@ class Gateway:
     client_network = property(lambda self: self.snapshot.client_network)
     pipeline = property(lambda self: self.snapshot.pipeline)
 
+    def _observers(self, policy: Policy, admission) -> list:
+        """The observers of finished calls that live in the HTTP shell, for a snapshot of `policy`."""
+        observers: list = [self.tracing] if self.tracing.enabled else []
+        if any(v.shadow for m in policy.models for v in m.variants):
+            observers.append(Shadow(admission, self.metrics, self.shared.variants))
+        self.access_log.json = policy.access_log.format == "json"
+        return [*observers, self.access_log]
+
     def install(self, snapshot: Snapshot) -> None:
         """Serve new requests under `snapshot` (one reference swap; those in flight keep the proxy they have)."""
-        old = self.proxy
         self.snapshot = snapshot
         if self.client is None:
             return  # not serving yet: the lifespan builds the proxy
@@ -142,13 +149,9 @@ class Gateway:
             self.client.dialer.set_rules(policy.network.private_cidrs, exempt_origins(policy))
         overflow = {m.name: m.overflow for m in policy.models if m.overflow}
         proxy = Proxy(self.replicas, snapshot.admission, snapshot.pipeline, self.metrics, self.client,
-                      snapshot.rented, overflow)
-        if old is not None:
-            proxy.access_log = old.access_log  # one batched log for the process
-        proxy.access_log.json = policy.access_log.format == "json"
+                      snapshot.rented, overflow, snapshot.observers)
         proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
-        if any(v.shadow for m in policy.models for v in m.variants):
-            proxy.shadow = Shadow(proxy, self.shared.variants)
+        proxy.shadow = next((o for o in snapshot.observers if isinstance(o, Shadow)), None)
         self.proxy = proxy
 
     def models_listing(self, key: KeyRecord) -> bytes:
@@ -218,8 +221,6 @@ class Gateway:
         for gauge in (self.metrics.backend_up, self.metrics.backend_limit):  # in_flight's children are memoized
             with contextlib.suppress(KeyError):
                 gauge.remove(replica.model, replica.name)
-        if self.proxy is not None:
-            self.proxy.forget(replica)
 
     def _scraped(self, replica: Replica, stats, error: str | None) -> None:
         self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
@@ -238,6 +239,7 @@ class Gateway:
             limits=Limits(bounds.max_header_bytes, bounds.header_seconds, bounds.max_body_bytes, bounds.max_event_bytes),
         )
         self.client = client
+        self.replicas.connect(client)  # each replica owns its upstream on the shared client
         self.install(self.snapshot)
         self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
         self.background.run(self.owners.warm())  # read now, so an outage later does not find it missing
@@ -265,7 +267,7 @@ class Gateway:
             for loop in loops:
                 with contextlib.suppress(asyncio.CancelledError):
                     await loop
-            self.proxy.access_log.flush()
+            self.access_log.flush()
             self.background.run(self.record_usage.flush())
             await self.admission.close()
             self.background.run(self.record_ledger.flush())

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
 import sys
 
-from gateway.access_log import write_to_stderr
+from gateway.logs import configure_logging
 from policies.config import PolicyError, load_policy
 from policies.egress import check_backends
 
@@ -72,11 +71,6 @@ def run_check(path: str, resolve: bool = True) -> int:
     if skipped:
         print(f"not resolved (--no-resolve), so not checked against the egress rules: {', '.join(skipped)}")
     return 0
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    write_to_stderr()  # the access log batches its lines to stderr (gateway/access_log.py)
 
 
 def tune_gc() -> None:

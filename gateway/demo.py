@@ -123,7 +123,7 @@ def run_demo(host: str, port: int, log_level: str) -> int:
 
     from gateway.admin_auth import mint_token
     from gateway.app import create_app
-    from gateway.cli import configure_logging
+    from gateway.logs import configure_logging
     from gateway.edge import uvicorn_options
 
     configure_logging(log_level)

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         write_json,
         write_png,
     )
-    from backends.knee.sweep import Progress, SweepError, SweepSpec, run_sweep
+    from backends.knee.run import run_sweep
+    from backends.knee.sweep import Progress, SweepError, SweepSpec
     from policies.capfile import CapFileError, locate, write_cap
 
     if args.compare:

@@ -24,6 +24,7 @@ from policies.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from policies.finished import answered
 from policies.pipeline import Call
 
 log = logging.getLogger("gateway.http")
@@ -190,9 +191,7 @@ class OpenAIRoutes:
             await send_error(send, exc, request_id, render=route.errors)
         else:
             await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, body)
-        self.gateway.metrics.call_refused("unknown", "none", status, route.name)
-        self.gateway.proxy.access_log.write(request_id, route.name, "unknown", "none", status, False,
-                                            time.perf_counter() - arrived)
+        self.gateway.proxy.observers.finished(answered(request_id, route.name, status, arrived))
 
     async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
                     send) -> None:

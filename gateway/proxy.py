@@ -24,12 +24,12 @@ import orjson
 from backends.http1 import Client, Response
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
-from backends.upstream import BROKEN, CONNECT, TIMEOUT, TOO_LARGE, Upstream, UpstreamError
-from gateway.access_log import AccessLog
+from backends.upstream import BROKEN, CONNECT, TIMEOUT, TOO_LARGE, UpstreamError
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
 from gateway.form_upload import FormUpload
 from gateway.relay import model_rename
-from gateway.tracing import Off
+from gateway.shadow import Shadow
+from gateway.tracing import Off, Tracing
 from policies.admission import Admission, WouldWait
 from policies.config import Overflow
 from policies.errors import (
@@ -42,6 +42,7 @@ from policies.errors import (
     upstream_text,
     UpstreamTimeout,
 )
+from policies.finished import Observers, record_of
 from policies.ids import unique_id
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
@@ -79,6 +80,7 @@ class Proxy:
         client: Client,
         rented: RentedProviders,
         overflow: dict[str, Overflow],
+        observers: Observers | None = None,
     ) -> None:
         self.replicas = replicas
         self.admission = admission
@@ -87,11 +89,11 @@ class Proxy:
         self.rented = rented
         self.overflow = {model: rule for model, rule in overflow.items() if model in rented.targets}
         self.client = client
-        self.upstreams = {r: Upstream(client, f"{r.url}/v1") for r in replicas} | rented.upstreams(client)
-        self.renames = {r: model_rename(r.served_name, r.model) for r in self.upstreams}
-        self.access_log = AccessLog()
-        self.tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
-        self.shadow: Any = None  # gateway/shadow.py: set by the app when some model has a shadow variant
+        rented.connect(client)
+        self.renames: dict[tuple[str, str], tuple[bytes, bytes] | None] = {}  # (served, public) -> model_rename
+        self.observers = observers or Observers(())  # the snapshot's observers of finished calls
+        self.tracing: Tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
+        self.shadow: Shadow | None = None  # gateway/shadow.py: set by the app when a model has a shadow variant
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -224,7 +226,7 @@ class Proxy:
         if target.rented and target.rented not in self.rented.trace_context:
             trace_headers = b""  # a rented provider hears of the trace only where the policy says so
         call.sent_at = time.perf_counter()
-        upstream = self.upstreams.get(target) or self.add_upstream(target)
+        upstream = target.upstream or target.connect(self.client)
         if route.body == MULTIPART:
             served = target.served_name if "model" in call.body else None
             return await upstream.open(path, b"", call.request_id, content_type=call.headers[
@@ -233,16 +235,13 @@ class Proxy:
         method = "POST" if route.body != NONE else route.methods[0]
         return await upstream.open(path, body, call.request_id, method, extra=trace_headers)
 
-    def add_upstream(self, replica: Replica) -> Upstream:
-        """A replica that joined the live set after this proxy was built (backends/replicas.py)."""
-        self.renames[replica] = model_rename(replica.served_name, replica.model)
-        upstream = self.upstreams[replica] = Upstream(self.client, f"{replica.url}/v1")
-        return upstream
-
-    def forget(self, replica: Replica) -> None:
-        """A drained replica is gone for good."""
-        self.upstreams.pop(replica, None)
-        self.renames.pop(replica, None)
+    def rename(self, replica: Replica) -> tuple[bytes, bytes] | None:
+        """How the replica's served model name is told back as the public one in its answers (None: the same)."""
+        names = (replica.served_name, replica.model)
+        found = self.renames.get(names, False)
+        if found is False:
+            found = self.renames[names] = model_rename(*names)
+        return found
 
     def upstream_body(self, call: Call, target: Replica) -> bytes:
         """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the
@@ -297,7 +296,7 @@ class Proxy:
             call.usage = call.route.usage(data)
             if call.usage is None and call.replica.rented:  # paid for all the same
                 call.usage = estimated_usage(call, len(raw) // CHARS_PER_TOKEN)
-            if self.renames[call.replica] is not None and data.get("model") == call.replica.served_name:
+            if self.rename(call.replica) is not None and data.get("model") == call.replica.served_name:
                 data["model"] = call.model
                 raw = orjson.dumps(data)
         call.overhead += time.perf_counter() - received
@@ -305,7 +304,7 @@ class Proxy:
 
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
-        relay = call.route.relay(call, self.renames[call.replica])
+        relay = call.route.relay(call, self.rename(call.replica))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
         first = True
@@ -367,7 +366,8 @@ class Proxy:
             self.replicas.failed(replica, reason)
 
     async def finish(self, call: Call, error: BaseException | None) -> None:
-        """Account for a call exactly once: release the replica, leave the pipeline, record metrics and log."""
+        """Account for a call exactly once: release the replica, leave the pipeline, and publish its record to
+        the observers (policies/finished.py: metrics, access log, usage, ledger, traces...)."""
         if call.finished:
             return
         call.finished = True
@@ -381,26 +381,7 @@ class Proxy:
             call.status = 200
         self.release(call)
         await self.pipeline.leave(call)
-        elapsed = time.perf_counter() - call.arrived
-        model = call.model or "unknown"
-        backend = call.replica.name if call.replica else "none"
-        if call.model:
-            usage = call.usage if isinstance(call.usage, dict) else {}
-            prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-            served_by = None
-            if call.replica is not None and call.status < 400:
-                served_by = "rented" if call.replica.rented else "owned"
-                if call.replica.rented:
-                    self.metrics.rented_cost.labels(model, call.replica.rented).inc(
-                        self.rented.cost(call.replica.rented, prompt, completion))
-            self.metrics.call_finished(model, backend, call.status, elapsed, call.overhead, prompt, completion,
-                                       served_by, call.endpoint)
-        else:
-            self.metrics.call_refused(model, backend, call.status, call.endpoint)
-        self.tracing.finished(call)
-        if call.shadow is not None and self.shadow is not None:
-            self.shadow.finished(call)
-        self.access_log.write(call.request_id, call.endpoint, model, backend, call.status, call.stream, elapsed, call)
+        self.observers.finished(record_of(call, self.rented.cost))
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         headers = {"x-request-id": call.request_id, **call.response_headers,
@@ -435,7 +416,3 @@ def estimated_usage(call: Call, completion: int) -> dict[str, Any]:
 
 def _side(call: Call) -> str:
     return "rented provider" if call.replica is not None and call.replica.rented else "backend"
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and value > 0 else 0

@@ -29,8 +29,12 @@ import orjson
 
 from backends.upstream import UpstreamError
 from gateway.relay import SSERelay
+from policies.admission import Admission
+from policies.finished import Finished
+from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.variant_signals import StreamAnswer, agreement, answer_of, compared, sample_of
+from policies.variants import Variants
 
 log = logging.getLogger("gateway.variants")
 
@@ -40,9 +44,15 @@ COMPARED = ("chat/completions", "completions")  # the routes whose answers a sha
 
 
 class Shadow:
-    def __init__(self, proxy, variants) -> None:
-        self.proxy = proxy
-        self.variants = variants  # policies.variants.Variants: where the copy's signals go
+    """An observer of finished calls (policies/finished.py) that the proxy also tells when a live answer is under
+    way (`start`)."""
+
+    name = "shadow"
+
+    def __init__(self, admission: Admission, metrics: GatewayMetrics, variants: Variants) -> None:
+        self.admission = admission  # the snapshot's: its queues hold the shadow variants' slots
+        self.metrics = metrics
+        self.variants = variants  # where the copy's signals go
         self.tasks: set[asyncio.Task] = set()
         self.live: dict[Call, asyncio.Future | None] = {}  # live calls under way whose copy was handled: until they end
 
@@ -61,10 +71,11 @@ class Shadow:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def finished(self, live: Call) -> None:
-        """Called once a live call copied to a shadow has ended: its copy may compare; a copy never sent (the live
-        call failed before its answer was under way) is counted as dropped."""
-        if live.endpoint not in COMPARED:
+    def observe(self, record: Finished) -> None:
+        """A live call copied to a shadow has ended: its copy may compare; a copy never sent (the live call
+        failed before its answer was under way) is counted as dropped."""
+        live = record.call
+        if live is None or live.shadow is None or live.endpoint not in COMPARED:
             return
         if live not in self.live:
             self.dropped(live.model, live.shadow[0])
@@ -74,10 +85,10 @@ class Shadow:
             done.set_result(None)
 
     def dropped(self, model: str, variant: str) -> None:
-        self.proxy.metrics.variant_shadow_dropped.labels(model, variant).inc()
+        self.metrics.variant_shadow_dropped.labels(model, variant).inc()
 
     async def send(self, live: Call, name: str, group: str, body: dict, done: asyncio.Future) -> None:
-        queue = self.proxy.admission.queues.get(group)
+        queue = self.admission.queues.get(group)
         replica = None if queue is None else await queue.take_now(None, (), 0, will_wait=False)
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
             self.dropped(live.model, name)
@@ -99,7 +110,7 @@ class Shadow:
             log.exception("shadow copy of request %s failed", live.request_id)
             copy.status = 500
         finally:
-            self.proxy.admission.release(replica)
+            self.admission.release(replica)
         sample = sample_of(copy, time.perf_counter())
         if copy.status < 400 and compared(body):
             try:
@@ -112,7 +123,9 @@ class Shadow:
         self.variants.record(live.model, name, sample, copy.status)
 
     async def exchange(self, copy: Call, replica, body: dict, params: dict) -> None:
-        upstream = self.proxy.upstreams.get(replica) or self.proxy.add_upstream(replica)
+        upstream = replica.upstream
+        if upstream is None:  # not connected yet: the app connects the live set before serving
+            raise UpstreamError(f"replica {replica.name} has no connection yet")
         copy.sent_at = time.perf_counter()
         response = await upstream.open(copy.route.upstream_path(params), orjson.dumps(body), copy.request_id)
         try:

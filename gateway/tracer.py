@@ -17,8 +17,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 from gateway import otlp_wire as wire
 from gateway.call_spans import SpanWriter
 from gateway.span_export import Encoded, SpanPipe
-from gateway.tracing import client_context, passthrough
+from gateway.trace_context import client_context, passthrough
 from policies.config import Tracing as TracingConfig
+from policies.finished import Finished
 from policies.metrics import GatewayMetrics
 from policies.variant_signals import sse_events
 
@@ -98,6 +99,12 @@ class Tracer:
             log.exception("tracing: could not start the trace of request %s", call.request_id)
             call.trace = CallTrace(1, 0, False, "")  # not sampled: nothing more is recorded for it
             return passthrough(call.headers)
+
+    name = "tracing"  # as an observer of finished calls (policies/finished.py)
+
+    def observe(self, record: Finished) -> None:
+        if record.call is not None:
+            self.finished(record.call)
 
     def finished(self, call: Any) -> None:
         try:

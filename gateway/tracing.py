@@ -19,74 +19,56 @@ One trace per request:
 Prompt and completion text (`gen_ai.input.messages`, `gen_ai.output.messages`) only for the models the
 policy names in `tracing.content_models`.
 
-This module is what every gateway loads (the trace context passed through, the trace id for the access log);
-the tracer itself, with the OpenTelemetry SDK, is gateway/tracer.py, imported only when tracing is on.
+This module is what every gateway loads (with gateway/trace_context.py: the trace context passed through, the
+trace id for the access log); the tracer itself, with the OpenTelemetry SDK, is gateway/tracer.py, imported
+only when tracing is on.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Protocol
 
+from backends.replicas import Replica
+from gateway.trace_context import passthrough
 from policies.config import Tracing as TracingConfig
+from policies.finished import Finished
 from policies.metrics import GatewayMetrics
-
-# W3C Trace Context, version 00: a trace id and a parent id not all zeros, flags; later versions may append
-TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
-TRACESTATE_MAX = 512  # W3C: a propagator may drop a longer one
+from policies.pipeline import Call
 
 
-def client_context(headers: Any) -> tuple[str, int, int, bool, str] | None:
-    """The client's valid traceparent as (header, trace id, parent span id, sampled, tracestate), else None."""
-    header = headers.get("traceparent")
-    if not header:
-        return None
-    match = TRACEPARENT.match(header)
-    if match is None or match[1] == "ff" or (match[1] == "00" and match[5]):
-        return None
-    trace_id, parent = int(match[2], 16), int(match[3], 16)
-    if not trace_id or not parent:
-        return None
-    state = headers.get("tracestate") or ""
-    if len(state) > TRACESTATE_MAX or "\r" in state or "\n" in state:
-        state = ""
-    return header, trace_id, parent, bool(int(match[4], 16) & 1), state
+class Tracing(Protocol):
+    """Off, or the tracer (gateway/tracer.py); an observer of finished calls (policies/finished.py)."""
 
+    name: str
+    enabled: bool
 
-def passthrough(headers: Any) -> bytes:
-    """With tracing off: the client's trace context headers, unchanged, for the upstream request."""
-    found = client_context(headers)
-    if found is None:
-        return b""
-    header, _, _, _, state = found
-    out = b"traceparent: %s\r\n" % header.encode("latin-1")
-    return out + b"tracestate: %s\r\n" % state.encode("latin-1") if state else out
+    def sending(self, call: Call, replica: Replica) -> bytes:
+        """The header lines that carry the trace to `replica`."""
 
+    def observe(self, record: Finished) -> None:
+        """The call is over: its spans are written."""
 
-def trace_id_of(call: Any) -> str:
-    """The call's trace id as 32 hex digits (for the access log), or "" when it has none."""
-    if call.trace is not None:
-        return f"{call.trace.trace_id:032x}"
-    found = client_context(call.headers)
-    return f"{found[1]:032x}" if found else ""
+    def close(self) -> None:
+        """Serving has stopped: export what is left."""
 
 
 class Off:
     """Tracing disabled: only the client's trace context is passed on."""
 
+    name = "tracing"
     enabled = False
 
-    def sending(self, call: Any, replica: Any) -> bytes:
+    def sending(self, call: Call, replica: Replica) -> bytes:
         return passthrough(call.headers)
 
-    def finished(self, call: Any) -> None:
+    def observe(self, record: Finished) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
-def tracing_for(config: TracingConfig, metrics: GatewayMetrics):
+def tracing_for(config: TracingConfig, metrics: GatewayMetrics) -> Tracing:
     """The policy's tracing: the SDK is loaded only when it is on."""
     if not config.enabled:
         return Off()

@@ -1,8 +1,9 @@
-"""Pipeline step: record each finished request's usage (requests and tokens by key and model) in the store.
+"""Observer of finished calls (policies/finished.py): record each request's usage (requests and tokens by key
+and model) in the store.
 
 A call served by a variant of its model (policies/variants.py) is recorded under its replica set's name,
-`model#variant` ("#" is never in a name), so the usage ledger says which variant each key's tokens went to; the
-admin view (`by_model`) sums a model's variants into the model and lists them beside it.
+`model#variant` (backends/replicas.py group_name), so the usage ledger says which variant each key's tokens
+went to; the admin view (`by_model`) sums a model's variants into the model and lists them beside it.
 
 Finished calls are summed in memory per (key, model, rented) and written every `FLUSH_EVERY` seconds, one
 store write per pair, by the gateway's background runner: the client never waits on the store, and a busy
@@ -15,15 +16,11 @@ from __future__ import annotations
 
 import asyncio
 
-from policies.pipeline import Call
+from backends.replicas import split_group
+from policies.finished import Finished
 from policies.store import Store
 
 FLUSH_EVERY = 0.25  # seconds
-
-
-def usage_tokens(usage: object, field: str) -> int:
-    value = usage.get(field) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and value > 0 else 0
 
 
 class FlushTimer:
@@ -59,14 +56,11 @@ class RecordUsage:
         self.pending: dict[tuple[str, str, bool], list[int]] = {}  # -> [requests, prompt, completion]
         self.timer = FlushTimer(FLUSH_EVERY, background, self.flush)
 
-    async def enter(self, call: Call) -> None:
-        pass
-
-    async def leave(self, call: Call) -> None:
-        if call.key is None or not call.model or call.replica is None:
+    def observe(self, record: Finished) -> None:
+        if record.key_id is None or not record.model or record.replica is None:
             return  # refused before reaching a backend: nothing was used
-        self.add((call.key.id, call.group or call.model, call.replica.rented is not None), 1,
-                 usage_tokens(call.usage, "prompt_tokens"), usage_tokens(call.usage, "completion_tokens"))
+        self.add((record.key_id, record.group, record.rented is not None), 1, record.prompt_tokens,
+                 record.completion_tokens)
         self.timer.arm()
 
     def add(self, pair: tuple[str, str, bool], requests: int, prompt: int, completion: int) -> None:
@@ -100,7 +94,7 @@ def by_model(rows: dict[str, dict[str, int]]) -> tuple[dict[str, dict[str, int]]
     models: dict[str, dict[str, int]] = {}
     variants: dict[str, dict[str, dict[str, int]]] = {}
     for name, counts in rows.items():
-        model, _, variant = name.partition("#")
+        model, variant = split_group(name)
         total = models.setdefault(model, dict.fromkeys(counts, 0))
         for field, value in counts.items():
             total[field] = total.get(field, 0) + value

@@ -7,13 +7,17 @@ timings, the rented providers) is handed plain settings built here.
 from __future__ import annotations
 
 from backends.rented import Price, ProviderSettings, RentedProviders
-from backends.replicas import HealthTimings, Replica, ReplicaSet
-from policies.config import Health, Model, Policy, backend_name, groups_of
+from backends.replicas import AdaptiveLimit, HealthTimings, Replica, ReplicaSet
+from policies.config import Adaptive, Health, Model, Policy, backend_name, groups_of
 
 
 def health_timings(health: Health) -> HealthTimings:
     return HealthTimings(interval=health.interval, failure_threshold=health.failure_threshold,
                          backoff_initial=health.backoff_initial, backoff_max=health.backoff_max)
+
+
+def adaptive_limit(adaptive: Adaptive | None) -> AdaptiveLimit | None:
+    return AdaptiveLimit(adaptive.floor, adaptive.target_ttft) if adaptive is not None else None
 
 
 def replicas_of(model: Model) -> list[Replica]:
@@ -27,7 +31,7 @@ def replicas_of(model: Model) -> list[Replica]:
             served_name=backend.served_name or (variant and variant.served_name) or model.served_name or model.name,
             cap=backend.cap,
             health_path=backend.health_path,
-            adaptive=backend.adaptive,
+            adaptive=adaptive_limit(backend.adaptive),
             priority_scheduling=backend.scheduling_policy == "priority",
             variant=variant.name if variant else None,
         )

@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from backends.replicas import group_name
+
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
 
@@ -777,14 +779,9 @@ def profile_of(policy: Policy, model: Model) -> tuple[str, RoutingProfile]:
     return name, policy.routing.profile(name)
 
 
-def group_of(model: str, variant: str | None) -> str:
-    """The name of a variant's own replica set and admission queue: `model#variant` ("#" is never in a name)."""
-    return f"{model}#{variant}" if variant else model
-
-
 def groups_of(model: Model) -> list[tuple[str, Variant | None]]:
-    """A model's replica sets: one per variant, or the model's own."""
-    return [(group_of(model.name, v.name), v) for v in model.variants] or [(model.name, None)]
+    """A model's replica sets (backends/replicas.py group_name): one per variant, or the model's own."""
+    return [(group_name(model.name, v.name), v) for v in model.variants] or [(model.name, None)]
 
 
 def replica_cap(model: Model, variant: Variant | None) -> int | None:

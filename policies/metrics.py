@@ -15,6 +15,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from policies.finished import RENTED, Finished
 from policies.ledger.gauges import ReportGauges
 from policies.memo import Memo
 from policies.tally import TallyCounter, TallyHistogram
@@ -27,6 +28,8 @@ PLUGIN_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e
 
 
 class GatewayMetrics:
+    name = "metrics"  # as an observer of finished calls (policies/finished.py)
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -170,6 +173,11 @@ class GatewayMetrics:
             "llm_gateway_egress_refused", "Connections to a backend refused because its name resolved to a public"
             " address (outside network.private_cidrs).", ["host"], registry=r,
         )
+        self.observer_errors = Counter(
+            "llm_gateway_observer_errors", "Finished calls an observer (metrics, access log, usage, ledger, tracing,"
+            " shadow, variant signals) failed to take note of: logged, the response unharmed.", ["observer"],
+            registry=r,
+        )
         self.background_errors = Counter(
             "llm_gateway_background_write_errors", "Store writes made off the request path that did not happen:"
             " dropped (backlog full: lost) or failed (the store refused it: a usage batch is kept and retried, a"
@@ -260,6 +268,21 @@ class GatewayMetrics:
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft_by(model).observe(seconds)
+
+    def observe(self, record: Finished) -> None:
+        """One finished call: its request, duration, overhead and tokens; its cost when rented."""
+        model = record.model or "unknown"
+        backend = record.replica.name if record.replica is not None else "none"
+        if not record.model:
+            self.call_refused(model, backend, record.status, record.endpoint)
+            return
+        if record.served_by == RENTED:
+            self.rented_cost.labels(model, record.rented).inc(record.cost)
+        self.call_finished(model, backend, record.status, record.elapsed, record.overhead, record.prompt_tokens,
+                           record.completion_tokens, record.served_by, record.endpoint)
+
+    def observer_failed(self, name: str) -> None:
+        self.observer_errors.labels(name).inc()
 
     def call_refused(self, model: str, backend: str, status: int, endpoint: str = "") -> None:
         """A call that never got as far as a model (bad body, unknown key)."""

@@ -2,17 +2,25 @@
 
 Like a filter chain: each step may stop the request by raising a GatewayError. Steps that entered get their
 `leave` called exactly once when the response is finished, however it ended (done, error, client gone), so a
-step that takes something (a concurrency slot, a token reservation) always gives it back.
+step that takes something (a concurrency slot, a token reservation) always gives it back. What a finished call
+did is not a step's business but its observers' (policies/finished.py: metrics, usage, the ledger...).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.replicas import Replica
 from policies.tokens import FREE, Estimate
+
+if TYPE_CHECKING:  # the steps' own types
+    from policies.keys import KeyRecord
+    from policies.ratelimit.base import Ticket
+    from policies.variant_signals import StreamAnswer
 
 log = logging.getLogger("gateway.pipeline")
 
@@ -21,34 +29,34 @@ log = logging.getLogger("gateway.pipeline")
 class Call:
     request_id: str
     endpoint: str  # the route's name: "chat/completions", "responses", "tokenize"... (gateway/endpoints/)
-    headers: Any  # the client's request headers (case-insensitive mapping)
+    headers: Mapping[str, str]  # the client's request headers, names in lower case
     client_host: str
     arrived: float  # perf_counter() when the request arrived
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
-    route: Any = None  # its declaration in the gateway's endpoint registry
+    route: Any = None  # its declaration in the gateway's endpoint registry (a type of the HTTP shell)
     params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
     body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
     upload: Any = None  # a multipart body streamed through (gateway/form_upload.py)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
-    asked_model: Any = None  # the model the request names (its body's `model`, or what its route found)
+    asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
-    key: Any = None  # the caller's KeyRecord, once authenticated
+    key: KeyRecord | None = None  # the caller's key, once authenticated
     # ids it names that must be its key's (policies/ownership.py): (what the tag covers, the tag, the refusal)
     claims: list[tuple[str, str, Exception]] = field(default_factory=list)
     mints_ids: bool = False  # it will mint ids its key owns: the owners step sets tag_owner
-    tag_owner: Any = None  # (rest of an id) -> its owner tag, for this call's key
-    priority: Any = None  # its PriorityClass (policies/priority.py); None: the policy's default
+    tag_owner: Callable[[str], str] | None = None  # (rest of an id) -> its owner tag, for this call's key
+    priority: Any = None  # its PriorityClass (policies/priority.py; config imports the steps); None: the default
     client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
-    ticket: Any = None  # what the rate limiter took, to give back
+    ticket: Ticket | None = None  # what the rate limiter took, to give back
     prompt_estimate: int = 0
     streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
     variant: str | None = None  # the model's variant that serves it, when the model has variants
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
-    shadow: Any = None  # (variant, replica set) of a shadow variant this request is copied to once under way
+    shadow: tuple[str, str] | None = None  # (variant, replica set) of a shadow variant it is copied to once under way
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream
     replica: Replica | None = None
@@ -58,18 +66,17 @@ class Call:
     overhead: float = 0.0  # seconds the gateway itself spent on this call
     queue_wait: float = 0.0  # seconds it waited for a slot on an owned backend
     rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
-    before_rent: Any = None  # async () -> bool, set by a step: may this call spill to a rented provider now?
-    budget_hold: Any = None  # what the budget step reserved, to settle when the call ends
+    before_rent: Callable[[], Awaitable[bool]] | None = None  # set by a step: may it spill to a rented provider now?
+    budget_hold: Any = None  # what the budget step reserved, to settle when the call ends (budget.py's Hold)
     error: BaseException | None = None  # why the call ended badly, if it did (a started stream: set as it ends)
     finished: bool = False
     entered: list[Step] = field(default_factory=list)
-    # for the observers of the finished call (gateway/tracing.py): set by the proxy, read once it is finished
-    queue_wait: float = 0.0  # seconds waited for a backend slot
+    # for the observers of the finished call (policies/finished.py): set by the proxy, read once it is finished
     first_token_at: float = 0.0  # perf_counter() of the first streamed chunk
-    response: Any = None  # the parsed JSON answer of a call that was not streamed
-    tap: Any = None  # when a trace wants them, the streamed chunks are appended here
-    answer: Any = None  # a variant's StreamAnswer (policies/variant_signals.py): fed the streamed events
-    trace: Any = None  # the call's trace ids, once it has some
+    response: dict[str, Any] | None = None  # the parsed JSON answer of a call that was not streamed
+    tap: list[bytes] | deque[bytes] | None = None  # when a trace wants them, the streamed chunks are appended here
+    answer: StreamAnswer | None = None  # a variant's signals (policies/variant_signals.py): fed the streamed events
+    trace: Any = None  # the call's trace ids, once it has some (gateway/tracer.py: a type of the HTTP shell)
 
 
 class Step(Protocol):

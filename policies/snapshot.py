@@ -1,11 +1,11 @@
 """A policy snapshot: everything one version of the policy file implies, built once and swapped in whole.
 
 `compile_snapshot(policy, previous, ...)` builds the pieces a request runs through (routing profiles, the
-admission queues, the pipeline's steps, the rented providers) and reuses what must outlive a reload, by name:
-a model's admission queue (its waiters and drain rate; its priority classes are the new policy's at once, see
-ModelQueue.reprioritize) and its routing profile when its configuration did not
-change (learning scorers keep their state). Rate-limit state lives in the limiter, keyed by scope name, which
-every snapshot shares. The owned replicas are not part of a snapshot: the one live set
+admission queues, the pipeline's steps, the rented providers, the observers of its finished record) and reuses
+what must outlive a reload, by name: a model's admission queue (its waiters and drain rate; its priority
+classes are the new policy's at once, see ModelQueue.reprioritize) and its routing profile when its
+configuration did not change (learning scorers keep their state). Rate-limit state lives in the limiter, keyed
+by scope name, which every snapshot shares. The owned replicas are not part of a snapshot: the one live set
 (backends/replicas.py) is brought to what the policy says by `apply_static_replicas`.
 
 A request reads the snapshot once when it starts and runs under it to the end, so a swap never changes the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from backends.rented import RentedProviders
@@ -26,6 +27,8 @@ from policies.auth import Authenticate, Authorize
 from policies.budget import Budget, Budgets
 from policies.compile import rented_providers, replica_groups
 from policies.config import Policy, groups_of, profile_of
+from policies.finished import Observer, Observers
+from policies.ledger.record import RecordLedger
 from policies.metrics import GatewayMetrics
 from policies.models import ResolveModel
 from policies.network import ClientNetwork
@@ -35,7 +38,7 @@ from policies.priority import Classify
 from policies.ratelimit.base import Limiter
 from policies.ratelimit.step import RateLimit
 from policies.routing import Profile, Stats, build_profile
-from policies.variants import AssignVariant, Variants
+from policies.variants import AssignVariant, Variants, VariantSignals
 
 # Parts of the policy that are read once at start (listener, store, timeouts of the shared client, health
 # timings, scraping, admin tokens): a reload that changes them is refused, naming them, and the old policy
@@ -55,6 +58,7 @@ class Snapshot:
     rented: RentedProviders
     client_network: ClientNetwork
     pipeline: Pipeline
+    observers: Observers  # of every finished call (policies/finished.py)
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,10 @@ class Shared:
     background: object  # gateway.background.Background.run
     queues: QueueFactory = ModelQueue  # the store kind's (policies/state): caps in this process or the fleet's
     budgets: Budgets | None = None  # per-key spend (policies/budget.py)
-    record_ledger: object = None  # policies.ledger.record.RecordLedger: the cost ledger's pipeline step
+    record_ledger: RecordLedger | None = None  # the cost ledger's observer
     variants: Variants = field(default_factory=Variants)  # every model's variant weights (policies/variants.py)
+    # the HTTP shell's observers for a snapshot (access log, tracing, shadow copies): it knows them, not we
+    observers: Callable[[Policy, Admission], Sequence[Observer]] = lambda policy, admission: ()
 
 
 def version_of(text: str | bytes) -> str:
@@ -114,10 +120,15 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         Classify(policy),
         RateLimit(policy, shared.limiter, shared.background, shared.metrics),
         *([Budget(policy, shared.budgets, rented.cost, shared.background)] if shared.budgets is not None else []),
+    ])
+    observers = Observers([
+        *([VariantSignals(shared.variants)] if shared.variants.models else []),
         shared.record_usage,
         *([shared.record_ledger] if shared.record_ledger is not None and policy.ledger.enabled else []),
-    ])
-    return Snapshot(policy, version, time.time(), profiles, admission, rented, client_network, pipeline)
+        shared.metrics,
+        *shared.observers(policy, admission),
+    ], shared.metrics.observer_failed)
+    return Snapshot(policy, version, time.time(), profiles, admission, rented, client_network, pipeline, observers)
 
 
 def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:

@@ -25,12 +25,13 @@ import hashlib
 import logging
 import math
 import random
-import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import partial
 
-from policies.config import Model, Policy, group_of
+from backends.replicas import group_name
+from policies.config import Model, Policy
+from policies.finished import Finished
 from policies.memo import Memo
 from policies.pipeline import Call
 from policies.variant_guard import VariantGuard
@@ -88,9 +89,9 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
         bounds.append(running / total)
     bounds[-1] = 1.0
     sticky = model.sticky
-    shadows = tuple((v.name, group_of(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
+    shadows = tuple((v.name, group_name(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
                     for v in model.variants if v.shadow and weights[v.name] > 0)
-    return Plan(tuple(v.name for v in live), tuple(group_of(model.name, v.name) for v in live), tuple(bounds),
+    return Plan(tuple(v.name for v in live), tuple(group_name(model.name, v.name) for v in live), tuple(bounds),
                 sticky.header if sticky else None, bool(sticky and sticky.key), shadows)
 
 
@@ -239,8 +240,20 @@ class AssignVariant:
             call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
     async def leave(self, call: Call) -> None:
-        if call.variant is not None:
-            self.variants.record(call.model, call.variant, sample_of(call, time.perf_counter()), call.status)
+        pass  # nothing taken; the finished call's signals are VariantSignals' to record
+
+
+class VariantSignals:
+    """Observer of finished calls (policies/finished.py): what each answer of a variant says, into its window."""
+
+    name = "variant-signals"
+
+    def __init__(self, variants: Variants) -> None:
+        self.variants = variants
+
+    def observe(self, record: Finished) -> None:
+        if record.variant is not None and record.call is not None:
+            self.variants.record(record.model, record.variant, sample_of(record.call, record.ended_at), record.status)
 
 
 class Signals:

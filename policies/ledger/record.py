@@ -1,6 +1,6 @@
-"""The ledger's observer: a pipeline step whose `leave` adds each finished call to in-memory sums.
+"""The ledger's observer of finished calls (policies/finished.py): adds each one to in-memory sums.
 
-Nothing waits on the ledger's store: `leave` updates a few counters, and every `flush_seconds` the background
+Nothing waits on the ledger's store: `observe` updates a few counters, and every `flush_seconds` the background
 runner writes what was summed (one transaction in SQLite, one MULTI per bucket in Redis). A batch the store
 refused goes back into the sums and is tried with the next flush, up to MAX_ROWS rows; past that it is
 dropped and counted (llm_gateway_background_write_errors). Shutdown flushes what is left, so a restart keeps
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from policies.accounting import FlushTimer, usage_tokens
+from policies.accounting import FlushTimer
+from policies.finished import Finished
 from policies.ledger.sums import Sums
-from policies.pipeline import Call
 
 MAX_ROWS = 100_000
 
@@ -21,33 +21,25 @@ MAX_ROWS = 100_000
 class RecordLedger:
     name = "record-ledger"
 
-    def __init__(self, ledger, config, rented_cost, background, on_lost=None) -> None:
+    def __init__(self, ledger, config, background, on_lost=None) -> None:
         self.ledger = ledger
         self.config = config  # policies.config.Ledger
-        self.rented_cost = rented_cost  # (provider, prompt, completion) -> currency units
         self.background = background
         self.on_lost = on_lost
         self.sums = Sums(config.bucket_seconds)
         self.wall = time.time() - time.perf_counter()  # perf_counter -> unix seconds
         self.timer = FlushTimer(config.flush_seconds, background, self.flush)
 
-    async def enter(self, call: Call) -> None:
-        pass
-
-    async def leave(self, call: Call) -> None:
-        replica = call.replica
-        if replica is None or not call.model or call.sent_at == 0.0:
+    def observe(self, record: Finished) -> None:
+        replica = record.replica
+        if replica is None or not record.model or record.sent_at == 0.0:
             return  # refused before reaching a backend: nothing was used
-        now = time.perf_counter() + self.wall
-        prompt, completion = usage_tokens(call.usage, "prompt_tokens"), usage_tokens(call.usage, "completion_tokens")
+        now = record.ended_at + self.wall
         rented = replica.rented
-        cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
-        key_id = call.key.id if call.key is not None else ""
-        estimated = isinstance(call.usage, dict) and call.usage.get("estimated") is True
-        self.sums.call(now, call.model, replica.name, key_id, rented is not None, prompt, completion,
-                       call.queue_wait, cost, estimated)
+        self.sums.call(now, record.model, replica.name, record.key_id or "", rented is not None, record.prompt_tokens,
+                       record.completion_tokens, record.queue_wait, record.cost, record.estimated)
         if rented is None:
-            self.sums.in_flight(call.model, replica.name, call.sent_at + self.wall, now)
+            self.sums.in_flight(record.model, replica.name, record.sent_at + self.wall, now)
         self.timer.arm()
 
     async def flush(self) -> None:

@@ -324,7 +324,8 @@ def run_vllm(args, work: Path) -> tuple[list[Run], str]:
 def measured_cap(url: str) -> int:
     from backends.knee.analysis import find_knee
     from backends.knee.report import points
-    from backends.knee.sweep import SweepSpec, run_sweep
+    from backends.knee.run import run_sweep
+    from backends.knee.sweep import SweepSpec
 
     spec = SweepSpec(url=url, model="tiny", levels=(1, 2, 4, 8, 16, 32, 64), output_tokens=32, duration=3,
                      warmup=1)

@@ -83,7 +83,7 @@ async def test_dns_turning_public_after_load_is_refused_before_connecting(connec
 
             dns.answers["backend.internal"] = ["127.0.0.1"]  # put right: the next probe brings it back
             replica = gw.state.replicas.by_model["m"][0]
-            assert await gw.state.replicas.check(gw.state.proxy.upstreams[replica].client, replica, 5)
+            assert await gw.state.replicas.check(replica.upstream.client, replica, 5)
             r = await http.post(f"{gw.url}/v1/chat/completions", json=BODY)
             assert r.status_code == 200 and len(rec.requests) == 2
 
@@ -98,7 +98,7 @@ async def test_replica_whose_answer_turns_public_fails_over_to_a_private_one(con
         async with running_gateway(policy, resolver=dns) as gw:
             dns.answers["a.internal"] = ["127.0.0.1", PUBLIC]  # one record of many is enough to refuse
             # the guard checks new connections: drop the one the startup health check left open
-            gw.state.proxy.upstreams[gw.state.replicas.by_model["m"][0]].client.close_idle()
+            gw.state.replicas.by_model["m"][0].upstream.client.close_idle()
             served = []
             for _ in range(30):  # ties between the replicas are broken at random: go on until a was picked once
                 r = await http.post(f"{gw.url}/v1/chat/completions", json=BODY)

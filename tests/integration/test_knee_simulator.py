@@ -16,7 +16,8 @@ import httpx
 import matplotlib.image
 
 from backends.knee.report import build_report, format_table, write_json, write_png
-from backends.knee.sweep import Progress, SweepSpec, run_sweep
+from backends.knee.run import run_sweep
+from backends.knee.sweep import Progress, SweepSpec
 from backends.simulator import SimConfig, create_app
 from tests.support.probes import metric_sum
 from tests.support.servers import serve_app

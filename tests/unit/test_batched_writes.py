@@ -6,7 +6,6 @@ import asyncio
 import io
 import logging
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +13,10 @@ from gateway.access_log import AccessLog
 from gateway import background as background_module
 from gateway.background import Background
 from policies import accounting
+from backends.replicas import Replica
 from policies.accounting import RecordUsage, by_model
 from policies.config import Ledger
+from policies.finished import Finished
 from policies.ledger import record
 from policies.ledger.record import RecordLedger
 from policies.ledger.sqlite import SQLiteLedger
@@ -34,10 +35,15 @@ class FlakyStore:
         self.writes.append((key_id, model, requests, prompt_tokens, completion_tokens, rented))
 
 
-def finished(key: str, model: str, prompt: int, completion: int, rented: str | None = None, variant=None):
-    return SimpleNamespace(key=SimpleNamespace(id=key), model=model, replica=SimpleNamespace(rented=rented),
-                           usage={"prompt_tokens": prompt, "completion_tokens": completion},
-                           group=f"{model}#{variant}" if variant else "")
+def finished(key: str | None, model: str, prompt: int = 0, completion: int = 0, rented: str | None = None,
+             variant=None, backend: str | None = "gpu-0", sent_ago: float = 0.01) -> Finished:
+    """The record of a finished call (policies/finished.py), sent `sent_ago` seconds before it ended."""
+    now = time.perf_counter()
+    replica = None if backend is None else Replica(backend, model, "http://127.0.0.1:1", model, rented=rented,
+                                                   variant=variant)
+    return Finished(f"req-{now}", "chat/completions", model, replica.group if replica else model, variant, key,
+                    replica, ("rented" if rented else "owned") if replica else None, 200, False, prompt, completion,
+                    False, 0.0, 0.02, 0.001, 0.0, now - sent_ago if replica else 0.0, now, None)
 
 
 async def test_usage_is_summed_per_pair_and_written_once_per_flush(monkeypatch):
@@ -45,10 +51,10 @@ async def test_usage_is_summed_per_pair_and_written_once_per_flush(monkeypatch):
     store, background = FlakyStore(), Background()
     step = RecordUsage(store, background.run)
     for _ in range(100):
-        await step.leave(finished("k1", "m", 10, 2))
-    await step.leave(finished("k1", "m", 5, 5, rented="cloud"))
-    await step.leave(finished("k2", "m", 1, 1))
-    await step.leave(SimpleNamespace(key=None, model="m", replica=None, usage=None))  # refused: not counted
+        step.observe(finished("k1", "m", 10, 2))
+    step.observe(finished("k1", "m", 5, 5, rented="cloud"))
+    step.observe(finished("k2", "m", 1, 1))
+    step.observe(finished(None, "m", backend=None))  # refused: not counted
     assert store.writes == []  # nothing on the request path
     await asyncio.sleep(0.2)
     await background.drain(1)
@@ -59,10 +65,10 @@ async def test_usage_is_summed_per_pair_and_written_once_per_flush(monkeypatch):
 async def test_a_variants_usage_is_its_own_row_and_the_admin_view_sums_it_into_the_model():
     store, background = FlakyStore(), Background()
     step = RecordUsage(store, background.run)
-    await step.leave(finished("k1", "chat", 10, 2, variant="bf16"))
-    await step.leave(finished("k1", "chat", 10, 4, variant="fp8"))
-    await step.leave(finished("k1", "chat", 1, 1, variant="fp8"))
-    await step.leave(finished("k1", "plain", 3, 3))
+    step.observe(finished("k1", "chat", 10, 2, variant="bf16"))
+    step.observe(finished("k1", "chat", 10, 4, variant="fp8"))
+    step.observe(finished("k1", "chat", 1, 1, variant="fp8"))
+    step.observe(finished("k1", "plain", 3, 3))
     await step.flush()
     assert sorted(store.writes) == [("k1", "chat#bf16", 1, 10, 2, False), ("k1", "chat#fp8", 2, 11, 5, False),
                                     ("k1", "plain", 1, 3, 3, False)]
@@ -77,21 +83,19 @@ async def test_a_variants_usage_is_its_own_row_and_the_admin_view_sums_it_into_t
 async def test_a_refused_batch_is_kept_for_the_next_flush():
     store = FlakyStore()
     step = RecordUsage(store, Background().run)
-    await step.leave(finished("k1", "m", 3, 4))
+    step.observe(finished("k1", "m", 3, 4))
     store.down = True
     with pytest.raises(ConnectionError):
         await step.flush()
-    await step.leave(finished("k1", "m", 1, 1))
+    step.observe(finished("k1", "m", 1, 1))
     store.down = False
     await step.flush()
     assert store.writes == [("k1", "m", 2, 4, 5, False)]
 
 
-def ledger_call(key: str, backend: str = "gpu-0"):
-    """A finished owned call, as the ledger's step sees it: sent 10 ms before it finished."""
-    return SimpleNamespace(key=SimpleNamespace(id=key), model="m", replica=SimpleNamespace(rented=None, name=backend),
-                           sent_at=time.perf_counter() - 0.01, queue_wait=0.0,
-                           usage={"prompt_tokens": 3, "completion_tokens": 4})
+def ledger_call(key: str, backend: str = "gpu-0") -> Finished:
+    """A finished owned call: sent 10 ms before it finished."""
+    return finished(key, "m", 3, 4, backend=backend)
 
 
 async def test_the_ledger_writes_off_the_path_keeps_a_refused_batch_and_bounds_it(tmp_path, monkeypatch):
@@ -99,12 +103,12 @@ async def test_the_ledger_writes_off_the_path_keeps_a_refused_batch_and_bounds_i
     refused batch larger than the bound is dropped and counted, so memory stays bounded while the store is down."""
     folder = tmp_path / "not-yet"
     ledger, lost, background = SQLiteLedger(str(folder / "gateway.db")), [], Background()
-    step = RecordLedger(ledger, Ledger(flush_seconds=0.05), lambda *a: 0.0, background.run, lost.append)
+    step = RecordLedger(ledger, Ledger(flush_seconds=0.05), background.run, lost.append)
     for _ in range(3):
-        await step.leave(ledger_call("k1"))
+        step.observe(ledger_call("k1"))
     with pytest.raises(StoreUnavailable):
         await step.flush()
-    await step.leave(ledger_call("k1"))
+    step.observe(ledger_call("k1"))
     folder.mkdir()
     deadline = time.monotonic() + 10
     while not (rows := {row: v for row, v in await ledger.read(0, time.time() + 60) if row.served}):
@@ -117,7 +121,7 @@ async def test_the_ledger_writes_off_the_path_keeps_a_refused_batch_and_bounds_i
     await ledger.close()
     ledger = step.ledger = SQLiteLedger(str(tmp_path / "gone" / "gateway.db"))
     for backend in ("a", "b", "c"):  # three key rows and three backend-time rows: past the bound of 3
-        await step.leave(ledger_call("k1", backend))
+        step.observe(ledger_call("k1", backend))
     with pytest.raises(StoreUnavailable):
         await step.flush()
     step.timer.cancel()

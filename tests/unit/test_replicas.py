@@ -8,12 +8,16 @@ from backends.replicas import (
     PENDING,
     UNKNOWN,
     UP,
+    AdaptiveLimit,
     HealthTimings,
     Replica,
     ReplicaSet,
     backoff,
+    group_name,
+    split_group,
 )
-from policies.config import Adaptive
+from policies.compile import replicas_of
+from policies.config import Model
 
 
 def replica_set(threshold=1):
@@ -114,11 +118,36 @@ def test_apply_with_a_new_url_under_the_same_name_replaces_the_replica():
 def test_adaptive_limit_keeps_what_it_learned_within_the_new_cap():
     rs, _ = replica_set()
     r = rs.by_model["m"][0]
-    r.cap, r.adaptive, r.limit = 10, Adaptive(floor=2, target_ttft=1), 7.5
+    r.cap, r.adaptive, r.limit = 10, AdaptiveLimit(floor=2, target_ttft=1), 7.5
     rs.apply("m", [replace(r, cap=5), rs.by_model["m"][1]])
     assert r.limit == 5
     rs.apply("m", [replace(r, cap=20), rs.by_model["m"][1]])
     assert r.limit == 5  # learned, not reset to the cap
+
+
+def test_each_replica_owns_its_upstream_once_the_set_is_connected_and_so_does_each_that_joins():
+    rs, _ = replica_set()
+    first = rs.by_model["m"][0]
+    assert first.upstream is None  # not serving yet
+    client = Client(2.0, 2.0)
+    rs.connect(client)
+    assert all(r.upstream is not None and r.upstream.client is client for r in rs)
+    assert first.upstream.origin.host_header == "10.0.0.1:8000"
+    kept = first.upstream
+    copy = replace(first, name="m-9", url="http://10.0.0.9:8000")  # a new replica made from another's settings
+    rs.apply("m", [*rs.by_model["m"], copy])
+    assert first.upstream is kept  # a replica that stays keeps its connection
+    assert copy.upstream is not kept and copy.upstream.origin.host_header == "10.0.0.9:8000"
+
+
+def test_backends_get_plain_settings_and_the_variant_naming_rule_is_one():
+    model = Model.model_validate({"name": "chat", "variants": [
+        {"name": "fp8", "weight": 100, "backends": [{"url": "http://10.0.0.1:8000", "cap": 8,
+                                                      "adaptive": {"floor": 2, "target_ttft": 0.5}}]}]})
+    (replica,) = replicas_of(model)
+    assert replica.adaptive == AdaptiveLimit(floor=2, target_ttft=0.5)
+    assert replica.group == group_name("chat", "fp8") == "chat#fp8" and split_group(replica.group) == ("chat", "fp8")
+    assert group_name("chat", None) == "chat" and split_group("chat") == ("chat", None)
 
 
 def test_remove_model_drains_all_its_replicas():

@@ -50,11 +50,14 @@ import statistics
 import subprocess
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 
 from tests.benchmarks.peers import install
+from tests.benchmarks.peers.ceilings import VARIANTS as CEILING_VARIANTS
 from tests.benchmarks.peers.ceilings import ceilings_table, measure_ceilings
 from tests.benchmarks.peers.load import run_wrk, write_script
 from tests.benchmarks.peers.procs import Procs
@@ -87,6 +90,7 @@ LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the co
     ("gateway no ledger", {"ledger": {"enabled": False}}),
 ]
 VARIANTS = "gateway variants 80:20"  # --variants-compare: each model split over two variants
+BASELINE = "gateway baseline tree"  # --baseline-tree: the same gateway from another source tree (a commit before)
 TRACED = "gateway tracing 1.0"
 PLAIN_EDGE = "gateway unbounded edge"  # --edge-compare: uvicorn's own httptools protocol, none of gateway/edge.py  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
@@ -166,19 +170,20 @@ def measure(system: System, samples: Samples, direct: dict | None, scripts: dict
     st = stream_round(system, args)
     cpu_us_event = (system.cpu_seconds() - cpu0) / ((st["streams"] + WARMUP_STREAMS) * TOKENS) * 1e6
     system.check_alive()
-    samples.rps.append(hi.rps)
-    samples.cpu_ms.append(cpu / hi.requests * 1000)
-    samples.p50.append(lo.p50_ms)
-    samples.p99.append(lo.p99_ms)
+    return keep(samples, direct, {
+        "rps": hi.rps, "p50": lo.p50_ms, "p99": lo.p99_ms, "events": st["token_events_per_s"],
+        "cpu_ms": cpu / hi.requests * 1000, "cpu_us_event": cpu_us_event, "streams": st["good"],
+        "ttlb50": st["ttlb_p50_ms"], "ttlb99": st["ttlb_p99_ms"]})
+
+
+def keep(samples: Samples, direct: dict | None, got: dict) -> dict:
+    """Add one round's figures of a system to its samples (the added latency against `direct`'s); returns them."""
+    for name in ("rps", "cpu_ms", "p50", "p99", "events", "cpu_us_event", "ttlb50", "ttlb99"):
+        getattr(samples, name).append(got[name])
     if direct is not None:
-        samples.added_p50.append(lo.p50_ms - direct["p50"])
-        samples.added_p99.append(lo.p99_ms - direct["p99"])
-    samples.events.append(st["token_events_per_s"])
-    samples.cpu_us_event.append(cpu_us_event)
-    samples.ttlb50.append(st["ttlb_p50_ms"])
-    samples.ttlb99.append(st["ttlb_p99_ms"])
-    return {"rps": hi.rps, "p50": lo.p50_ms, "p99": lo.p99_ms, "events": st["token_events_per_s"],
-            "cpu_ms": cpu / hi.requests * 1000, "cpu_us_event": cpu_us_event, "streams": st["good"]}
+        samples.added_p50.append(got["p50"] - direct["p50"])
+        samples.added_p99.append(got["p99"] - direct["p99"])
+    return got
 
 
 def soak(procs: Procs, work: Path, standin, args, rps_hint: float) -> dict:
@@ -520,7 +525,7 @@ def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per phase")
@@ -564,10 +569,20 @@ def parse_args(argv=None):
     p.add_argument("--edge-compare", action="store_true",
                    help="also measure the gateway without its bounded edge (uvicorn's own httptools protocol): what"
                         " the client-side bounds cost per request, held to 5%%")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="also measure the gateway as the source tree DIR has it (e.g. `git archive` of the commit"
+                        " before a change, unpacked), a column held to 3%% against this tree's")
     p.add_argument("--no-ceilings", action="store_true", help="skip the minimal-app ceilings (ceilings.py)")
     p.add_argument("--ceiling-seconds", type=float, default=2.0)
     p.add_argument("--out", help="write the results as JSON here (default .cache/bench/results-<time>.json)")
-    return p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true",
+                   help="install, start and measure nothing: every system on paper with made-up figures, so each"
+                        " path through the options runs to its table in a second (tests/unit/test_bench_peers_args.py)")
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
 
 
 def start_store_variants(procs, work: Path, standin, env: dict, args) -> list[System]:
@@ -608,18 +623,116 @@ def within_10_percent(samples: dict[str, Samples], label: str, baseline: str, ta
           + ", ".join(f"{x / y:.0%}" for x, y in zip(a.cpu_us_event, b.cpu_us_event) if y) + ")")
 
 
+class Lab:
+    """What a run does to this machine: install, pin cores, start the systems, load and measure them. `main` does
+    all of it through one of these, so `--dry-run` can swap in `PaperLab` and leave the rest of `main` as it is."""
+
+    install = staticmethod(install.ensure_all)
+    start_standin = staticmethod(start_standin)
+    start_gateway = staticmethod(start_gateway)
+    start_litellm = staticmethod(start_litellm)
+    start_router = staticmethod(start_router)
+    start_floor = staticmethod(start_floor)
+    start_redis = staticmethod(start_redis)
+    start_store_variants = staticmethod(start_store_variants)
+    smoke = staticmethod(smoke)
+    measure = staticmethod(measure)
+    profile = staticmethod(profile)
+    soak = staticmethod(soak)
+    measure_ceilings = staticmethod(measure_ceilings)
+
+    def pin(self) -> None:
+        if len(os.sched_getaffinity(0)) < 2 or not {LOAD_CORE, SUT_CORE} <= os.sched_getaffinity(0):
+            raise SystemExit(f"needs cores {LOAD_CORE} and {SUT_CORE}: the load on one, the system under test on the"
+                             " other")
+        os.sched_setaffinity(0, {LOAD_CORE})  # this process and the load generators it starts stay off core 1
+
+    def start_sink(self, procs: Procs) -> str:
+        port = free_port()
+        procs.start("otlp-sink", [sys.executable, "-m", "tests.benchmarks.peers.otlp_sink", str(port)], LOAD_CORE,
+                    cwd=REPO)
+        return f"http://127.0.0.1:{port}"
+
+    def sink_stats(self, url: str) -> dict:
+        return httpx.get(f"{url}/stats", timeout=10).json()
+
+    def uses(self, system: System) -> dict[str, bool]:
+        return uses(system.procs[0].pid)
+
+
+class PaperLab(Lab):
+    """--dry-run: nothing installed, started or loaded; systems without processes and figures made up from their
+    names (the same on every run), so the tables, ratios and targets of every option are computed and printed."""
+
+    def install(self) -> SimpleNamespace:
+        return SimpleNamespace(did=[], seconds=0.0)
+
+    def pin(self) -> None:
+        pass
+
+    def start_standin(self, procs: Procs, work: Path) -> SimpleNamespace:
+        return SimpleNamespace(json_port=0, sse_port=0, system=self.start_gateway(procs, work, None, name="direct"))
+
+    def start_gateway(self, procs: Procs, work: Path, standin, name: str = "gateway", **_options) -> System:
+        return System(name, "http://127.0.0.1:9", "http://127.0.0.1:9")
+
+    def start_litellm(self, procs: Procs, work: Path, standin) -> System:
+        return self.start_gateway(procs, work, standin, name="LiteLLM")
+
+    def start_router(self, procs: Procs, work: Path, standin) -> System:
+        return self.start_gateway(procs, work, standin, name="vllm-router")
+
+    def start_floor(self, procs: Procs, work: Path, standin) -> System:
+        return self.start_gateway(procs, work, standin, name="nginx")
+
+    def start_redis(self, procs: Procs, work: Path) -> str:
+        return "redis://127.0.0.1:9"
+
+    def start_store_variants(self, procs: Procs, work: Path, standin, env: dict, args) -> list[System]:
+        return [self.start_gateway(procs, work, standin, name=label) for label, _ in STORE_COMPARE]
+
+    def start_sink(self, procs: Procs) -> str:
+        return "http://127.0.0.1:9"
+
+    def sink_stats(self, url: str) -> dict:
+        return {"exports": 1, "bytes": 1}
+
+    def smoke(self, system: System) -> None:
+        pass
+
+    def uses(self, system: System) -> dict[str, bool]:
+        return {"uvloop": False, "httptools": False}
+
+    def measure(self, system: System, samples: Samples, direct: dict | None, scripts: dict[str, Path], args) -> dict:
+        rps = 1000.0 + zlib.crc32(system.name.encode()) % 1000
+        return keep(samples, direct, {"rps": rps, "p50": 1000 / rps, "p99": 2000 / rps, "events": 10 * rps,
+                                      "cpu_ms": 1000 / rps, "cpu_us_event": 100 / rps, "streams": args.streams,
+                                      "ttlb50": 100.0, "ttlb99": 200.0})
+
+    def profile(self, system: System, scripts: dict[str, Path], work: Path, args) -> dict:
+        return summarize_profile(f"MainThread;serve (gateway/proxy.py:1);finish (gateway/proxy.py:2) {args.rounds}")
+
+    def soak(self, procs: Procs, work: Path, standin, args, rps_hint: float) -> dict:
+        return {"connections": args.soak_connections, "rss_start_mib": 50.0, "complete": True,
+                "requests_first": args.soak_first, "rss_first_mib": 60.0, "requests_total": args.soak_total,
+                "rss_total_mib": 60.5, "growth_pct": 0.8}
+
+    def measure_ceilings(self, procs: Procs, work: Path, standin, seconds: float, warmup: float, log=print) -> list:
+        return [{"label": v.label, "rps": 2000.0, "cpu_ms": 0.1 * (i + 1), "p50": 0.5, "p99": 1.0}
+                for i, v in enumerate(CEILING_VARIANTS)]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    lab = PaperLab() if args.dry_run else Lab()
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(wanted) - {"gateway", "gateway-redis", *PEERS}
     if unknown:
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
-    if len(os.sched_getaffinity(0)) < 2 or not {LOAD_CORE, SUT_CORE} <= os.sched_getaffinity(0):
-        raise SystemExit(f"needs cores {LOAD_CORE} and {SUT_CORE}: the load on one, the system under test on the other")
-    os.sched_setaffinity(0, {LOAD_CORE})  # this process and the load generators it starts stay off core 1
+    lab.pin()
     started = time.time()
     log(f"installing (once) into {install.CACHE.relative_to(REPO)} ...")
-    installed = install.ensure_all()
+    installed = lab.install()
     log(f"install: {', '.join(installed.did) or 'nothing new'} ({installed.seconds:.1f} s)")
     load_before = loadavg()
     log(f"load average before: {load_before}")
@@ -633,65 +746,68 @@ def main(argv=None) -> int:
     ceiling_rows: list[dict] = []
     gateway_uses: dict[str, bool] = {}
     try:
-        standin = start_standin(procs, work)
+        standin = lab.start_standin(procs, work)
         systems: list[System] = [standin.system]
         env = dict(e.split("=", 1) for e in args.gateway_env)
-        starters = {"gateway": lambda: start_gateway(procs, work, standin, env_extra=env, args=args.gateway_arg),
-                    "LiteLLM": lambda: start_litellm(procs, work, standin),
-                    "vllm-router": lambda: start_router(procs, work, standin),
-                    "nginx": lambda: start_floor(procs, work, standin),
-                    "gateway-redis": lambda: start_gateway(procs, work, standin, name="gateway-redis", env_extra=env,
-                                                           args=args.gateway_arg, redis_url=start_redis(procs, work))}
+        starters = {"gateway": lambda: lab.start_gateway(procs, work, standin, env_extra=env, args=args.gateway_arg),
+                    "LiteLLM": lambda: lab.start_litellm(procs, work, standin),
+                    "vllm-router": lambda: lab.start_router(procs, work, standin),
+                    "nginx": lambda: lab.start_floor(procs, work, standin),
+                    "gateway-redis": lambda: lab.start_gateway(procs, work, standin, name="gateway-redis",
+                                                               env_extra=env, args=args.gateway_arg,
+                                                               redis_url=lab.start_redis(procs, work))}
         for name in wanted:
             log(f"starting {name} on core {SUT_CORE}")
             systems.append(starters[name]())
         if args.knobs and "gateway" in wanted:
             for label, extra_args, extra_env in KNOBS:
                 log(f"starting {label} on core {SUT_CORE}")
-                systems.append(start_gateway(procs, work, standin, name=label, env_extra={**env, **extra_env},
+                systems.append(lab.start_gateway(procs, work, standin, name=label, env_extra={**env, **extra_env},
                                              args=[*args.gateway_arg, *extra_args]))
         if args.ledger_compare and "gateway" in wanted:
             for label, sections in LEDGER_COMPARE:
                 log(f"starting {label} on core {SUT_CORE}")
-                systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                systems.append(lab.start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
                                              args=args.gateway_arg, policy_extra=sections))
                 systems[-1].name = label
         if args.routing_compare and "gateway" in wanted:
             for label, routing in ROUTING_COMPARE:  # not `profile`: that is the py-spy function main calls below
                 log(f"starting {label} on core {SUT_CORE}")
-                systems.append(start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
+                systems.append(lab.start_gateway(procs, work, standin, name=label.replace(" ", "-"), env_extra=env,
                                              args=args.gateway_arg, routing=routing, replicas=2))
                 systems[-1].name = label
         if args.variants_compare and "gateway" in wanted:
             log(f"starting {VARIANTS} on core {SUT_CORE}")
-            systems.append(start_gateway(procs, work, standin, name="gateway-variants", env_extra=env,
+            systems.append(lab.start_gateway(procs, work, standin, name="gateway-variants", env_extra=env,
                                          args=args.gateway_arg, variants=True))
             systems[-1].name = VARIANTS
         if args.edge_compare and "gateway" in wanted:
             log(f"starting {PLAIN_EDGE} on core {SUT_CORE}")
-            systems.append(start_gateway(procs, work, standin, name="gateway-plain-edge",
+            systems.append(lab.start_gateway(procs, work, standin, name="gateway-plain-edge",
                                          env_extra={**env, "PYTHONPATH": str(REPO)}, args=args.gateway_arg,
                                          launcher=[sys.executable, "-m", "tests.benchmarks.peers.plain_edge"]))
             systems[-1].name = PLAIN_EDGE
+        if args.baseline_tree and "gateway" in wanted:
+            log(f"starting {BASELINE} ({args.baseline_tree}) on core {SUT_CORE}")
+            systems.append(lab.start_gateway(procs, work, standin, name="gateway-baseline", args=args.gateway_arg,
+                                             env_extra={**env, "PYTHONPATH": str(Path(args.baseline_tree).resolve())}))
+            systems[-1].name = BASELINE
         if args.store_compare and "gateway" in wanted:
-            systems += start_store_variants(procs, work, standin, env, args)
+            systems += lab.start_store_variants(procs, work, standin, env, args)
         sink_url = None
         if args.tracing_compare and "gateway" in wanted:
-            sink_port = free_port()
-            procs.start("otlp-sink", [sys.executable, "-m", "tests.benchmarks.peers.otlp_sink", str(sink_port)],
-                        LOAD_CORE, cwd=REPO)
-            sink_url = f"http://127.0.0.1:{sink_port}"
+            sink_url = lab.start_sink(procs)
             log(f"starting {TRACED} on core {SUT_CORE}")
-            systems.append(start_gateway(procs, work, standin, name=TRACED.replace(" ", "-"), env_extra=env,
+            systems.append(lab.start_gateway(procs, work, standin, name=TRACED.replace(" ", "-"), env_extra=env,
                                          args=args.gateway_arg, policy_extra={"tracing": {
                                              "enabled": True, "sampling_ratio": 1.0,
                                              "endpoint": f"{sink_url}/v1/traces"}}))
             systems[-1].name = TRACED
         for system in systems:
-            smoke(system)
+            lab.smoke(system)
         by_name = {s.name: s for s in systems}
         if "gateway" in by_name:
-            gateway_uses = uses(by_name["gateway"].procs[0].pid)
+            gateway_uses = lab.uses(by_name["gateway"])
             log(f"gateway process loaded: {gateway_uses}")
         scripts = {s.name: write_script(work / f"{s.name}.lua", s.auth) for s in systems}
         samples = {s.name: Samples() for s in systems}
@@ -700,28 +816,28 @@ def main(argv=None) -> int:
             k = r % len(measured)
             order = measured[k:] + measured[:k]
             log(f"round {r + 1}/{args.rounds}: direct, {', '.join(s.name for s in order)}")
-            direct = measure(standin.system, samples["direct"], None, scripts, args)
+            direct = lab.measure(standin.system, samples["direct"], None, scripts, args)
             log(f"  direct: {direct['rps']:,.0f} req/s, p50 {direct['p50']:.3f} ms, "
                 f"{direct['events']:,.0f} events/s")
             for system in order:
-                got = measure(system, samples[system.name], direct, scripts, args)
+                got = lab.measure(system, samples[system.name], direct, scripts, args)
                 log(f"  {system.name}: {got['rps']:,.0f} req/s, p50 {got['p50']:.3f} ms, "
                     f"{got['events']:,.0f} events/s, {got['cpu_ms']:.3f} CPU ms/req, "
                     f"{got['cpu_us_event']:.2f} CPU µs/event")
         if sink_url is not None:
-            sink_stats = httpx.get(f"{sink_url}/stats", timeout=10).json()
+            sink_stats = lab.sink_stats(sink_url)
         for system in systems:
             samples[system.name].rss_mib = sum(p.rss_bytes() for p in system.procs) / 2**20
         if "gateway" in by_name and not args.no_profile:
             log(f"profiling the gateway under c=64 for {args.profile_seconds} s (py-spy)")
-            prof = profile(by_name["gateway"], scripts, work, args)
+            prof = lab.profile(by_name["gateway"], scripts, work, args)
         if "gateway" in by_name and not args.no_soak:
             log(f"soak: a fresh gateway, {args.soak_first:,} then {args.soak_total:,} requests at "
                 f"c={args.soak_connections}")
-            soak_result = soak(procs, work, standin, args, median(samples["gateway"].rps) or 1000)
+            soak_result = lab.soak(procs, work, standin, args, median(samples["gateway"].rps) or 1000)
         if not args.no_ceilings:
             log("ceilings: minimal apps on core 1 (ceilings.py)")
-            ceiling_rows = measure_ceilings(procs, work, standin, args.ceiling_seconds, 0.5,
+            ceiling_rows = lab.measure_ceilings(procs, work, standin, args.ceiling_seconds, 0.5,
                                             log=lambda m: log(m.strip()))
     except KeyboardInterrupt:
         log("interrupted; stopping every process")
@@ -747,6 +863,7 @@ def main(argv=None) -> int:
     (dflt, _), (lif, _) = ROUTING_COMPARE
     within_10_percent(samples, dflt, lif, "default routing profile within 10% of least-in-flight")
     within_10_percent(samples, VARIANTS, "gateway", "variants within 10% of a single variant")
+    within_10_percent(samples, "gateway", BASELINE, "this tree within 3% of the baseline tree", 0.97)
     within_10_percent(samples, "gateway", PLAIN_EDGE, "the bounded edge within 5% of an unbounded one", 0.95)
     (standalone, _), *others = STORE_COMPARE
     for label, _ in others:
