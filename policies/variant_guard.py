@@ -9,10 +9,13 @@ both sides have `min_samples` of it:
 - the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
 - inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
   baseline's at comparable load (in flight to the replica when sent, in power-of-two levels): at one level both
-  sides met `min_samples` times, or the candidate at level L or lighter against the baseline at L or heavier
-  (latency does not fall as load rises, so the gap only flatters the candidate); judged on the worst. A light
-  canary on a busy model, whose levels never both fill, is thus judged after `min_samples` of its calls, and an
-  identical candidate is never blamed for the baseline's heavier load;
+  sides met `min_samples` times; the candidate at its level against the baseline's latency modelled at that
+  level from the levels it met (so a slowdown smaller than the baseline's own load penalty is seen once the
+  baseline met the candidate's load); or the candidate at level L or lighter against the baseline at L or
+  heavier (latency does not fall as load rises, so the gap only flatters the candidate); judged on the worst. A
+  light canary on a busy model, whose levels never both fill, is thus judged after `min_samples` of its calls,
+  and an identical candidate is never blamed for the baseline's heavier load; where only that bound applies,
+  `undecided` says what it hides;
 - for a shadow, agreement with the live answer at least `min_agreement`.
 
 A breach sets the candidate's weight to 0 at once (Variants.set_weights, so every request after it goes to
@@ -198,22 +201,16 @@ def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: in
 
 
 def baseline_curve(levels: dict[int, list[float]], least: int) -> dict[int, float]:
-    """The baseline's latency against load: the median at each level with `least` calls, made non-decreasing
-    in load by pooling neighbouring levels that disagree (pool-adjacent-violators, weighted by calls), so a
-    level whose median came out low by chance is not the yardstick alone."""
-    blocks: list[list] = []  # [value, weight, levels]
+    """The baseline's latency against load: the median at each level with `least` calls, made non-decreasing in
+    load by carrying the highest median of the lighter levels up (never by lowering a level's own: a light
+    level whose median came out high by chance only makes the yardstick longer, never shorter)."""
+    curve: dict[int, float] = {}
+    highest = 0.0
     for level in sorted(levels):
-        values = levels[level]
-        if len(values) < least:
-            continue
-        blocks.append([middle(values), len(values), [level]])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            value, weight, members = blocks.pop()
-            last = blocks[-1]
-            last[0] = (last[0] * last[1] + value * weight) / (last[1] + weight)
-            last[1] += weight
-            last[2] += members
-    return {level: value for value, _, members in blocks for level in members}
+        if len(levels[level]) >= least:
+            highest = max(highest, middle(levels[level]))
+            curve[level] = highest
+    return curve
 
 
 def baseline_at(curve: dict[int, float], level: int) -> tuple[float, list[int]] | None:
