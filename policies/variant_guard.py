@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from itertools import chain
 from math import log2
-from dataclasses import dataclass
 
 from policies.config import Guard, Model
 from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, level_key
