@@ -29,7 +29,8 @@ class VariantView(BaseModel):
     shadow: bool
     filed_weight: float = Field(description="the weight the policy file gives it")
     guard: dict | None = Field(None, description="the guard's state, the reason of its last action, and while it"
-                               " cannot judge yet why (`undecided`) and since when (`undecided_for_s`, `warning`)")
+                               " cannot judge yet why (`undecided`) and since when (`undecided_for_s`, `warning`), and each latency"
+                               " signal's worst candidate/baseline ratio at its last look (`ratios`)")
 
 
 class ModelVariants(BaseModel):

@@ -9,10 +9,13 @@ both sides have `min_samples` of it:
 - the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
 - inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
   baseline's at comparable load (in flight to the replica when sent, in power-of-two levels): at one level both
-  sides met `min_samples` times, or the candidate at level L or lighter against the baseline at L or heavier
-  (latency does not fall as load rises, so the gap only flatters the candidate); judged on the worst. A light
-  canary on a busy model, whose levels never both fill, is thus judged after `min_samples` of its calls, and an
-  identical candidate is never blamed for the baseline's heavier load;
+  sides met `min_samples` times; the candidate at its level against the baseline's latency modelled at that
+  level from the levels it met (so a slowdown smaller than the baseline's own load penalty is seen once the
+  baseline met the candidate's load); or the candidate at level L or lighter against the baseline at L or
+  heavier (latency does not fall as load rises, so the gap only flatters the candidate); judged on the worst. A
+  light canary on a busy model, whose levels never both fill, is thus judged after `min_samples` of its calls,
+  and an identical candidate is never blamed for the baseline's heavier load; where only that bound applies,
+  `undecided` says what it hides;
 - for a shadow, agreement with the live answer at least `min_agreement`.
 
 A breach sets the candidate's weight to 0 at once (Variants.set_weights, so every request after it goes to
@@ -28,9 +31,10 @@ next share of traffic (the baseline takes the rest).
 from __future__ import annotations
 
 import logging
-from itertools import chain
 import time
 from dataclasses import dataclass
+from itertools import chain
+from math import log2
 
 from policies.config import Guard, Model
 from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, level_key
@@ -53,6 +57,7 @@ class GuardState:
     undecided: str | None = None  # why some signal could not be judged at the last look (None: all were)
     judging_since: float | None = None  # unix seconds since when some signal has been waiting
     warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
+    ratios: dict | None = None  # each latency signal's worst candidate/baseline ratio at the last look
 
     def view(self) -> dict:
         waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
@@ -60,7 +65,8 @@ class GuardState:
                 "undecided": self.undecided if self.state == WATCHING else None,
                 "judging_since": self.judging_since if self.state == WATCHING else None,
                 "undecided_for_s": waited if self.state == WATCHING else None,
-                "warning": self.state == WATCHING and waited is not None and waited > self.warn_after}
+                "warning": self.state == WATCHING and waited is not None and waited > self.warn_after,
+                "ratios": self.ratios}
 
 
 def baseline_of(model: Model) -> str:
@@ -74,9 +80,11 @@ def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, 
     return judge(guard, cand, base)[0]
 
 
-def judge(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[tuple[str, str] | None, list[str]]:
+def judge(guard: Guard, cand: list[Sample], base: list[Sample],
+          seen: dict[str, float] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
     """(breach, waiting): the first signal on which the candidate is worse, or None; and why each signal the
-    candidate has samples of could not be judged yet (empty while every one was)."""
+    candidate has samples of could not be judged yet (empty while every one was). `seen` (when given) gets
+    each latency signal's worst ratio at comparable load."""
     need = guard.min_samples
     waiting: list[str] = []
     if guard.max_validity_drop is not None:
@@ -103,7 +111,9 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[tuple[s
     for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
         if limit is None:
             continue
-        worst, closest = compare_latency(cand, base, field, need)
+        worst, closest, matched = compare_latency(cand, base, field, need)
+        if worst is not None and seen is not None:
+            seen[signal] = round(worst[0], 3)
         if worst is not None and worst[0] > limit:
             ratio, where = worst
             return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
@@ -111,6 +121,10 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[tuple[s
         if worst is None and closest is not None:
             waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
                            f" baseline {closest[1]}/{need}")
+        elif worst is not None and not matched:
+            waiting.append(f"{signal.upper()}: no load level both sides met, nor one the baseline met on each side of"
+                           f" the candidate's: held only to the baseline at heavier load ({worst[0]:.2f}x), which"
+                           f" hides a slowdown smaller than the baseline's load penalty")
     if guard.min_agreement is not None:
         agreed = [s.agreed for s in cand if s.agreed is not None]
         if len(agreed) >= need and sum(agreed) / len(agreed) < guard.min_agreement:
@@ -125,18 +139,23 @@ def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int)
 
 
 def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: int):
-    """(worst, closest). `worst`: the highest candidate-over-baseline ratio of `field`'s p50 among the
+    """(worst, closest, matched). `worst`: the highest candidate-over-baseline ratio of `field`'s p50 among the
     comparisons at comparable load that have `need` calls on both sides, as (ratio, where), or None while none
     has. `closest`: (candidate calls, baseline calls) of the comparison nearest to being judged, or None when
-    the candidate has no sample of `field`.
+    the candidate has no sample of `field`. `matched`: whether some comparison was at matched load (the first
+    or third kind below), not only the bound of the second.
 
-    Two kinds of comparison, each sound on its own since latency does not fall as load rises:
+    Three kinds of comparison, each sound on its own since latency does not fall as load rises:
     - at one load level, on both sides (a flag that hurts only with company shows only at the levels where the
       candidate had some: per level, not averaged over levels);
     - the candidate at load level L or lighter against the baseline at L or heavier, for each level L the
       candidate met: the load gap can only flatter the candidate, so an identical one never looks worse, while a
-      light canary on a busy model (candidate at level 8, baseline at 16 or 32, whose levels never both fill)
-      is judged as soon as it has `need` calls."""
+      light canary on a busy model is judged as soon as it has `need` calls; but a candidate slower by less
+      than the baseline's own load penalty passes it;
+    - the candidate at its level L against the baseline's latency modelled at L (`baseline_at`): the
+      baseline's per-level medians made non-decreasing in load, at L itself or interpolated between the
+      levels around it, each of which has half of `need` calls. So a canary at level 8 is held to what the
+      baseline costs at 8, not at 32, as soon as the baseline met some load at or below 8 and some above."""
     by_name: dict[str, tuple[list[float], list[float]]] = {}
     for side, samples in ((0, cand), (1, base)):
         for s in samples:
@@ -145,27 +164,68 @@ def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: in
                 by_name.setdefault(s.load, ([], []))[side].append(value)
     levels = {level_key(name): values for name, values in by_name.items()}
     worst = closest = None
+    matched = False
     order = sorted(levels)
     for c, b in levels.values():
         c.sort()
         b.sort()
+    curve = baseline_curve({level: b for level, (_, b) in levels.items()}, max(need // 2, 1))
     for i, level in enumerate(order):
-        if not levels[level][0]:
+        here = levels[level][0]
+        if not here:
             continue
         name = _level_name(level)
         # sorted runs joined: sorting them again is a merge, not a full sort (a look stays about 1 ms)
         lighter = sorted(chain.from_iterable(levels[k][0] for k in order[:i + 1]))
         heavier = sorted(chain.from_iterable(levels[k][1] for k in order[i:]))
-        for c, b, where in ((levels[level][0], levels[level][1], f"load level {name}"),
+        for c, b, where in ((here, levels[level][1], f"load level {name}"),
                             (lighter, heavier, f"candidate at load level {name} or lighter, baseline at {name} or"
                                                f" heavier")):
             if len(c) >= need and len(b) >= need:
                 ratio = middle(c) / middle(b) if middle(b) else 0.0
+                matched = matched or c is here
                 if worst is None or ratio > worst[0]:
                     worst = (ratio, f"{where}: {len(c)} vs {len(b)} calls")
             elif closest is None or min(len(c), need) + min(len(b), need) > sum(min(n, need) for n in closest):
                 closest = (len(c), len(b))
-    return worst, closest
+        modelled = baseline_at(curve, level) if len(here) >= need else None
+        if modelled is not None:
+            value, used = modelled
+            matched = True
+            ratio = middle(here) / value if value else 0.0
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, f"load level {name}, the baseline's there modelled from its calls at"
+                                f" {' and '.join(map(_level_name, used))}: {len(here)} vs"
+                                f" {sum(len(levels[k][1]) for k in used)} calls")
+    return worst, closest, matched
+
+
+def baseline_curve(levels: dict[int, list[float]], least: int) -> dict[int, float]:
+    """The baseline's latency against load: the median at each level with `least` calls, made non-decreasing in
+    load by carrying the highest median of the lighter levels up (never by lowering a level's own: a light
+    level whose median came out high by chance only makes the yardstick longer, never shorter)."""
+    curve: dict[int, float] = {}
+    highest = 0.0
+    for level in sorted(levels):
+        if len(levels[level]) >= least:
+            highest = max(highest, middle(levels[level]))
+            curve[level] = highest
+    return curve
+
+
+def baseline_at(curve: dict[int, float], level: int) -> tuple[float, list[int]] | None:
+    """The baseline's modelled latency at `level` and the levels it came from: the curve's own value there,
+    or interpolated in log2 of the level between the nearest levels below and above; never extrapolated
+    (None). Latency rises with load at least as steeply in the heavier levels as in the lighter ones, so the
+    chord lies above the curve: interpolation can only flatter the candidate."""
+    if level in curve:
+        return curve[level], [level]
+    below = max((k for k in curve if k < level), default=None)
+    above = min((k for k in curve if k > level), default=None)
+    if below is None or above is None:
+        return None
+    share = (log2(level) - log2(below)) / (log2(above) - log2(below))
+    return curve[below] + share * (curve[above] - curve[below]), [below, above]
 
 
 def middle(known: list[float]) -> float:
@@ -198,7 +258,7 @@ class VariantGuard:
             return None
         if variant == baseline_of(config):
             return {"state": BASELINE, "reason": None, "at": None, "step": -1, "undecided": None,
-                    "judging_since": None, "undecided_for_s": None, "warning": False}
+                    "judging_since": None, "undecided_for_s": None, "warning": False, "ratios": None}
         return self.state(model, variant).view()
 
     def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
@@ -233,7 +293,8 @@ class VariantGuard:
             return
         cand = self.variants.window(model, variant).recent(guard.window_seconds)
         baseline = self.variants.window(model, base).recent(guard.window_seconds)
-        breach, waiting = judge(guard, cand, baseline)
+        st.ratios = {}
+        breach, waiting = judge(guard, cand, baseline, st.ratios)
         self.waiting(model, variant, st, guard, waiting)
         if breach is not None:
             self.roll_back(model, variant, *breach)

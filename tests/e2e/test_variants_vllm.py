@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import openai
@@ -67,6 +68,25 @@ async def send_many(gw, n: int, concurrency: int, **extra) -> list[str]:
 
     try:
         return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+
+
+async def stream_load(gw, n: int, concurrency: int, max_tokens: int = 12) -> None:
+    """`n` streamed chat requests of `max_tokens` tokens each (ignore_eos), at most `concurrency` at once."""
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.key, max_retries=0)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with gate:
+            stream = await client.chat.completions.create(
+                model="canary", messages=[{"role": "user", "content": f"tell {i}"}], max_tokens=max_tokens,
+                stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                pass
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(n)))
     finally:
         await client.close()
 
@@ -192,28 +212,11 @@ def test_a_canary_with_a_worse_flag_is_pulled_back_on_latency_at_comparable_load
     with gateway_process(policy, tmp_path_factory.mktemp("one-seq-gateway")) as gw:
         viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
 
-        async def load(n: int, concurrency: int) -> None:
-            client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.key, max_retries=0)
-            gate = asyncio.Semaphore(concurrency)
-
-            async def one(i: int) -> None:
-                async with gate:
-                    stream = await client.chat.completions.create(
-                        model="canary", messages=[{"role": "user", "content": f"tell {i}"}], max_tokens=16,
-                        stream=True, extra_body={"ignore_eos": True})
-                    async for _ in stream:
-                        pass
-
-            try:
-                await asyncio.gather(*(one(i) for i in range(n)))
-            finally:
-                await client.close()
-
         verdict = None
         for _ in range(6):  # bounded: at most 540 requests
             # light, then heavier: the baseline meets every load level the 20% canary meets, at some point
-            asyncio.run(load(30, concurrency=2))
-            asyncio.run(load(60, concurrency=10))
+            asyncio.run(stream_load(gw, 30, concurrency=2, max_tokens=16))
+            asyncio.run(stream_load(gw, 60, concurrency=10, max_tokens=16))
             verdict = httpx.get(f"{gw.url}/admin/variants", headers=viewer, timeout=10).json()["models"]["canary"]
             if verdict["variants"][1]["guard"]["state"] == "rolled_back":
                 break
@@ -225,3 +228,56 @@ def test_a_canary_with_a_worse_flag_is_pulled_back_on_latency_at_comparable_load
         worse = [lvl for lvl in shared if one_seq["by_load"][lvl]["ttft_p50"] > base["by_load"][lvl]["ttft_p50"]]
         assert worse, verdict
         assert "rolled back (weight 20 -> 0): TTFT p50" in gw.log.read_text()
+
+
+def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_one(vllm_servers, one_seq_vllm,
+                                                                                   tmp_path_factory):
+    """`guard: {}` on real vLLM. `same` is the baseline's own server under another variant's name, identical by
+    construction (a second server is identical in flags, not in what else its core carries: README), at 50/50
+    so that both meet the same loads and fill a level quickly; then `one-seq` (the tiny model with
+    --max-num-seqs 1) takes its place. The first is judged at matched load, light (2 clients) and heavier (8),
+    and held; the second, at 2 clients (heavier, it would take long to serve its queue), is pulled back."""
+    a = vllm_servers["a"]
+    policy = canary_policy({
+        "guard": {},
+        "variants": [
+            {"name": "base", "weight": 50, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+            {"name": "same", "weight": 50, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+            {"name": "one-seq", "weight": 0, "served_name": "tiny-one-seq",
+             "backends": [{"url": one_seq_vllm.base_url}]},
+        ],
+    })
+    with gateway_process(policy, tmp_path_factory.mktemp("default-guard-gateway")) as gw:
+        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
+        operator = {"authorization": f"Bearer {gw.admin_token('operator')}"}
+
+        def guard_of(name: str) -> dict:
+            view = httpx.get(f"{gw.url}/admin/models/canary/variants", headers=viewer, timeout=10).json()
+            return next(v for v in view["variants"] if v["name"] == name)["guard"]
+
+        began = time.monotonic()
+        same = guard_of("same")
+        for _ in range(4):  # bounded: until both latency signals were judged at matched load
+            asyncio.run(stream_load(gw, 100, concurrency=2))
+            asyncio.run(stream_load(gw, 100, concurrency=8))
+            same = guard_of("same")
+            if same["state"] != "watching" or (same["undecided"] is None and {"itl", "ttft"} <= set(same["ratios"])):
+                break
+        print("identical candidate on real vLLM:", same, round(time.monotonic() - began, 1), "s")
+        assert same["state"] == "watching" and same["undecided"] is None, same
+        assert {"itl", "ttft"} <= set(same["ratios"]), same
+        assert same["ratios"]["itl"] <= 1.2 and same["ratios"]["ttft"] <= 1.5, same
+
+        moved = httpx.put(f"{gw.url}/admin/models/canary/variants", headers=operator, timeout=10,
+                          json=weights_of({"same": 0, "one-seq": 50}))
+        assert moved.status_code == 200, moved.text
+        one_seq = guard_of("one-seq")
+        for _ in range(4):  # bounded
+            asyncio.run(stream_load(gw, 120, concurrency=2))  # light: a server of one sequence queues no more
+            one_seq = guard_of("one-seq")
+            if one_seq["state"] == "rolled_back":
+                break
+        print("one-seq candidate on real vLLM:", one_seq, round(time.monotonic() - began, 1), "s")
+        assert one_seq["state"] == "rolled_back", one_seq
+        assert one_seq["reason"].startswith(("TTFT p50", "ITL p50")), one_seq
+        assert guard_of("same")["state"] == "watching"

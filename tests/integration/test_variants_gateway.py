@@ -183,6 +183,48 @@ async def test_a_light_canary_on_a_busy_model_is_judged_and_a_slower_one_rolled_
                                    signal="itl") == 1
 
 
+async def test_a_candidate_slower_by_less_than_the_baselines_load_penalty_is_judged_at_matched_load(monkeypatch):
+    """80/20, each token 20 ms + 0.8 ms per running sequence: the baseline at 32 in flight costs 1.7x what it costs
+    at 8, more than the candidate's 1.3x. Under a steady 40 clients their loads never meet, and the guard says
+    it cannot see such a slowdown; once traffic falls to 8 clients and rises again, the baseline meets the
+    candidate's load and a default guard pulls it back, compared at that load."""
+    viewer_headers = viewer(monkeypatch)
+    base = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0.8)
+    slower = base.model_copy(update={"step_base_ms": 26, "step_ms_per_seq": 1.04})
+    async with serve_app(create_app(base)) as a, serve_app(create_app(slower)) as b:
+        async with running_gateway(canary_policy(a, b, {})) as gw, httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True}
+
+            async def clients(n: int, calls: int) -> None:
+                gate = asyncio.Semaphore(n)
+
+                async def one() -> None:
+                    async with gate:
+                        assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
+
+                await asyncio.gather(*(one() for _ in range(calls)))
+
+            await clients(40, 400)
+            view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
+            guard = view["variants"][1]["guard"]
+            assert guard["state"] == "watching" and "ITL: no load level both sides met" in guard["undecided"], guard
+            assert guard["ratios"]["itl"] < 1.2, guard  # held only to the baseline at heavier load, it passes
+            for _ in range(10):  # bounded: traffic falls and rises again
+                await clients(8, 40)
+                await clients(40, 200)
+                if gw.state.shared.variants.guard.state("m", "b").state == "rolled_back":
+                    break
+            view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
+            cand = view["variants"][1]
+            assert cand["guard"]["state"] == "rolled_back" and cand["weight"] == 0, cand
+            assert cand["guard"]["reason"].startswith("ITL p50") and "load level 8" in cand["guard"]["reason"]
+            assert "heavier" not in cand["guard"]["reason"], cand["guard"]
+            calls = len(gw.state.shared.variants.window("m", "b").recent())
+            print("candidate calls when pulled back:", calls, cand["guard"]["reason"])
+            assert calls <= 80 + 3 * 48, calls  # its 80 under the steady 40, then within three falls and rises
+
+
 async def test_a_candidate_slow_only_to_its_first_token_is_rolled_back_by_a_default_guard():
     base = SimConfig(model="served", step_base_ms=5, step_ms_per_seq=0, prefill_base_ms=5)
     slow_start = base.model_copy(update={"prefill_base_ms": 180})  # every first token ~18x later, then as fast

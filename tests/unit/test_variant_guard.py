@@ -189,3 +189,86 @@ def test_a_guard_that_cannot_judge_says_why_and_since_when_then_warns():
         v.guard.after_call("m", "cand")
     view = v.report()["m"]["variants"][1]["guard"]
     assert view["undecided"] is None and view["undecided_for_s"] is None and view["warning"] is False
+
+
+def test_the_baselines_latency_is_modelled_at_the_candidates_own_load():
+    # the baseline met loads 4 and 16 but not 8: at 8 it is held to the chord between them, not to 16
+    base = samples(30, "4", itl=0.010) + samples(30, "16", itl=0.030)
+    bound_only = verdict(GUARD, samples(20, "8", itl=0.026), base[30:])  # 0.87x the baseline at 16: passes
+    assert bound_only is None
+    signal, reason = verdict(GUARD, samples(20, "8", itl=0.026), base)  # 1.30x the 0.020 modelled at 8
+    assert signal == "itl" and "1.30x" in reason and "modelled from its calls at 4 and 16: 20 vs 60 calls" in reason
+    assert verdict(GUARD, samples(20, "8", itl=0.022), base) is None  # 1.10x
+    # never extrapolated: a candidate lighter than every level the baseline met is held only to the bound
+    assert verdict(GUARD, samples(20, "2", itl=0.0095), base) is None
+    # a level whose median came out below a lighter one's is held to the lighter one's (the curve never falls
+    # with load; it is never lowered either). 12 calls at 8: half of min_samples, too few to compare alone
+    noisy = samples(30, "4", itl=0.020) + samples(12, "8", itl=0.010) + samples(30, "16", itl=0.040)
+    assert verdict(GUARD, samples(20, "8", itl=0.019), noisy) is None  # 0.95x the 0.020 at 4, not 1.9x 0.010
+    signal, reason = verdict(GUARD, samples(20, "8", itl=0.025), noisy)
+    assert signal == "itl" and "1.25x" in reason and "modelled from its calls at 8: 20 vs 12 calls" in reason
+    assert verdict(GUARD, samples(20, "4", itl=0.022), noisy) is None  # 1.10x: level 4 not pulled down by 8's
+
+
+def swinging(rng, n: int, share: float, clients: int, speed: float, per_seq: float) -> list[Sample]:
+    """`n` calls of a variant taking `share` of `clients` concurrent clients: each sent while about that share
+    of the others ran on its replica; each token costs 4 ms + `per_seq` per running sequence, scattered."""
+    from policies.variant_signals import load_level
+
+    out = []
+    for _ in range(n):
+        k = 1 + sum(rng.random() < share for _ in range(clients - 1))
+        step = speed * (0.004 + per_seq * k)
+        out.append(Sample(0.0, None, load_level(k), itl=step * rng.lognormvariate(0, 0.15),
+                          ttft=4 * step * rng.lognormvariate(0, 0.3)))
+    return out
+
+
+def run_clients(rng, calls: int, fewest: int, most: int, speed: float, per_seq: float, window: int = 2000):
+    """80/20 under a number of clients that changes between the guard's looks (from `fewest` to `most`), as
+    traffic rises and falls; judged by a default guard every 10 calls of the candidate: (call, breach) at its
+    rollback, or (None, why it could not judge) at the end."""
+    from policies.variant_guard import EVERY, judge
+
+    cand: list[Sample] = []
+    base: list[Sample] = []
+    for i in range(EVERY, calls + 1, EVERY):
+        clients = rng.randint(fewest, most)
+        cand = (cand + swinging(rng, EVERY, 0.2, clients, speed, per_seq))[-window:]
+        base = (base + swinging(rng, 4 * EVERY, 0.8, clients, 1.0, per_seq))[-window:]
+        breach = verdict(Guard(), cand, base)
+        if breach is not None:
+            return i, breach
+    return None, judge(Guard(), cand, base)[1]
+
+
+@pytest.mark.parametrize("per_seq", [0.0001, 0.0002, 0.0003])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_identical_candidate_is_never_pulled_back_as_traffic_rises_and_falls(seed, per_seq):
+    import random
+
+    at, _ = run_clients(random.Random(seed), 3000, 8, 40, 1.0, per_seq)
+    assert at is None
+
+
+@pytest.mark.parametrize("speed", [1.3, 1.5])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_candidate_slower_by_less_than_the_baselines_load_penalty_is_pulled_back_at_matched_load(seed, speed):
+    """40 clients at most, 80/20: the baseline at load 32 costs 1.86x what it costs at 8, more than the
+    candidate's slowdown, so only a comparison at the candidate's own load sees it."""
+    import random
+
+    at, (signal, reason) = run_clients(random.Random(seed), 3000, 8, 40, speed, per_seq=0.0002)
+    assert at is not None and at <= 300, reason
+    assert signal == "itl" and "load level 8" in reason and "heavier" not in reason
+
+
+def test_with_no_load_in_common_the_guard_says_what_it_cannot_see():
+    """A steady 40 clients at 80/20: the candidate near 8 in flight, the baseline near 32, never lighter. A 1.3x
+    candidate is hidden by the baseline's load penalty; the guard says it holds it only to the bound."""
+    import random
+
+    at, waiting = run_clients(random.Random(5), 500, 40, 40, 1.3, per_seq=0.0002)
+    assert at is None
+    assert any(w.startswith("ITL: no load level both sides met") and "held only to the baseline at heavier load"
+               in w for w in waiting), waiting
