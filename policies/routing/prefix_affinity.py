@@ -85,17 +85,11 @@ class PrefixAffinity:
             self._observe(replica, stats)
         matched = [self.matched(r, blocks) for r in candidates]
         self._last = (call, blocks, matched)
-        best = max(matched)
-        if best == 0:
+        if max(matched) == 0:
             self.outcome = "miss"
             return [0.0] * len(candidates)
-        loads = [stats.load(r) for r in candidates]
-        preferred = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
-        if loads[preferred] - min(loads) >= self.params.imbalance:
-            self.outcome = "load_guard"
-            return relative_load(loads)
-        self.outcome = "hit"
-        return [m / best for m in matched]
+        scores, self.outcome = guarded(matched, [stats.load(r) for r in candidates], self.params.imbalance)
+        return scores
 
     def picked(self, call: Call, replica: Candidate) -> None:
         last_call, blocks, _ = self._last
@@ -136,3 +130,13 @@ class PrefixAffinity:
         tokens = vllm.cache_tokens
         if tokens:
             self._capacity[replica.name] = max(16, tokens * CHARS_PER_TOKEN // self.params.block_chars)
+
+
+def guarded(matched: list[int], loads: list[float], imbalance: float) -> tuple[list[float], str]:
+    """(scores, outcome) for candidates that hold `matched` leading blocks (at least one does): relative to the
+    best match, or by load when the preferred candidate holds `imbalance` requests more than the least loaded."""
+    best = max(matched)
+    preferred = max(range(len(matched)), key=lambda i: (matched[i], -loads[i]))
+    if loads[preferred] - min(loads) >= imbalance:
+        return relative_load(loads), "load_guard"
+    return [m / best for m in matched], "hit"
