@@ -81,6 +81,8 @@ class BlockIndex:
         self.clears = 0  # AllBlocksCleared, gaps, restarts, replica down
         self.gaps = 0
         self.refused = 0  # messages or events skipped as malformed, oversized or unknown
+        self.stored_total = 0  # blocks indexed
+        self.removed_total = 0  # indexed blocks that vLLM evicted
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -147,7 +149,9 @@ class BlockIndex:
             "parent_block_hash")
         if not (isinstance(hashes, list) and isinstance(tokens, list) and type(size) is int and size > 0):
             raise ValueError("BlockStored without hashes, tokens or block size")
-        if f.get("lora_name") or f.get("lora_id") or f.get("extra_keys") or f.get("group_idx"):
+        extra = f.get("extra_keys")
+        if f.get("lora_name") or f.get("lora_id") or f.get("group_idx") or (
+                isinstance(extra, list) and any(e is not None for e in extra)):
             return  # an adapter's, a multimodal or salted block, or another cache group: no plain prompt matches it
         if len(tokens) != len(hashes) * size or not all(type(t) is int for t in tokens):
             raise ValueError("BlockStored whose tokens do not fill its blocks")
@@ -173,6 +177,7 @@ class BlockIndex:
             self._unref(old)
         self.by_hash[block_hash] = key
         self.keys[key] = self.keys.get(key, 0) + 1
+        self.stored_total += 1
         while len(self.by_hash) > self.max_blocks:
             oldest = next(iter(self.by_hash))
             self._unref(self.by_hash.pop(oldest))
@@ -185,6 +190,7 @@ class BlockIndex:
                 key = self.by_hash.pop(block_hash, None)
                 if key is not None:
                     self._unref(key)
+                    self.removed_total += 1
 
     def _unref(self, key: int) -> None:
         n = self.keys.get(key, 0) - 1

@@ -89,7 +89,8 @@ class PromptTokenizer:
         if not isinstance(template, str) and (directory / "chat_template.jinja").exists():
             template = (directory / "chat_template.jinja").read_text()
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if isinstance(template, str) else None

@@ -20,8 +20,10 @@ BS = 4
 
 
 def stored(hashes, tokens, parent=None, block_size=BS, **extra):
+    """As vLLM 0.32 encodes it (msgspec, tagged, defaults omitted; extra_keys one None per plain block)."""
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": block_size, "lora_id": None, "medium": "GPU", **extra}
+            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None,
+            "extra_keys": [None] * len(hashes) if isinstance(hashes, list) else None, **extra}
 
 
 def removed(hashes):
