@@ -7,7 +7,9 @@
 #                                      stops whatever steps 2-4 left running)
 # Knobs (environment): STEP5_BUDGET (560 s in all), PROFILES (default: three if the servers are up in time, else
 # two), CONVS / ACTIVE (480 / 160), EAGER=1 (--enforce-eager: up ~1 min sooner, but no CUDA graphs, so decode
-# steps are slower and TTFT includes more queueing: not comparable with a CUDA-graph run).
+# steps are slower and TTFT includes more queueing: not comparable with a CUDA-graph run), KV_EVENTS=1 (the servers
+# publish their KV cache events to 127.0.0.1:5557/5558 and the precise-prefix profile runs too; the site needs
+# msgpack, build_site.sh ships it).
 set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 BUDGET=${STEP5_BUDGET:-560}
@@ -26,9 +28,10 @@ export VLLM_SERVER_DEV_MODE=1  # POST /reset_prefix_cache between profiles
 # Both at once: the explicit KV size spares the second its memory profile of the first. The same flags give the
 # same torch.compile cache key, so :8001 compiles into a cache root of its own rather than race :8000 writing the
 # shared one (:8000 keeps the default root, where step 2's compile of this configuration may already be).
-PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
+kve() { [ -n "${KV_EVENTS:-}" ] && echo "--kv-events-config {\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$1\",\"topic\":\"kv\"}"; }
+PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5557)
 PORT=8001 GPU_UTIL=0.4 VLLM_CACHE_ROOT=$SCRATCH/vllm-cache-8001 \
-  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
+  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5558)
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8000.log 8000 & H0=$!
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8001.log 8001 & H1=$!
 wait $H0; R0=$?; wait $H1; R1=$?
@@ -44,12 +47,14 @@ REM=$(( BUDGET - $(el) - 20 ))   # 20 s for stop.sh at the end
 if [ -z "${PROFILES:-}" ]; then
   PROFILES=least-in-flight,prefix-affinity; [ $REM -ge 330 ] && PROFILES=$PROFILES,session-affinity
 fi
+[ -n "${KV_EVENTS:-}" ] && PROFILES=$PROFILES,precise-prefix
 NP=$(echo $PROFILES | tr ',' '\n' | grep -c .)
 PT=$(( (REM - 30 - 10 * NP) / NP )); [ $PT -gt 150 ] && PT=150
 [ $PT -ge 30 ] || { echo "only ${REM}s left: no time for $NP profiles"; bash $D/stop.sh; exit 7; }
 echo "profiles $PROFILES, each cut at ${PT}s (${REM}s left)"
 timeout $(( REM + 10 )) python3 -m tests.benchmarks.routing --servers http://127.0.0.1:8000,http://127.0.0.1:8001 \
   --served-model qwen3-4b --server-logs $SCRATCH/w/vllm-r8000.log,$SCRATCH/w/vllm-r8001.log \
+  ${KV_EVENTS:+--kv-events-ports 5557,5558 --model-dir $SCRATCH/q4b} \
   --gateway-cmd "python3 -m gateway" --profiles $PROFILES --profile-timeout $PT $W --out $OUT/routing.json \
   2>&1 | tee $OUT/routing.txt
 echo "routing.py exit ${PIPESTATUS[0]} at $(el)s"
