@@ -24,15 +24,14 @@ or that were stored during a gap, stay unknown until vLLM stores them again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import zmq
-import zmq.asyncio
 
 from backends.replicas import DOWN, Replica
 
@@ -224,13 +223,20 @@ def _hashable(value: Any) -> bool:
 
 
 class Subscriber:
-    """One replica's SUB socket, feeding its index until cancelled; a socket error closes it, clears the index and
-    opens a new one after a backoff (ZMQ itself reconnects a dropped TCP connection)."""
+    """One replica's SUB socket, read in a thread of its own so that decoding a burst of events (a GPU server
+    stores thousands of blocks a second) never holds the event loop that serves requests; it feeds the index
+    until stopped. A socket error closes it, clears the index and opens a new one after a backoff (ZMQ itself
+    reconnects a dropped TCP connection). The index is written only here; the scorer reads it from the event
+    loop (single dict lookups, atomic under the GIL)."""
 
-    def __init__(self, name: str, source: KVEventSource, index: BlockIndex, context: zmq.asyncio.Context) -> None:
-        self.name, self.source, self.index, self.context = name, source, index, context
+    POLL_MS = 200  # how often a quiet socket checks whether to stop or whether its replica is down
 
-    def socket(self) -> zmq.asyncio.Socket:
+    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex, context: zmq.Context) -> None:
+        self.replica, self.source, self.index, self.context = replica, source, index, context
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name=f"kv-events-{replica.name}", daemon=True)
+
+    def socket(self) -> zmq.Socket:
         sock = self.context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)  # a larger message drops the connection
@@ -242,57 +248,60 @@ class Subscriber:
             sock.connect(self.source.endpoint)
         return sock
 
-    async def run(self) -> None:
-        backoff = 0.5
-        while True:
+    def run(self) -> None:
+        backoff, name = 0.5, self.replica.name
+        while not self.stop.is_set():
             sock = None
             try:
                 sock = self.socket()
-                log.info("KV events of %s: %s %s", self.name, "bound to" if self.source.bind else "connected to",
+                log.info("KV events of %s: %s %s", name, "bound to" if self.source.bind else "connected to",
                          self.source.endpoint)
-                while True:
-                    self.index.feed(await sock.recv_multipart())
-                    backoff = 0.5
+                while not self.stop.is_set():
+                    if sock.poll(self.POLL_MS):
+                        self.index.feed(sock.recv_multipart())
+                        backoff = 0.5
+                    if self.replica.state == DOWN and len(self.index):
+                        self.index.clear(f"backend {name} is down")
             except zmq.ZMQError as exc:
-                log.warning("KV events of %s at %s: %s; retrying in %.1f s", self.name, self.source.endpoint, exc,
-                            backoff)
+                if self.stop.is_set():
+                    break
+                log.warning("KV events of %s at %s: %s; retrying in %.1f s", name, self.source.endpoint, exc, backoff)
                 self.index.clear("the subscription failed")
                 self.index.last_seq = None
             finally:
                 if sock is not None:
                     sock.close(linger=0)
-            await asyncio.sleep(backoff)
+            self.stop.wait(backoff)
             backoff = min(backoff * 2, 10.0)
 
 
 class Subscribers:
     """A subscriber for every replica that has a `kv_events` source, kept in step with the live replica set: a
-    new replica gets one, a gone one (or one whose source changed) has its own closed, a down one is cleared."""
+    new replica gets one, a gone one (or one whose source changed) has its own stopped."""
 
     def __init__(self, replicas: Callable[[], Iterable[Replica]], interval: float = 1.0) -> None:
         self.replicas = replicas
         self.interval = interval
-        self.context: zmq.asyncio.Context | None = None
-        self.running: dict[str, tuple[Replica, KVEventSource, asyncio.Task]] = {}
+        self.context: zmq.Context | None = None
+        self.running: dict[str, Subscriber] = {}
 
     def sync(self) -> None:
         wanted = {r.name: r for r in self.replicas() if r.kv_events is not None and not r.draining}
         if self.context is None:
             if not wanted:
                 return
-            self.context = zmq.asyncio.Context()
-        for name, (replica, source, task) in list(self.running.items()):
-            if wanted.get(name) is not replica or replica.kv_events != source:
-                task.cancel()
+            self.context = zmq.Context()
+        for name, sub in list(self.running.items()):
+            if wanted.get(name) is not sub.replica or sub.replica.kv_events != sub.source:
+                sub.stop.set()
                 del self.running[name]
         for name, replica in wanted.items():
-            if replica.kv_index is None or replica.kv_index.max_blocks != replica.kv_events.max_blocks:
-                replica.kv_index = BlockIndex(replica.kv_events.max_blocks, replica.kv_events.max_message_bytes)
-            if name not in self.running:
-                sub = Subscriber(name, replica.kv_events, replica.kv_index, self.context)
-                self.running[name] = (replica, replica.kv_events, asyncio.create_task(sub.run()))
-            if replica.state == DOWN and len(replica.kv_index):
-                replica.kv_index.clear(f"backend {name} is down")
+            if name in self.running:
+                continue
+            # a fresh index for a fresh subscription: what the old one knew may have changed unseen meanwhile
+            replica.kv_index = BlockIndex(replica.kv_events.max_blocks, replica.kv_events.max_message_bytes)
+            sub = self.running[name] = Subscriber(replica, replica.kv_events, replica.kv_index, self.context)
+            sub.thread.start()
 
     async def run(self) -> None:
         try:
@@ -300,13 +309,12 @@ class Subscribers:
                 self.sync()
                 await asyncio.sleep(self.interval)
         finally:
-            tasks = [task for _, _, task in self.running.values()]
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            subs = list(self.running.values())
             self.running.clear()
+            for sub in subs:
+                sub.stop.set()
+            for sub in subs:  # each notices within a poll
+                await asyncio.to_thread(sub.thread.join, 5)
             if self.context is not None:
-                self.context.term()
+                self.context.destroy(linger=0)
                 self.context = None

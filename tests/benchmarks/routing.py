@@ -275,8 +275,8 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
     if profile == "precise-prefix":  # the gateway binds each server's event address; the servers connect
         scorer = {**PRECISE["scorers"][0], "params": {"tokenizer": str(args.model_dir.resolve())}}
         policy["routing"]["profiles"] = {profile: {"scorers": [scorer, *PRECISE["scorers"][1:]]}}
-        for backend, port in zip(policy["models"][0]["backends"], args.kv_events_ports, strict=True):
-            backend["kv_events"] = {"bind": f"tcp://127.0.0.1:{port}"}
+        for backend, events_port in zip(policy["models"][0]["backends"], args.kv_events_ports, strict=True):
+            backend["kv_events"] = {"bind": f"tcp://127.0.0.1:{events_port}"}
     path = work / f"policy-{profile}.yaml"
     path.write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
