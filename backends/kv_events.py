@@ -30,9 +30,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-import zmq
-
 from backends.replicas import DOWN, Replica
 
 log = logging.getLogger("gateway.kv_events")
@@ -107,6 +104,8 @@ class BlockIndex:
         if len(frames) != 3 or len(frames[1]) != 8 or sum(len(f) for f in frames) > self.max_message_bytes:
             self.refused += 1
             return
+        import msgpack  # here, not at import: a gateway without kv_events runs without it (the GPU site's)
+
         try:
             batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)  # its lengths bounded by its size
         except Exception:  # msgpack raises several kinds for hostile input (ExtraData, FormatError, ValueError...)
@@ -231,12 +230,14 @@ class Subscriber:
 
     POLL_MS = 200  # how often a quiet socket checks whether to stop or whether its replica is down
 
-    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex, context: zmq.Context) -> None:
+    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex, context) -> None:
         self.replica, self.source, self.index, self.context = replica, source, index, context
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name=f"kv-events-{replica.name}", daemon=True)
 
-    def socket(self) -> zmq.Socket:
+    def socket(self):
+        import zmq
+
         sock = self.context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)  # a larger message drops the connection
@@ -249,6 +250,8 @@ class Subscriber:
         return sock
 
     def run(self) -> None:
+        import zmq
+
         backoff, name = 0.5, self.replica.name
         while not self.stop.is_set():
             sock = None
@@ -282,7 +285,7 @@ class Subscribers:
     def __init__(self, replicas: Callable[[], Iterable[Replica]], interval: float = 1.0) -> None:
         self.replicas = replicas
         self.interval = interval
-        self.context: zmq.Context | None = None
+        self.context = None  # a zmq.Context once a replica has a source
         self.running: dict[str, Subscriber] = {}
 
     def sync(self) -> None:
@@ -290,6 +293,8 @@ class Subscribers:
         if self.context is None:
             if not wanted:
                 return
+            import zmq
+
             self.context = zmq.Context()
         for name, sub in list(self.running.items()):
             if wanted.get(name) is not sub.replica or sub.replica.kv_events != sub.source:
