@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,13 +63,21 @@ class KVEventSource:
     topic: str = "kv"
     max_message_bytes: int = 4 * 1024 * 1024
     max_blocks: int = 131072
+    replay: str | None = None  # vLLM's replay_endpoint (it binds, a ROUTER): where a gap's batches are asked again
+
+
+MAX_REPLAY = 10_000  # batches asked again for one gap (vLLM keeps its last buffer_steps, 10,000 by default)
+REPLAY_SECONDS = 2.0  # the most one replay waits for vLLM's answer
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's marker after the last replayed batch
 
 
 class BlockIndex:
     """One replica's cached blocks by content key, fed with the raw messages of its event stream."""
 
-    def __init__(self, max_blocks: int = 131072, max_message_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, max_blocks: int = 131072, max_message_bytes: int = 4 * 1024 * 1024,
+                 replay: Callable[[int, int], list[list[bytes]]] | None = None) -> None:
         self.max_blocks = max_blocks
+        self.replay = replay  # (start, end) -> the messages start..end-1 again, for a gap; None: a gap clears
         self.max_message_bytes = max_message_bytes
         self.by_hash: dict[Any, int] = {}  # vLLM's block hash -> content key, oldest stored first
         self.keys: dict[int, int] = {}  # content key -> how many of vLLM's blocks have it
@@ -79,6 +88,7 @@ class BlockIndex:
         self.refused = 0  # messages or events skipped as malformed, oversized or unknown
         self.stored_total = 0  # blocks indexed
         self.removed_total = 0  # indexed blocks that vLLM evicted
+        self.replayed = 0  # lost batches recovered from vLLM's replay buffer
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -99,8 +109,10 @@ class BlockIndex:
         self.keys.clear()
         self.clears += 1
 
-    def feed(self, frames: list[bytes]) -> None:
-        """One ZMQ message. Never raises: what cannot be read is counted in `refused`."""
+    def feed(self, frames: list[bytes], replaying: bool = False) -> None:
+        """One ZMQ message. Never raises: what cannot be read is counted in `refused`. A sequence gap asks the
+        replay source (if any) for the lost batches first and applies them in order; what it cannot recover
+        clears the index."""
         if len(frames) != 3 or len(frames[1]) != 8 or sum(len(f) for f in frames) > self.max_message_bytes:
             self.refused += 1
             return
@@ -114,9 +126,27 @@ class BlockIndex:
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
             self.refused += 1
             return
-        self.sequence(int.from_bytes(frames[1], "big"))
+        seq = int.from_bytes(frames[1], "big")
+        last = self.last_seq
+        if not replaying and self.replay is not None and last is not None and last + 1 < seq <= last + MAX_REPLAY:
+            self.fill(last + 1, seq)
+        self.sequence(seq)
         for event in batch[1]:
             self.apply(event)
+
+    def fill(self, start: int, end: int) -> None:
+        """Apply the batches start..end-1 from the replay source, in order (a missing one is a gap: it clears)."""
+        try:
+            missing = self.replay(start, end)
+        except Exception as exc:  # the replay socket failed: the gap clears the index as without one
+            log.warning("KV events replay of %d..%d failed: %s", start, end - 1, exc)
+            return
+        for frames in missing:
+            if len(frames) == 3 and len(frames[1]) == 8 and start <= int.from_bytes(frames[1], "big") < end:
+                self.feed(frames, replaying=True)
+        if self.last_seq == end - 1:  # recovered: a gap all the same, but nothing forgotten
+            self.replayed += end - start
+            self.gaps += 1
 
     def sequence(self, seq: int) -> None:
         last, self.last_seq = self.last_seq, seq
@@ -249,6 +279,31 @@ class Subscriber:
             sock.connect(self.source.endpoint)
         return sock
 
+    def replay(self, start: int, end: int) -> list[list[bytes]]:
+        """The batches start..end-1 again from vLLM's replay endpoint (a DEALER to its ROUTER), bounded in count,
+        size and time; fewer when vLLM no longer has them."""
+        import zmq
+
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)
+        sock.connect(self.source.replay)
+        try:
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out: list[list[bytes]] = []
+            deadline = time.monotonic() + REPLAY_SECONDS
+            while len(out) < end - start:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    break
+                frames = sock.recv_multipart()  # [b"", topic, seq, payload], or [b"", b"", END_SEQ, b""]
+                if len(frames) != 4 or frames[2] == END_SEQ or int.from_bytes(frames[2], "big") >= end:
+                    break
+                out.append(frames[1:])
+            return out
+        finally:
+            sock.close(linger=0)
+
     def run(self) -> None:
         import zmq
 
@@ -306,6 +361,8 @@ class Subscribers:
             # a fresh index for a fresh subscription: what the old one knew may have changed unseen meanwhile
             replica.kv_index = BlockIndex(replica.kv_events.max_blocks, replica.kv_events.max_message_bytes)
             sub = self.running[name] = Subscriber(replica, replica.kv_events, replica.kv_index, self.context)
+            if replica.kv_events.replay:
+                replica.kv_index.replay = sub.replay
             sub.thread.start()
 
     async def run(self) -> None:

@@ -41,7 +41,7 @@ def kv_event_source(config: KVEvents | None) -> KVEventSource | None:
     if config is None:
         return None
     return KVEventSource(config.bind or config.connect, config.bind is not None, config.topic,
-                         config.max_message_bytes, config.max_blocks)
+                         config.max_message_bytes, config.max_blocks, config.replay)
 
 
 def replica_groups(model: Model) -> dict[str, list[Replica]]:

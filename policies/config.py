@@ -392,6 +392,9 @@ class KVEvents(Strict):
     bind: str | None = Field(None, pattern=ZMQ_TCP)
     connect: str | None = Field(None, pattern=ZMQ_TCP)
     topic: str = Field("kv", pattern=r"^[A-Za-z0-9._-]{0,64}$")  # vLLM's `topic` (prefix-matched by ZMQ)
+    # vLLM's `replay_endpoint` (vLLM binds it): on a gap in the events the gateway asks there for the lost ones
+    # instead of forgetting the replica's blocks; null: a gap clears them
+    replay: str | None = Field(None, pattern=ZMQ_TCP)
     # one message (one batch of events); vLLM's are a few KB: a larger one is dropped with its connection
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024**2)
     # blocks remembered for this replica (~200 bytes each; 131,072 blocks of 16 tokens cover a 2M-token cache):

@@ -99,7 +99,10 @@ async def flood(server: VLLMServer, tokens: int) -> None:
 
 def test_the_index_sees_real_blocks_and_the_scorer_follows_them_through_an_eviction(kv_gateway, vllm_servers):
     gw, servers, run = kv_gateway, vllm_servers, secrets.token_hex(3)
-    hits = lambda: gw.metric("llm_gateway_routing_decisions_total", scorer="precise-prefix", outcome="hit")  # noqa: E731
+
+    def hits() -> float:
+        return gw.metric("llm_gateway_routing_decisions_total", scorer="precise-prefix", outcome="hit")
+
     for key in ("a", "b"):  # a prompt only `key` has seen: the gateway sends it there
         messages = chat(f"primed on {key} in run {run}")
         prime(gw, servers[key], key, messages)

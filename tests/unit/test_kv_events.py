@@ -81,6 +81,33 @@ def test_a_sequence_gap_or_a_restart_clears_the_index_which_refills_from_the_nex
     assert index.matched(keys([9, 9, 9, 9])) == 0 and index.matched(keys(PROMPT)) == 1
 
 
+def test_a_gap_is_filled_from_the_replay_buffer_in_order_and_clears_only_what_it_cannot_recover():
+    lost = {1: message(1, stored([12], PROMPT[4:8], parent=11)), 2: message(2, stored([13], PROMPT[8:12], parent=12))}
+    asked = []
+
+    def replay(start, end):
+        asked.append((start, end))
+        return [lost[s] for s in range(start, end) if s in lost]
+
+    index = BlockIndex(replay=replay)
+    index.feed(message(0, stored([11], PROMPT[:4])))
+    index.feed(message(3, removed([11])))  # 1 and 2 lost on the way: asked again, applied before 3
+    assert asked == [(1, 3)] and index.replayed == 2 and index.gaps == 1 and index.clears == 0
+    assert index.matched(keys(PROMPT)) == 0 and len(index) == 2  # 12 and 13 stored, then 11 removed
+    del lost[2]  # vLLM's buffer no longer has one of them: the gap clears as without replay
+    index.feed(message(4, stored([11], PROMPT[:4])))
+    index.feed(message(7, stored([21], [9] * BS)))
+    assert index.clears == 1 and index.matched(keys([9] * BS)) == 1 and len(index) == 1
+
+    def broken(start, end):
+        raise OSError("replay socket failed")
+
+    index = BlockIndex(replay=broken)
+    index.feed(message(0, stored([11], PROMPT[:4])))
+    index.feed(message(2, stored([21], [9] * BS)))
+    assert index.clears == 1 and len(index) == 1
+
+
 def test_blocks_whose_parent_is_unknown_are_skipped():
     index = BlockIndex()
     index.feed(message(0, stored([13], PROMPT[8:12], parent=999)))
@@ -204,6 +231,50 @@ async def test_subscribers_bind_receive_real_zmq_messages_and_clear_a_down_repli
     assert subs.running == {} and subs.context is None
 
 
+async def test_a_subscriber_asks_vllms_replay_endpoint_for_lost_events():
+    """A ROUTER answering as vLLM's replay endpoint does: [id, b"", topic, seq, payload] per buffered batch from
+    the asked sequence on, then [id, b"", b"", END_SEQ, b""]."""
+    port, replay_port = _free_port(), _free_port()
+    source = KVEventSource(f"tcp://127.0.0.1:{port}", bind=True, replay=f"tcp://127.0.0.1:{replay_port}")
+    r = replica("a", source)
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    for sock in (pub, router):
+        sock.setsockopt(zmq.LINGER, 0)
+    router.bind(source.replay)
+    pub.connect(source.endpoint)
+    buffer = {0: message(0, stored([11], PROMPT[:4])), 1: message(1, stored([12], PROMPT[4:8], parent=11)),
+              2: message(2, stored([13], PROMPT[8:12], parent=12)), 3: message(3, removed([11]))}
+
+    def serve_replay() -> None:
+        if router.poll(0):
+            client, _, start = router.recv_multipart()
+            for seq in range(int.from_bytes(start, "big"), 4):
+                router.send_multipart([client, b"", *buffer[seq]])
+            router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    subs = Subscribers(lambda: [r], interval=0.05)
+    task = asyncio.create_task(subs.run())
+    try:
+        def first_seen() -> bool:
+            pub.send_multipart(buffer[0])
+            return r.kv_index is not None and r.kv_index.last_seq == 0
+
+        await wait_for(first_seen)
+        pub.send_multipart(buffer[3])  # 1 and 2 never sent: lost
+        await wait_for(lambda: (serve_replay(), r.kv_index.last_seq == 3)[1])
+        # (a repeat of batch 0 may have cleared and refilled the index before: the last one restores block 11)
+        assert r.kv_index.replayed == 2 and r.kv_index.gaps == 1
+        assert r.kv_index.matched(keys(PROMPT)) == 0 and len(r.kv_index) == 2  # 12 and 13 from 1 and 2; 11 gone
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pub.close()
+        router.close()
+        ctx.term()
+
+
 def _free_port() -> int:
     import socket
 
@@ -280,12 +351,14 @@ def test_the_policy_gives_a_backend_its_event_source():
 
     model = Model.model_validate({"name": "m", "backends": [
         {"url": "http://127.0.0.1:8000", "kv_events": {"bind": "tcp://127.0.0.1:5557"}},
-        {"url": "http://127.0.0.1:8001", "kv_events": {"connect": "tcp://10.0.0.2:5557", "max_blocks": 1024}},
+        {"url": "http://127.0.0.1:8001", "kv_events": {"connect": "tcp://10.0.0.2:5557", "max_blocks": 1024,
+                                                        "replay": "tcp://10.0.0.2:5558"}},
         {"url": "http://127.0.0.1:8002"},
     ]})
     a, b, c = replicas_of(model)
     assert a.kv_events == KVEventSource("tcp://127.0.0.1:5557", bind=True)
-    assert b.kv_events == KVEventSource("tcp://10.0.0.2:5557", bind=False, max_blocks=1024)
+    assert b.kv_events == KVEventSource("tcp://10.0.0.2:5557", bind=False, max_blocks=1024,
+                                        replay="tcp://10.0.0.2:5558")
     assert c.kv_events is None
     for bad in ({}, {"bind": "tcp://127.0.0.1:1", "connect": "tcp://127.0.0.1:2"}, {"bind": "ipc:///tmp/x"},
                 {"connect": "tcp://h:1; rm"}):
