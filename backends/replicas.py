@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.http1 import Client, UpstreamError
 from backends.upstream import Upstream
@@ -73,6 +74,8 @@ class Replica:
     draining: bool = False  # removed from the set: no new requests, those in flight finish
     variant: str | None = None  # the model's variant it serves, when the model has variants
     group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
+    kv_events: Any = None  # a KVEventSource when vLLM publishes its KV cache events to this gateway
+    kv_index: Any = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
     upstream: Upstream | None = field(default=None, init=False, repr=False)
 
@@ -99,7 +102,7 @@ class Replica:
     def take_settings(self, other: Replica) -> None:
         """Adopt `other`'s settings (same name and URL): its state, counters and slots stay."""
         self.served_name, self.health_path, self.source = other.served_name, other.health_path, other.source
-        self.cap, self.adaptive = other.cap, other.adaptive
+        self.cap, self.adaptive, self.kv_events = other.cap, other.adaptive, other.kv_events
         if other.cap is None:
             self.limit = None
         elif other.adaptive is None or self.limit is None:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.egress import GuardedDialer, Resolver, SystemResolver
 from backends.http1 import Client
+from backends.kv_events import Subscribers
 from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
@@ -89,6 +90,7 @@ class Gateway:
         scrape = policy.routing.scrape
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped, max_bytes=scrape.max_bytes)
+        self.kv_subscribers = Subscribers(lambda: list(self.replicas))
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         variants = Variants(self.metrics)
         state = open_state(policy, variants, self.background.run)  # what the store kind implies (policies/state)
@@ -255,6 +257,7 @@ class Gateway:
             loops.append(asyncio.create_task(self.variant_share.run()))
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
+        loops.append(asyncio.create_task(self.kv_subscribers.run()))  # idle unless a backend has kv_events
         if self.policy.ledger.enabled:
             loops.append(asyncio.create_task(self.refresh_report_gauges()))
         loops.append(asyncio.create_task(self.scaling.run(lambda: (self.policy, self.admission.queues))))

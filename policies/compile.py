@@ -6,9 +6,10 @@ timings, the rented providers) is handed plain settings built here.
 
 from __future__ import annotations
 
+from backends.kv_events import KVEventSource
 from backends.rented import Price, ProviderSettings, RentedProviders
 from backends.replicas import AdaptiveLimit, HealthTimings, Replica, ReplicaSet
-from policies.config import Adaptive, Health, Model, Policy, backend_name, groups_of
+from policies.config import Adaptive, Health, KVEvents, Model, Policy, backend_name, groups_of
 
 
 def health_timings(health: Health) -> HealthTimings:
@@ -34,9 +35,17 @@ def replicas_of(model: Model) -> list[Replica]:
             adaptive=adaptive_limit(backend.adaptive),
             priority_scheduling=backend.scheduling_policy == "priority",
             variant=variant.name if variant else None,
+            kv_events=kv_event_source(backend.kv_events),
         )
         for i, (backend, variant) in enumerate(zip(model.backends, variants, strict=True))
     ]
+
+
+def kv_event_source(config: KVEvents | None) -> KVEventSource | None:
+    if config is None:
+        return None
+    return KVEventSource(config.bind or config.connect, config.bind is not None, config.topic,
+                         config.max_message_bytes, config.max_blocks, config.replay)
 
 
 def replica_groups(model: Model) -> dict[str, list[Replica]]:

@@ -27,6 +27,7 @@ class LiveMetrics:
             ["version"], registry=registry,
         )
         registry.register(ReplicaCollector(replicas))
+        registry.register(KVIndexCollector(replicas))
         self.registry = registry
 
     def watching(self, discovery) -> None:
@@ -65,6 +66,37 @@ class ReplicaCollector:
             draining.add_metric([model], n)
         yield counts
         yield draining
+
+
+class KVIndexCollector:
+    """Per backend whose vLLM publishes KV cache events (backends/kv_events.py): the blocks its index holds, and
+    the blocks stored and removed, the clears (gaps, restarts, AllBlocksCleared), gaps and refused input so far."""
+
+    COUNTERS = (("llm_gateway_kv_blocks_stored", "Blocks vLLM reported stored.", "stored_total"),
+                ("llm_gateway_kv_blocks_removed", "Indexed blocks vLLM reported evicted.", "removed_total"),
+                ("llm_gateway_kv_index_clears", "Index clears: AllBlocksCleared, a gap, a restart, down.", "clears"),
+                ("llm_gateway_kv_event_gaps", "Sequence gaps in the event stream (events lost).", "gaps"),
+                ("llm_gateway_kv_events_refused", "Messages or events refused as malformed, oversized or unknown.",
+                 "refused"))
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        indexed = [r for r in self.replicas if r.kv_index is not None]
+        blocks = GaugeMetricFamily("llm_gateway_kv_blocks", "KV cache blocks vLLM holds, as its events say.",
+                                   labels=["model", "backend"])
+        for r in indexed:
+            blocks.add_metric([r.model, r.name], len(r.kv_index))
+        yield blocks
+        for name, doc, attribute in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model", "backend"])
+            for r in indexed:
+                family.add_metric([r.model, r.name], getattr(r.kv_index, attribute))
+            yield family
 
 
 class WatchCollector:

@@ -43,23 +43,20 @@ from pydantic import Field
 
 from backends.vllm_stats import VLLMStats
 from policies.pipeline import Call
-from policies.routing.base import Candidate, Note, Stats, relative_load
-from policies.routing.base import Params as BaseParams
+from policies.routing.base import Candidate, Note, Stats
+from policies.routing.prefix_guard import GuardParams, prefix_scores
 from policies.routing.prompt import prompt_text
 
 CHARS_PER_TOKEN = 4
 
 
-KV_FULL = 0.95  # vLLM's KV cache this full preempts soon (the kv-headroom filter's default)
 SHARED = object()  # an LRU block's mark: prompts continued it in more than one way
 
 
-class Params(BaseParams):
+class Params(GuardParams):
     block_chars: int = Field(64, ge=4, le=4096)  # characters per hashed block (~16 tokens)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks hashed per request (longer prompts: the start)
     lru_blocks: int = Field(65536, ge=16, le=100_000_000)  # per replica, until vLLM reports its cache size
-    guard: bool = True  # false: the match alone decides (a baseline for benchmarks; a hot prefix piles up)
-    imbalance: float | None = Field(None, ge=1)  # opt-in: requests more than the least loaded that also trip it
 
 
 class PrefixAffinity:
@@ -111,62 +108,18 @@ class PrefixAffinity:
             self._observe(replica, vllm)
         matched = [self.matched(r, blocks) for r in candidates]
         note.data = (blocks, matched)
-        best = max(matched)
-        if best == 0:
-            note.outcome = "miss"
-            return [0.0] * len(candidates)
-        loads = [stats.load(r) for r in candidates]
-        preferred = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
-        if self.params.guard:
-            guarded = self.guard(candidates, seen, loads, matched, blocks, preferred, note)
-            if guarded is not None:
-                return guarded
-        note.outcome = "hit"
-        held = min(matched)  # what every candidate holds (a shared prefix copied everywhere) decides nothing
-        if held == best:
-            return [1.0] * len(candidates)
-        return [(m - held) / (best - held) for m in matched]
+        per_token = self.params.block_chars / CHARS_PER_TOKEN
 
-    def guard(self, candidates: Sequence[Candidate], seen: list[VLLMStats | None], loads: list[float],
-              matched: list[int], blocks: list[int], p: int, note: Note) -> list[float] | None:
-        """The scores when the load guard trips (the module's docstring gives the rules), else None."""
-        others = [i for i in range(len(candidates)) if i != p]
-        waiting = seen[p].waiting if seen[p] is not None else None
-        if waiting:
-            per_token = self.params.block_chars / CHARS_PER_TOKEN
-            prompt = len(blocks) * per_token
-            costs = [self.queued(s, prompt) + prompt - m * per_token for s, m in zip(seen, matched)]
-            if costs[p] > min(costs[i] for i in others):
-                note.outcome = "guard_queue"
-                cheapest = max(1.0, min(costs))
-                return [cheapest / max(1.0, c) for c in costs]
-        kv = [None if s is None else s.kv_usage for s in seen]
-        if kv[p] is not None and kv[p] >= KV_FULL and any(kv[i] is None or kv[i] < KV_FULL for i in others):
-            note.outcome = "guard_kv"
-            best = max(m for m, u in zip(matched, kv) if u is None or u < KV_FULL) or 1
-            return [0.0 if u is not None and u >= KV_FULL else m / best for m, u in zip(matched, kv)]
-        least = min(loads)
-        if loads[p] > least:
-            lru = self.lrus[candidates[p].name]
-            if matched[p] == len(blocks) or lru.get(blocks[matched[p] - 1]) is SHARED:
-                note.outcome = "guard_shared"
-                return relative_load(loads)
-            imbalance = self.params.imbalance
-            if imbalance is not None and loads[p] - least >= imbalance:
-                note.outcome = "load_guard"
-                return relative_load(loads)
-        return None
+        def shared(i: int) -> bool:
+            return self.shared(self.lrus.get(candidates[i].name), blocks, matched[i])
+
+        loads = [stats.load(r) for r in candidates]
+        return prefix_scores(self.params, seen, loads, matched, len(blocks) * per_token, per_token, shared, note)
 
     @staticmethod
-    def queued(vllm: VLLMStats | None, prompt: float) -> float:
-        """Tokens of prefill waiting ahead on a replica: its waiting requests x its mean uncached prompt tokens
-        per finished request (vLLM's counters since it started), or x this prompt's when it has none yet."""
-        if vllm is None or not vllm.waiting:
-            return 0.0
-        per_request = prompt
-        if vllm.requests_finished and vllm.prefix_queries is not None:
-            per_request = max(0.0, vllm.prefix_queries - (vllm.prefix_hits or 0.0)) / vllm.requests_finished
-        return vllm.waiting * per_request
+    def shared(lru: OrderedDict[int, Any] | None, blocks: list[int], matched: int) -> bool:
+        """The match is the whole prompt (sent before) or ends in a block continued in more than one way."""
+        return matched == len(blocks) or (lru is not None and lru.get(blocks[matched - 1]) is SHARED)
 
     def picked(self, call: Call, replica: Candidate, note: Note) -> None:
         blocks = note.data[0] if note.data is not None else self.blocks(call)  # no note: a single candidate
@@ -210,3 +163,4 @@ class PrefixAffinity:
         tokens = vllm.cache_tokens
         if tokens:
             self._capacity[replica.name] = max(16, tokens * CHARS_PER_TOKEN // self.params.block_chars)
+

@@ -9,7 +9,8 @@ the cache to matter). One real `llm-gateway serve` lists both as replicas of one
 each routing profile with `routing: {default_profile: <profile>}`, and shares the two cores with the servers
 and with this client (unpinned). The profile "ceiling" has no gateway: the client sends conversation i to
 server i mod 2, every turn where its prefix is (what routing aims at). "unguarded" is the default profile with
-prefix-affinity's load guard off (BENCH_PROFILES).
+prefix-affinity's load guard off (BENCH_PROFILES); "precise-prefix" is the default profile with the precise-prefix
+scorer, fed by the servers' KV cache events, in prefix-affinity's place (PRECISE).
 
 The workloads (--workloads), each the same request sequence under every profile (seeded):
 - distinct: N conversations, each a distinct long system prompt (--system-tokens) and T turns; turn t resends the system
@@ -82,7 +83,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tests.e2e.vllm_procs import (  # noqa: E402
-    BASE_ARGS, VLLMServer, free_port, metric_value, parse_metrics, start_many, stop_all,
+    BASE_ARGS, VLLMServer, free_port, kv_events_args, metric_value, parse_metrics, start_many, stop_all,
 )
 from tests.support.probes import wait_http_ok  # noqa: E402
 
@@ -91,6 +92,10 @@ PROFILES = ("ceiling", "default", "least-in-flight", "session-affinity")
 # profiles the benchmark adds to the built-in ones: the default's scorers with prefix-affinity's load guard off
 BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": False}},
                                             {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight"}]}}
+# Not built in either: the default's scorers with precise-prefix (fed by the servers' KV cache events) for
+# prefix-affinity; its tokenizer is the model's directory, known only at run time (start_gateway)
+PRECISE = {"scorers": [{"name": "precise-prefix", "weight": 4}, {"name": "vllm-queue", "weight": 2},
+                       {"name": "least-in-flight", "weight": 1}]}
 MODEL = "bench"  # the served model name of the servers started here (--served-model for external ones)
 CHARS_PER_TOKEN = 4.0  # for sizing only; measured ~4.2 for this text and the models' tokenizer (see /tokenize check)
 WORDS = """the a of to and in is for that with as on by this be are from or it an at not if which can when
@@ -287,6 +292,11 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
         "models": [{"name": args.served_model, "queue": {"max_depth": 10_000, "max_wait": 300},
                     "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
     }
+    if profile == "precise-prefix":  # the gateway binds each server's event address; the servers connect
+        scorer = {**PRECISE["scorers"][0], "params": {"tokenizer": str(args.model_dir.resolve())}}
+        policy["routing"]["profiles"] = {**BENCH_PROFILES, profile: {"scorers": [scorer, *PRECISE["scorers"][1:]]}}
+        for backend, events_port in zip(policy["models"][0]["backends"], args.kv_events_ports, strict=True):
+            backend["kv_events"] = {"bind": f"tcp://127.0.0.1:{events_port}"}
     path = work / f"policy-{profile}-{port}.yaml"
     path.write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
@@ -550,6 +560,9 @@ def parse_args(argv=None):
     ext.add_argument("--served-model", default=MODEL, help="the model name the servers serve (default: %(default)s)")
     ext.add_argument("--server-logs", help="comma-separated log files of the --servers, in order (vLLM run with "
                      "--enable-log-requests): tells which server served each turn; without them no 'same server'")
+    ext.add_argument("--kv-events-ports", help="comma-separated ports, one per server, where the precise-prefix "
+                     "profile's gateway binds for the servers' KV cache events (run with --kv-events-config "
+                     "endpoint tcp://127.0.0.1:PORT)")
     ext.add_argument("--gateway-cmd", help="how to run the gateway, e.g. \"python3 -m gateway\" (default: the "
                      "llm-gateway script next to this interpreter, else this interpreter's -m gateway)")
     ext.add_argument("--print-kv-bytes", action="store_true", help="print the --kv-cache-memory-bytes per server "
@@ -575,6 +588,9 @@ def parse_args(argv=None):
     elif logs:
         p.error("--server-logs goes with --servers")
     args.server_logs = logs or [None] * len(args.servers)
+    args.kv_events_ports = [int(x) for x in (args.kv_events_ports or "").split(",") if x.strip()]
+    if "precise-prefix" in args.profiles and args.servers and len(args.kv_events_ports) != len(args.servers):
+        p.error("the precise-prefix profile on --servers needs --kv-events-ports, one per server")
     return args
 
 
@@ -618,9 +634,11 @@ def main(argv=None) -> int:
               f"(~{cache_tokens:,} tokens at {per_token:,} bytes a token); load average {load_before[0]:.2f}",
               flush=True)
         log_dir = REPO / ".cache" / "bench" / "routing-logs"
+        args.kv_events_ports = args.kv_events_ports or [free_port(), free_port()]
         servers = [BenchServer(model_dir, name, core=core, log_dir=log_dir, max_model_len=args.max_model_len,
-                               kv_bytes=kv_bytes, env={"VLLM_SERVER_DEV_MODE": "1"})
-                   for name, core in (("vllm-a", 0), ("vllm-b", 1))]
+                               kv_bytes=kv_bytes, env={"VLLM_SERVER_DEV_MODE": "1"},
+                               extra_args=kv_events_args(port))  # publishing costs nothing while nobody binds
+                   for (name, core), port in zip((("vllm-a", 0), ("vllm-b", 1)), args.kv_events_ports)]
         start_many(servers, timeout=300)
 
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:

@@ -28,6 +28,7 @@ from tests.e2e.vllm_procs import (
     default_model_dir,
     default_vllm_venv,
     free_port,
+    kv_events_args,
     running_servers,
     start_many,
     stop_all,
@@ -58,13 +59,17 @@ def vllm_servers(tmp_path_factory, request):
     if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
         pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
     logs = tmp_path_factory.mktemp("vllm-logs")
+    ports = (free_port(), free_port())
     servers = {
         # A also carries what the wider surface needs, so no extra generation server is started for it: tool
         # calls (auto tool choice, the hermes parser) and the Responses store (a stored response can be retrieved)
-        "a": VLLMServer(model, "tiny-a", core=0, log_dir=logs, extra_args=TOOL_ARGS,
+        # Both publish their KV cache events to a port of their own (test_kv_events_vllm.py binds them).
+        "a": VLLMServer(model, "tiny-a", core=0, log_dir=logs, extra_args=TOOL_ARGS + kv_events_args(ports[0]),
                         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}),
-        "b": VLLMServer(model, "tiny-b", core=1, log_dir=logs),
+        "b": VLLMServer(model, "tiny-b", core=1, log_dir=logs, extra_args=kv_events_args(ports[1])),
     }
+    for server, port in zip(servers.values(), ports):
+        server.kv_events_port = port
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
         # generous: on a busy 2-core machine two servers starting together have taken ~55 s each

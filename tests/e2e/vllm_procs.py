@@ -48,6 +48,14 @@ BASE_ARGS: tuple[str, ...] = (
     "--enforce-eager",
 )  # fmt: skip
 
+def kv_events_args(port: int, topic: str = "kv") -> tuple[str, ...]:
+    """Flags that make vLLM publish its KV cache events to tcp://127.0.0.1:port: with a concrete address vLLM
+    connects, so whoever reads them (a gateway's `kv_events: {bind: ...}`) binds; nobody bound costs nothing."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+              "topic": topic}
+    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config))
+
+
 # Variables that would make the vLLM venv's interpreter pick up the caller's environment or override flags.
 _SCRUBBED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")
 

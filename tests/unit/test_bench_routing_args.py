@@ -18,6 +18,12 @@ def test_external_servers_are_named_by_port_and_logs_pair_with_them():
     assert args.served_model == "qwen3-4b"
 
 
+def test_external_servers_name_their_kv_event_ports_for_the_precise_prefix_profile():
+    args = parse_args(["--servers", "http://127.0.0.1:8000,http://127.0.0.1:8001", "--profiles",
+                       "prefix-affinity,precise-prefix", "--kv-events-ports", "5557,5558"])
+    assert args.kv_events_ports == [5557, 5558] and args.profiles == ["prefix-affinity", "precise-prefix"]
+
+
 def test_without_logs_the_server_logs_are_none():
     args = parse_args(["--servers", "http://127.0.0.1:8000,http://localhost:8001"])
     assert args.server_logs == [None, None]
@@ -30,6 +36,10 @@ def test_without_logs_the_server_logs_are_none():
     ["--servers", "http://127.0.0.1:8000"],  # one server
     ["--servers", "http://127.0.0.1:8000,http://127.0.0.1:8001", "--server-logs", "a.log"],  # one log for two
     ["--server-logs", "a.log"],  # logs without servers
+    # the precise-prefix profile on external servers without their KV event ports
+    ["--servers", "http://127.0.0.1:8000,http://127.0.0.1:8001", "--profiles", "precise-prefix"],
+    ["--servers", "http://127.0.0.1:8000,http://127.0.0.1:8001", "--profiles", "precise-prefix",
+     "--kv-events-ports", "5557"],
 ])
 def test_bad_external_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -22,7 +22,7 @@ while read -r f; do
 done < $W/files.txt
 # 2. the gateway's dependencies that neither the image nor vLLM's set has (pyproject.toml; kubernetes is optional)
 for spec in litestar==2.25.0 litestar-htmx==0.5.0 faker==40.63.0 polyfactory==3.5.0 rich-click==1.9.9 \
-            multipart==2.0.1 orjson==3.13.0 redis==8.1.0 hiredis==3.5.0; do
+            multipart==2.0.1 orjson==3.13.0 redis==8.1.0 hiredis==3.5.0 msgpack==1.2.4; do
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 -d $W/gwdeps $spec
 done

@@ -13,7 +13,9 @@
 # session-affinity; the last is dropped when the servers came up too late for 8 runs of 35 s), WORKLOADS
 # (distinct,hot), CONVS / ACTIVE / TURNS / TOOL (320 / 160 / 5 / 0.5,3), EAGER=1 (--enforce-eager: up ~1 min
 # sooner, but no CUDA graphs, so decode steps are slower and TTFT includes more queueing: not comparable with a
-# CUDA-graph run).
+# CUDA-graph run), KV_EVENTS=1 (the servers publish their KV cache events to 127.0.0.1:5557/5558 and the
+# precise-prefix profile runs too, whatever PROFILES says; the site needs msgpack, build_site.sh ships it; in
+# the dry run the simulators publish none, so it checks only the profile's command line and policy: load decides).
 set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 BUDGET=${STEP5_BUDGET:-560}
@@ -26,30 +28,34 @@ W="--conversations ${CONVS:-320} --active ${ACTIVE:-160} --turns ${TURNS:-5} --s
    --workloads ${WORKLOADS:-distinct,hot}"
 PROFILES_GIVEN=${PROFILES:-}
 PROFILES=${PROFILES:-ceiling,default,least-in-flight,session-affinity}
+with_events() { case ",$1," in *,precise-prefix,*) echo $1 ;; *) echo $1${KV_EVENTS:+,precise-prefix} ;; esac; }
+PROFILES=$(with_events $PROFILES)
 PY=${PYTHON:-python3}
 
-# run_routing REM SERVERS MODEL LOGS GATEWAY_CMD: every workload under every profile, each run cut at a share of REM
+# run_routing REM SERVERS MODEL LOGS GATEWAY_CMD EVENTS: every workload under every profile, each run cut at a
+# share of REM; EVENTS: routing.py's KV event arguments (used with KV_EVENTS=1)
 run_routing() {
-  local rem=$1 servers=$2 model=$3 logs=$4 gw=$5 nw np pt
+  local rem=$1 servers=$2 model=$3 logs=$4 gw=$5 events=$6 nw np pt
   nw=$(echo "${WORKLOADS:-distinct,hot}" | tr ',' '\n' | grep -c .)
   np=$(echo $PROFILES | tr ',' '\n' | grep -c .)
   pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
   if [ $pt -lt 35 ] && [ -z "$PROFILES_GIVEN" ]; then  # the comparison profile goes first when time is short
-    PROFILES=ceiling,default,least-in-flight; np=3; pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
+    PROFILES=$(with_events ceiling,default,least-in-flight); np=$(echo $PROFILES | tr ',' '\n' | grep -c .); pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
   fi
   [ $pt -gt 150 ] && pt=150
   [ $pt -ge 25 ] || { echo "only ${rem}s left: no time for $np profiles x $nw workloads"; return 7; }
   echo "profiles $PROFILES on ${WORKLOADS:-distinct,hot}, each run cut at ${pt}s (${rem}s left)"
   timeout $(( rem + 10 )) $PY -m tests.benchmarks.routing --servers $servers --served-model $model \
-    ${logs:+--server-logs $logs} --gateway-cmd "$gw" --profiles $PROFILES --profile-timeout $pt $W \
+    ${logs:+--server-logs $logs} ${KV_EVENTS:+$events} --gateway-cmd "$gw" --profiles $PROFILES --profile-timeout $pt $W \
     --out $OUT/routing.json 2>&1 | tee $OUT/routing.txt
   local rc=${PIPESTATUS[0]}; echo "routing.py exit $rc at $(el)s"
   [ $rc -le 1 ] && [ -s $OUT/routing.json ]  # 1 with results: a target missed (the table says which)
 }
 
 if [ -n "$DRY" ]; then
-  P0=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  P1=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  free_port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+  P0=$(free_port)
+  P1=$(free_port)
   for p in $P0 $P1; do
     $PY -m backends.simulator --port $p --model qwen3-4b --max-model-len 8192 --kv-cache-tokens 300000 \
       --log-level warning > $OUT/sim-$p.log 2>&1 & echo $! > $OUT/sim-$p.pid
@@ -59,7 +65,10 @@ if [ -n "$DRY" ]; then
     for _ in $(seq 1 60); do $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$p/health', timeout=2)" \
       2>/dev/null && break; sleep 0.5; done
   done
-  run_routing $(( BUDGET - $(el) )) http://127.0.0.1:$P0,http://127.0.0.1:$P1 qwen3-4b "" "$PY -m gateway"
+  E0=$(free_port)
+  E1=$(free_port)
+  run_routing $(( BUDGET - $(el) )) http://127.0.0.1:$P0,http://127.0.0.1:$P1 qwen3-4b "" "$PY -m gateway" \
+    "--kv-events-ports $E0,$E1"
   exit $?
 fi
 
@@ -75,9 +84,10 @@ export VLLM_SERVER_DEV_MODE=1  # POST /reset_prefix_cache between profiles
 # Both at once: the explicit KV size spares the second its memory profile of the first. The same flags give the
 # same torch.compile cache key, so :8001 compiles into a cache root of its own rather than race :8000 writing the
 # shared one (:8000 keeps the default root, where step 2's compile of this configuration may already be).
-PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
+kve() { [ -n "${KV_EVENTS:-}" ] && echo "--kv-events-config {\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$1\",\"topic\":\"kv\"}"; }
+PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5557)
 PORT=8001 GPU_UTIL=0.4 VLLM_CACHE_ROOT=$SCRATCH/vllm-cache-8001 \
-  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager}
+  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5558)
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8000.log 8000 & H0=$!
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8001.log 8001 & H1=$!
 wait $H0; R0=$?; wait $H1; R1=$?
@@ -90,6 +100,7 @@ if [ $R0 != 0 ] || [ $R1 != 0 ]; then
 fi
 echo "both healthy at $(el)s"; nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader | tee $OUT/gpu-memory.txt
 run_routing $(( BUDGET - $(el) - 20 )) http://127.0.0.1:8000,http://127.0.0.1:8001 qwen3-4b \
-  $SCRATCH/w/vllm-r8000.log,$SCRATCH/w/vllm-r8001.log "python3 -m gateway"   # 20 s kept for stop.sh
+  $SCRATCH/w/vllm-r8000.log,$SCRATCH/w/vllm-r8001.log "python3 -m gateway" \
+  "--kv-events-ports 5557,5558 --model-dir $SCRATCH/q4b"   # 20 s kept for stop.sh
 RC=$?
 bash $D/stop.sh; echo "step5 took $(el)s"; exit $RC

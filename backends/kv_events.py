@@ -1,0 +1,401 @@
+"""Which KV cache blocks each vLLM replica holds, from the events vLLM publishes (`--kv-events-config`).
+
+vLLM sends every change to its prefix cache over ZMQ PUB as multipart messages `[topic, sequence (8 bytes, big
+endian), msgpack batch]`; a batch is `[ts, [event, ...], dp_rank?]` and an event is a tagged struct: a map with
+`type` (vLLM 0.32) or, from older versions, an array whose first item is the tag. `BlockStored` carries the new
+blocks' hashes, the hash of the block before the first one (`parent_block_hash`, none at a prompt's start), their
+token ids and the block size; `BlockRemoved` the hashes evicted; `AllBlocksCleared` nothing.
+
+The index keys a block by its *content*: the chain of token blocks from the prompt's start (`chain_key`), not by
+vLLM's hash, whose function and seed depend on vLLM's version and settings (sha256 or xxhash, cbor or pickle,
+PYTHONHASHSEED or a random seed). vLLM's hash is kept only to find a stored block's parent and to remove blocks.
+So a gateway that tokenizes a prompt as vLLM does (policies/routing/precise_prefix.py) can look its blocks up
+without knowing how that vLLM hashes.
+
+Bounds: a message larger than `max_message_bytes` is refused by ZMQ (MAXMSGSIZE) and checked again here; msgpack
+containers are limited by that size; an index holds at most `max_blocks` blocks (the oldest stored go first);
+anything malformed or of an unknown type is counted and skipped, never raised. Consistency: a sequence number
+that skips ahead means events were lost (the index cannot know what was removed meanwhile) and one that goes back
+means vLLM restarted (its cache is empty): both clear the index, as `AllBlocksCleared` does, and it refills from
+the next events. A replica that is down is cleared too. Blocks vLLM already held when the subscription started,
+or that were stored during a gap, stay unknown until vLLM stores them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from backends.replicas import DOWN, Replica
+
+log = logging.getLogger("gateway.kv_events")
+
+ROOT = 0  # the chain key before a prompt's first block
+
+
+def chain_key(parent: int, tokens: Iterable[int]) -> int:
+    """The content key of a block: its tokens and its parent's key (so it stands for the whole prefix up to it).
+    Tuples of ints hash the same in every Python process (PYTHONHASHSEED changes only str and bytes)."""
+    return hash((parent, tuple(tokens)))
+
+
+def prefix_keys(tokens: list[int], block_size: int, max_blocks: int) -> list[int]:
+    """The content keys of a token sequence's full blocks, from its start (at most `max_blocks`)."""
+    keys, key = [], ROOT
+    for start in range(0, min(len(tokens) // block_size, max_blocks) * block_size, block_size):
+        key = chain_key(key, tokens[start:start + block_size])
+        keys.append(key)
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventSource:
+    """Where a replica's events come from. bind=True: the gateway binds `endpoint` and vLLM, configured with that
+    concrete address, connects to it; False: vLLM binds (`tcp://*:PORT`) and the gateway connects."""
+
+    endpoint: str
+    bind: bool = True
+    topic: str = "kv"
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_blocks: int = 131072
+    replay: str | None = None  # vLLM's replay_endpoint (it binds, a ROUTER): where a gap's batches are asked again
+
+
+MAX_REPLAY = 10_000  # batches asked again for one gap (vLLM keeps its last buffer_steps, 10,000 by default)
+REPLAY_SECONDS = 2.0  # the most one replay waits for vLLM's answer
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's marker after the last replayed batch
+
+
+class BlockIndex:
+    """One replica's cached blocks by content key, fed with the raw messages of its event stream."""
+
+    def __init__(self, max_blocks: int = 131072, max_message_bytes: int = 4 * 1024 * 1024,
+                 replay: Callable[[int, int], list[list[bytes]]] | None = None) -> None:
+        self.max_blocks = max_blocks
+        self.replay = replay  # (start, end) -> the messages start..end-1 again, for a gap; None: a gap clears
+        self.max_message_bytes = max_message_bytes
+        self.by_hash: dict[Any, int] = {}  # vLLM's block hash -> content key, oldest stored first
+        self.keys: dict[int, int] = {}  # content key -> how many of vLLM's blocks have it
+        self.parents: dict[int, int] = {}  # content key -> the key it continues (ROOT: a prompt's first block)
+        self.continued: dict[int, int] = {}  # content key -> how many held keys continue it
+        self.block_size: int | None = None
+        self.last_seq: int | None = None
+        self.clears = 0  # AllBlocksCleared, gaps, restarts, replica down
+        self.gaps = 0
+        self.refused = 0  # messages or events skipped as malformed, oversized or unknown
+        self.stored_total = 0  # blocks indexed
+        self.removed_total = 0  # indexed blocks that vLLM evicted
+        self.replayed = 0  # lost batches recovered from vLLM's replay buffer
+
+    def __len__(self) -> int:
+        return len(self.by_hash)
+
+    def matched(self, keys: list[int]) -> int:
+        """How many of a prompt's leading blocks (content keys, in order) this replica holds."""
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def shared(self, key: int) -> bool:
+        """The prefix up to this key is continued in more than one way here (one system prompt, many chats)."""
+        return self.continued.get(key, 0) > 1
+
+    def clear(self, why: str = "") -> None:
+        if self.by_hash:
+            log.info("KV block index cleared (%s): %d blocks forgotten", why or "cleared", len(self.by_hash))
+        self.by_hash.clear()
+        self.keys.clear()
+        self.parents.clear()
+        self.continued.clear()
+        self.clears += 1
+
+    def feed(self, frames: list[bytes], replaying: bool = False) -> None:
+        """One ZMQ message. Never raises: what cannot be read is counted in `refused`. A sequence gap asks the
+        replay source (if any) for the lost batches first and applies them in order; what it cannot recover
+        clears the index."""
+        if len(frames) != 3 or len(frames[1]) != 8 or sum(len(f) for f in frames) > self.max_message_bytes:
+            self.refused += 1
+            return
+        import msgpack  # here, not at import: a gateway without kv_events runs without it (the GPU site's)
+
+        try:
+            batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)  # its lengths bounded by its size
+        except Exception:  # msgpack raises several kinds for hostile input (ExtraData, FormatError, ValueError...)
+            self.refused += 1
+            return
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            self.refused += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        last = self.last_seq
+        if not replaying and self.replay is not None and last is not None and last + 1 < seq <= last + MAX_REPLAY:
+            self.fill(last + 1, seq)
+        self.sequence(seq)
+        for event in batch[1]:
+            self.apply(event)
+
+    def fill(self, start: int, end: int) -> None:
+        """Apply the batches start..end-1 from the replay source, in order (a missing one is a gap: it clears)."""
+        try:
+            missing = self.replay(start, end)
+        except Exception as exc:  # the replay socket failed: the gap clears the index as without one
+            log.warning("KV events replay of %d..%d failed: %s", start, end - 1, exc)
+            return
+        for frames in missing:
+            if len(frames) == 3 and len(frames[1]) == 8 and start <= int.from_bytes(frames[1], "big") < end:
+                self.feed(frames, replaying=True)
+        if self.last_seq == end - 1:  # recovered: a gap all the same, but nothing forgotten
+            self.replayed += end - start
+            self.gaps += 1
+
+    def sequence(self, seq: int) -> None:
+        last, self.last_seq = self.last_seq, seq
+        if last is None or seq == last + 1:
+            return
+        if seq > last + 1:
+            self.gaps += 1
+            self.clear(f"events {last + 1}..{seq - 1} were lost")
+        else:
+            self.clear("the publisher restarted")
+
+    def apply(self, event: Any) -> None:
+        kind, fields = _fields(event)
+        try:
+            if kind == "BlockStored":
+                self.stored(fields)
+            elif kind == "BlockRemoved":
+                self.removed(fields.get("block_hashes"))
+            elif kind == "AllBlocksCleared":
+                self.clear("vLLM cleared its cache")
+            else:
+                self.refused += 1
+        except (TypeError, ValueError):
+            self.refused += 1
+
+    def stored(self, f: dict[str, Any]) -> None:
+        hashes, tokens, size, parent = f.get("block_hashes"), f.get("token_ids"), f.get("block_size"), f.get(
+            "parent_block_hash")
+        if not (isinstance(hashes, list) and isinstance(tokens, list) and type(size) is int and size > 0):
+            raise ValueError("BlockStored without hashes, tokens or block size")
+        extra = f.get("extra_keys")
+        if f.get("lora_name") or f.get("lora_id") or f.get("group_idx") or (
+                isinstance(extra, list) and any(e is not None for e in extra)):
+            return  # an adapter's, a multimodal or salted block, or another cache group: no plain prompt matches it
+        if len(tokens) != len(hashes) * size or not all(type(t) is int for t in tokens):
+            raise ValueError("BlockStored whose tokens do not fill its blocks")
+        if self.block_size != size:
+            if self.by_hash:
+                self.clear("the block size changed")
+            self.block_size = size
+        if parent is None:
+            key = ROOT
+        elif _hashable(parent) and parent in self.by_hash:
+            key = self.by_hash[parent]
+        else:
+            return  # its parent was stored before we listened or during a gap: no prompt can reach it from here
+        for i, block_hash in enumerate(hashes):
+            if not _hashable(block_hash):
+                raise ValueError("a block hash that is neither an integer nor bytes")
+            parent, key = key, chain_key(key, tokens[i * size:(i + 1) * size])
+            self._add(block_hash, key, parent)
+
+    def _add(self, block_hash: Any, key: int, parent: int) -> None:
+        old = self.by_hash.pop(block_hash, None)
+        if old is not None:
+            self._unref(old)
+        self.by_hash[block_hash] = key
+        n = self.keys.get(key, 0)
+        self.keys[key] = n + 1
+        if n == 0:
+            self.parents[key] = parent
+            self.continued[parent] = self.continued.get(parent, 0) + 1
+        self.stored_total += 1
+        while len(self.by_hash) > self.max_blocks:
+            oldest = next(iter(self.by_hash))
+            self._unref(self.by_hash.pop(oldest))
+
+    def removed(self, hashes: Any) -> None:
+        if not isinstance(hashes, list):
+            raise ValueError("BlockRemoved without hashes")
+        for block_hash in hashes:
+            if _hashable(block_hash):
+                key = self.by_hash.pop(block_hash, None)
+                if key is not None:
+                    self._unref(key)
+                    self.removed_total += 1
+
+    def _unref(self, key: int) -> None:
+        n = self.keys.get(key, 0) - 1
+        if n > 0:
+            self.keys[key] = n
+            return
+        self.keys.pop(key, None)
+        parent = self.parents.pop(key, None)
+        if parent is not None:
+            left = self.continued.get(parent, 0) - 1
+            if left > 0:
+                self.continued[parent] = left
+            else:
+                self.continued.pop(parent, None)
+
+
+# Field order of the array form (vLLM before tagged maps): the tag, then these.
+_ORDER = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+
+
+def _fields(event: Any) -> tuple[str | None, dict[str, Any]]:
+    if isinstance(event, dict):
+        kind = event.get("type")
+        return (kind if isinstance(kind, str) else None), event
+    if isinstance(event, list) and event and isinstance(event[0], str):
+        order = _ORDER.get(event[0], ())
+        return event[0], dict(zip(order, event[1:]))
+    return None, {}
+
+
+def _hashable(value: Any) -> bool:
+    return type(value) is int or type(value) is bytes
+
+
+class Subscriber:
+    """One replica's SUB socket, read in a thread of its own so that decoding a burst of events (a GPU server
+    stores thousands of blocks a second) never holds the event loop that serves requests; it feeds the index
+    until stopped. A socket error closes it, clears the index and opens a new one after a backoff (ZMQ itself
+    reconnects a dropped TCP connection). The index is written only here; the scorer reads it from the event
+    loop (single dict lookups, atomic under the GIL)."""
+
+    POLL_MS = 200  # how often a quiet socket checks whether to stop or whether its replica is down
+
+    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex, context) -> None:
+        self.replica, self.source, self.index, self.context = replica, source, index, context
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name=f"kv-events-{replica.name}", daemon=True)
+
+    def socket(self):
+        import zmq
+
+        sock = self.context.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)  # a larger message drops the connection
+        sock.setsockopt(zmq.RCVHWM, 10_000)  # messages queued here; beyond, ZMQ drops (a gap: the index clears)
+        sock.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        if self.source.bind:
+            sock.bind(self.source.endpoint)
+        else:
+            sock.connect(self.source.endpoint)
+        return sock
+
+    def replay(self, start: int, end: int) -> list[list[bytes]]:
+        """The batches start..end-1 again from vLLM's replay endpoint (a DEALER to its ROUTER), bounded in count,
+        size and time; fewer when vLLM no longer has them."""
+        import zmq
+
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)
+        sock.connect(self.source.replay)
+        try:
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            out: list[list[bytes]] = []
+            deadline = time.monotonic() + REPLAY_SECONDS
+            while len(out) < end - start:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    break
+                frames = sock.recv_multipart()  # [b"", topic, seq, payload], or [b"", b"", END_SEQ, b""]
+                if len(frames) != 4 or frames[2] == END_SEQ or int.from_bytes(frames[2], "big") >= end:
+                    break
+                out.append(frames[1:])
+            return out
+        finally:
+            sock.close(linger=0)
+
+    def run(self) -> None:
+        import zmq
+
+        backoff, name = 0.5, self.replica.name
+        while not self.stop.is_set():
+            sock = None
+            try:
+                sock = self.socket()
+                log.info("KV events of %s: %s %s", name, "bound to" if self.source.bind else "connected to",
+                         self.source.endpoint)
+                while not self.stop.is_set():
+                    if sock.poll(self.POLL_MS):
+                        self.index.feed(sock.recv_multipart())
+                        backoff = 0.5
+                    if self.replica.state == DOWN and len(self.index):
+                        self.index.clear(f"backend {name} is down")
+            except zmq.ZMQError as exc:
+                if self.stop.is_set():
+                    break
+                log.warning("KV events of %s at %s: %s; retrying in %.1f s", name, self.source.endpoint, exc, backoff)
+                self.index.clear("the subscription failed")
+                self.index.last_seq = None
+            finally:
+                if sock is not None:
+                    sock.close(linger=0)
+            self.stop.wait(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+
+class Subscribers:
+    """A subscriber for every replica that has a `kv_events` source, kept in step with the live replica set: a
+    new replica gets one, a gone one (or one whose source changed) has its own stopped."""
+
+    def __init__(self, replicas: Callable[[], Iterable[Replica]], interval: float = 1.0) -> None:
+        self.replicas = replicas
+        self.interval = interval
+        self.context = None  # a zmq.Context once a replica has a source
+        self.running: dict[str, Subscriber] = {}
+
+    def sync(self) -> None:
+        wanted = {r.name: r for r in self.replicas() if r.kv_events is not None and not r.draining}
+        if self.context is None:
+            if not wanted:
+                return
+            import zmq
+
+            self.context = zmq.Context()
+        for name, sub in list(self.running.items()):
+            if wanted.get(name) is not sub.replica or sub.replica.kv_events != sub.source:
+                sub.stop.set()
+                del self.running[name]
+        for name, replica in wanted.items():
+            if name in self.running:
+                continue
+            # a fresh index for a fresh subscription: what the old one knew may have changed unseen meanwhile
+            replica.kv_index = BlockIndex(replica.kv_events.max_blocks, replica.kv_events.max_message_bytes)
+            sub = self.running[name] = Subscriber(replica, replica.kv_events, replica.kv_index, self.context)
+            if replica.kv_events.replay:
+                replica.kv_index.replay = sub.replay
+            sub.thread.start()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self.sync()
+                await asyncio.sleep(self.interval)
+        finally:
+            subs = list(self.running.values())
+            self.running.clear()
+            for sub in subs:
+                sub.stop.set()
+            for sub in subs:  # each notices within a poll
+                await asyncio.to_thread(sub.thread.join, 5)
+            if self.context is not None:
+                self.context.destroy(linger=0)
+                self.context = None

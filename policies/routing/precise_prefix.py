@@ -1,0 +1,132 @@
+"""Send a request where vLLM itself says its prompt's longest prefix is cached, from vLLM's KV cache events.
+
+Each replica with a `kv_events` source has a block index (backends/kv_events.py) that its vLLM keeps exact:
+blocks stored, evicted, cleared. This scorer turns the request's prompt into the token ids vLLM will see (the
+model's own tokenizer and chat template, from the `tokenizer` directory: tokenizer.json plus the chat template
+of tokenizer_config.json or chat_template.jinja, rendered as transformers renders it), cuts them into vLLM's
+blocks (the block size the events carry) and chains them into content keys the index shares; a candidate's score
+is its number of leading blocks held relative to the best candidate's (the best scores 1; nothing held anywhere:
+all 0, load decides). Unlike the approximate scorer it sees evictions, other gateways' requests and restarts.
+
+What follows the match is prefix-affinity's (policies/routing/prefix_guard.py): a candidate scores its blocks
+held beyond what every candidate holds, and the same load guard (`guard`, `imbalance`; its rules are in
+prefix_affinity.py) can move the request off the best-holding replica when it queues, its KV cache is full, or
+the match is a shared prefix; shared here means that the replica's vLLM holds more than one continuation of the
+last matched block (its events say so), or the whole prompt. A replica without events scores 0; a prompt that
+cannot be rendered or is shorter than one block scores 0 everywhere (load decides).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from backends.kv_events import prefix_keys
+from policies.pipeline import Call
+from policies.routing.base import Candidate, Note, Stateless, Stats
+from policies.routing.prefix_guard import GuardParams, prefix_scores
+
+log = logging.getLogger("gateway.routing")
+
+
+class Params(GuardParams):
+    tokenizer: str = Field("", max_length=4096)  # the served model's directory (tokenizer.json, its chat template)
+    max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks looked up per request (longer prompts: the start)
+
+
+class PrecisePrefix(Stateless):
+    """vLLM's events say what is cached: a pick teaches nothing (Stateless)."""
+
+    name = "precise-prefix"
+    Params = Params
+
+    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
+        self.params = params or Params()
+
+    def tokens(self, call: Call) -> list[int] | None:
+        if not self.params.tokenizer:
+            return None
+        prompt = load_prompt_tokenizer(self.params.tokenizer)
+        return None if prompt is None else prompt.tokens(call.endpoint, call.body)
+
+    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+        indexes = [r.kv_index for r in candidates]
+        sizes = {i.block_size for i in indexes if i is not None and i.block_size}
+        tokens = self.tokens(call) if sizes else None
+        if not tokens:
+            note.outcome = "no_events" if not sizes else "no_prompt"
+            return [0.0] * len(candidates)
+        keys = {size: prefix_keys(tokens, size, self.params.max_blocks) for size in sizes}
+        matched = [0 if i is None or not i.block_size else i.matched(keys[i.block_size]) for i in indexes]
+
+        def shared(n: int) -> bool:
+            index, held = indexes[n], matched[n]
+            mine = keys[index.block_size]
+            return held == len(mine) or index.shared(mine[held - 1])
+
+        # (the candidates serve one model: their block sizes are alike; the smallest stands for the prompt's)
+        block = float(min(sizes))
+        return prefix_scores(self.params, [stats.vllm(r) for r in candidates], [stats.load(r) for r in candidates],
+                             matched, float(len(tokens)), block, shared, note)
+
+
+class PromptTokenizer:
+    """The token ids vLLM makes of a request: chat messages through the chat template, then the tokenizer."""
+
+    def __init__(self, directory: Path) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        if (directory / "tokenizer_config.json").exists():
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if not isinstance(template, str) and (directory / "chat_template.jinja").exists():
+            template = (directory / "chat_template.jinja").read_text()
+        self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(template) if isinstance(template, str) else None
+
+    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            if endpoint == "chat/completions" and self.template is not None:
+                messages = body.get("messages")
+                if not isinstance(messages, list):
+                    return None
+                text = self.template.render(messages=messages, tools=body.get("tools"), add_generation_prompt=True,
+                                            **self.special)
+                return self.tokenizer.encode(text, add_special_tokens=False).ids
+            if endpoint == "completions" and isinstance(body.get("prompt"), str):
+                return self.tokenizer.encode(body["prompt"]).ids
+        except Exception:  # a template error on odd messages: this request is routed by load
+            return None
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def load_prompt_tokenizer(directory: str) -> PromptTokenizer | None:
+    try:
+        return PromptTokenizer(Path(directory))
+    except Exception as exc:  # missing or unreadable files: said once, routed by load
+        log.warning("precise-prefix: cannot load the tokenizer in %s (%s); routing by load", directory, exc)
+        return None
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
