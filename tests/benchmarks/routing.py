@@ -385,7 +385,9 @@ async def run_workload(url: str | list[str], key: str, convs: list[Conversation]
                 if turn < args.turns - 1:
                     await asyncio.sleep(conv.tool_times[turn])
 
-    limits = httpx.Limits(max_connections=args.active + 4)
+    # every conversation keeps its connection, as an SDK client does (httpx would keep only 20 alive and open a
+    # new connection for most turns: a cost of the client's, not of what is measured)
+    limits = httpx.Limits(max_connections=args.active + 4, max_keepalive_connections=args.active + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits, trust_env=False) as client:
         start = time.perf_counter()
         tasks = [asyncio.create_task(worker()) for _ in range(args.active)]
