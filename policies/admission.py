@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
-from backends.replicas import Replica, ReplicaSet
+from backends.replicas import Replica, ReplicaSet, model_of_group
 from policies.config import Autoscaling, Policy, Priorities, PriorityClass, Queue, groups_of
 from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
@@ -172,7 +172,7 @@ class ModelQueue:
         self.holds: list[Hold] = []  # see release
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
-        public = model.partition("#")[0]  # a variant's queue (`model#variant`): its backends are the model's
+        public = model_of_group(model)  # a variant's queue (`model#variant`): its backends are the model's
         self.in_flight_gauge = Memo(partial(metrics.in_flight.labels, public))  # by replica name
         self.held_gauge = Memo(partial(metrics.slots_held.labels, public))  # by replica name
         self.depth_gauges = [metrics.queue_depth.labels(model, c.name) for c in self.classes]
