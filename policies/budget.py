@@ -30,6 +30,7 @@ from typing import Protocol
 
 from policies.errors import RateLimited
 from policies.ledger.sums import COMPLETION, COST, PROMPT
+from policies.tokens import used_tokens
 from policies.pipeline import Call
 from policies.store import StoreUnavailable
 
@@ -268,8 +269,7 @@ class Budget:
         if hold is None:
             return
         call.budget_hold = None
-        usage = call.usage if isinstance(call.usage, dict) else {}
-        prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+        prompt, completion = used_tokens(call.usage)  # never below 0: a provider cannot refund a budget
         rented = call.replica.rented if call.replica is not None and call.status < 400 else None
         cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
         if not (hold.cost or hold.tokens or cost):

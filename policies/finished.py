@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from backends.replicas import Replica
+from policies.tokens import used_tokens
 
 if TYPE_CHECKING:
     from policies.pipeline import Call
@@ -63,7 +64,7 @@ def record_of(call: Call, cost: Callable[[str, int, int], float]) -> Finished:
     """The record of a finished `call`; `cost(provider, prompt, completion)` prices rented tokens."""
     now = time.perf_counter()
     usage = call.usage if isinstance(call.usage, dict) else {}
-    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    prompt, completion = used_tokens(usage)
     replica, status, key = call.replica, call.status, call.key
     rented = replica.rented if replica is not None else None
     served_by = (RENTED if rented else OWNED) if replica is not None and status < 400 else None
@@ -105,7 +106,3 @@ class Observers:
 
     def __iter__(self):
         return iter(self.observers)
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and value > 0 else 0

@@ -19,6 +19,19 @@ CHARS_PER_TOKEN = 4
 PER_MESSAGE = 4
 
 
+def count(value: object) -> int:
+    """A token count a backend or provider reported: a positive int, anything else (negative, a float, a string,
+    null) counts 0, so that no upstream value can lower a spend, a budget or a rate limit."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def used_tokens(usage: object) -> tuple[int, int]:
+    """(prompt, completion) tokens of a call's `usage`, each read with `count`."""
+    if not isinstance(usage, dict):
+        return 0, 0
+    return count(usage.get("prompt_tokens")), count(usage.get("completion_tokens"))
+
+
 def _text_tokens(value: Any) -> int:
     if isinstance(value, str):
         return len(value) // CHARS_PER_TOKEN + 1

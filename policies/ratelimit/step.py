@@ -30,6 +30,7 @@ from policies.ratelimit.base import (
 )
 from policies.ratelimit.memory import MemoryLimiter
 from policies.see_through import see_through
+from policies.tokens import used_tokens
 from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.ratelimit")
@@ -138,7 +139,7 @@ class RateLimit:
             return
         ticket.released = True
         usage = call.usage if isinstance(call.usage, dict) else {}
-        used = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
+        used = sum(used_tokens(usage))  # never below 0: a backend cannot give a token limit back
         if not usage:  # ended early: what was sent so far is the best measure we have
             used = call.prompt_estimate + call.streamed_events
         if ticket.limiter is self.local:
