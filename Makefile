@@ -63,6 +63,7 @@ bench-overload: venv  # not part of `make test`: a minute of load at twice a bac
 # builds the larger `bench` model once (scripts/build_tiny_model.py --size bench, offline, seeded)
 bench-routing: venv e2e-setup
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --size bench
+	$(VENV)/bin/python -m tests.benchmarks.peers.install router
 	$(VENV)/bin/python -m tests.benchmarks.routing
 
 clean:

@@ -8,7 +8,10 @@ model (scripts/build_tiny_model.py --size bench: a tiny model's prefill of a 2k-
 the cache to matter). One real `llm-gateway serve` lists both as replicas of one model; it is started afresh for
 each routing profile with `routing: {default_profile: <profile>}`, and shares the two cores with the servers
 and with this client (unpinned). The profile "ceiling" has no gateway: the client sends conversation i to
-server i mod 2, every turn where its prefix is (what routing aims at). "unguarded" is the default profile with
+server i mod 2, every turn where its prefix is (what routing aims at). The profile "vllm-router" has no gateway
+either: vLLM's own router (PyPI vllm-router, the production-stack/SGLang lineage; its default `cache_aware`
+policy, a prefix tree per worker with a load-balance threshold) in front of the same servers, as it ships
+(--router-cmd says how to run it). "unguarded" is the default profile with
 prefix-affinity's load guard off (BENCH_PROFILES); "precise-prefix" is the default profile with the precise-prefix
 scorer, fed by the servers' KV cache events, in prefix-affinity's place (PRECISE).
 
@@ -88,7 +91,7 @@ from tests.e2e.vllm_procs import (  # noqa: E402
 from tests.support.probes import wait_http_ok  # noqa: E402
 
 # "ceiling": no gateway, the client sends each conversation to one server (i mod n): every turn where its prefix is
-PROFILES = ("ceiling", "default", "least-in-flight", "session-affinity")
+PROFILES = ("ceiling", "default", "vllm-router", "least-in-flight", "session-affinity")
 # profiles the benchmark adds to the built-in ones: the default's scorers with prefix-affinity's load guard off
 BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": False}},
                                             {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight"}]}}
@@ -273,15 +276,46 @@ def served_by(servers: list[VLLMServer], tag: str) -> dict[str, str]:
 
 # -- the gateway -------------------------------------------------------------------------------------------
 
-def gateway_command(args) -> list[str]:
-    """--gateway-cmd, else the `llm-gateway` script next to this interpreter, else `python -m gateway`."""
+def gateway_command(args, alt: str = "") -> list[str]:
+    """--gateway-alt's command for a profile named PROFILE@ALT, else --gateway-cmd, else the `llm-gateway` script
+    next to this interpreter, else `python -m gateway`."""
+    if alt:
+        return shlex.split(args.gateway_alt[alt])
     if args.gateway_cmd:
         return shlex.split(args.gateway_cmd)
     cli = Path(sys.executable).with_name("llm-gateway")
     return [str(cli)] if cli.exists() else [sys.executable, "-m", "gateway"]
 
 
-def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> tuple[subprocess.Popen, str, str]:
+def router_command(args) -> list[str]:
+    """--router-cmd, else the vllm-router the peers' benchmark installs (tests/benchmarks/peers), else on PATH."""
+    if args.router_cmd:
+        return shlex.split(args.router_cmd)
+    peers = REPO / ".cache" / "bench" / "router-venv" / "bin" / "vllm-router"
+    return [str(peers)] if peers.exists() else ["vllm-router"]
+
+
+def start_router(servers: list[VLLMServer], work: Path, args) -> tuple[subprocess.Popen, str]:
+    """vLLM's router with its default policy (cache_aware) over the servers, on a port of its own."""
+    port, metrics = free_port(), free_port()
+    log = open(work / f"vllm-router-{port}.log", "wb")
+    proc = subprocess.Popen([*router_command(args), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                             *[s.base_url for s in servers], "--policy", "cache_aware", "--log-level", "warning",
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", proc, 120, "vllm-router")
+    except BaseException:
+        proc.terminate()
+        proc.wait(10)
+        print("vllm-router's log:\n" + (work / f"vllm-router-{port}.log").read_text(errors="replace")[-3000:])
+        raise
+    return proc, url
+
+
+def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args,
+                  alt: str = "") -> tuple[subprocess.Popen, str, str]:
     secret = secrets.token_urlsafe(32)
     port = free_port()
     policy = {
@@ -301,7 +335,7 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
     path.write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}
     log = open(work / f"gateway-{profile}-{port}.log", "wb")
-    proc = subprocess.Popen([*gateway_command(args), "serve", "--config", str(path), "--log-level", "warning"],
+    proc = subprocess.Popen([*gateway_command(args, alt), "serve", "--config", str(path), "--log-level", "warning"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -316,7 +350,7 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args) -> 
     except BaseException:
         proc.terminate()
         proc.wait(10)
-        print(f"the gateway's log ({' '.join(gateway_command(args))}):\n"
+        print(f"the gateway's log ({' '.join(gateway_command(args, alt))}):\n"
               + (work / f"gateway-{profile}-{port}.log").read_text(errors="replace")[-3000:], flush=True)
         raise
     return proc, url, r.json()["key"]
@@ -334,6 +368,8 @@ class Record:
     output_tokens: int = 0
     error: str | None = None
     server: str | None = None
+    head: float | None = None  # when the response's head arrived (the gateway sends it once vLLM's has come)
+    queue_ms: float | None = None  # the gateway's own admission wait (x-gateway-queue-ms)
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversation, turn: int, tag: str,
@@ -347,6 +383,9 @@ async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversa
     start = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", content=body, headers=headers) as r:
+            rec.head = time.perf_counter() - start
+            if r.headers.get("x-gateway-queue-ms"):
+                rec.queue_ms = float(r.headers["x-gateway-queue-ms"])
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec
@@ -370,11 +409,34 @@ async def one_turn(client: httpx.AsyncClient, url: str, key: str, conv: Conversa
     return rec
 
 
-async def run_workload(url: str | list[str], key: str, convs: list[Conversation], tag: str,
-                       args) -> tuple[list[Record], float]:
+def client_run(url: str | list[str], key: str, convs: list[Conversation], tag: str, args,
+               procs: int = 1) -> tuple[list[Record], float]:
+    """The workload from --client-procs processes (conversation i in process i mod n, each with its share of the
+    active conversations), so that one Python client's event loop is not what is measured at high rates."""
+    n = max(1, min(procs, args.active))
+    if n == 1:
+        return asyncio.run(run_workload(url, key, list(enumerate(convs)), tag, args))
+    import concurrent.futures
+    import multiprocessing
+
+    parts = [[(i, c) for i, c in enumerate(convs) if i % n == k] for k in range(n)]
+    shares = [args.active // n + (k < args.active % n) for k in range(n)]
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        outs = list(pool.map(client_part, [(url, key, part, tag, args, share) for part, share in zip(parts, shares)]))
+    return [r for recs, _ in outs for r in recs], max(wall for _, wall in outs)
+
+
+def client_part(job) -> tuple[list[Record], float]:
+    url, key, part, tag, args, share = job
+    return asyncio.run(run_workload(url, key, part, tag, args, share))
+
+
+async def run_workload(url: str | list[str], key: str, convs: list[tuple[int, Conversation]], tag: str,
+                       args, active: int | None = None) -> tuple[list[Record], float]:
     """Every conversation through `url`, or, given several (the ceiling), conversation i to url i mod n."""
     records: list[Record] = []
-    todo = deque(enumerate(convs))
+    active = active or args.active
+    todo = deque(convs)
     urls = url if isinstance(url, list) else [url]
 
     async def worker() -> None:
@@ -387,10 +449,10 @@ async def run_workload(url: str | list[str], key: str, convs: list[Conversation]
 
     # every conversation keeps its connection, as an SDK client does (httpx would keep only 20 alive and open a
     # new connection for most turns: a cost of the client's, not of what is measured)
-    limits = httpx.Limits(max_connections=args.active + 4, max_keepalive_connections=args.active + 4)
+    limits = httpx.Limits(max_connections=active + 4, max_keepalive_connections=active + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits, trust_env=False) as client:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(worker()) for _ in range(args.active)]
+        tasks = [asyncio.create_task(worker()) for _ in range(active)]
         done, pending = await asyncio.wait(tasks, timeout=args.profile_timeout)
         for task in pending:
             task.cancel()
@@ -432,6 +494,8 @@ class Result:
     routing_decisions: dict[str, float] = field(default_factory=dict)  # the gateway's "scorer:outcome" counts
     loadavg: list[float] = field(default_factory=list)  # 1-minute load average at the profile's start and end
     error_samples: list[str] = field(default_factory=list)
+    client_path: dict[str, float | None] = field(default_factory=dict)  # where the client's time went (p50/p90)
+    tcp: dict[str, int] = field(default_factory=dict)  # the kernel's TCP counters over the profile (/proc/net)
     detail: list[list] = field(default_factory=list)  # per request: conversation, turn, TTFT ms, server, prompt tokens
 
 
@@ -465,6 +529,13 @@ def summarize(profile: str, records: list[Record], wall: float, before: dict, af
             for r in ok if r.turn > 0 and f"{tag}-{r.conv}-t{r.turn}" in where
             and f"{tag}-{r.conv}-t{r.turn - 1}" in where]
     res.same_server = round(sum(same) / len(same), 3) if same else None
+    heads = [r.head for r in ok if r.head is not None]
+    after_head = [r.ttft - r.head for r in ok if r.head is not None]
+    queued = [r.queue_ms / 1000 for r in ok if r.queue_ms is not None]
+    res.client_path = {"head_p50_ms": ms(pct(heads, 50)), "head_p90_ms": ms(pct(heads, 90)),
+                       "head_to_first_token_p50_ms": ms(pct(after_head, 50)),
+                       "head_to_first_token_p90_ms": ms(pct(after_head, 90)),
+                       "gateway_queue_p50_ms": ms(pct(queued, 50)), "gateway_queue_p90_ms": ms(pct(queued, 90))}
     res.detail = [[r.conv, r.turn, None if r.ttft is None else round(r.ttft * 1000, 1),
                    where.get(f"{tag}-{r.conv}-t{r.turn}"), r.prompt_tokens, r.error] for r in records]
     return res
@@ -542,6 +613,9 @@ def parse_args(argv=None):
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: distinct (a system prompt "
                    "per conversation), hot (one shared by all) (default: %(default)s)")
     p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--client-procs", default="1", help="client processes sharing the conversations and the active "
+                   "count (default 1: at high rates one Python event loop is itself a queue); a list such as 1,8 "
+                   "runs every profile with each, the later ones labelled PROFILE/cN")
     p.add_argument("--active", type=int, default=12, help="conversations in flight at once (closed loop)")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=ints, default=(1400, 2000), help="min,max of each system prompt")
@@ -567,11 +641,25 @@ def parse_args(argv=None):
                      "endpoint tcp://127.0.0.1:PORT)")
     ext.add_argument("--gateway-cmd", help="how to run the gateway, e.g. \"python3 -m gateway\" (default: the "
                      "llm-gateway script next to this interpreter, else this interpreter's -m gateway)")
+    ext.add_argument("--router-cmd", help="how to run vllm-router for the vllm-router profile (default: the one "
+                     "tests/benchmarks/peers installs in .cache/bench/router-venv, else vllm-router on PATH)")
+    ext.add_argument("--gateway-alt", action="append", default=[], metavar="ALT=CMD", help="another way to run "
+                     "the gateway (e.g. an older tree) for profiles named PROFILE@ALT: the same profile, this "
+                     "command; repeatable")
     ext.add_argument("--print-kv-bytes", action="store_true", help="print the --kv-cache-memory-bytes per server "
                      "that makes the workload's working set --overflow times one server's cache (the model's "
                      "shape from --model-dir), and exit")
     args = p.parse_args(argv)
     args.profiles = [x for x in args.profiles.split(",") if x]
+    try:
+        args.client_procs = [int(x) for x in args.client_procs.split(",") if x.strip()]
+    except ValueError:
+        p.error("--client-procs: comma-separated counts")
+    if not args.client_procs or min(args.client_procs) < 1:
+        p.error("--client-procs: at least one count, each 1 or more")
+    args.gateway_alt = dict(x.split("=", 1) for x in args.gateway_alt if "=" in x)
+    if any(x.partition("@")[2] not in ("", *args.gateway_alt) for x in args.profiles):
+        p.error("a profile named PROFILE@ALT needs --gateway-alt ALT=CMD")
     args.workloads = [x for x in args.workloads.split(",") if x]
     if not args.profiles or not args.workloads or set(args.workloads) - set(WORKLOADS):
         p.error(f"--workloads: one or more of {', '.join(WORKLOADS)}; --profiles: at least one")
@@ -664,10 +752,14 @@ def main(argv=None) -> int:
             results = []
             for kind in args.workloads:
                 kind_convs = convs if kind == "distinct" else workload(args, kind)
-                for profile in args.profiles:
-                    results.append(run_profile(profile, servers, kind_convs, args, work, block, kind))
-                    print(table(results[-1:]), flush=True)
-                    print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
+                for procs in args.client_procs:
+                    for profile in args.profiles:
+                        results.append(run_profile(profile, servers, kind_convs, args, work, block, kind, procs))
+                        if procs != args.client_procs[0]:
+                            results[-1].profile += f"/c{procs}"
+                        print(table(results[-1:]), flush=True)
+                        print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
+                        print(f"  client path: {results[-1].client_path}; TCP: {results[-1].tcp}", flush=True)
             sizing = {"block_size": block, "kv_cache_tokens": real_cache, "kv_cache_memory_bytes": kv_bytes,
                       "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
                       "working_set_tokens": round(real_ws)}
@@ -709,25 +801,48 @@ def warm_up(servers: list[VLLMServer], args) -> None:
                 "max_tokens": args.max_tokens, "ignore_eos": True}).raise_for_status()
 
 
+TCP_COUNTERS = ("ActiveOpens", "PassiveOpens", "AttemptFails", "EstabResets", "RetransSegs", "ListenOverflows",
+                "ListenDrops", "TCPReqQFullDrop", "TCPBacklogDrop", "TCPTimeouts", "TCPAbortOnData")
+
+
+def tcp_counters() -> dict[str, int]:
+    """The kernel's TCP counters that tell a refused or retried connection (a full accept queue, a dropped SYN)."""
+    out: dict[str, int] = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2]):
+            for k, v in zip(names.split()[1:], values.split()[1:]):
+                if k in TCP_COUNTERS and v.lstrip("-").isdigit():
+                    out[k] = int(v)
+    return out
+
+
 def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversation], args, work: Path,
-                block: int, kind: str = "distinct") -> Result:
+                block: int, kind: str = "distinct", procs: int = 1) -> Result:
     """One profile on one workload, from cold prefix caches: through a fresh gateway, or, for "ceiling",
     straight to the servers, each conversation to one of them."""
     for s in servers:
         reset_prefix_cache(s)
-    if profile == "ceiling":
+    name, _, alt = profile.partition("@")
+    if name == "ceiling":
         proc, url, key = None, [s.base_url for s in servers], "none"
+    elif name == "vllm-router":
+        (proc, url), key = start_router(servers, work, args), "none"
     else:
-        proc, url, key = start_gateway(servers, profile, work, args)
+        proc, url, key = start_gateway(servers, name, work, args, alt)
+    tcp_before = tcp_counters()
     load_start = os.getloadavg()[0]
     tag = f"{kind}-{profile}-{secrets.token_hex(3)}"
     decisions: dict[str, float] = {}
     try:
         before = {s.label: counters(s) for s in servers}
         print(f"\n{kind} / {profile}: {len(convs)} conversations ...", flush=True)
-        records, wall = asyncio.run(run_workload(url, key, convs, tag, args))
+        records, wall = client_run(url, key, convs, tag, args, procs)
         after = {s.label: counters(s) for s in servers}
-        if proc is not None:
+        if proc is not None and name != "vllm-router":
             decisions = routing_decisions(url)
     finally:
         if proc is not None:
@@ -736,6 +851,7 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
     result = summarize(profile, records, wall, before, after, served_by(servers, tag), tag, block)
     result.workload = kind
     result.routing_decisions = decisions
+    result.tcp = {k: v - tcp_before.get(k, 0) for k, v in tcp_counters().items() if v - tcp_before.get(k, 0)}
     result.loadavg = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     return result
 

@@ -25,9 +25,9 @@ if [ -n "$DRY" ]; then CONVS=${CONVS:-6}; ACTIVE=${ACTIVE:-3}; TURNS=${TURNS:-2}
 # The workloads (seeded; the same under every profile): ~2.3k-token prompts on average, 5 turns, 32 output tokens.
 W="--conversations ${CONVS:-320} --active ${ACTIVE:-160} --turns ${TURNS:-5} --system-tokens 1800,2400 --user-tokens 100
    --own-tokens 100 --max-tokens 32 --tool-time ${TOOL:-0.5,3} --max-model-len 4096 --overflow 1.6
-   --workloads ${WORKLOADS:-distinct,hot}"
+   --workloads ${WORKLOADS:-distinct,hot} --client-procs ${CLIENT_PROCS:-8}"
 PROFILES_GIVEN=${PROFILES:-}
-PROFILES=${PROFILES:-ceiling,default,least-in-flight,session-affinity}
+PROFILES=${PROFILES:-ceiling,default,${ROUTER_CMD:+vllm-router,}least-in-flight,session-affinity}
 with_events() { case ",$1," in *,precise-prefix,*) echo $1 ;; *) echo $1${KV_EVENTS:+,precise-prefix} ;; esac; }
 PROFILES=$(with_events $PROFILES)
 PY=${PYTHON:-python3}
@@ -37,7 +37,7 @@ PY=${PYTHON:-python3}
 run_routing() {
   local rem=$1 servers=$2 model=$3 logs=$4 gw=$5 events=$6 nw np pt
   nw=$(echo "${WORKLOADS:-distinct,hot}" | tr ',' '\n' | grep -c .)
-  np=$(echo $PROFILES | tr ',' '\n' | grep -c .)
+  np=$(echo $PROFILES | tr ',' '\n' | grep -c .); np=$(( np * $(echo ${CLIENT_PROCS:-1} | tr "," "\n" | grep -c .) ))
   pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
   if [ $pt -lt 35 ] && [ -z "$PROFILES_GIVEN" ]; then  # the comparison profile goes first when time is short
     PROFILES=$(with_events ceiling,default,least-in-flight); np=$(echo $PROFILES | tr ',' '\n' | grep -c .); pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
@@ -46,7 +46,7 @@ run_routing() {
   [ $pt -ge 25 ] || { echo "only ${rem}s left: no time for $np profiles x $nw workloads"; return 7; }
   echo "profiles $PROFILES on ${WORKLOADS:-distinct,hot}, each run cut at ${pt}s (${rem}s left)"
   timeout $(( rem + 10 )) $PY -m tests.benchmarks.routing --servers $servers --served-model $model \
-    ${logs:+--server-logs $logs} ${KV_EVENTS:+$events} --gateway-cmd "$gw" --profiles $PROFILES --profile-timeout $pt $W \
+    ${logs:+--server-logs $logs} ${KV_EVENTS:+$events} --gateway-cmd "$gw" ${GATEWAY_ALT:+"--gateway-alt=$GATEWAY_ALT"} ${ROUTER_CMD:+"--router-cmd=$ROUTER_CMD"} --profiles $PROFILES --profile-timeout $pt $W \
     --out $OUT/routing.json 2>&1 | tee $OUT/routing.txt
   local rc=${PIPESTATUS[0]}; echo "routing.py exit $rc at $(el)s"
   [ $rc -le 1 ] && [ -s $OUT/routing.json ]  # 1 with results: a target missed (the table says which)

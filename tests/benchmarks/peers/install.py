@@ -104,5 +104,9 @@ def ensure_all() -> Installed:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["router"]:  # vLLM's router alone, for the routing benchmark (make bench-routing)
+        done = ensure_venv("router", venvs()["router"])
+        print(f"vllm-router: {'installed' if done else 'already there'} in {CACHE / 'router-venv'}")
+        sys.exit(0)
     result = ensure_all()
     print(f"installed {', '.join(result.did) or 'nothing new'} in {result.seconds:.1f} s")

@@ -37,7 +37,8 @@ while time.time() < end:
         seen.setdefault(pid, t)
         if pid not in spied and t - seen[pid] > 15:
             spied.add(pid)
-            subprocess.Popen([spy, "record", "-d", "25", "-r", "97", "--idle", "--format", "raw", "-o",
+            subprocess.Popen([spy, "record", "-d", "25", "-r", "97", "--idle",
+                              *(["--native"] if os.environ.get("SPY_NATIVE") else []), "--format", "raw", "-o",
                               os.path.join(out, f"pyspy-{pid}.txt"), "-p", pid],
                              stdout=open(os.path.join(out, f"pyspy-{pid}.log"), "w"), stderr=subprocess.STDOUT)
         if t - last_metrics.get(pid, 0) > 5:
