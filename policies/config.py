@@ -771,7 +771,7 @@ class Policy(Strict):
                 seen[public] = model.name
         backend_names: set[str] = set()
         for model in self.models:
-            for i, backend in enumerate(model.backends):
+            for i in range(len(model.backends)):
                 name = backend_name(model, i)
                 if name in backend_names:
                     raise ValueError(f"backend name {name!r} is used twice")
