@@ -42,6 +42,7 @@ image: container-setup  # localhost/llm-gateway:<version> from the Containerfile
 lint: venv  # bugs ruff finds, the layers of the design (imports go down only), the types; settings in pyproject.toml
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: venv redis-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q
