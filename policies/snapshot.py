@@ -36,7 +36,7 @@ from policies.ownership import Owners
 from policies.pipeline import Pipeline
 from policies.priority import Classify
 from policies.ratelimit.base import Limiter
-from policies.ratelimit.step import RateLimit
+from policies.rate_limit import RateLimit
 from policies.routing import Profile, Stats, build_profile
 from policies.variants import AssignVariant, Variants, VariantSignals
 
