@@ -224,14 +224,16 @@ class Budget:
         self.outage_logged = False
 
     async def enter(self, call: Call) -> None:
-        budget = call.key.budget
+        key = call.key
+        assert key is not None  # authenticated by an earlier step
+        budget = key.budget
         if budget is None:
             return
         start, end = period_bounds(budget.period, time.time())
-        call.budget_hold = hold = Hold(call.key.id, start, end, 0.0, 0)
-        provider = self.overflow.get(call.model) if call.key.data_policy == "allow_rented" else None
+        call.budget_hold = hold = Hold(key.id, start, end, 0.0, 0)
+        provider = self.overflow.get(call.model) if key.data_policy == "allow_rented" else None
         if budget.max_rented_spend is not None and provider is not None:
-            call.before_rent = partial(self.reserve_rent, call, hold, provider)
+            call.before_rent = partial(self.reserve_rent, call, hold, provider, budget.max_rented_spend)
         if budget.max_tokens_per_period is None and budget.when_spent != "reject":
             return  # only renting is budgeted, and it reserves when (if) the call spills
         want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
@@ -263,12 +265,12 @@ class Budget:
         self.outage_logged = False
         return verdict
 
-    async def reserve_rent(self, call: Call, hold: Hold, provider: str) -> bool:
+    async def reserve_rent(self, call: Call, hold: Hold, provider: str, max_spend: float) -> bool:
         """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
         below the budget (so the spend ends within one request's cost of it)."""
         prompt, output, _ = estimate(call, self.default_max_tokens)
         cost = self.rented_cost(provider, prompt, output)
-        verdict = await self.reserve(call, hold, call.key.budget.max_rented_spend, cost, None, 0)
+        verdict = await self.reserve(call, hold, max_spend, cost, None, 0)
         if verdict is None or not verdict.rent_ok:
             call.rent_allowed = False
             return False
@@ -288,9 +290,9 @@ class Budget:
         """Settle what the call reserved against what its record counted: its tokens (never below 0, so a
         provider cannot refund a budget) and its rented cost, for an answer a rented provider served."""
         call = record.call
-        hold: Hold | None = call.budget_hold if call is not None else None
-        if hold is None:
+        if call is None or call.budget_hold is None:
             return
+        hold: Hold = call.budget_hold
         call.budget_hold = None
         cost = record.cost if record.served_by == RENTED else 0.0
         used = record.prompt_tokens + record.completion_tokens
