@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
-	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, anthropic, importlinter'
+	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, anthropic, importlinter, mypy'
+	test -x $(VENV)/bin/ruff
 	touch $@
 
 venv: $(STAMP)
@@ -38,8 +39,10 @@ container-setup:  # Debian's podman, buildah, mmdebstrap, runc: images are built
 image: container-setup  # localhost/llm-gateway:<version> from the Containerfile (reused when current)
 	scripts/build_image.sh
 
-lint: venv  # the layers of the design (gateway over policies over backends; imports go down only)
+lint: venv  # bugs ruff finds, the layers of the design (imports go down only), the types; settings in pyproject.toml
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: venv redis-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q

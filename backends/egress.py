@@ -25,6 +25,7 @@ import anyio
 from backends.http1 import (
     ConnectFailed,
     ConnectTimedOut,
+    Connection,
     Dialer,
     SocketDialer,
     parse_origin,
@@ -121,7 +122,8 @@ class GuardedDialer:
         self.nets = networks(private_cidrs)
         self.exempt = {(host.lower(), port) for host, port in exempt}
 
-    async def dial(self, host, port, *, tls, server_name, timeout, factory):
+    async def dial(self, host: str, port: int, *, tls: bool, server_name: str, timeout: float | None,
+                   factory: Callable[[], Connection]) -> Connection:
         if (host.lower(), port) in self.exempt:
             return await self.inner.dial(host, port, tls=tls, server_name=server_name, timeout=timeout,
                                          factory=factory)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -141,7 +141,7 @@ def header_block(headers: dict[str, str]) -> bytes:
 
 class Dialer(Protocol):
     async def dial(self, host: str, port: int, *, tls: bool, server_name: str, timeout: float | None,
-                   factory) -> Connection:
+                   factory: Callable[[], Connection]) -> Connection:
         """Open a connection to `host` (a name or an address) and return its protocol (made by `factory`)."""
 
 

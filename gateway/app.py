@@ -372,7 +372,7 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         return Response(body, status_code=200, media_type=MediaType.JSON)
 
     @get("/metrics", media_type=MediaType.TEXT, sync_to_thread=False)
-    def metrics() -> Response[str]:
+    def metrics() -> Response[bytes]:
         """Prometheus metrics in the text exposition format."""
         # The header is set whole: given a media type, Litestar would append a second charset to this one.
         return Response(generate_latest(gateway.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})

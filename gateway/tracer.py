@@ -21,7 +21,6 @@ from gateway.trace_context import client_context, passthrough
 from policies.config import Tracing as TracingConfig
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics
-from policies.variant_signals import sse_events
 
 log = logging.getLogger("gateway.tracing")
 

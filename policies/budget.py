@@ -3,7 +3,8 @@
 Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
 price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
 reservation is one atomic step (one Lua call on one Redis hash when the store is shared, so N replicas enforce
-one budget); the call's end settles it against the real cost and tokens, off the request path. Keys without a
+one budget); the call's end settles it against the real cost and tokens, as its finished-call record counted them
+(policies/finished.py: the budget step observes the records), off the request path. Keys without a
 budget cost nothing here; a budget on rented spend alone costs nothing until a call spills.
 
 Rented spend: a call may rent while spent + reserved is below the budget, so the spend ends within one
@@ -29,8 +30,8 @@ from functools import partial
 from typing import Protocol
 
 from policies.errors import RateLimited
+from policies.finished import RENTED, Finished
 from policies.ledger.sums import COMPLETION, COST, PROMPT
-from policies.tokens import used_tokens
 from policies.pipeline import Call
 from policies.store import StoreUnavailable
 
@@ -80,20 +81,19 @@ class Hold:
 class Budgets(Protocol):
     """Per (key, period) spend and tokens: MemoryBudgets in this process, RedisBudgets shared by every replica."""
 
-    in_memory: bool  # settling costs no round trip, so it is done on the request's way out, not in the background
-
     async def reserve(self, key_id: str, start: int, end: int, max_spend: float | None, cost: float,
                       max_tokens: int | None, want_tokens: int) -> Verdict: ...
 
     async def settle(self, hold: Hold, cost: float, used: int) -> None: ...
+
+    def settle_now(self, hold: Hold, cost: float, used: int) -> bool:
+        """Settle without waiting, where that needs no round trip; False: `settle` must do it."""
 
     async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]: ...
 
 
 class MemoryBudgets:
     """Budgets in this process (embedded store): per (key, period) [spent, reserved, tokens, reserved tokens]."""
-
-    in_memory = True
 
     def __init__(self, ledger) -> None:
         self.ledger = ledger
@@ -123,7 +123,19 @@ class MemoryBudgets:
         return Verdict(True, rent, c[0], c[2])
 
     async def settle(self, hold: Hold, cost: float, used: int) -> None:
-        c = await self.counters(hold.key_id, hold.start)
+        self.apply(await self.counters(hold.key_id, hold.start), hold, cost, used)
+
+    def settle_now(self, hold: Hold, cost: float, used: int) -> bool:
+        """At once, when the period's counters are here (the hold's reservation made them); False while they
+        must first be read from the ledger."""
+        c = self.counts.get((hold.key_id, hold.start))
+        if c is None:
+            return False
+        self.apply(c, hold, cost, used)
+        return True
+
+    @staticmethod
+    def apply(c: list[float], hold: Hold, cost: float, used: int) -> None:
         c[0] += cost
         c[1] -= hold.cost
         c[2] += used
@@ -168,8 +180,6 @@ class RedisBudgets:
     """Budgets in Redis: one hash per key and period, {prefix}budget:{<key id>:<period start>} (its own hash
     slot, so each script touches one slot and runs unchanged on Redis Cluster)."""
 
-    in_memory = False
-
     def __init__(self, store) -> None:
         self.store = store
         self._reserve = store.client.register_script(RESERVE)
@@ -190,6 +200,9 @@ class RedisBudgets:
             await self._settle(keys=[self.name(hold.key_id, hold.start)],
                                args=[repr(hold.cost), repr(cost), hold.tokens, used, hold.end + 86400])
 
+    def settle_now(self, hold: Hold, cost: float, used: int) -> bool:
+        return False  # a round trip: always in the background
+
     async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]:
         async with self.store.guard("budget status"):
             spent, used = await self.store.client.hmget(self.name(key_id, start), "s", "t")
@@ -197,6 +210,9 @@ class RedisBudgets:
 
 
 class Budget:
+    """A pipeline step (it reserves on entry) and an observer of finished calls (it settles from the record, whose
+    tokens and rented cost are counted once for every observer)."""
+
     name = "budget"
 
     def __init__(self, policy, budgets, rented_cost, background) -> None:
@@ -208,14 +224,16 @@ class Budget:
         self.outage_logged = False
 
     async def enter(self, call: Call) -> None:
-        budget = call.key.budget
+        key = call.key
+        assert key is not None  # authenticated by an earlier step
+        budget = key.budget
         if budget is None:
             return
         start, end = period_bounds(budget.period, time.time())
-        call.budget_hold = hold = Hold(call.key.id, start, end, 0.0, 0)
-        provider = self.overflow.get(call.model) if call.key.data_policy == "allow_rented" else None
+        call.budget_hold = hold = Hold(key.id, start, end, 0.0, 0)
+        provider = self.overflow.get(call.model) if key.data_policy == "allow_rented" else None
         if budget.max_rented_spend is not None and provider is not None:
-            call.before_rent = partial(self.reserve_rent, call, hold, provider)
+            call.before_rent = partial(self.reserve_rent, call, hold, provider, budget.max_rented_spend)
         if budget.max_tokens_per_period is None and budget.when_spent != "reject":
             return  # only renting is budgeted, and it reserves when (if) the call spills
         want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
@@ -228,6 +246,7 @@ class Budget:
                         "token_budget_exceeded", end)
         hold.tokens = want
         if budget.when_spent == "reject" and budget.max_rented_spend is not None and not verdict.rent_ok:
+            call.budget_hold = None  # settled here: the refused call's record has nothing to settle
             await self.budgets.settle(hold, 0.0, 0)
             self.refuse(f"This API key has spent its rented budget of {budget.max_rented_spend:g} for the "
                         f"{budget.period}", "budget_exceeded", end)
@@ -246,12 +265,12 @@ class Budget:
         self.outage_logged = False
         return verdict
 
-    async def reserve_rent(self, call: Call, hold: Hold, provider: str) -> bool:
+    async def reserve_rent(self, call: Call, hold: Hold, provider: str, max_spend: float) -> bool:
         """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
         below the budget (so the spend ends within one request's cost of it)."""
         prompt, output, _ = estimate(call, self.default_max_tokens)
         cost = self.rented_cost(provider, prompt, output)
-        verdict = await self.reserve(call, hold, call.key.budget.max_rented_spend, cost, None, 0)
+        verdict = await self.reserve(call, hold, max_spend, cost, None, 0)
         if verdict is None or not verdict.rent_ok:
             call.rent_allowed = False
             return False
@@ -265,16 +284,20 @@ class Budget:
                           headers={"retry-after": str(wait), "x-budget-reset": reset})
 
     async def leave(self, call: Call) -> None:
-        hold: Hold | None = call.budget_hold
-        if hold is None:
+        """Nothing: what `enter` reserved is settled once the call's record is built (`observe`)."""
+
+    def observe(self, record: Finished) -> None:
+        """Settle what the call reserved against what its record counted: its tokens (never below 0, so a
+        provider cannot refund a budget) and its rented cost, for an answer a rented provider served."""
+        call = record.call
+        if call is None or call.budget_hold is None:
             return
+        hold: Hold = call.budget_hold
         call.budget_hold = None
-        prompt, completion = used_tokens(call.usage)  # never below 0: a provider cannot refund a budget
-        rented = call.replica.rented if call.replica is not None and call.status < 400 else None
-        cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
+        cost = record.cost if record.served_by == RENTED else 0.0
+        used = record.prompt_tokens + record.completion_tokens
         if not (hold.cost or hold.tokens or cost):
             return  # nothing reserved, nothing spent
-        if self.budgets.in_memory:  # nothing to wait for: settled before the next request of the key reserves
-            await self.budgets.settle(hold, cost, prompt + completion)
-        else:
-            self.background(self.budgets.settle(hold, cost, prompt + completion))
+        # in this process: settled before the next request of the key reserves; in Redis: off the request path
+        if not self.budgets.settle_now(hold, cost, used):
+            self.background(self.budgets.settle(hold, cost, used))

@@ -49,7 +49,7 @@ def kv_event_source(config: KVEvents | None) -> KVEventSource | None:
 
 
 def replica_groups(model: Model) -> dict[str, list[Replica]]:
-    """A model's static replicas by set (policies/config.py groups_of); a discovered set starts empty."""
+    """A model's static replicas by set (policies/config/model.py groups_of); a discovered set starts empty."""
     replicas = replicas_of(model)
     return {group: [r for r in replicas if r.group == group] for group, _ in groups_of(model)}
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from backends.egress import inside, networks
+from backends.egress import Network, inside, networks
 from backends.replicas import Replica, ReplicaSet
 from backends.sources.base import Endpoint, Source
 from backends.sources.watch import Watcher, WatchTimings
@@ -51,7 +51,7 @@ class Discovery:
         self.models: dict[str, tuple[Model, DiscoveryConfig, str | None]] = {}  # set -> model, source, variant
         self.last: dict[str, list[Endpoint]] = {}
         self.refused: dict[str, dict[str, Refused]] = {}  # replica set -> the refused endpoints it has now
-        self.nets = []
+        self.nets: list[Network] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def sync(self, policy: Policy) -> None:

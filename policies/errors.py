@@ -32,7 +32,7 @@ import orjson
 class GatewayError(Exception):
     status = 500
     type = "server_error"
-    code: str | None = None
+    code: str | int | None = None  # upstream errors pass on vLLM's own: its HTTP status
     retry_after: int | None = None  # seconds, sent as Retry-After: every 503 says when to try again
 
     def __init__(

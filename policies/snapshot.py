@@ -36,7 +36,7 @@ from policies.ownership import Owners
 from policies.pipeline import Pipeline
 from policies.priority import Classify
 from policies.ratelimit.base import Limiter
-from policies.ratelimit.step import RateLimit
+from policies.rate_limit import RateLimit
 from policies.routing import Profile, Stats, build_profile
 from policies.variants import AssignVariant, Variants, VariantSignals
 
@@ -110,6 +110,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
     shared.variants.configure(policy)
     client_network = ClientNetwork(policy.network)
     rented = rented_providers(policy)
+    budget = [Budget(policy, shared.budgets, rented.cost, shared.background)] if shared.budgets is not None else []
     pipeline = Pipeline([
         client_network,
         shared.authenticate,
@@ -119,9 +120,10 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         Authorize(),
         Classify(policy),
         RateLimit(policy, shared.limiter, shared.background, shared.metrics),
-        *([Budget(policy, shared.budgets, rented.cost, shared.background)] if shared.budgets is not None else []),
+        *budget,
     ])
     observers = Observers([
+        *budget,  # first: settles what the call reserved, before the key's next request reserves again
         *([VariantSignals(shared.variants)] if shared.variants.models else []),
         shared.record_usage,
         *([shared.record_ledger] if shared.record_ledger is not None and policy.ledger.enabled else []),

@@ -1,6 +1,6 @@
 """Variants of a model: which one serves a request, by weight, optionally sticky to a conversation.
 
-A model with `variants` (policies/config.py) has one replica set and admission queue per variant
+A model with `variants` (policies/config/variants.py) has one replica set and admission queue per variant
 (`model#variant`). Every request of such a model is assigned one live variant (shadow variants get no live
 traffic) by a point in [0, 1) falling into the variants' cumulative weight ranges. When the model is `sticky`
 the point is a stable hash of the session header's value or of the API key, so every turn of one conversation

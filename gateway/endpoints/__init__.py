@@ -45,10 +45,11 @@ class Registry:
             if route.pattern is None:
                 methods = self.exact.setdefault(route.path, {})
             else:
-                methods = next((m for r, m in self.patterned if r.path == route.path), None)
-                if methods is None:
-                    methods = {}
-                    self.patterned.append((route, methods))
+                known = next((m for r, m in self.patterned if r.path == route.path), None)
+                if known is None:
+                    known = {}
+                    self.patterned.append((route, known))
+                methods = known
             for method in route.methods:
                 if method in methods:
                     raise ValueError(f"{method} {route.path} is declared twice")
@@ -60,6 +61,7 @@ class Registry:
         if methods is not None:
             return methods, {}
         for route, methods in self.patterned:
+            assert route.pattern is not None  # a patterned route, as __init__ sorted them
             found = route.pattern.match(path)
             if found:
                 return methods, found.groupdict()

@@ -11,10 +11,11 @@ usage is audio seconds, not tokens, so those calls count as requests only.
 
 from gateway.endpoints.base import MULTIPART, Route
 from gateway.relay import SSERelay
+from policies.config import Policy
 from policies.pipeline import Call
 
 
-def upload_limit(policy) -> int:
+def upload_limit(policy: Policy) -> int:
     return policy.server.max_upload_bytes
 
 

@@ -117,7 +117,7 @@ def query_text(value: str) -> bool:
     return 0 < len(value) <= 200
 
 
-def forward_query(fields: dict[str, Callable[[str], bool]], repeated: tuple[str, ...] = ()):
+def forward_query(fields: dict[str, Callable[[str], bool]], repeated: tuple[str, ...] = ()) -> Callable[[bytes], str]:
     """A route's `query`: reads the client's raw query string into the one sent upstream (`?...`, re-encoded by
     the gateway, so nothing in it can bend the request line). Only the named `fields` pass, each value checked,
     once each but for the `repeated` ones; anything else (too long, not UTF-8, malformed, unknown) is a 400."""
@@ -176,7 +176,7 @@ class Route:
     query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped
     stream_by_answer: bool = False  # it streams when its answer is an event stream (a form's or a query's `stream`)
     prompt: Callable[[dict[str, Any]], str] | None = None  # the text its prompt starts with (prefix routing reads it)
-    pattern: re.Pattern | None = field(default=None, init=False)
+    pattern: re.Pattern[str] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if "{" in self.path:

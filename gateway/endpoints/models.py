@@ -3,15 +3,26 @@ use (vLLM has no /v1/models/{id}, and its names are the served ones, not the pub
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from gateway.endpoints.base import NONE, Route
 from policies.errors import NotFound
+from policies.keys import KeyRecord
 
 
-async def listing(gateway, key, _params: dict[str, str]) -> bytes:
+class Models(Protocol):
+    """What these routes ask of the gateway (gateway/app.py)."""
+
+    def models_listing(self, key: KeyRecord) -> bytes: ...
+
+    def model_entry(self, key: KeyRecord, name: str) -> bytes | None: ...
+
+
+async def listing(gateway: Models, key: KeyRecord, _params: dict[str, str]) -> bytes:
     return gateway.models_listing(key)
 
 
-async def one(gateway, key, params: dict[str, str]) -> bytes:
+async def one(gateway: Models, key: KeyRecord, params: dict[str, str]) -> bytes:
     found = gateway.model_entry(key, params["model"])
     if found is None:
         raise NotFound(f"The model '{params['model'][:200]}' does not exist or you do not have access to it.",

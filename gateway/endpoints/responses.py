@@ -86,6 +86,7 @@ def pinned_model(call: Call) -> str | None:
 
 def assign_id(call: Call, body: dict[str, Any], replica: Replica) -> None:
     if replica.rented is None:
+        assert call.tag_owner is not None  # set by the owners step: pin_previous marks the call as minting ids
         body["request_id"] = new_id(replica, call.tag_owner)
     else:
         body.pop("request_id", None)

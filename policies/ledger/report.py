@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from policies.config import backend_name
 from policies.ledger.sums import BUSY, COMPLETION, COST, ESTIMATED, HELD, PROMPT, QUEUE, REQUESTS, Row
@@ -68,7 +69,7 @@ def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], 
                  bucket_seconds: int) -> dict:
     """The report for [since, until) (unix seconds; `until` no later than now)."""
     seconds = max(until - since, 1e-9)
-    out = {"since": since, "until": until, "window_seconds": seconds, "bucket_seconds": bucket_seconds,
+    out: dict[str, Any] = {"since": since, "until": until, "window_seconds": seconds, "bucket_seconds": bucket_seconds,
            "models": {}, "keys": {}}
     by_model: dict[str, list[tuple[Row, list[float]]]] = {}
     for row, values in rows:
@@ -178,7 +179,7 @@ def burstiness(requests_per_bucket: list[float], seconds: float, bucket_seconds:
     return max(requests_per_bucket) / mean
 
 
-def recommend(f: dict, tokens: int) -> dict:
+def recommend(f: dict, tokens: float) -> dict:
     """The cheapest of what was paid (owned + rented overflow), renting everything, and owning enough for
     everything (`own_all_cost`, an estimate at the measured utilisation); the reason names the figures."""
     owned, paid, rent_all, own_all = f["owned_cost"], f["actual_cost"], f["rent_all_cost"], f["own_all_cost"]

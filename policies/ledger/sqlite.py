@@ -78,7 +78,8 @@ class SQLiteLedger:
         await self._run("add", write)
 
     async def read(self, since: float, until: float, key_id: str | None = None) -> list[tuple[Row, list[float]]]:
-        sql, args = SELECT, [int(since), int(until)]
+        sql: str = SELECT
+        args: list[int | str] = [int(since), int(until)]
         if key_id is not None:
             sql, args = sql + " AND key_id = ?", [*args, key_id]
         rows = await self._run("read", lambda conn: conn.execute(sql, args).fetchall())

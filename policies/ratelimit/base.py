@@ -54,7 +54,7 @@ class Ticket:
     member: str
     reserved: int
     released: bool = False
-    limiter: object = field(default=None, repr=False)
+    limiter: Limiter | None = field(default=None, repr=False)  # the one that took it
 
 
 class Limiter(Protocol):

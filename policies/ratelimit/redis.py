@@ -254,7 +254,7 @@ class RedisLimiter:
     def settle(self, scopes: tuple[Scope, ...], pending: Pending | None, exc: BaseException | None) -> None:
         """Tell the releases carried by a call how it went. A call cancelled midway may or may not have run: its
         slots go back again (removing a lease twice is harmless), their refunds not (twice would exceed)."""
-        for member, refund, settled in pending or ():
+        for member, _refund, settled in pending or ():
             if settled.done():
                 continue
             if isinstance(exc, asyncio.CancelledError):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -12,6 +13,7 @@ from backends.vllm_stats import VLLMStats
 from policies.pipeline import Call
 
 Candidate = Replica
+P = TypeVar("P", covariant=True)
 
 
 class Params(BaseModel):
@@ -76,6 +78,19 @@ class Picker(Protocol):
         """One of the candidates, given their weighted total scores."""
 
 
+class Plugin(Protocol[P]):
+    """A filter's or scorer's class, as the registry holds it: the model of its params and its constructor."""
+
+    @property
+    def Params(self) -> type[BaseModel]: ...  # the class attribute every plugin declares
+
+    def __call__(self, params: Any, metrics: Any = None) -> P: ...
+
+
+class PickerClass(Protocol):
+    def __call__(self, rng: random.Random | None = None) -> Picker: ...
+
+
 class Stateless:
     """For scorers that learn nothing from a pick (the profile does not call their `picked`) and, unless they
     say otherwise, take no params."""
@@ -83,7 +98,7 @@ class Stateless:
     Params = Params
     learns = False
 
-    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: BaseModel | None = None, metrics: Any = None) -> None:
         pass
 
     def picked(self, call: Call, replica: Candidate, note: Note) -> None:

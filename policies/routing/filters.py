@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import Field
 
@@ -22,7 +23,7 @@ class KVHeadroom:
     name = "kv-headroom"
     Params = KVHeadroomParams
 
-    def __init__(self, params: KVHeadroomParams | None = None, metrics=None) -> None:
+    def __init__(self, params: KVHeadroomParams | None = None, metrics: Any = None) -> None:
         self.max_usage = (params or KVHeadroomParams()).max_usage
 
     def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:

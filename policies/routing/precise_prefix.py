@@ -35,7 +35,7 @@ from policies.routing.prefix_guard import GuardParams, prefix_scores
 log = logging.getLogger("gateway.routing")
 
 
-class Params(GuardParams):
+class PrecisePrefixParams(GuardParams):
     tokenizer: str = Field("", max_length=4096)  # the served model's directory (tokenizer.json, its chat template)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks looked up per request (longer prompts: the start)
 
@@ -44,10 +44,10 @@ class PrecisePrefix(Stateless):
     """vLLM's events say what is cached: a pick teaches nothing (Stateless)."""
 
     name = "precise-prefix"
-    Params = Params
+    Params = PrecisePrefixParams
 
-    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
-        self.params = params or Params()
+    def __init__(self, params: PrecisePrefixParams | None = None, metrics: Any = None) -> None:
+        self.params = params or PrecisePrefixParams()
 
     def tokens(self, call: Call) -> list[int] | None:
         if not self.params.tokenizer:

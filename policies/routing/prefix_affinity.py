@@ -53,7 +53,7 @@ CHARS_PER_TOKEN = 4
 SHARED = object()  # an LRU block's mark: prompts continued it in more than one way
 
 
-class Params(GuardParams):
+class PrefixAffinityParams(GuardParams):
     block_chars: int = Field(64, ge=4, le=4096)  # characters per hashed block (~16 tokens)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks hashed per request (longer prompts: the start)
     lru_blocks: int = Field(65536, ge=16, le=100_000_000)  # per replica, until vLLM reports its cache size
@@ -61,11 +61,11 @@ class Params(GuardParams):
 
 class PrefixAffinity:
     name = "prefix-affinity"
-    Params = Params
+    Params = PrefixAffinityParams
     learns = True
 
-    def __init__(self, params: Params | None = None, metrics: Any = None) -> None:
-        self.params = params or Params()
+    def __init__(self, params: PrefixAffinityParams | None = None, metrics: Any = None) -> None:
+        self.params = params or PrefixAffinityParams()
         self.metrics = metrics  # GatewayMetrics or None
         # by replica name (they survive a reload of the policy): block hash -> its mark (None: no continuation
         # seen yet; a hash: the one continuation seen; SHARED), least recent first

@@ -51,15 +51,16 @@ def load_guard(params: GuardParams, seen: Sequence[VLLMStats | None], loads: lis
                prompt: float, block: float, p: int, shared: Callable[[int], bool], note: Note) -> list[float] | None:
     """The scores when the load guard trips for the preferred candidate `p`, else None."""
     others = [i for i in range(len(matched)) if i != p]
-    waiting = seen[p].waiting if seen[p] is not None else None
-    if waiting:
+    preferred = seen[p]
+    if preferred is not None and preferred.waiting:
         costs = [queued(s, prompt) + prompt - m * block for s, m in zip(seen, matched)]
         if costs[p] > min(costs[i] for i in others):
             note.outcome = "guard_queue"
             cheapest = max(1.0, min(costs))
             return [cheapest / max(1.0, c) for c in costs]
     kv = [None if s is None else s.kv_usage for s in seen]
-    if kv[p] is not None and kv[p] >= KV_FULL and any(kv[i] is None or kv[i] < KV_FULL for i in others):
+    full = kv[p]
+    if full is not None and full >= KV_FULL and any(u is None or u < KV_FULL for i, u in enumerate(kv) if i != p):
         note.outcome = "guard_kv"
         best = max(m for m, u in zip(matched, kv) if u is None or u < KV_FULL) or 1
         return [0.0 if u is not None and u >= KV_FULL else m / best for m, u in zip(matched, kv)]

@@ -71,8 +71,9 @@ def _part(item: Any) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict):
-        if isinstance(item.get("text"), str):
-            return item["text"]
+        text = item.get("text")
+        if isinstance(text, str):
+            return text
         if "content" in item:  # a Responses input item
             return f"{item.get('role', '')}{ROLE}{_text(item['content'])}"
     return _json(item)

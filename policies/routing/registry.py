@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from policies.routing.base import Filter, PickerClass, Plugin, Scorer
 from policies.routing.filters import KVHeadroom
 from policies.routing.kv_cache import KVCache
 from policies.routing.least_in_flight import LeastInFlight
@@ -11,7 +12,7 @@ from policies.routing.prefix_affinity import PrefixAffinity
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
 
-FILTERS: dict[str, type] = {f.name: f for f in (KVHeadroom,)}
-SCORERS: dict[str, type] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity, SessionAffinity,
-                                                PrecisePrefix)}
-PICKERS: dict[str, type] = {p.name: p for p in (MaxScore, Random)}
+FILTERS: dict[str, Plugin[Filter]] = {f.name: f for f in (KVHeadroom,)}
+SCORERS: dict[str, Plugin[Scorer]] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity,
+                                                          SessionAffinity, PrecisePrefix)}
+PICKERS: dict[str, PickerClass] = {p.name: p for p in (MaxScore, Random)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import Field
 
@@ -19,16 +20,16 @@ from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.base import Params as BaseParams
 
 
-class Params(BaseParams):
+class SessionAffinityParams(BaseParams):
     header: str = Field("x-session-id", pattern=r"^[A-Za-z0-9-]{1,64}$")
 
 
 class SessionAffinity(Stateless):
     name = "session-affinity"
-    Params = Params
+    Params = SessionAffinityParams
 
-    def __init__(self, params: Params | None = None, metrics=None) -> None:
-        self.header = (params or Params()).header.lower()
+    def __init__(self, params: SessionAffinityParams | None = None, metrics: Any = None) -> None:
+        self.header = (params or SessionAffinityParams()).header.lower()
 
     def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         session = call.headers.get(self.header) if call.headers is not None else None

@@ -46,4 +46,5 @@ class State:
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:
     """The state of `policy.store.kind`; its store connects lazily (State.store.ping() says if it answers)."""
     module = importlib.import_module(KINDS[policy.store.kind])
-    return module.open_state(policy, variants, background)
+    state: State = module.open_state(policy, variants, background)
+    return state

@@ -22,6 +22,10 @@ import logging
 import random
 import secrets
 from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 log = logging.getLogger("policies.store.key_events")
 
@@ -38,13 +42,13 @@ class FrozenConnection(Exception):
 
 
 class KeyEvents:
-    def __init__(self, client, prefix: str) -> None:
+    def __init__(self, client: Redis | RedisCluster, prefix: str) -> None:
         self.client = client
         self.changed = f"{prefix}keys:changed"
         self.dropped = f"{prefix}keys:dropped"
         self.waiting: dict[str, tuple[asyncio.Event, list[int]]] = {}
         self.connected = False
-        self.acking: set[asyncio.Task] = set()
+        self.acking: set[asyncio.Task[Any]] = set()
         self.lost = False  # the pub/sub connection was reopened: messages may have been missed
 
     async def announce(self, key_id: str) -> None:
@@ -76,6 +80,7 @@ class KeyEvents:
             try:
                 await pubsub.subscribe(self.changed, self.dropped)
                 # redis-py reconnects a pub/sub connection by itself, silently: hear of it to drop the cache
+                assert pubsub.connection is not None  # subscribe opened it
                 pubsub.connection.register_connect_callback(self.reconnected)
                 if not self.connected:
                     drop_all()  # changes made while we were not listening are unknown
@@ -113,10 +118,10 @@ class KeyEvents:
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, BACKOFF_MAX)
 
-    def reconnected(self, _connection) -> None:
+    def reconnected(self, _connection: object) -> None:
         self.lost = True
 
-    def handle(self, message: dict, drop: Callable[[str], None]) -> None:
+    def handle(self, message: dict[str, Any], drop: Callable[[str], None]) -> None:
         if message.get("type") != "message":
             return
         data = message.get("data")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis import exceptions as redis_errors
@@ -37,14 +37,14 @@ class Wire(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", errors="replace",
                                      replyError=redis_errors.ResponseError,
                                      protocolError=redis_errors.InvalidResponse)
-        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.out: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.quiet_since = 0.0  # loop time of the last reply, or of the first call sent while none was pending
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -57,14 +57,14 @@ class Wire(asyncio.Protocol):
             if not future.done():  # a caller that gave up (its deadline) leaves its reply unread
                 future.set_result(reply)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         for future in self.waiting:
             if not future.done():
                 future.set_exception(redis_errors.ConnectionError("redis connection lost"))
         self.waiting.clear()
 
-    def send(self, *args: Any) -> asyncio.Future:
+    def send(self, *args: Any) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         if self.closed:
             raise redis_errors.ConnectionError("redis connection closed")
@@ -88,7 +88,7 @@ class Wire(asyncio.Protocol):
         self.closed = True
 
 
-def pack(args: tuple) -> bytes:
+def pack(args: tuple[Any, ...]) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, str):
@@ -110,7 +110,7 @@ class Pipelined:
         # by a Cluster node's address; else one wire under None: the server's, or Sentinel's primary's, found
         # without asking Sentinel where the primary is while its connection lasts
         self.wires: dict[tuple[str, int] | None, Wire] = {}
-        self.connecting: dict[tuple[str, int] | None, asyncio.Future] = {}
+        self.connecting: dict[tuple[str, int] | None, asyncio.Future[Wire]] = {}
         self.auth: dict[str, Any] = {}
 
     @classmethod
@@ -128,14 +128,15 @@ class Pipelined:
         return fast
 
     async def address(self, keys: list[str]) -> tuple[str, int]:
-        if self.cluster:
+        if isinstance(self.client, RedisCluster):
             if not self.client.nodes_manager.slots_cache:
                 await self.client.initialize()
             node = self.client.get_node_from_key(keys[0])
-            return node.host, node.port
+            assert node is not None  # every slot has a node once the slots are known
+            return node.host, int(node.port)
         pool = self.client.connection_pool
         if isinstance(pool, SentinelConnectionPool):
-            return tuple(await pool.get_master_address())
+            return cast(tuple[str, int], tuple(await pool.get_master_address()))
         kwargs = pool.connection_kwargs
         return kwargs.get("host", "localhost"), int(kwargs.get("port", 6379))
 
@@ -184,7 +185,7 @@ class Pipelined:
             raise self.error(wire, str(reply))
         return reply
 
-    async def reply(self, wire: Wire, future: asyncio.Future) -> Any:
+    async def reply(self, wire: Wire, future: asyncio.Future[Any]) -> Any:
         try:
             return await future
         except asyncio.CancelledError:
@@ -200,7 +201,7 @@ class Pipelined:
             return Redirected(message)
         if code in ("READONLY", "MASTERDOWN", "LOADING"):
             wire.abort()  # a demoted primary or a server not ready: the next call looks for the primary again
-        return BaseParser.parse_error(message)
+        return cast(Exception, BaseParser.parse_error(message))
 
     async def close(self) -> None:
         for wire in self.wires.values():

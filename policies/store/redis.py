@@ -25,6 +25,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import AsyncIterator
+from typing import cast
 
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
@@ -188,12 +189,14 @@ class RedisStore:
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         async with self.guard("get_key"), self._redis.pipeline(transaction=False) as pipe:
-            raw, touched = await pipe.get(self._key(key_id)).zscore(self._last_used, key_id).execute()
+            pipe.get(self._key(key_id))
+            pipe.zscore(self._last_used, key_id)
+            raw, touched = await pipe.execute()
         return None if raw is None else with_last_used(KeyRecord.model_validate_json(raw), touched)
 
     async def list_keys(self) -> list[KeyRecord]:
         async with self.guard("list_keys"):
-            ids = await self._redis.zrange(self._index, 0, -1)
+            ids = cast(list[str], await self._redis.zrange(self._index, 0, -1))  # replies decoded: text
             if not ids:
                 return []
             # two calls, not a pipeline: a Cluster client refuses MGET in one (the keys share a slot, so it works)
@@ -232,7 +235,7 @@ class RedisStore:
 
     async def usage(self, key_id: str) -> dict[str, dict[str, int]]:
         async with self.guard("usage"):
-            counters = await self._redis.hgetall(self._usage(key_id))
+            counters = cast(dict[str, str], await self._redis.hgetall(self._usage(key_id)))
         totals: dict[str, dict[str, int]] = {}
         for name, value in counters.items():
             model, _, field = name.rpartition(":")
@@ -243,7 +246,7 @@ class RedisStore:
         fresh = secrets.token_hex(SECRET_BYTES)  # as text: the client decodes every answer as UTF-8
         async with self.guard("shared_secret"):
             await self._redis.set(self._secret(name), fresh, nx=True)
-            return bytes.fromhex(await self._redis.get(self._secret(name)))
+            return bytes.fromhex(cast(str, await self._redis.get(self._secret(name))))
 
     async def ping(self) -> None:
         async with self.guard("ping"):

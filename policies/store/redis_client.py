@@ -18,7 +18,7 @@ address, so the address can be logged; errors this module raises name the mode, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -127,11 +127,11 @@ def connect(
             sentinel_kwargs={"password": sentinel_password, "socket_connect_timeout": timeout,
                              "socket_timeout": timeout, **sentinel_tls},
         )
-        return sentinels.master_for(
+        return cast(Redis, sentinels.master_for(
             target.master_name, connection_pool_class=BlockingSentinelPool, password=password, db=target.db,
             max_connections=max_connections, timeout=deadline, check_connection=False,
             **({"ssl": True} | tls if target.tls else {}), **common,
-        )
+        ))
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.addresses],
         password=password, max_connections=max_connections, ssl=target.tls, **tls, **common,

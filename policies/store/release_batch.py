@@ -26,7 +26,7 @@ class ReleaseBatch(Generic[K, V]):
         self.send = send  # given every key's queued items; runs in a task of its own
         self.queued: dict[K, list[V]] = {}
         self.timer: asyncio.TimerHandle | None = None
-        self.flushing: set[asyncio.Task] = set()
+        self.flushing: set[asyncio.Task[None]] = set()
 
     def add(self, key: K, item: V) -> None:
         self.queued.setdefault(key, []).append(item)

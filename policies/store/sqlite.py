@@ -113,7 +113,9 @@ class SQLiteStore:
 
     async def get_key(self, key_id: str) -> KeyRecord | None:
         def select(conn: sqlite3.Connection) -> tuple[str, float | None] | None:
-            return conn.execute("SELECT record, last_used_at FROM keys WHERE id = ?", (key_id,)).fetchone()
+            row: tuple[str, float | None] | None = conn.execute(
+                "SELECT record, last_used_at FROM keys WHERE id = ?", (key_id,)).fetchone()
+            return row
 
         row = await self._run("get_key", select)
         return None if row is None else with_last_used(KeyRecord.model_validate_json(row[0]), row[1])
@@ -172,7 +174,8 @@ class SQLiteStore:
 
         def get_or_make(conn: sqlite3.Connection) -> bytes:
             conn.execute("INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)", (name, fresh))
-            return conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0]
+            value: bytes = conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()[0]
+            return value
 
         return await self._run("shared_secret", get_or_make)
 

@@ -197,7 +197,7 @@ async def test_requests_that_go_away_while_admitted_leave_no_slot(redis_server, 
     from policies.keys import KeyLimits
     from policies.metrics import GatewayMetrics
     from policies.pipeline import Call
-    from policies.ratelimit.step import RateLimit
+    from policies.rate_limit import RateLimit
 
     store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
     background = Background()

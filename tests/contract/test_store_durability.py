@@ -141,7 +141,7 @@ def pooled_connections(client) -> list:
 
 
 @pytest.mark.parametrize("setup", ["redis", "redis-cluster"])
-def test_a_pooled_connection_the_server_closed_is_the_store_unavailable_not_an_error(redis_server, setup):
+def test_a_pooled_connection_the_server_closed_is_the_store_unavailable_not_an_error(redis_server, setup):  # noqa: F811
     """The server (a failover, a proxy, a restart) closes a pooled connection; under uvloop, the gateway's loop,
     redis-py's next write on it raised the loop's RuntimeError, which no retry or guard knew: a 500. It is the
     store being unavailable for that call, and the call after it gets a fresh connection."""

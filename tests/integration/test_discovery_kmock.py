@@ -90,7 +90,7 @@ async def test_endpoints_scale_up_and_down_under_load_and_a_public_address_is_re
     port = free_port()
     hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     async with cluster() as (kubeconfig_path, api, tmp), \
-            serve_app(simulator(SIM), port=port, host=hosts[0]) as s1, \
+            serve_app(simulator(SIM), port=port, host=hosts[0]), \
             serve_app(simulator(SIM), port=port, host=hosts[1]) as s2, \
             serve_app(simulator(SIM), port=port, host=hosts[2]) as s3:
         slices = client.DiscoveryV1Api(api)

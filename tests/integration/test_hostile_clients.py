@@ -9,7 +9,6 @@ however many hostile connections are open. Bounds are loose: this machine is sma
 
 from __future__ import annotations
 
-import asyncio
 import os
 import resource
 import secrets
@@ -210,7 +209,7 @@ def test_slowloris_heads_get_408_within_the_header_timeout(gw):
         for s in socks:
             s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
         deadline = t0 + 15
-        for i in range(40):  # a byte of one more header every 0.2 s, never the blank line that ends the head
+        for _ in range(40):  # a byte of one more header every 0.2 s, never the blank line that ends the head
             if time.monotonic() > deadline:
                 break
             try:

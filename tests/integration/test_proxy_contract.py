@@ -142,7 +142,7 @@ async def test_connect_failure_retries_once_on_another_replica(http):
             gw = await gateway.__aenter__()
         try:
             # doomed is gone now; requests picking it must be retried on the live replica, invisibly
-            for sent in range(1, 51):
+            for sent in range(1, 51):  # noqa: B007 - read after the loop: how many went out
                 r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
                 assert r.status_code == 200 and r.json()["served_by"] == "alive"
                 if await gw.metric("llm_gateway_retries_total") > 0:

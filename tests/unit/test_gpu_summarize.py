@@ -16,7 +16,10 @@ def level(concurrency, held):
 DIRECT = {"rows": [row(128, 12_000, 600), row(256, 8_500, 1_200), row(512, 8_600, 4_000)]}
 
 
-def verdicts(gateway_rows, knee_levels=(level(512, 512.0),)):
+KNEE_AT_512 = (level(512, 512.0),)
+
+
+def verdicts(gateway_rows, knee_levels=KNEE_AT_512):
     return checks({"bf16": {"levels": list(knee_levels)}}, {"direct": DIRECT, "gateway": {"rows": gateway_rows}}, 128)
 
 

@@ -16,7 +16,8 @@ from backends.vllm_stats import VLLMStats
 from policies.pipeline import Call
 from policies.routing import Stats
 from policies.routing.base import Note
-from policies.routing.precise_prefix import Params, PrecisePrefix, load_prompt_tokenizer
+from policies.routing.precise_prefix import PrecisePrefix, load_prompt_tokenizer
+from policies.routing.precise_prefix import PrecisePrefixParams as Params
 
 BS = 4
 

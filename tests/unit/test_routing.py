@@ -14,7 +14,7 @@ from policies.routing.filters import KVHeadroom
 from policies.routing.kv_cache import KVCache
 from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
-from policies.routing.prefix_affinity import Params as PrefixParams
+from policies.routing.prefix_affinity import PrefixAffinityParams as PrefixParams
 from policies.routing.prefix_affinity import PrefixAffinity
 from policies.routing.profile import Profile
 from policies.routing.session_affinity import SessionAffinity

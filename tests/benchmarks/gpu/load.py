@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import random
 import re
 import statistics
-import sys
 import time
 import urllib.request
 from urllib.parse import urlparse

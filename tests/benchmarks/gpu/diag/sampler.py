@@ -10,7 +10,7 @@ pat = re.compile(r"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv
 def get(url, t=1.0):
     try:
         return urllib.request.urlopen(url, timeout=t).read().decode(errors="replace")
-    except Exception as e:
+    except Exception:
         return ""
 def gw_port(pid):
     try:
