@@ -3,15 +3,16 @@ use (vLLM has no /v1/models/{id}, and its names are the served ones, not the pub
 
 from __future__ import annotations
 
-from gateway.endpoints.base import NONE, Route
+from gateway.endpoints.base import NONE, Asked, Route
 from policies.errors import NotFound
 
 
-async def listing(gateway, key, _params: dict[str, str]) -> bytes:
+async def listing(gateway, key, _asked: Asked) -> bytes:
     return gateway.models_listing(key)
 
 
-async def one(gateway, key, params: dict[str, str]) -> bytes:
+async def one(gateway, key, asked: Asked) -> bytes:
+    params = asked.params
     found = gateway.model_entry(key, params["model"])
     if found is None:
         raise NotFound(f"The model '{params['model'][:200]}' does not exist or you do not have access to it.",

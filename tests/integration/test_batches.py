@@ -1,0 +1,133 @@
+"""The Batch API through the real openai SDK against one gateway over the vLLM simulator: files uploaded and
+checked line by line, batches run in the background in the batch class, their output and error files in OpenAI's
+shapes, cancelled, listed and paged; every file and batch its key's alone."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import openai
+import pytest
+
+from backends.simulator import SimConfig, create_app
+from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
+from tests.support.gateway import TEST_KEY, one_model, running_gateway
+from tests.support.servers import serve_app
+
+FAST = SimConfig(model="served-m", step_base_ms=2, step_ms_per_seq=0)
+SLOW = SimConfig(model="served-m", step_base_ms=40, step_ms_per_seq=0)
+DEADLINE = 60  # seconds a batch of a few lines may take on a loaded 2-core machine
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def chat_line(n: int, model: str = "m", **body) -> dict:
+    return {"custom_id": f"req-{n}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"say {n}"}], "max_tokens": 3, **body}}
+
+
+def embed_line(n: int) -> dict:
+    return {"custom_id": f"emb-{n}", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", "input": f"text {n}"}}
+
+
+def policy(backend: str, tmp_path, **batch) -> dict:
+    return one_model(backend, batch={"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, **batch})
+
+
+async def other_key(gw) -> str:
+    key = new_key(new_key_id())
+    await gw.state.store.create_key(KeyRecord(id=key_id_of(key), name="other", created_at=time.time(),
+                                              hash=hash_key(key)))
+    return key
+
+
+async def finished(sdk: openai.AsyncOpenAI, batch_id: str, timeout: float = DEADLINE):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = await sdk.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout} s")
+
+
+@pytest.fixture
+async def gateway(tmp_path):
+    async with serve_app(create_app(FAST)) as backend, running_gateway(policy(backend, tmp_path)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        yield gw, sdk
+
+
+async def test_a_chat_batch_runs_every_line_once_with_outputs_in_openais_shape(gateway):
+    gw, sdk = gateway
+    lines = [chat_line(n) for n in range(12)] + [chat_line(99, max_tokens=-1)]  # the last one: the backend's 400
+    uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
+    batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h", metadata={"run": "1"})
+    assert batch.status == "validating" and batch.request_counts.total == 13
+    done = await finished(sdk, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (13, 12, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.metadata == {"run": "1"}
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{n}" for n in range(12))
+    for o in out:
+        assert o["response"]["status_code"] == 200 and o["error"] is None and o["id"].startswith("batch_req_")
+        assert o["response"]["body"]["object"] == "chat.completion" and o["response"]["body"]["model"] == "m"
+    errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).text.splitlines()]
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("req-99", 400)]
+    assert errors[0]["response"]["body"]["error"]["param"] == "max_tokens"
+    await gw.state.record_usage.flush()
+    usage = await gw.state.store.usage(key_id_of(TEST_KEY))
+    assert usage["m"]["requests"] == 12  # batch lines count in the key's usage as any call (the 400 never left)
+    output_file = await sdk.files.retrieve(done.output_file_id)
+    assert output_file.purpose == "batch_output"
+
+
+async def test_an_embeddings_batch_and_paging(gateway):
+    _, sdk = gateway
+    uploaded = await sdk.files.create(file=("e.jsonl", io.BytesIO(jsonl([embed_line(n) for n in range(5)]))),
+                                      purpose="batch")
+    ids = []
+    for _ in range(3):
+        ids.append((await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                             completion_window="24h")).id)
+    for batch_id in ids:
+        done = await finished(sdk, batch_id)
+        assert done.status == "completed" and done.request_counts.completed == 5 and done.error_file_id is None
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
+    assert {o["response"]["body"]["object"] for o in out} == {"list"}
+    first = await sdk.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    rest = await sdk.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in rest.data] == ids[:1] and not rest.has_more
+    assert [b.id async for b in sdk.batches.list(limit=1)] == ids[::-1]  # the SDK's own paging
+
+
+async def test_cancel_stops_a_running_batch(tmp_path):
+    async with serve_app(create_app(SLOW)) as backend, \
+            running_gateway(policy(backend, tmp_path, concurrency=2)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        lines = [chat_line(n, max_tokens=10) for n in range(40)]
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        deadline = time.monotonic() + DEADLINE
+        while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        cancelling = await sdk.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        done = await finished(sdk, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at
+        assert 2 <= done.request_counts.completed < 40
+        out = (await sdk.files.content(done.output_file_id)).text.splitlines()
+        assert len(out) == done.request_counts.completed
+        assert (await sdk.batches.cancel(batch.id)).status == "cancelled"
