@@ -9,12 +9,13 @@ import io
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
 from backends.simulator import SimConfig, create_app
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
-from tests.support.gateway import TEST_KEY, one_model, running_gateway
+from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.servers import serve_app
 
 FAST = SimConfig(model="served-m", step_base_ms=2, step_ms_per_seq=0)
@@ -131,3 +132,93 @@ async def test_cancel_stops_a_running_batch(tmp_path):
         out = (await sdk.files.content(done.output_file_id)).text.splitlines()
         assert len(out) == done.request_counts.completed
         assert (await sdk.batches.cancel(batch.id)).status == "cancelled"
+
+
+def upload(http: httpx.AsyncClient, data: bytes, purpose: str = "batch", name: str = "in.jsonl"):
+    return http.post("/v1/files", files={"file": (name, data)}, data={"purpose": purpose})
+
+
+BAD_FILES = [  # (file, the line named, the error code)
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n{not json\n',
+     2, "invalid_json"),
+    (jsonl([chat_line(1), {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}]), 2, "missing_field"),
+    (jsonl([{"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}]), 1, "missing_field"),
+    (jsonl([chat_line(1), chat_line(2), chat_line(1)]), 3, "duplicate_custom_id"),
+    (jsonl([{**chat_line(1), "url": "/v1/responses"}]), 1, "invalid_url"),
+    (jsonl([{**chat_line(1), "method": "GET"}]), 1, "invalid_method"),
+    (jsonl([chat_line(1), embed_line(2)]), 2, "mismatched_url"),
+    (jsonl([chat_line(1), chat_line(2, model="m-alias")]), 2, "mismatched_model"),
+    (jsonl([chat_line(1, model="nope")]), 1, "model_not_allowed"),
+    (jsonl([chat_line(1, stream=True)]), 1, "invalid_batch_line"),
+    (jsonl([chat_line(1), [1, 2]]), 2, "invalid_json"),
+]
+
+
+@pytest.mark.parametrize("data,line,code", BAD_FILES)
+async def test_a_bad_input_file_is_a_400_naming_its_line(gateway, data, line, code):
+    gw, _ = gateway
+    async with httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=20) as http:
+        r = await upload(http, data)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == code and error["message"].startswith(f"line {line}: "), error
+        assert (await http.get("/v1/files")).json()["data"] == []  # nothing was kept
+
+
+async def test_other_bad_requests_are_4xx_in_openais_shape(tmp_path):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(policy(backend, tmp_path, max_file_bytes=2048, max_queued_lines_per_key=5)) as gw, \
+            httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=20) as http:
+        assert (await upload(http, b"x" * 70_000)).status_code == 413
+        assert (await upload(http, jsonl([chat_line(1)]), purpose="fine-tune")).json()["error"]["param"] == "purpose"
+        assert (await upload(http, b"")).json()["error"]["code"] == "empty_file"
+        assert (await http.post("/v1/files", content=b"{}", headers={"content-type": "application/json"})
+                ).json()["error"]["code"] == "invalid_content_type"
+        assert (await http.post("/v1/files", files={"file": ("a", b"x")})).json()["error"]["param"] == "purpose"
+        four = (await upload(http, jsonl([chat_line(n) for n in range(4)]))).json()["id"]
+        cases = [({"input_file_id": four, "endpoint": "/v1/embeddings", "completion_window": "24h"},
+                  "mismatched_endpoint", 400),
+                 ({"input_file_id": four, "endpoint": "/v1/chat/completions", "completion_window": "1h"}, None, 400),
+                 ({"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+                  "file_not_found", 404),
+                 ({"input_file_id": four, "endpoint": "/v1/responses", "completion_window": "24h"},
+                  "invalid_endpoint", 400)]
+        for body, code, status in cases:
+            r = await http.post("/v1/batches", json=body)
+            assert r.status_code == status and r.json()["error"]["code"] == code, (body, r.text)
+        assert (await http.post("/v1/batches", content=b"{nope")).json()["error"]["code"] == "invalid_json"
+        six = (await upload(http, jsonl([chat_line(n) for n in range(6)]))).json()["id"]
+        r = await http.post("/v1/batches", json={"input_file_id": six, "endpoint": "/v1/chat/completions",
+                                                 "completion_window": "24h"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "queued_lines_limit_reached"
+        assert (await http.get("/v1/batches?limit=0")).status_code == 400
+        assert (await http.get("/v1/batches?bogus=1")).status_code == 400
+        assert (await http.get("/v1/files/../../etc/passwd")).status_code == 404
+
+
+async def test_files_and_batches_are_their_keys_alone(gateway):
+    gw, sdk = gateway
+    theirs = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=await other_key(gw), max_retries=0, timeout=20)
+    mine = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(1)]))), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions", completion_window="24h")
+    async with httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
+        other = {"authorization": f"Bearer {theirs.api_key}"}
+        for method, path in [("GET", "/v1/files/{f}"), ("GET", "/v1/files/{f}/content"), ("DELETE", "/v1/files/{f}"),
+                             ("GET", "/v1/batches/{b}"), ("POST", "/v1/batches/{b}/cancel")]:
+            seen = await http.request(method, path.format(f=mine.id, b=batch.id), headers=other)
+            unknown = await http.request(method, path.format(f="file-" + "0" * 24, b="batch_" + "0" * 24),
+                                         headers=other)
+            assert seen.status_code == unknown.status_code == 404
+            assert seen.json()["error"]["code"] == unknown.json()["error"]["code"]
+        r = await http.post("/v1/batches", headers=other, json={"input_file_id": mine.id, "completion_window": "24h",
+                                                                "endpoint": "/v1/chat/completions"})
+        assert r.status_code == 404
+        assert (await http.get("/v1/files", headers=other)).json()["data"] == []
+        assert (await http.get("/v1/batches", headers=other)).json()["data"] == []
+        assert (await http.get("/v1/files")).status_code == 401
+    await finished(sdk, batch.id)
+    assert [f.id async for f in sdk.files.list()][-1] == mine.id
+    assert (await sdk.files.delete(mine.id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.retrieve(mine.id)
+    await theirs.close()
