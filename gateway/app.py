@@ -212,8 +212,10 @@ class Gateway:
 
     def start_drain(self) -> None:
         """The process is going away: readiness fails at once so the Service stops routing here (a flag only,
-        as it is called from a signal handler)."""
+        as it is called from a signal handler). Batch lines are claimed no more; those in flight finish."""
         self.draining = True
+        if self.batch_runner is not None:
+            self.batch_runner.stopping = True
 
     async def forget_key(self, key_id: str) -> None:
         """Drop a changed key from this process's cache at once and, on Redis, from every replica's: returns
