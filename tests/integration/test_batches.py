@@ -88,6 +88,9 @@ async def test_a_chat_batch_runs_every_line_once_with_outputs_in_openais_shape(g
     await gw.state.record_usage.flush()
     usage = await gw.state.store.usage(key_id_of(TEST_KEY))
     assert usage["m"]["requests"] == 12  # batch lines count in the key's usage as any call (the 400 never left)
+    report = await gw.state.report(3600)  # the own-or-rent report: batch work is a class of its own
+    assert report["models"]["m"]["batch"]["requests"] == 12 and report["models"]["m"]["owned"]["requests"] == 12
+    assert report["keys"][key_id_of(TEST_KEY)]["batch_requests"] == 12
     output_file = await sdk.files.retrieve(done.output_file_id)
     assert output_file.purpose == "batch_output"
 
@@ -222,3 +225,30 @@ async def test_files_and_batches_are_their_keys_alone(gateway):
     with pytest.raises(openai.NotFoundError):
         await sdk.files.retrieve(mine.id)
     await theirs.close()
+
+
+async def test_lines_wait_in_the_batch_class_and_interactive_calls_go_first(tmp_path):
+    async with serve_app(create_app(SLOW)) as backend:
+        one_slot = {"models": [{"name": "m", "served_name": "served-m", "backends": [{"url": backend, "cap": 1}]}],
+                    "batch": {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "concurrency": 4}}
+        async with running_gateway(one_slot) as gw, \
+                openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=60) as sdk:
+            lines = [chat_line(n, max_tokens=8) for n in range(12)]
+            uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+            batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+            deadline = time.monotonic() + DEADLINE
+            while await gw.metric("llm_gateway_queue_depth", **{"class": "batch"}) < 2:
+                assert time.monotonic() < deadline, "batch lines never queued for the one slot"
+                await asyncio.sleep(0.02)
+            waits = []
+            for n in range(3):  # each arrives while batch lines wait: it takes the next free slot
+                raw = await sdk.chat.completions.with_raw_response.create(
+                    model="m", messages=[{"role": "user", "content": f"now {n}"}], max_tokens=2)
+                waits.append(float(raw.headers["x-gateway-queue-ms"]) / 1000)
+            done = await finished(sdk, batch.id)
+            assert done.status == "completed" and done.request_counts.completed == 12
+            batch_waited = await gw.metric("llm_gateway_queue_wait_seconds_sum", **{"class": "batch"})
+            batch_lines = await gw.metric("llm_gateway_queue_wait_seconds_count", **{"class": "batch"})
+            assert batch_lines >= 10  # the lines were admitted in the batch class
+            assert max(waits) < batch_waited / batch_lines, (waits, batch_waited / batch_lines)
