@@ -28,4 +28,3 @@ class BatchSettings(BaseModel):
     claim_seconds: float = Field(60.0, gt=0, le=3600)  # a claimed line comes back to the queue if not renewed within
     poll_seconds: float = Field(1.0, gt=0, le=60)  # how often an idle runner looks for work
     completion_window_seconds: float = Field(86400.0, gt=0)  # "24h": a batch not done by then ends `expired`
-    keep_days: float = Field(30.0, gt=0)  # how long files and batches are kept (OpenAI: 30 days)

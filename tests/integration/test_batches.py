@@ -252,3 +252,19 @@ async def test_lines_wait_in_the_batch_class_and_interactive_calls_go_first(tmp_
             batch_lines = await gw.metric("llm_gateway_queue_wait_seconds_count", **{"class": "batch"})
             assert batch_lines >= 10  # the lines were admitted in the batch class
             assert max(waits) < batch_waited / batch_lines, (waits, batch_waited / batch_lines)
+
+
+async def test_a_batch_past_its_window_expires_keeping_what_was_answered(tmp_path):
+    async with serve_app(create_app(SLOW)) as backend, \
+            running_gateway(policy(backend, tmp_path, concurrency=1, completion_window_seconds=2)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        lines = [chat_line(n, max_tokens=10) for n in range(60)]
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        assert batch.expires_at - batch.created_at == 2
+        done = await finished(sdk, batch.id)
+        assert done.status == "expired" and done.expired_at and done.request_counts.completed < 60
+        if done.request_counts.completed:  # on a slow machine the window may close before the first answer
+            out = (await sdk.files.content(done.output_file_id)).text.splitlines()
+            assert len(out) == done.request_counts.completed
