@@ -21,6 +21,10 @@ class BatchSettings(BaseModel):
     # queue days of work in front of the others' batches
     max_queued_lines_per_key: int = Field(100_000, ge=1)
     concurrency: int = Field(8, ge=1, le=1024)  # lines of one batch in flight from one gateway process at once
+    # lines of all batches in flight from one gateway process; keep it (times the gateway replicas) below the
+    # backends' caps minus the interactive peak, so an interactive call finds a free slot rather than waiting
+    # for a batch line to end (docs/benchmarks.md: the batch fill benchmark)
+    max_in_flight: int = Field(16, ge=1, le=4096)
     priority_class: str = "batch"  # the class lines are admitted in (the last class when the policy has no such one)
     # lines may spill to a model's rented provider (for a key whose data policy allows it); off by default: batch
     # work exists to fill owned GPUs' idle time, and renting it costs full price for work that can wait

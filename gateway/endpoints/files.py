@@ -122,8 +122,11 @@ async def create(gateway, key, asked: Asked) -> bytes:
 
 async def listing(gateway, key, asked: Asked) -> bytes:
     query = query_of(asked.query, ("purpose", "limit", "after", "order"))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("order must be asc or desc", param="order", code="invalid_query")
     found = await stored(service(gateway).list_files(key.id, query.get("purpose"), query.get("after"),
-                                                     limit_of(query, 10_000, 10_000)))
+                                                     limit_of(query, 10_000, 10_000), order))
     return orjson.dumps(found)
 
 

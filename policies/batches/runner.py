@@ -68,6 +68,7 @@ class Runner:
         self.driving: dict[str, asyncio.Task] = {}
         self.wake = asyncio.Event()
         self.stopping = False  # claim nothing more: the process is shutting down
+        self.in_flight = 0  # lines of every batch running in this process (batch.max_in_flight bounds it)
 
     async def run_forever(self) -> None:
         while True:
@@ -134,11 +135,13 @@ class Runner:
                 elif ending:  # claims that expired go back first (claiming none), then nothing pending runs
                     await self.store.claim(batch_id, self.name, 0, 0.0, time.time())
                     await self.store.drop_pending(batch_id)
-                elif len(running) < settings.concurrency:
+                elif (room := min(settings.concurrency - len(running), settings.max_in_flight - self.in_flight)) > 0:
                     now = time.time()
-                    for n in await self.store.claim(batch_id, self.name, settings.concurrency - len(running),
-                                                    now + settings.claim_seconds, now):
+                    for n in await self.store.claim(batch_id, self.name, room, now + settings.claim_seconds, now):
                         running[n] = asyncio.create_task(self.run_line(record, n, lines[n]))
+                if not running and not ending and self.in_flight >= settings.max_in_flight:  # other batches hold it all
+                    await asyncio.sleep(settings.poll_seconds)
+                    continue
                 if not running:
                     progress = await self.store.progress(batch_id)
                     if progress.pending == 0 and progress.claimed == 0:
@@ -174,6 +177,13 @@ class Runner:
         return None
 
     async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
+        self.in_flight += 1
+        try:
+            await self._run_line(record, n, line)
+        finally:
+            self.in_flight -= 1
+
+    async def _run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
         batch_id = record["id"]
         try:
             answer = await self.execute(record, line)

@@ -85,9 +85,10 @@ class Batches:
         await self.files.delete(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int) -> dict[str, Any]:
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         order: str = "desc") -> dict[str, Any]:
         records = [r for r in await self.store.list_files(owner) if purpose is None or r["purpose"] == purpose]
-        return page(records, after, limit)
+        return page(records[::-1] if order == "asc" else records, after, limit)
 
     async def create(self, owner: str, client_host: str, body: dict[str, Any]) -> dict[str, Any]:
         file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")

@@ -221,6 +221,7 @@ async def test_files_and_batches_are_their_keys_alone(gateway):
         assert (await http.get("/v1/files")).status_code == 401
     await finished(sdk, batch.id)
     assert [f.id async for f in sdk.files.list()][-1] == mine.id
+    assert [f.id async for f in sdk.files.list(order="asc", purpose="batch")] == [mine.id]
     assert (await sdk.files.delete(mine.id)).deleted
     with pytest.raises(openai.NotFoundError):
         await sdk.files.retrieve(mine.id)
