@@ -41,7 +41,8 @@ BUCKET = 5  # ledger seconds per bucket: the report's windows line up with the r
 
 def start_gateway(backend_url: str, model: str, cap: int, work: Path, concurrency: int):
     extra = {"ledger": {"bucket_seconds": BUCKET},
-             "batch": {"files_dir": str(work / "files"), "concurrency": concurrency, "poll_seconds": 0.5}}
+             "batch": {"files_dir": str(work / "files"), "concurrency": concurrency, "max_in_flight": concurrency,
+                       "poll_seconds": 0.5}}
     proc, url, key = overload.start_gateway(backend_url, model, cap, work, extra=extra)
     return proc, url, proc.admin_token, key
 
@@ -138,7 +139,8 @@ def main() -> int:
     parser.add_argument("--cap", type=int, help="the backend's cap (default: 32 for the simulator, 16 for vLLM)")
     parser.add_argument("--interactive", type=int, help="interactive streams (default: a quarter of the cap)")
     parser.add_argument("--lines", type=int, default=3000)
-    parser.add_argument("--batch-concurrency", type=int, help="batch.concurrency (default: the cap)")
+    parser.add_argument("--batch-concurrency", type=int,
+                        help="batch.concurrency and max_in_flight (default: the cap minus the interactive streams)")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--output-tokens", type=int, default=64, help="per interactive request")
@@ -148,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     cap = args.cap or (16 if args.vllm else 32)
     args.interactive = args.interactive or max(1, cap // 4)
-    args.batch_concurrency = args.batch_concurrency or cap
+    args.batch_concurrency = args.batch_concurrency or max(1, cap - args.interactive)
     with tempfile.TemporaryDirectory(prefix="batch-fill-") as tmp:
         work = Path(tmp)
         if args.vllm:
