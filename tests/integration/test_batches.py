@@ -269,3 +269,20 @@ async def test_a_batch_past_its_window_expires_keeping_what_was_answered(tmp_pat
         if done.request_counts.completed:  # on a slow machine the window may close before the first answer
             out = (await sdk.files.content(done.output_file_id)).text.splitlines()
             assert len(out) == done.request_counts.completed
+
+
+async def test_one_process_runs_at_most_max_in_flight_lines_of_all_its_batches(tmp_path):
+    async with serve_app(create_app(SLOW)) as backend, \
+            running_gateway(policy(backend, tmp_path, concurrency=4, max_in_flight=3)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(n, max_tokens=6)
+                                                                              for n in range(10)]))), purpose="batch")
+        ids = [(await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")).id for _ in range(2)]
+        most = 0.0
+        deadline = time.monotonic() + DEADLINE
+        while [(await sdk.batches.retrieve(i)).status for i in ids] != ["completed"] * 2:
+            assert time.monotonic() < deadline
+            most = max(most, await gw.metric("llm_gateway_backend_in_flight_requests"))
+            await asyncio.sleep(0.02)
+        assert most == 3  # two batches of 4 each, held to 3 by the process's bound
