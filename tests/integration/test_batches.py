@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
+from policies.budget import period_bounds
+from policies.keys import KeyBudget, KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.servers import serve_app
 
@@ -286,3 +287,23 @@ async def test_one_process_runs_at_most_max_in_flight_lines_of_all_its_batches(t
             most = max(most, await gw.metric("llm_gateway_backend_in_flight_requests"))
             await asyncio.sleep(0.02)
         assert most == 3  # two batches of 4 each, held to 3 by the process's bound
+
+
+async def test_a_keys_token_budget_counts_its_batch_lines(gateway):
+    gw, _ = gateway
+    key = new_key(new_key_id())
+    budget = KeyBudget(max_tokens_per_period=10**6, period="day")
+    await gw.state.store.create_key(KeyRecord(id=key_id_of(key), name="budgeted", created_at=time.time(),
+                                              hash=hash_key(key), budget=budget))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=20) as sdk:
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(n) for n in range(5)]))),
+                                          purpose="batch")
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        done = await finished(sdk, batch.id)
+        assert done.status == "completed"
+        out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).text.splitlines()]
+    used = sum(o["response"]["body"]["usage"]["total_tokens"] for o in out)
+    start, end = period_bounds("day", time.time())
+    _, tokens = await gw.state.budgets.status(key_id_of(key), start, end)
+    assert used > 0 and tokens == used
