@@ -22,6 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import orjson
@@ -74,15 +75,19 @@ class Runner:
         while True:
             try:
                 for record in [] if self.stopping else await self.store.open_batches():
-                    if record["id"] not in self.driving:
-                        task = asyncio.create_task(self.drive(record["id"]))
-                        self.driving[record["id"]] = task
-                        task.add_done_callback(lambda _t, i=record["id"]: self.driving.pop(i, None))
+                    batch_id: str = record["id"]
+                    if batch_id not in self.driving:
+                        task = asyncio.create_task(self.drive(batch_id))
+                        self.driving[batch_id] = task
+                        task.add_done_callback(partial(self.forget, batch_id))
             except Exception:  # the store is down, or a bug: say so and look again
                 log.exception("batch runner could not list open batches")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.settings().poll_seconds)
             self.wake.clear()
+
+    def forget(self, batch_id: str, _task: asyncio.Task) -> None:
+        self.driving.pop(batch_id, None)
 
     async def stop(self, grace: float = 10.0) -> None:
         """Claim no more lines, give the ones in flight `grace` seconds to finish and be recorded, then stop the

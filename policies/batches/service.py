@@ -58,11 +58,12 @@ class Batches:
             raise BadRequest(f"purpose must be one of: {', '.join(PURPOSES)}", param="purpose", code="invalid_purpose")
         settings = self.settings()
         summary = read_lines(data, settings.max_lines, settings.max_line_bytes, refusal)
-        record = {"id": f"file-{secrets.token_hex(12)}", "object": "file", "bytes": len(data),
-                  "created_at": int(time.time()), "filename": filename[:MAX_FILENAME], "purpose": purpose,
-                  "status": "processed", "expires_at": None, "status_details": None, "_owner": owner, "_created": time.time(),
-                  "_lines": summary.lines, "_url": summary.url, "_model": summary.model}
-        await self.files.write(record["id"], data)
+        file_id = f"file-{secrets.token_hex(12)}"
+        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+                  "filename": filename[:MAX_FILENAME], "purpose": purpose, "status": "processed", "expires_at": None,
+                  "status_details": None, "_owner": owner, "_created": time.time(), "_lines": summary.lines,
+                  "_url": summary.url, "_model": summary.model}
+        await self.files.write(file_id, data)
         await self.store.put_file(record)
         return shown(record)
 

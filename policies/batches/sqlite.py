@@ -78,10 +78,9 @@ class SQLiteBatches(SQLiteThread):
         await self._transaction("create_batch", create)
 
     async def get_batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
-        if owner is None:
-            sql, args = "SELECT record FROM batches WHERE id = ?", (batch_id,)
-        else:
-            sql, args = "SELECT record FROM batches WHERE id = ? AND owner = ?", (batch_id, owner)
+        sql, args = "SELECT record FROM batches WHERE id = ?", [batch_id]
+        if owner is not None:
+            sql, args = sql + " AND owner = ?", [batch_id, owner]
         row = await self._run("get_batch", lambda c: c.execute(sql, args).fetchone())
         return orjson.loads(row[0]) if row else None
 
