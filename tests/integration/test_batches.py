@@ -16,7 +16,10 @@ import pytest
 from backends.simulator import SimConfig, create_app
 from policies.budget import period_bounds
 from policies.keys import KeyBudget, KeyRecord, hash_key, key_id_of, new_key, new_key_id
+from tests.integration.test_overflow import issue, standin  # noqa: F401 (a fixture)
+from tests.integration.test_overflow import policy as overflow_policy
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
+from tests.support.rented_standin import read_log
 from tests.support.servers import serve_app
 
 FAST = SimConfig(model="served-m", step_base_ms=2, step_ms_per_seq=0)
@@ -307,3 +310,23 @@ async def test_a_keys_token_budget_counts_its_batch_lines(gateway):
     start, end = period_bounds("day", time.time())
     _, tokens = await gw.state.budgets.status(key_id_of(key), start, end)
     assert used > 0 and tokens == used
+
+
+@pytest.mark.parametrize("allow_rented", [False, True])
+async def test_lines_stay_on_owned_replicas_unless_the_policy_allows_renting(standin, tmp_path, allow_rented):  # noqa: F811
+    rented_url, log, _ = standin
+    slow = SimConfig(model="served-m", step_base_ms=20, step_ms_per_seq=0)
+    async with serve_app(create_app(slow)) as owned:
+        renting = overflow_policy(owned, rented_url)  # the batch class spills at once (rent_first) where allowed
+        renting["batch"] = {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "allow_rented": allow_rented}
+        async with running_gateway(renting) as gw:
+            key = await issue(gw, "allow_rented")
+            async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30) as sdk:
+                data = jsonl([chat_line(n, max_tokens=20) for n in range(8)])
+                uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+                batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h")
+                done = await finished(sdk, batch.id)
+                assert done.status == "completed" and done.request_counts.completed == 8
+    rented = read_log(log)
+    assert (len(rented) > 0) is allow_rented, rented
