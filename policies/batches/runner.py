@@ -137,7 +137,9 @@ class Runner:
                 if self.stopping:
                     if not running:
                         return
-                elif ending:  # claims that expired go back first (claiming none), then nothing pending runs
+                elif ending:  # lines in flight stop (one may wait minutes for a slot) and go back with the claims
+                    # that expired (claiming none), then nothing pending runs
+                    await self.stop_lines(batch_id, running)
                     await self.store.claim(batch_id, self.name, 0, 0.0, time.time())
                     await self.store.drop_pending(batch_id)
                 elif (room := min(settings.concurrency - len(running), settings.max_in_flight - self.in_flight)) > 0:
@@ -169,6 +171,14 @@ class Runner:
             if running:  # given back, so they run again at once (else when their claims expire)
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.release_all(batch_id, list(running)))
+
+    async def stop_lines(self, batch_id: str, running: dict[int, asyncio.Task]) -> None:
+        """Stop the lines this process runs of a batch that is ending; one that finished meanwhile keeps its result."""
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        await self.release_all(batch_id, list(running))  # a line already recorded is no longer claimed: no-op
+        running.clear()
 
     async def release_all(self, batch_id: str, lines: list[int]) -> None:
         for n in lines:

@@ -330,3 +330,26 @@ async def test_lines_stay_on_owned_replicas_unless_the_policy_allows_renting(sta
                 assert done.status == "completed" and done.request_counts.completed == 8
     rented = read_log(log)
     assert (len(rented) > 0) is allow_rented, rented
+
+
+async def test_cancel_stops_lines_in_flight_and_waiting_for_a_slot_at_once(tmp_path):
+    async with serve_app(create_app(SLOW)) as backend:
+        one_slot = {"models": [{"name": "m", "served_name": "served-m", "backends": [{"url": backend, "cap": 1}]}],
+                    "batch": {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "concurrency": 3}}
+        async with running_gateway(one_slot) as gw, \
+                openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30) as sdk:
+            lines = [chat_line(n, max_tokens=400) for n in range(6)]  # long lines: one holds the slot a while
+            uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+            batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+            deadline = time.monotonic() + DEADLINE
+            while await gw.metric("llm_gateway_queue_depth", **{"class": "batch"}) < 2:
+                assert time.monotonic() < deadline, "lines never waited for the one slot"
+                await asyncio.sleep(0.02)
+            cancelled_at = time.monotonic()
+            await sdk.batches.cancel(batch.id)
+            done = await finished(sdk, batch.id)
+            assert time.monotonic() - cancelled_at < 8
+            assert done.status == "cancelled" and done.request_counts.completed == 0  # none was let finish
+            assert done.output_file_id is None and done.error_file_id is None
+            assert await gw.metric("llm_gateway_backend_in_flight_requests") == 0
