@@ -45,6 +45,24 @@ def policy(backend: str, tmp_path, **batch) -> dict:
     return one_model(backend, batch={"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, **batch})
 
 
+def one_slot(backend: str, tmp_path, concurrency: int) -> dict:
+    """One backend with a cap of 1: the batch's other lines wait for its slot in the batch class."""
+    return {"models": [{"name": "m", "served_name": "served-m", "backends": [{"url": backend, "cap": 1}]}],
+            "batch": {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "concurrency": concurrency}}
+
+
+async def submitted(sdk: openai.AsyncOpenAI, lines: list[dict], endpoint: str = "/v1/chat/completions"):
+    uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    return await sdk.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+
+
+async def batch_lines_wait(gw, count: int) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while await gw.metric("llm_gateway_queue_depth", **{"class": "batch"}) < count:
+        assert time.monotonic() < deadline, "batch lines never waited for the one slot"
+        await asyncio.sleep(0.02)
+
+
 async def other_key(gw) -> str:
     key = new_key(new_key_id())
     await gw.state.store.create_key(KeyRecord(id=key_id_of(key), name="other", created_at=time.time(),
@@ -233,30 +251,21 @@ async def test_files_and_batches_are_their_keys_alone(gateway):
 
 
 async def test_lines_wait_in_the_batch_class_and_interactive_calls_go_first(tmp_path):
-    async with serve_app(create_app(SLOW)) as backend:
-        one_slot = {"models": [{"name": "m", "served_name": "served-m", "backends": [{"url": backend, "cap": 1}]}],
-                    "batch": {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "concurrency": 4}}
-        async with running_gateway(one_slot) as gw, \
-                openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=60) as sdk:
-            lines = [chat_line(n, max_tokens=8) for n in range(12)]
-            uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-            batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h")
-            deadline = time.monotonic() + DEADLINE
-            while await gw.metric("llm_gateway_queue_depth", **{"class": "batch"}) < 2:
-                assert time.monotonic() < deadline, "batch lines never queued for the one slot"
-                await asyncio.sleep(0.02)
-            waits = []
-            for n in range(3):  # each arrives while batch lines wait: it takes the next free slot
-                raw = await sdk.chat.completions.with_raw_response.create(
-                    model="m", messages=[{"role": "user", "content": f"now {n}"}], max_tokens=2)
-                waits.append(float(raw.headers["x-gateway-queue-ms"]) / 1000)
-            done = await finished(sdk, batch.id)
-            assert done.status == "completed" and done.request_counts.completed == 12
-            batch_waited = await gw.metric("llm_gateway_queue_wait_seconds_sum", **{"class": "batch"})
-            batch_lines = await gw.metric("llm_gateway_queue_wait_seconds_count", **{"class": "batch"})
-            assert batch_lines >= 10  # the lines were admitted in the batch class
-            assert max(waits) < batch_waited / batch_lines, (waits, batch_waited / batch_lines)
+    async with serve_app(create_app(SLOW)) as backend, running_gateway(one_slot(backend, tmp_path, 4)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=60) as sdk:
+        batch = await submitted(sdk, [chat_line(n, max_tokens=8) for n in range(12)])
+        await batch_lines_wait(gw, 2)
+        waits = []
+        for n in range(3):  # each arrives while batch lines wait: it takes the next free slot
+            raw = await sdk.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": f"now {n}"}], max_tokens=2)
+            waits.append(float(raw.headers["x-gateway-queue-ms"]) / 1000)
+        done = await finished(sdk, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 12
+        batch_waited = await gw.metric("llm_gateway_queue_wait_seconds_sum", **{"class": "batch"})
+        batch_lines = await gw.metric("llm_gateway_queue_wait_seconds_count", **{"class": "batch"})
+        assert batch_lines >= 10  # the lines were admitted in the batch class
+        assert max(waits) < batch_waited / batch_lines, (waits, batch_waited / batch_lines)
 
 
 async def test_a_batch_past_its_window_expires_keeping_what_was_answered(tmp_path):
@@ -333,23 +342,14 @@ async def test_lines_stay_on_owned_replicas_unless_the_policy_allows_renting(sta
 
 
 async def test_cancel_stops_lines_in_flight_and_waiting_for_a_slot_at_once(tmp_path):
-    async with serve_app(create_app(SLOW)) as backend:
-        one_slot = {"models": [{"name": "m", "served_name": "served-m", "backends": [{"url": backend, "cap": 1}]}],
-                    "batch": {"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, "concurrency": 3}}
-        async with running_gateway(one_slot) as gw, \
-                openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30) as sdk:
-            lines = [chat_line(n, max_tokens=400) for n in range(6)]  # long lines: one holds the slot a while
-            uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-            batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h")
-            deadline = time.monotonic() + DEADLINE
-            while await gw.metric("llm_gateway_queue_depth", **{"class": "batch"}) < 2:
-                assert time.monotonic() < deadline, "lines never waited for the one slot"
-                await asyncio.sleep(0.02)
-            cancelled_at = time.monotonic()
-            await sdk.batches.cancel(batch.id)
-            done = await finished(sdk, batch.id)
-            assert time.monotonic() - cancelled_at < 8
-            assert done.status == "cancelled" and done.request_counts.completed == 0  # none was let finish
-            assert done.output_file_id is None and done.error_file_id is None
-            assert await gw.metric("llm_gateway_backend_in_flight_requests") == 0
+    async with serve_app(create_app(SLOW)) as backend, running_gateway(one_slot(backend, tmp_path, 3)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30) as sdk:
+        batch = await submitted(sdk, [chat_line(n, max_tokens=400) for n in range(6)])  # long: one holds the slot
+        await batch_lines_wait(gw, 2)
+        cancelled_at = time.monotonic()
+        await sdk.batches.cancel(batch.id)
+        done = await finished(sdk, batch.id)
+        assert time.monotonic() - cancelled_at < 8
+        assert done.status == "cancelled" and done.request_counts.completed == 0  # none was let finish
+        assert done.output_file_id is None and done.error_file_id is None
+        assert await gw.metric("llm_gateway_backend_in_flight_requests") == 0
