@@ -39,6 +39,7 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
+from gateway.batch_calls import BatchCalls
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.proxy import Proxy
@@ -47,6 +48,8 @@ from gateway.tracing import tracing_for
 from gateway.variant_routes import slashed_model_names
 from policies.accounting import RecordUsage
 from policies.auth import Authenticate
+from policies.batches.runner import Runner
+from policies.batches.service import Batches
 from policies.compile import replica_set
 from policies.config import Policy
 from policies.discovery import Discovery
@@ -96,6 +99,12 @@ class Gateway:
         state = open_state(policy, variants, self.background.run)  # what the store kind implies (policies/state)
         self.store, self.fleet, self.variant_share = state.store, state.fleet, state.shared_variants
         self.limiter, self.ledger, self.budgets = state.limiter, state.ledger, state.budgets
+        self.batch_store = state.batches
+        # the Batch API (policies/batches/): files and batches answered here, lines run in the background
+        self.batches = Batches(state.batches, lambda: self.policy.batch) \
+            if policy.batch.enabled and state.batches is not None else None
+        self.batch_runner = Runner(state.batches, lambda: self.policy.batch, BatchCalls(self)) \
+            if self.batches is not None else None
         self.admin_auth = AdminAuth(policy.admin)
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
@@ -156,6 +165,11 @@ class Gateway:
         proxy.shadow = next((o for o in snapshot.observers if isinstance(o, Shadow)), None)
         self.proxy = proxy
 
+    def batch_runner_wake(self) -> None:
+        """A batch was created: the runner looks for work now rather than at its next poll."""
+        if self.batch_runner is not None:
+            self.batch_runner.wake.set()
+
     def models_listing(self, key: KeyRecord) -> bytes:
         """/v1/models: only the models this key may use."""
         allowed = key.models
@@ -198,8 +212,10 @@ class Gateway:
 
     def start_drain(self) -> None:
         """The process is going away: readiness fails at once so the Service stops routing here (a flag only,
-        as it is called from a signal handler)."""
+        as it is called from a signal handler). Batch lines are claimed no more; those in flight finish."""
         self.draining = True
+        if self.batch_runner is not None:
+            self.batch_runner.stopping = True
 
     async def forget_key(self, key_id: str) -> None:
         """Drop a changed key from this process's cache at once and, on Redis, from every replica's: returns
@@ -261,6 +277,8 @@ class Gateway:
         if self.policy.ledger.enabled:
             loops.append(asyncio.create_task(self.refresh_report_gauges()))
         loops.append(asyncio.create_task(self.scaling.run(lambda: (self.policy, self.admission.queues))))
+        if self.batch_runner is not None:
+            loops.append(asyncio.create_task(self.batch_runner.run_forever()))
         try:
             yield
         finally:
@@ -270,6 +288,8 @@ class Gateway:
             for loop in loops:
                 with contextlib.suppress(asyncio.CancelledError):
                     await loop
+            if self.batch_runner is not None:  # lines in flight stop; their claims expire and they run again
+                await self.batch_runner.stop()
             self.access_log.flush()
             self.background.run(self.record_usage.flush())
             await self.admission.close()
@@ -278,6 +298,8 @@ class Gateway:
             await self.limiter.close()  # a rate-limit release still queued reaches Redis before the store closes
             await client.aclose()
             await self.ledger.close()
+            if self.batch_store is not None:
+                await self.batch_store.close()
             await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
 

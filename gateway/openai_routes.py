@@ -13,7 +13,7 @@ import logging
 import time
 
 from gateway.endpoints import Registry
-from gateway.endpoints.base import MULTIPART, Route, openai_error_body
+from gateway.endpoints.base import MULTIPART, NONE, Asked, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import bearer_key, check_key_source
 from policies.errors import (
@@ -168,13 +168,15 @@ class OpenAIRoutes:
             elif bearer_key(headers["authorization"]) != headers[route.key_header].strip():
                 headers["authorization"] = ""  # two different keys: trust neither (the 401 of a missing key)
         if route.answer is not None:
-            await self.answer(route, params, headers, scope, send)
+            await self.answer(route, params, headers, scope, receive, send)
         else:
             await self.serve(route, params, headers, scope, receive, send)
 
-    async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, send) -> None:
-        """A route the gateway answers itself (the model list): the key and its network are checked, no more.
-        Metered and logged as every route is, with no model or backend (it names no model it routes to)."""
+    async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
+                     send) -> None:
+        """A route the gateway answers itself (the model list, files, batches): the key and its network are
+        checked, its body read whole within the route's limit, no more. Metered and logged as every route is,
+        with no model or backend (it names no model it routes to)."""
         request_id = request_id_from(headers)
         client = scope.get("client")
         arrived = time.perf_counter()
@@ -185,12 +187,20 @@ class OpenAIRoutes:
             network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
             check_key_source(key, host)
-            body = await route.answer(self.gateway, key, params)
+            raw = b""
+            if route.body != NONE:
+                policy = self.gateway.policy
+                raw = await read_body(receive, headers, route.max_body(policy) if route.max_body is not None
+                                      else policy.server.max_body_bytes)
+            asked = Asked(params, scope.get("query_string", b""), raw, headers, host)
+            body = await route.answer(self.gateway, key, asked)
+        except ClientGone:
+            return
         except GatewayError as exc:
             status = exc.status
             await send_error(send, exc, request_id, render=route.errors)
         else:
-            await send_bytes(send, 200, {"content-type": "application/json", "x-request-id": request_id}, body)
+            await send_bytes(send, 200, {"content-type": route.answer_type, "x-request-id": request_id}, body)
         self.gateway.proxy.observers.finished(answered(request_id, route.name, status, arrived))
 
     async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
@@ -271,7 +281,7 @@ class Watch:
     watch no longer cancels anything, so the accounting that runs while closing always completes.
     """
 
-    __slots__ = ("loop", "task", "receive", "gone", "closing", "timer", "watcher")
+    __slots__ = ("closing", "gone", "loop", "receive", "task", "timer", "watcher")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, receive, armed: bool = True) -> None:
         self.loop, self.task, self.receive = loop, task, receive

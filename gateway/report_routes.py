@@ -67,6 +67,7 @@ class ModelFigures(Closed):
     batch_fill: float | None
     backends: list[BackendFigures]
     owned: OwnedFigures
+    batch: OwnedFigures = Field(description="the part of `owned` that Batch API lines used (their own class)")
     rented: RentedFigures
     owned_cost: float | None
     owned_cost_per_million_tokens: float | None
@@ -87,6 +88,7 @@ class KeyFigures(Closed):
     tokens: int
     rented_requests: int
     rented_cost: float
+    batch_requests: int = Field(description="the part of `requests` that were Batch API lines")
 
 
 class Report(Closed):

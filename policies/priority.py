@@ -5,6 +5,7 @@ another class per request with the policy's header (x-priority-class) and may se
 field; from any other key that field is dropped and the header ignored, so a client cannot buy itself a
 better place in a queue its key does not allow. Admission serves waiting requests class by class; backends
 that run vLLM's priority scheduling get the class's `vllm_priority` (policies/admission.py, gateway/proxy.py).
+A batch's lines are always in the batch class (`batch.priority_class`), whatever their key's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ class Classify:
     def __init__(self, policy: Policy) -> None:
         self.config = policy.priorities
         self.default = self.config.named(self.config.default)
+        # a batch's lines: the batch class (the last, least urgent class when the policy has none of that name)
+        self.batch = self.config.named(policy.batch.priority_class) or self.config.classes[-1]
 
     def of(self, call: Call) -> PriorityClass:
         key = call.key
+        if call.batch is not None:
+            return self.batch
         if key.client_priority:
             asked = call.headers.get(self.config.header)
             if asked:

@@ -45,7 +45,7 @@ from policies.variants import AssignVariant, Variants, VariantSignals
 # keeps serving. Every other setting applies on reload (tests/unit/test_reload_classes.py holds both lists).
 NEEDS_RESTART = ("listen", "server", "timeouts", "upstream", "health", "store", "auth", "admin", "tracing",
                  "caps", "ledger", "kubernetes", "routing.scrape", "rate_limits.on_store_failure",
-                 "rate_limits.lease_seconds")
+                 "rate_limits.lease_seconds", "batch.enabled", "batch.files_dir")
 
 
 @dataclass(frozen=True, eq=False)

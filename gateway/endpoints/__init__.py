@@ -6,8 +6,8 @@ and one line here.
 
 from __future__ import annotations
 
-from gateway.endpoints import (audio, chat, completions, embeddings, messages, models, pooling, responses,
-                               tokenize)
+from gateway.endpoints import (audio, batches, chat, completions, embeddings, files, messages, models, pooling,
+                               responses, tokenize)
 from gateway.endpoints.base import Route
 
 ROUTES: tuple[Route, ...] = (
@@ -32,6 +32,15 @@ ROUTES: tuple[Route, ...] = (
     messages.COUNT_TOKENS,
     audio.TRANSCRIPTIONS,
     audio.TRANSLATIONS,
+    files.CREATE,
+    files.LIST,
+    files.RETRIEVE,
+    files.DELETE,
+    files.CONTENT,
+    batches.CREATE,
+    batches.LIST,
+    batches.RETRIEVE,
+    batches.CANCEL,
 )
 
 

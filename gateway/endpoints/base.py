@@ -153,6 +153,18 @@ def chat_relay(call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay:
     return SSERelay(strip_usage=not call.wants_usage, rename=rename)
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a route the gateway answers itself is given: its path's parameters, the client's query string, body
+    (read whole, within the route's limit; b"" for a route without one), headers and address."""
+
+    params: dict[str, str]
+    query: bytes = b""
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    client_host: str = ""
+
+
 @dataclass(frozen=True, eq=False)
 class Route:
     name: str  # the endpoint's name in metrics, the access log and usage ("chat/completions", "responses")
@@ -170,7 +182,8 @@ class Route:
     rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
     errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
-    answer: Callable[[Any, Any, dict[str, str]], Awaitable[bytes]] | None = None  # answered by the gateway
+    answer: Callable[[Any, Any, Asked], Awaitable[bytes]] | None = None  # answered by the gateway itself
+    answer_type: str = "application/json"  # the content type of what `answer` returns
     max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
     query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.endpoints.base import NONE, Route
+from gateway.endpoints.base import NONE, Asked, Route
 from policies.errors import NotFound
 from policies.keys import KeyRecord
 
@@ -18,11 +18,12 @@ class Models(Protocol):
     def model_entry(self, key: KeyRecord, name: str) -> bytes | None: ...
 
 
-async def listing(gateway: Models, key: KeyRecord, _params: dict[str, str]) -> bytes:
+async def listing(gateway: Models, key: KeyRecord, _asked: Asked) -> bytes:
     return gateway.models_listing(key)
 
 
-async def one(gateway: Models, key: KeyRecord, params: dict[str, str]) -> bytes:
+async def one(gateway: Models, key: KeyRecord, asked: Asked) -> bytes:
+    params = asked.params
     found = gateway.model_entry(key, params["model"])
     if found is None:
         raise NotFound(f"The model '{params['model'][:200]}' does not exist or you do not have access to it.",

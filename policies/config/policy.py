@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from policies.batch_settings import BatchSettings
 from policies.config.access import Admin, Auth, Network, RateLimits
 from policies.config.admission import Caps, Priorities
 from policies.config.discovery import KubernetesAccess
@@ -36,6 +37,7 @@ class Policy(Strict):
     providers: list[Provider] = []
     tracing: Tracing = Tracing()
     access_log: AccessLogSettings = AccessLogSettings()
+    batch: BatchSettings = BatchSettings()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")

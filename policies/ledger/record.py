@@ -36,8 +36,9 @@ class RecordLedger:
             return  # refused before reaching a backend: nothing was used
         now = record.ended_at + self.wall
         rented = replica.rented
+        batch = record.call is not None and record.call.batch is not None  # a Batch API line: a class of its own
         self.sums.call(now, record.model, replica.name, record.key_id or "", rented is not None, record.prompt_tokens,
-                       record.completion_tokens, record.queue_wait, record.cost, record.estimated)
+                       record.completion_tokens, record.queue_wait, record.cost, record.estimated, batch)
         if rented is None:
             self.sums.in_flight(record.model, replica.name, record.sent_at + self.wall, now)
         self.timer.arm()

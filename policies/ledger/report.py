@@ -7,6 +7,8 @@ to own the base load and rent the bursts.
 
 For each model over the window:
   utilisation            time its owned backends had at least one request in flight / (window x backends)
+  batch                  the part of the owned figures that Batch API lines used (requests, tokens, queue
+                         time): work that filled idle owned capacity rather than work that needed it at once
   average in flight      requests in flight on average, against the backend's cap (how full its batch was;
                          `batch_fill` for all the model's capped backends together)
   owned cost             every owned backend's hourly price (+ power) x the window, busy or not
@@ -76,12 +78,14 @@ def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], 
         by_model.setdefault(row.model, []).append((row, values))
         if row.key_id:
             key = out["keys"].setdefault(row.key_id, {"requests": 0, "tokens": 0, "rented_requests": 0,
-                                                      "rented_cost": 0.0})
+                                                      "rented_cost": 0.0, "batch_requests": 0})
             key["requests"] += int(values[REQUESTS])
             key["tokens"] += int(values[PROMPT] + values[COMPLETION])
             if row.served == "rented":
                 key["rented_requests"] += int(values[REQUESTS])
                 key["rented_cost"] = round(key["rented_cost"] + values[COST], 9)
+            elif row.served == "batch":
+                key["batch_requests"] += int(values[REQUESTS])
     for model in models:
         out["models"][model.name] = model_report(model, by_model.get(model.name, []), since, seconds,
                                                  bucket_seconds)
@@ -92,6 +96,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
                  bucket_seconds: int) -> dict:
     owned = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
     rented = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0, "estimated_requests": 0}
+    batch = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
     busy: dict[str, float] = {}
     held: dict[str, float] = {}
     per_bucket: dict[int, dict[str, float]] = {}
@@ -116,6 +121,11 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
             owned["queue_seconds"] += v[QUEUE]
             slot["owned_prompt"] += v[PROMPT]
             slot["owned_completion"] += v[COMPLETION]
+        if row.served == "batch":
+            batch["requests"] += int(v[REQUESTS])
+            batch["prompt_tokens"] += int(v[PROMPT])
+            batch["completion_tokens"] += int(v[COMPLETION])
+            batch["queue_seconds"] += v[QUEUE]
 
     hourly = [b.per_hour for b in model.backends if b.per_hour is not None]
     owned_cost = sum(hourly) * seconds / 3600 if hourly else None
@@ -152,6 +162,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
         "batch_fill": _round(batch_fill),
         "backends": backends,
         "owned": {**owned, "queue_seconds": _round(owned["queue_seconds"], 3)},
+        "batch": {**batch, "queue_seconds": _round(batch["queue_seconds"], 3)},
         "rented": {**rented, "cost": _round(rented["cost"], 9), "provider": price.provider if price else None},
         "owned_cost": _round(owned_cost),
         "owned_cost_per_million_tokens": _round(per_million),

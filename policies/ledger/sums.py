@@ -36,7 +36,7 @@ class Row(NamedTuple):
     model: str
     backend: str
     key_id: str  # "" on a backend's time row
-    served: str  # "owned" or "rented"; "" on a backend's time row
+    served: str  # "owned", "rented" or "batch" (a batch's line on an owned backend); "" on a backend's time row
 
 
 class Sums:
@@ -58,8 +58,9 @@ class Sums:
         return int(when // self.bucket_seconds) * self.bucket_seconds
 
     def call(self, when: float, model: str, backend: str, key_id: str, rented: bool, prompt: int, completion: int,
-             queue_seconds: float, cost: float, estimated: bool = False) -> None:
-        values = self.counters((self.bucket(when), model, backend, key_id, "rented" if rented else "owned"))
+             queue_seconds: float, cost: float, estimated: bool = False, batch: bool = False) -> None:
+        served = "rented" if rented else "batch" if batch else "owned"
+        values = self.counters((self.bucket(when), model, backend, key_id, served))
         values[REQUESTS] += 1
         if estimated:
             values[ESTIMATED] += 1

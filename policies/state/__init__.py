@@ -1,5 +1,5 @@
 """Everything a store kind implies, opened in one place: the store, the rate limiter, the backends' caps, the
-budgets, the cost ledger, the shared variant weights and the admission queues' factory.
+budgets, the cost ledger, the shared variant weights, the admission queues' factory and the Batch API's state.
 
 Each kind is one module (policies/state/embedded.py: SQLite and this process's memory; policies/state/redis.py:
 one Redis for every gateway replica) with an `open_state(policy, variants, background) -> State`; `KINDS` names
@@ -23,6 +23,7 @@ from policies.store import Store
 from policies.variants import Variants
 
 if TYPE_CHECKING:
+    from policies.batches.store import BatchStore
     from policies.fleet_caps import FleetSlots
     from policies.variant_share import SharedVariants
 
@@ -41,6 +42,7 @@ class State:
     fleet: FleetSlots | None = None  # caps counted across every gateway replica; None: in this process
     shared_variants: SharedVariants | None = None  # variant weights and verdicts other replicas adopt
     shared_store: Store | None = None  # the store every gateway replica shares (None: this process alone)
+    batches: BatchStore | None = None  # the Batch API's files, batches and lines (policies/batches/)
 
 
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:

@@ -4,6 +4,7 @@ counted in this process's memory; variant weights are this process's own."""
 from __future__ import annotations
 
 from policies.admission import ModelQueue
+from policies.batches.sqlite import SQLiteBatches
 from policies.budget import MemoryBudgets
 from policies.config import Policy
 from policies.ledger.sqlite import SQLiteLedger
@@ -16,4 +17,4 @@ from policies.variants import Variants
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:
     store = SQLiteStore(policy.store.path)
     ledger = SQLiteLedger(store.path)
-    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue)
+    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue, batches=SQLiteBatches(store.path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from policies.batches.redis import RedisBatches
 from policies.budget import RedisBudgets
 from policies.config import Policy
 from policies.fleet_caps import FleetModelQueue, FleetSlots
@@ -27,4 +28,5 @@ def open_state(policy: Policy, variants: Variants, background: Background) -> St
     fleet = FleetSlots(store, policy.caps)
     queues = partial(FleetModelQueue, fleet=fleet, on_store_failure=policy.rate_limits.on_store_failure.concurrency)
     return State(store, RedisLimiter(store), RedisBudgets(store), RedisLedger(store, policy.ledger.bucket_seconds),
-                 queues, fleet, SharedVariants(store, variants, background), shared_store=store)
+                 queues, fleet, SharedVariants(store, variants, background), shared_store=store,
+                 batches=RedisBatches(store))

@@ -152,7 +152,8 @@ async def closed_loop(url: str, model: str, key: str | None, concurrency: int, o
 
 
 def start_gateway(backend_url: str, model: str, cap: int, work: Path,
-                  priority_class: str | None = None) -> tuple[subprocess.Popen, str, str]:
+                  priority_class: str | None = None, extra: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    """The gateway in front of the backend with `cap`; `extra`: more policy sections (the batch benchmark's)."""
     secret = secrets.token_urlsafe(32)
     port = free_port()
     policy = {
@@ -161,6 +162,7 @@ def start_gateway(backend_url: str, model: str, cap: int, work: Path,
         "timeouts": {"read": 300},
         "models": [{"name": model, "backends": [{"url": backend_url, "cap": cap}],
                     "queue": {"max_depth": 10_000, "max_wait": 120}}],
+        **(extra or {}),
     }
     (work / "policy.yaml").write_text(yaml.safe_dump(policy))
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}

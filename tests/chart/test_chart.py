@@ -391,7 +391,7 @@ def test_dashboard_queries_only_metrics_that_exist():
 def test_external_sentinel_or_cluster(tmp_path, external, store_key):
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({
-        "gateway": {"replicas": 3},
+        "gateway": {"replicas": 3, "batchFiles": {"persistence": {"accessModes": ["ReadWriteMany"]}}},
         "redis": {"external": {**external, "existingSecret": "redis-auth", "cidrs": ["10.30.0.0/24"]}},
         "models": [{"name": "m", "backend": "external", "external": [{"url": "http://10.20.0.11:8000"}]}],
     }))
@@ -626,3 +626,23 @@ def test_autoscaling_without_a_cap_fails_the_render(tmp_path):
     path.write_text(yaml.safe_dump(values))
     with pytest.raises(RenderError, match=re.escape("models[Qwen/Qwen3-4B] autoscales but has no cap")):
         render(str(path))
+
+
+def test_batch_files_live_on_a_volume_every_replica_mounts():
+    docs = list(rendered("minimal.yaml"))
+    (pvc,) = find(docs, "PersistentVolumeClaim", "rel-llm-gateway-batch-files")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway")
+    pod = deploy["spec"]["template"]["spec"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "batch-files"]
+    assert mount["mountPath"] == policy_of(docs)["batch"]["files_dir"] == "/var/lib/llm-gateway-files"
+    assert {"name": "batch-files", "persistentVolumeClaim": {"claimName": "rel-llm-gateway-batch-files"}} in \
+        pod["volumes"]
+    ha = list(rendered("ha-redis.yaml"))
+    (shared,) = find(ha, "PersistentVolumeClaim", "rel-llm-gateway-batch-files")
+    assert shared["spec"]["accessModes"] == ["ReadWriteMany"] and shared["spec"]["storageClassName"] == "nfs"
+    off = render("minimal.yaml", sets={"gateway.batchFiles.enabled": False})
+    assert not find(off, "PersistentVolumeClaim", "rel-llm-gateway-batch-files")
+    assert policy_of(off)["batch"]["enabled"] is False
+    with pytest.raises(RenderError, match="ReadWriteMany"):
+        render("minimal.yaml", sets={"gateway.replicas": 2, "redis.enabled": True})

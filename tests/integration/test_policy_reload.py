@@ -337,6 +337,8 @@ RESTART_CHANGES = {  # one valid change of each read-once setting (policies/snap
     "routing.scrape": {"routing": {"scrape": {"interval": 0.5}}},
     "rate_limits.on_store_failure": {"rate_limits": {"on_store_failure": {"requests": "fail_closed"}}},
     "rate_limits.lease_seconds": {"rate_limits": {"lease_seconds": 600}},
+    "batch.enabled": {"batch": {"enabled": False}},
+    "batch.files_dir": {"batch": {"files_dir": "/nonexistent/batch-files"}},
 }
 
 

@@ -12,9 +12,13 @@ from policies.snapshot import NEEDS_RESTART
 LIVE = {
     "routing.default_profile", "routing.profiles", "rate_limits.default_max_tokens", "priorities", "network",
     "providers", "access_log", "models",
+    # read from the live policy by each Batch API operation and each round of its runner (policies/batches/)
+    "batch.max_file_bytes", "batch.max_lines", "batch.max_line_bytes", "batch.max_queued_lines_per_key",
+    "batch.concurrency", "batch.max_in_flight", "batch.priority_class", "batch.allow_rented", "batch.claim_seconds",
+    "batch.poll_seconds", "batch.completion_window_seconds",
 }
 # Grouped settings whose sub-settings are classified one by one (in LIVE or NEEDS_RESTART).
-SPLIT = {"routing", "rate_limits"}
+SPLIT = {"routing", "rate_limits", "batch"}
 
 HOW = ("policy setting {path!r} is not classified for hot reload. If a reload applies it (check that the "
        "snapshot in policies/snapshot.py rebuilds or updates what reads it, and test it in "

@@ -137,6 +137,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- if and $v.redis.external.url (regexMatch "^rediss?://[^/@]*:[^/@]*@" $v.redis.external.url) -}}
 {{- fail "redis.external.url carries a password: it would land in the policy ConfigMap; put it in a Secret and name it in redis.external.existingSecret" -}}
 {{- end -}}
+{{- $files := $v.gateway.batchFiles -}}
+{{- if and $files.enabled (or (gt (int $v.gateway.replicas) 1) $v.gateway.autoscaling.enabled) (not (has "ReadWriteMany" $files.persistence.accessModes)) -}}
+{{- fail "gateway.batchFiles: more than one gateway replica reads and writes the Batch API's files: set gateway.batchFiles.persistence.accessModes to [ReadWriteMany] (a class that supports it), or gateway.batchFiles.enabled=false" -}}
+{{- end -}}
 {{- if not $v.models -}}
 {{- fail "models is empty: name at least one model and its backend (vllm, kserve or external)" -}}
 {{- end -}}
@@ -247,6 +251,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- else -}}
 {{- $_ := set $p "store" (dict "kind" "sqlite" "path" "/var/lib/llm-gateway/llm-gateway.db") -}}
 {{- end -}}
+{{- $batch := default dict $p.batch -}}
+{{- $_ := set $batch "enabled" $v.gateway.batchFiles.enabled -}}
+{{- $_ := set $batch "files_dir" "/var/lib/llm-gateway-files" -}}
+{{- $_ := set $p "batch" $batch -}}
 {{- $admin := default dict $p.admin -}}
 {{- $_ := set $admin "jwt_secret_env" "LLM_GATEWAY_ADMIN_SECRET" -}}
 {{- $_ := set $p "admin" $admin -}}

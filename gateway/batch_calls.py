@@ -1,0 +1,67 @@
+"""A batch's line as a call: the same proxy, pipeline and admission as a client's request on the line's route, so
+it is limited, budgeted, queued (in the batch class, behind interactive work), routed and accounted like one.
+
+The line runs as its batch's key, read afresh (a key revoked or expired since stops its batch's remaining lines),
+from the address its batch was created from (the key's and the policy's network rules hold for it too). It stays
+on owned replicas unless `batch.allow_rented` says otherwise (and the key's data policy allows renting).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.endpoints import chat, completions, embeddings
+from policies.auth import INVALID
+from policies.batches.runner import Answer, TryLater
+from policies.errors import GatewayError
+from policies.ids import unique_id
+from policies.pipeline import Call
+from policies.store import StoreUnavailable
+
+ROUTES = {route.path: route for route in (chat.ROUTE, completions.ROUTE, embeddings.ROUTE)}
+LATER = (429, 503)  # a queue's refusal, no backend up, the store failing over: the line is tried again
+
+
+def error_body(error: GatewayError) -> Any:
+    try:
+        return orjson.loads(error.body())
+    except orjson.JSONDecodeError:
+        return {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}}
+
+
+class BatchCalls:
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, batch: dict[str, Any], line: dict[str, Any]) -> Answer:
+        gateway = self.gateway
+        request_id = unique_id()
+        try:
+            key = await gateway.store.get_key(batch["_owner"])
+        except StoreUnavailable:
+            raise TryLater from None
+        if key is None or not key.usable(time.time()):
+            return Answer(401, {"error": {"message": INVALID, "type": "invalid_request_error", "param": None,
+                                          "code": "invalid_api_key"}}, request_id)
+        route = ROUTES[line["url"]]
+        call = Call(request_id=request_id, endpoint=route.name, headers={}, client_host=batch["_client"],
+                    arrived=time.perf_counter(), route=route, batch=batch["id"])
+        call.key = key
+        call.rent_allowed = gateway.policy.batch.allow_rented
+        proxy = gateway.proxy
+        if proxy is None:  # not serving yet
+            raise TryLater
+        try:
+            reply = await proxy.handle(call, orjson.dumps(line["body"]))
+        except GatewayError as exc:
+            if exc.status in LATER:
+                raise TryLater from None
+            return Answer(exc.status, error_body(exc), request_id)
+        try:
+            body = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            body = reply.body.decode("utf-8", "replace")
+        return Answer(reply.status, body, request_id)

@@ -1,0 +1,99 @@
+"""A batch input file read line by line, as OpenAI reads one: each line a JSON object with `custom_id`, `method`
+(POST), `url` (one of ENDPOINTS) and `body` (an object naming `model`); custom_ids unique; one url and one model
+for the whole file. The first problem is a 400 naming its line (counted from 1), so the client can fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from policies.errors import BadRequest
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+MAX_CUSTOM_ID = 512
+
+
+@dataclass(frozen=True)
+class Summary:
+    lines: int
+    url: str
+    model: str
+
+
+def bad_line(number: int, message: str, code: str = "invalid_batch_line") -> BadRequest:
+    return BadRequest(f"line {number}: {message}", param="file", code=code)
+
+
+def read_lines(data: bytes, max_lines: int, max_line_bytes: int,
+               model_refusal: Callable[[str], str | None]) -> Summary:
+    """Check a whole input file; `model_refusal(model)` says why the uploading key may not use a model (None: it
+    may). Raises BadRequest naming the first bad line."""
+    seen: set[str] = set()
+    url = model = ""
+    count = 0
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        count += 1
+        if count > max_lines:
+            raise bad_line(number, f"the file has more than the {max_lines} lines a batch may have",
+                           "too_many_lines")
+        if len(raw) > max_line_bytes:
+            raise bad_line(number, f"the line is longer than the {max_line_bytes} bytes this gateway accepts")
+        line = parse(number, raw)
+        custom_id = line["custom_id"]
+        if custom_id in seen:
+            raise bad_line(number, f"custom_id {custom_id[:100]!r} is used by an earlier line", "duplicate_custom_id")
+        seen.add(custom_id)
+        if url and line["url"] != url:
+            raise bad_line(number, f"url {line['url']} differs from the first line's {url}: a batch has one endpoint",
+                           "mismatched_url")
+        line_model = line["body"]["model"]
+        if model and line_model != model:
+            raise bad_line(number, f"model {line_model[:100]!r} differs from the first line's {model!r}: a batch has "
+                           "one model", "mismatched_model")
+        if not model:
+            refusal = model_refusal(line_model)
+            if refusal:
+                raise bad_line(number, refusal, "model_not_allowed")
+        url, model = line["url"], line_model
+    if count == 0:
+        raise BadRequest("the file has no lines: a batch input file holds one JSON request per line", param="file",
+                         code="empty_file")
+    return Summary(count, url, model)
+
+
+def parse(number: int, raw: bytes) -> dict[str, Any]:
+    """One line, checked: its custom_id, method, url and body."""
+    try:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_line(number, f"not valid JSON ({exc.msg})", "invalid_json") from None
+    if not isinstance(line, dict):
+        raise bad_line(number, "must be a JSON object", "invalid_json")
+    for name in ("custom_id", "method", "url", "body"):
+        if name not in line:
+            raise bad_line(number, f"'{name}' is missing", "missing_field")
+    custom_id = line["custom_id"]
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID:
+        raise bad_line(number, f"'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters")
+    if line["method"] != "POST":
+        raise bad_line(number, "'method' must be POST", "invalid_method")
+    if line["url"] not in ENDPOINTS:
+        raise bad_line(number, f"'url' must be one of {', '.join(ENDPOINTS)}", "invalid_url")
+    body = line["body"]
+    if not isinstance(body, dict):
+        raise bad_line(number, "'body' must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise bad_line(number, "'body.model' must name a model", "missing_field")
+    if body.get("stream") not in (None, False):
+        raise bad_line(number, "'body.stream' cannot be used in a batch")
+    return line
+
+
+def lines_of(data: bytes) -> list[dict[str, Any]]:
+    """The lines of a file `read_lines` already accepted, in order."""
+    return [orjson.loads(raw) for raw in data.split(b"\n") if raw.strip()]

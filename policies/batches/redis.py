@@ -1,0 +1,199 @@
+"""The Batch API's state in Redis, beside the keys, so every gateway replica runs the same batches.
+
+    P file:<id>                  string  a file's record (JSON, its owner inside)
+    P files:<owner>              zset    id -> _created
+    P batch:<id>                 string  a batch's record (JSON)
+    P batches:<owner>            zset    id -> _created
+    P batches:open               zset    id -> _created: batches not in a final state
+    {P b:<id>}pending            list    line numbers not yet claimed
+    {P b:<id>}claims             zset    line -> claim expiry (unix seconds)
+    {P b:<id>}runner             hash    line -> the runner that holds its claim
+    {P b:<id>}results            hash    line -> "1" + output line, or "0" + error line
+    {P b:<id>}counts             hash    ok, failed, dropped
+
+A batch's line keys share one hash tag, so each claim, renewal and result is one Lua script, atomic on one server
+and in a Cluster alike: a claim first returns expired claims to pending (their runner died), a result is
+written only by the runner that still holds the line, and the claim ends in the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from policies.batches.store import OPEN, Progress
+
+CLAIM = """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+for _, l in ipairs(expired) do
+  redis.call('ZREM', KEYS[2], l)
+  redis.call('HDEL', KEYS[3], l)
+  redis.call('LPUSH', KEYS[1], l)
+end
+if tonumber(ARGV[2]) < 1 then return {} end
+local lines = redis.call('LPOP', KEYS[1], ARGV[2])
+if not lines then return {} end
+for _, l in ipairs(lines) do
+  redis.call('ZADD', KEYS[2], ARGV[3], l)
+  redis.call('HSET', KEYS[3], l, ARGV[1])
+end
+return lines
+"""
+RENEW = """
+for i = 3, #ARGV do
+  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[i]) end
+end
+return 0
+"""
+RELEASE = """
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('LPUSH', KEYS[1], ARGV[1])
+return 1
+"""
+COMPLETE = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('HINCRBY', KEYS[4], ARGV[4], 1)
+return 1
+"""
+DROP = """
+local n = redis.call('LLEN', KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('HINCRBY', KEYS[2], 'dropped', n)
+return n
+"""
+# KEYS: the batch's record. ARGV: the version read, the new record. (Its own key: no other key shares its slot.)
+SWAP = """
+local raw = redis.call('GET', KEYS[1])
+if not raw or cjson.decode(raw)['_v'] ~= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+CHUNK = 10_000  # line numbers pushed per command when a batch is created
+
+
+class RedisBatches:
+    def __init__(self, store) -> None:
+        self.store = store  # a RedisStore: its connection pool and its failure handling (`guard`)
+        self.p = store.prefix
+        client = store.client
+        self._claim, self._renew = client.register_script(CLAIM), client.register_script(RENEW)
+        self._release, self._complete = client.register_script(RELEASE), client.register_script(COMPLETE)
+        self._drop, self._swap = client.register_script(DROP), client.register_script(SWAP)
+
+    def lines(self, batch_id: str, part: str) -> str:
+        return f"{{{self.p}b:{batch_id}}}{part}"
+
+    async def put_file(self, record: dict[str, Any]) -> None:
+        async with self.store.guard("put_file"), self.store.client.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.p}file:{record['id']}", orjson.dumps(record).decode())
+            pipe.zadd(f"{self.p}files:{record['_owner']}", {record["id"]: record["_created"]})
+            await pipe.execute()
+
+    async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
+        async with self.store.guard("get_file"):
+            raw = await self.store.client.get(f"{self.p}file:{file_id}")
+        record = orjson.loads(raw) if raw else None
+        return record if record is not None and record.get("_owner") == owner else None
+
+    async def _records(self, op: str, index: str, kind: str) -> list[dict[str, Any]]:
+        async with self.store.guard(op):
+            ids = await self.store.client.zrevrange(index, 0, -1)
+            raws = [await self.store.client.get(f"{self.p}{kind}:{i}") for i in ids]
+        return [orjson.loads(r) for r in raws if r]
+
+    async def list_files(self, owner: str) -> list[dict[str, Any]]:
+        return await self._records("list_files", f"{self.p}files:{owner}", "file")
+
+    async def delete_file(self, owner: str, file_id: str) -> bool:
+        if await self.get_file(owner, file_id) is None:
+            return False
+        async with self.store.guard("delete_file"), self.store.client.pipeline(transaction=False) as pipe:
+            pipe.delete(f"{self.p}file:{file_id}")
+            pipe.zrem(f"{self.p}files:{owner}", file_id)
+            await pipe.execute()
+        return True
+
+    async def create_batch(self, record: dict[str, Any], lines: int) -> None:
+        batch_id = record["id"]
+        client = self.store.client
+        for start in range(0, lines, CHUNK):  # the lines first: a batch is seen once all of them are there
+            async with self.store.guard("create_batch"):
+                await client.rpush(self.lines(batch_id, "pending"), *range(start, min(lines, start + CHUNK)))
+        async with self.store.guard("create_batch"), client.pipeline(transaction=False) as pipe:
+            pipe.set(f"{self.p}batch:{batch_id}", orjson.dumps(record).decode())
+            pipe.zadd(f"{self.p}batches:{record['_owner']}", {batch_id: record["_created"]})
+            pipe.zadd(f"{self.p}batches:open", {batch_id: record["_created"]})
+            await pipe.execute()
+
+    async def get_batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
+        async with self.store.guard("get_batch"):
+            raw = await self.store.client.get(f"{self.p}batch:{batch_id}")
+        record = orjson.loads(raw) if raw else None
+        return record if record is not None and (owner is None or record.get("_owner") == owner) else None
+
+    async def list_batches(self, owner: str) -> list[dict[str, Any]]:
+        return await self._records("list_batches", f"{self.p}batches:{owner}", "batch")
+
+    async def swap(self, record: dict[str, Any]) -> bool:
+        stored = {**record, "_v": record["_v"] + 1}
+        batch_id = record["id"]
+        async with self.store.guard("swap"):
+            swapped = await self._swap(keys=[f"{self.p}batch:{batch_id}"],
+                                       args=[record["_v"], orjson.dumps(stored).decode()])
+        if swapped and record["status"] not in OPEN:
+            async with self.store.guard("swap"):
+                await self.store.client.zrem(f"{self.p}batches:open", batch_id)
+        return bool(swapped)
+
+    async def open_batches(self) -> list[dict[str, Any]]:
+        records = await self._records("open_batches", f"{self.p}batches:open", "batch")
+        return [r for r in reversed(records) if r["status"] in OPEN]
+
+    async def claim(self, batch_id: str, runner: str, count: int, until: float, now: float) -> list[int]:
+        keys = [self.lines(batch_id, part) for part in ("pending", "claims", "runner")]
+        async with self.store.guard("claim"):
+            lines = await self._claim(keys=keys, args=[runner, count, repr(until), repr(now)])
+        return [int(n) for n in lines]
+
+    async def renew(self, batch_id: str, runner: str, lines: list[int], until: float) -> None:
+        if lines:
+            async with self.store.guard("renew"):
+                await self._renew(keys=[self.lines(batch_id, "claims"), self.lines(batch_id, "runner")],
+                                  args=[runner, repr(until), *lines])
+
+    async def release(self, batch_id: str, runner: str, line: int) -> None:
+        keys = [self.lines(batch_id, part) for part in ("pending", "claims", "runner")]
+        async with self.store.guard("release"):
+            await self._release(keys=keys, args=[line, runner])
+
+    async def complete(self, batch_id: str, runner: str, line: int, ok: bool, result: bytes) -> bool:
+        keys = [self.lines(batch_id, part) for part in ("claims", "runner", "results", "counts")]
+        value = ("1" if ok else "0") + result.decode()
+        async with self.store.guard("complete"):
+            return bool(await self._complete(keys=keys, args=[line, runner, value, "ok" if ok else "failed"]))
+
+    async def drop_pending(self, batch_id: str) -> int:
+        async with self.store.guard("drop_pending"):
+            return int(await self._drop(keys=[self.lines(batch_id, "pending"), self.lines(batch_id, "counts")]))
+
+    async def progress(self, batch_id: str) -> Progress:
+        async with self.store.guard("progress"), self.store.client.pipeline(transaction=False) as pipe:
+            pipe.llen(self.lines(batch_id, "pending"))
+            pipe.zcard(self.lines(batch_id, "claims"))
+            pipe.hgetall(self.lines(batch_id, "counts"))
+            pending, claimed, counts = await pipe.execute()
+        return Progress(int(pending), int(claimed), int(counts.get("ok", 0)), int(counts.get("failed", 0)))
+
+    async def results(self, batch_id: str) -> list[tuple[int, bool, bytes]]:
+        async with self.store.guard("results"):
+            found = await self.store.client.hgetall(self.lines(batch_id, "results"))
+        return sorted((int(n), v[0] == "1", v[1:].encode()) for n, v in found.items())
+
+    async def close(self) -> None:
+        pass  # the pool belongs to the store

@@ -1,0 +1,265 @@
+"""The background runner: runs open batches' lines, a few at a time, through the same pipeline and admission as
+any call (gateway/batch_calls.py builds each call), so batch lines wait in the batch priority class behind
+interactive work and count in budgets, usage and the ledger.
+
+Each gateway process runs one; with several on one Redis they share the lines through claims (see
+policies/batches/store.py): a line is claimed before it runs, its claim renewed while it runs, and its result
+recorded only under that claim, so every line is answered exactly once and a dead process's lines are claimed
+again once their claims expire. A line that finds no capacity (429, 503) goes back to pending and is tried
+later; any other answer, success or error, is its result.
+
+A batch's status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; cancelling ->
+cancelled; expired once its window passes. Writing the output files is claimed too (`_settling`, a time), so one
+process writes them; output ids follow from the batch's id, so a process that dies while writing and another
+that writes them again leave one file each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import orjson
+
+from policies.batch_settings import BatchSettings
+from policies.batches.files import FileDir
+from policies.batches.jsonl import lines_of
+from policies.batches.store import OPEN, BatchStore
+
+log = logging.getLogger("gateway.batches")
+
+
+class TryLater(Exception):
+    """No capacity for the line now (the queue refused it, no backend is up, the store is failing over)."""
+
+
+class Answer(NamedTuple):
+    status: int
+    body: Any  # the JSON answer (or an OpenAI error object)
+    request_id: str
+
+
+Execute = Callable[[dict[str, Any], dict[str, Any]], Awaitable[Answer]]  # (batch record, line) -> its answer
+
+
+def output_line(line: dict[str, Any], answer: Answer) -> bytes:
+    return orjson.dumps({"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line["custom_id"],
+                         "response": {"status_code": answer.status, "request_id": answer.request_id,
+                                      "body": answer.body}, "error": None})
+
+
+def failed_line(line: dict[str, Any], code: str, message: str) -> bytes:
+    return orjson.dumps({"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line["custom_id"],
+                         "response": None, "error": {"code": code, "message": message}})
+
+
+class Runner:
+    def __init__(self, store: BatchStore, settings: Callable[[], BatchSettings], execute: Execute,
+                 name: str | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.execute = execute
+        self.name = name or secrets.token_hex(8)  # this process's claims
+        self.driving: dict[str, asyncio.Task] = {}
+        self.wake = asyncio.Event()
+        self.stopping = False  # claim nothing more: the process is shutting down
+        self.in_flight = 0  # lines of every batch running in this process (batch.max_in_flight bounds it)
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                for record in [] if self.stopping else await self.store.open_batches():
+                    batch_id: str = record["id"]
+                    if batch_id not in self.driving:
+                        task = asyncio.create_task(self.drive(batch_id))
+                        self.driving[batch_id] = task
+                        task.add_done_callback(partial(self.forget, batch_id))
+            except Exception:  # the store is down, or a bug: say so and look again
+                log.exception("batch runner could not list open batches")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.settings().poll_seconds)
+            self.wake.clear()
+
+    def forget(self, batch_id: str, _task: asyncio.Task) -> None:
+        self.driving.pop(batch_id, None)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Claim no more lines, give the ones in flight `grace` seconds to finish and be recorded, then stop the
+        rest (their claims are given back, so another process, or this one restarted, runs them at once)."""
+        self.stopping = True
+        tasks = list(self.driving.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def drive(self, batch_id: str) -> None:
+        """Run one batch's lines from this process until none is left to claim, then settle it."""
+        try:
+            await self._drive(batch_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: runner failed; it is picked up again", batch_id)
+            await asyncio.sleep(self.settings().poll_seconds)
+
+    async def _drive(self, batch_id: str) -> None:
+        record = await self.store.get_batch(None, batch_id)
+        if record is None or record["status"] not in OPEN:
+            return
+        if record["status"] == "validating":
+            record["status"], record["in_progress_at"] = "in_progress", int(time.time())
+            await self.store.swap(record)  # or another process did it first: either way it is in progress
+        settings = self.settings()
+        data = await FileDir(settings.files_dir).read(record["input_file_id"])
+        if data is None:
+            await self.fail(batch_id, "file_not_found", "the input file is gone")
+            return
+        lines = lines_of(data)
+        running: dict[int, asyncio.Task] = {}
+        renewed = time.monotonic()
+        try:
+            while True:
+                settings = self.settings()
+                record = await self.store.get_batch(None, batch_id)
+                if record is None or record["status"] not in OPEN:
+                    return
+                ending = self.ending(record)
+                if self.stopping:
+                    if not running:
+                        return
+                elif ending:  # lines in flight stop (one may wait minutes for a slot) and go back with the claims
+                    # that expired (claiming none), then nothing pending runs
+                    await self.stop_lines(batch_id, running)
+                    await self.store.claim(batch_id, self.name, 0, 0.0, time.time())
+                    await self.store.drop_pending(batch_id)
+                elif (room := min(settings.concurrency - len(running), settings.max_in_flight - self.in_flight)) > 0:
+                    now = time.time()
+                    for n in await self.store.claim(batch_id, self.name, room, now + settings.claim_seconds, now):
+                        running[n] = asyncio.create_task(self.run_line(record, n, lines[n]))
+                if not running and not ending and self.in_flight >= settings.max_in_flight:  # other batches hold it all
+                    await asyncio.sleep(settings.poll_seconds)
+                    continue
+                if not running:
+                    progress = await self.store.progress(batch_id)
+                    if progress.pending == 0 and progress.claimed == 0:
+                        await self.settle(batch_id, ending or "completed")
+                        return
+                    if progress.pending == 0 or ending:  # other processes hold the rest: look again later
+                        await asyncio.sleep(settings.poll_seconds)
+                        continue
+                if running:
+                    done, _ = await asyncio.wait(running.values(), timeout=settings.poll_seconds,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    for n in [n for n, t in running.items() if t in done]:
+                        running.pop(n).result()
+                if time.monotonic() - renewed > settings.claim_seconds / 3:
+                    renewed = time.monotonic()
+                    await self.store.renew(batch_id, self.name, list(running), time.time() + settings.claim_seconds)
+        finally:
+            for task in running.values():
+                task.cancel()
+            if running:  # given back, so they run again at once (else when their claims expire)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.release_all(batch_id, list(running)))
+
+    async def stop_lines(self, batch_id: str, running: dict[int, asyncio.Task]) -> None:
+        """Stop the lines this process runs of a batch that is ending; one that finished meanwhile keeps its result."""
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        await self.release_all(batch_id, list(running))  # a line already recorded is no longer claimed: no-op
+        running.clear()
+
+    async def release_all(self, batch_id: str, lines: list[int]) -> None:
+        for n in lines:
+            await self.store.release(batch_id, self.name, n)
+
+    def ending(self, record: dict[str, Any]) -> str | None:
+        if record["status"] == "cancelling":
+            return "cancelled"
+        if time.time() >= record["expires_at"]:
+            return "expired"
+        return None
+
+    async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
+        self.in_flight += 1
+        try:
+            await self._run_line(record, n, line)
+        finally:
+            self.in_flight -= 1
+
+    async def _run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
+        batch_id = record["id"]
+        try:
+            answer = await self.execute(record, line)
+        except TryLater:
+            await self.store.release(batch_id, self.name, n)
+            await asyncio.sleep(self.settings().poll_seconds)  # the line's slot stays empty for a moment
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s line %d failed inside the gateway", batch_id, n)
+            ok, result = False, failed_line(line, "internal_error", "the gateway failed to run this line")
+        else:
+            ok = 200 <= answer.status < 300
+            result = output_line(line, answer)
+        if not await self.store.complete(batch_id, self.name, n, ok, result):
+            log.warning("batch %s line %d: its claim had expired; the result of the process now holding it counts",
+                        batch_id, n)
+
+    async def fail(self, batch_id: str, code: str, message: str) -> None:
+        record = await self.store.get_batch(None, batch_id)
+        if record is not None and record["status"] in OPEN:
+            await self.store.drop_pending(batch_id)
+            record.update(status="failed", failed_at=int(time.time()),
+                          errors={"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                                              "line": None}]})
+            await self.store.swap(record)
+
+    async def settle(self, batch_id: str, final: str) -> None:
+        """Write the output and error files and end the batch as `final`, unless another process is at it."""
+        settings = self.settings()
+        record = await self.store.get_batch(None, batch_id)
+        now = time.time()
+        if record is None or record["status"] not in OPEN:
+            return
+        if record.get("_settling") and now - record["_settling"] < settings.claim_seconds:
+            return  # another process is writing them
+        record["_settling"] = now
+        if final == "completed":
+            record["status"], record["finalizing_at"] = "finalizing", int(now)
+        if not await self.store.swap(record):
+            return
+        record["_v"] += 1
+        results = await self.store.results(batch_id)
+        files = FileDir(settings.files_dir)
+        counts = {"total": record["request_counts"]["total"], "completed": 0, "failed": 0}
+        for ok, kind in ((True, "output"), (False, "error")):
+            chosen = [result for _, good, result in results if good is ok]
+            counts["completed" if ok else "failed"] = len(chosen)
+            if not chosen:
+                continue
+            data = b"\n".join(chosen) + b"\n"
+            file_id = f"file-{kind}-{batch_id.removeprefix('batch_')}"
+            await files.write(file_id, data)
+            await self.store.put_file({"id": file_id, "object": "file", "bytes": len(data),
+                                       "created_at": int(time.time()), "filename": f"{batch_id}_{kind}.jsonl",
+                                       "purpose": "batch_output", "status": "processed", "expires_at": None,
+                                       "status_details": None, "_owner": record["_owner"],
+                                       "_created": time.time()})
+            record[f"{kind}_file_id"] = file_id
+        record.update(status=final, request_counts=counts, _settling=None)
+        record[f"{final}_at"] = int(time.time())
+        if not await self.store.swap(record):
+            log.warning("batch %s changed while its files were written; it is settled again", batch_id)

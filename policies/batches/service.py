@@ -1,0 +1,167 @@
+"""The Batch API's operations, each scoped to the key that calls (the design's tenancy): a file or batch of
+another key answers as one that does not exist. Records are OpenAI's file and batch objects plus the gateway's
+own `_` fields (policies/batches/store.py), which `shown` drops."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from policies.batch_settings import BatchSettings
+from policies.batches.files import FileDir
+from policies.batches.jsonl import ENDPOINTS, read_lines
+from policies.batches.store import OPEN, BatchStore
+from policies.errors import BadRequest, NotFound
+
+PURPOSES = ("batch",)  # what a client may upload; `batch_output` files are the gateway's own
+WINDOWS = {"24h": 86400}
+MAX_METADATA = 16
+MAX_FILENAME = 256
+
+
+def shown(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if not k.startswith("_")}
+
+
+def no_file(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id[:100]}", param="file_id", code="file_not_found")
+
+
+def no_batch(batch_id: str) -> NotFound:
+    return NotFound(f"No batch found with id '{batch_id[:100]}'.", param="batch_id", code="batch_not_found")
+
+
+def page(records: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page: newest first, the ones after the id `after`."""
+    if after is not None:
+        index = next((i for i, r in enumerate(records) if r["id"] == after), None)
+        records = records[index + 1:] if index is not None else []
+    data = [shown(r) for r in records[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
+
+
+class Batches:
+    def __init__(self, store: BatchStore, settings: Callable[[], BatchSettings]) -> None:
+        self.store = store
+        self.settings = settings  # the live policy's (a reload may change them)
+
+    @property
+    def files(self) -> FileDir:
+        return FileDir(self.settings().files_dir)
+
+    async def upload(self, owner: str, filename: str, purpose: str, data: bytes,
+                     refusal: Callable[[str], str | None]) -> dict[str, Any]:
+        if purpose not in PURPOSES:
+            raise BadRequest(f"purpose must be one of: {', '.join(PURPOSES)}", param="purpose", code="invalid_purpose")
+        settings = self.settings()
+        summary = read_lines(data, settings.max_lines, settings.max_line_bytes, refusal)
+        file_id = f"file-{secrets.token_hex(12)}"
+        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+                  "filename": filename[:MAX_FILENAME], "purpose": purpose, "status": "processed", "expires_at": None,
+                  "status_details": None, "_owner": owner, "_created": time.time(), "_lines": summary.lines,
+                  "_url": summary.url, "_model": summary.model}
+        await self.files.write(file_id, data)
+        await self.store.put_file(record)
+        return shown(record)
+
+    async def file(self, owner: str, file_id: str) -> dict[str, Any]:
+        record = await self.store.get_file(owner, file_id)
+        if record is None:
+            raise no_file(file_id)
+        return record
+
+    async def content(self, owner: str, file_id: str) -> bytes:
+        await self.file(owner, file_id)
+        data = await self.files.read(file_id)
+        if data is None:
+            raise no_file(file_id)
+        return data
+
+    async def delete(self, owner: str, file_id: str) -> dict[str, Any]:
+        if not await self.store.delete_file(owner, file_id):
+            raise no_file(file_id)
+        await self.files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
+                         order: str = "desc") -> dict[str, Any]:
+        records = [r for r in await self.store.list_files(owner) if purpose is None or r["purpose"] == purpose]
+        return page(records[::-1] if order == "asc" else records, after, limit)
+
+    async def create(self, owner: str, client_host: str, body: dict[str, Any]) -> dict[str, Any]:
+        file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+        if not isinstance(file_id, str) or not file_id:
+            raise BadRequest("'input_file_id' must name an uploaded file", param="input_file_id")
+        if endpoint not in ENDPOINTS:
+            raise BadRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint",
+                             code="invalid_endpoint")
+        if window not in WINDOWS:
+            raise BadRequest("'completion_window' must be 24h", param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                for k, v in metadata.items())):
+            raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA} string pairs", param="metadata")
+        source = await self.store.get_file(owner, file_id)
+        if source is None or source["purpose"] != "batch":
+            raise NotFound(f"No such File object: {file_id[:100]}", param="input_file_id", code="file_not_found")
+        if source["_url"] != endpoint:
+            raise BadRequest(f"the file's lines are for {source['_url']}, not the batch's endpoint {endpoint}",
+                             param="endpoint", code="mismatched_endpoint")
+        settings = self.settings()
+        queued = await self.queued_lines(owner)
+        if queued + source["_lines"] > settings.max_queued_lines_per_key:
+            raise BadRequest(f"this key has {queued} lines queued in open batches; {source['_lines']} more would pass"
+                             f" the limit of {settings.max_queued_lines_per_key}", param="input_file_id",
+                             code="queued_lines_limit_reached")
+        now = int(time.time())
+        record = {"id": f"batch_{secrets.token_hex(12)}", "object": "batch", "endpoint": endpoint, "errors": None,
+                  "input_file_id": file_id, "completion_window": window, "status": "validating",
+                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                  "expires_at": now + min(WINDOWS[window], int(settings.completion_window_seconds)),
+                  "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+                  "cancelling_at": None, "cancelled_at": None,
+                  "request_counts": {"total": source["_lines"], "completed": 0, "failed": 0},
+                  "metadata": metadata, "_owner": owner, "_created": time.time(), "_client": client_host, "_model": source["_model"], "_v": 0}
+        await self.store.create_batch(record, source["_lines"])
+        return shown(record)
+
+    async def queued_lines(self, owner: str) -> int:
+        total = 0
+        for record in await self.store.open_batches():
+            if record["_owner"] == owner:
+                progress = await self.store.progress(record["id"])
+                total += progress.pending + progress.claimed
+        return total
+
+    async def batch(self, owner: str, batch_id: str) -> dict[str, Any]:
+        record = await self.store.get_batch(owner, batch_id)
+        if record is None:
+            raise no_batch(batch_id)
+        return await self.counted(record)
+
+    async def counted(self, record: dict[str, Any]) -> dict[str, Any]:
+        """An open batch's request counts as they are now."""
+        if record["status"] in OPEN:
+            progress = await self.store.progress(record["id"])
+            record["request_counts"] = {"total": record["request_counts"]["total"],
+                                        "completed": progress.completed, "failed": progress.failed}
+        return shown(record)
+
+    async def list_batches(self, owner: str, after: str | None, limit: int) -> dict[str, Any]:
+        return page(await self.store.list_batches(owner), after, limit)
+
+    async def cancel(self, owner: str, batch_id: str) -> dict[str, Any]:
+        for _ in range(20):  # a runner may change the record between our read and our write: read it again
+            record = await self.store.get_batch(owner, batch_id)
+            if record is None:
+                raise no_batch(batch_id)
+            if record["status"] not in ("validating", "in_progress"):
+                return await self.counted(record)  # already ending or ended: cancelling again changes nothing
+            record["status"], record["cancelling_at"] = "cancelling", int(time.time())
+            if await self.store.swap(record):
+                return await self.counted(record)
+        raise BadRequest("the batch is changing too often to cancel now; try again", code="conflict")

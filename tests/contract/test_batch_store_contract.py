@@ -1,0 +1,116 @@
+"""The Batch API's store contract, on the embedded SQLite file and on real Redis (one server and a Cluster): two
+stores on one backing store stand for two gateway replicas (or one before and after a restart). Files and batches
+are their owner's alone; lines claimed at once by several runners never overlap and none is left out; a result
+counts only under its claim; an expired claim goes to another runner; a batch's record changes only from the
+version that was read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from policies.batches.redis import RedisBatches
+from policies.batches.sqlite import SQLiteBatches
+from policies.store import open_store
+from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+
+
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+async def pair(request, tmp_path):
+    if request.param == "sqlite":
+        stores = [open_store("sqlite", path=str(tmp_path / "gateway.db")) for _ in range(2)]
+        opened = [SQLiteBatches(store.path) for store in stores]
+    else:
+        server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
+        stores = [open_store("redis", url=server.url, prefix=prefix) for _ in range(2)]
+        opened = [RedisBatches(store) for store in stores]
+    yield opened
+    for batches, store in zip(opened, stores):
+        await batches.close()
+        await store.close()
+
+
+def a_file(file_id: str, owner: str) -> dict:
+    return {"id": file_id, "object": "file", "purpose": "batch", "created_at": 1, "_created": time.time(),
+            "_owner": owner}
+
+
+def a_batch(batch_id: str, owner: str = "k1") -> dict:
+    return {"id": batch_id, "object": "batch", "status": "validating", "created_at": 1, "_created": time.time(),
+            "_owner": owner, "_v": 0}
+
+
+async def test_files_are_their_owners_alone(pair):
+    one, two = pair
+    await one.put_file(a_file("file-a", "k1"))
+    await one.put_file(a_file("file-b", "k1"))
+    await one.put_file(a_file("file-c", "k2"))
+    assert (await two.get_file("k1", "file-a"))["id"] == "file-a"
+    assert await two.get_file("k2", "file-a") is None
+    assert [f["id"] for f in await two.list_files("k1")] == ["file-b", "file-a"]
+    assert not await two.delete_file("k2", "file-a")
+    assert await two.delete_file("k1", "file-a")
+    assert await one.get_file("k1", "file-a") is None
+    assert [f["id"] for f in await one.list_files("k1")] == ["file-b"]
+
+
+async def test_runners_claiming_at_once_share_every_line_exactly_once(pair):
+    one, two = pair
+    await one.create_batch(a_batch("batch_x"), 300)
+    assert await two.get_batch("k2", "batch_x") is None and (await two.get_batch(None, "batch_x"))["id"] == "batch_x"
+    now = time.time()
+    claimed: dict[str, list[int]] = {"a": [], "b": [], "c": [], "d": []}
+
+    async def runner(store, name: str) -> None:
+        while lines := await store.claim("batch_x", name, 7, now + 60, now):
+            claimed[name] += lines
+            for n in lines:
+                assert await store.complete("batch_x", name, n, n % 10 != 0, f'{{"line": {n}}}'.encode())
+
+    await asyncio.gather(runner(one, "a"), runner(two, "b"), runner(one, "c"), runner(two, "d"))
+    every = sorted(n for lines in claimed.values() for n in lines)
+    assert every == list(range(300))
+    assert sum(1 for lines in claimed.values() if lines) >= 2  # they did share
+    assert tuple(await one.progress("batch_x")) == (0, 0, 270, 30)
+    results = await two.results("batch_x")
+    assert [n for n, _, _ in results] == list(range(300))
+    assert results[10] == (10, False, b'{"line": 10}') and results[11] == (11, True, b'{"line": 11}')
+
+
+async def test_a_result_counts_only_under_its_claim_and_an_expired_claim_moves(pair):
+    one, two = pair
+    await one.create_batch(a_batch("batch_y"), 3)
+    now = time.time()
+    assert await one.claim("batch_y", "dead", 2, now + 5, now) == [0, 1]
+    assert await two.claim("batch_y", "live", 5, now + 60, now) == [2]
+    assert await two.claim("batch_y", "live", 5, now + 60, now) == []  # the dead runner's are not expired yet
+    await one.renew("batch_y", "dead", [0], now + 100)
+    later = now + 10  # the dead runner's claim on line 1 expired; line 0 was renewed
+    assert await two.claim("batch_y", "live", 5, later + 60, later) == [1]
+    assert not await one.complete("batch_y", "dead", 1, True, b"late")  # no longer its line
+    assert await two.complete("batch_y", "live", 1, True, b"first")
+    assert not await two.complete("batch_y", "live", 1, True, b"again")  # recorded once
+    await two.release("batch_y", "live", 2)
+    assert tuple(await one.progress("batch_y")) == (1, 1, 1, 0)
+    assert await one.claim("batch_y", "other", 5, now + 60, now) == [2]
+    assert await two.drop_pending("batch_y") == 0
+    await one.release("batch_y", "other", 2)
+    assert await two.drop_pending("batch_y") == 1
+    assert tuple(await one.progress("batch_y")) == (0, 1, 1, 0)
+    assert await one.results("batch_y") == [(1, True, b"first")]
+
+
+async def test_a_batch_changes_only_from_the_version_read(pair):
+    one, two = pair
+    await one.create_batch(a_batch("batch_z"), 1)
+    mine, theirs = await one.get_batch(None, "batch_z"), await two.get_batch(None, "batch_z")
+    assert [b["id"] for b in await two.open_batches()] == ["batch_z"]
+    assert await one.swap({**mine, "status": "in_progress"})
+    assert not await two.swap({**theirs, "status": "cancelling"})
+    now = await two.get_batch("k1", "batch_z")
+    assert now["status"] == "in_progress" and now["_v"] == 1
+    assert await two.swap({**now, "status": "completed"})
+    assert await one.open_batches() == []
+    assert [b["id"] for b in await one.list_batches("k1")] == ["batch_z"] and await one.list_batches("k2") == []
