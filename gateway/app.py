@@ -104,7 +104,7 @@ class Gateway:
         self.batches = Batches(state.batches, lambda: self.policy.batch) \
             if policy.batch.enabled and state.batches is not None else None
         self.batch_runner = Runner(state.batches, lambda: self.policy.batch, BatchCalls(self)) \
-            if self.batches is not None else None
+            if self.batches is not None and state.batches is not None else None
         self.admin_auth = AdminAuth(policy.admin)
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(

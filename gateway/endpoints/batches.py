@@ -7,27 +7,28 @@ from __future__ import annotations
 import orjson
 
 from gateway.endpoints.base import NONE, Asked, Route, parse_json
-from gateway.endpoints.files import limit_of, query_of, service, stored
+from gateway.endpoints.files import BatchGateway, limit_of, query_of, service, stored
+from policies.keys import KeyRecord
 
 
-async def create(gateway, key, asked: Asked) -> bytes:
+async def create(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     body = parse_json(asked.body)
     record = await stored(service(gateway).create(key.id, asked.client_host, body))
     gateway.batch_runner_wake()
     return orjson.dumps(record)
 
 
-async def listing(gateway, key, asked: Asked) -> bytes:
+async def listing(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     query = query_of(asked.query, ("limit", "after"))
     return orjson.dumps(await stored(service(gateway).list_batches(key.id, query.get("after"),
                                                                    limit_of(query, 20, 100))))
 
 
-async def retrieve(gateway, key, asked: Asked) -> bytes:
+async def retrieve(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     return orjson.dumps(await stored(service(gateway).batch(key.id, asked.params["id"])))
 
 
-async def cancel(gateway, key, asked: Asked) -> bytes:
+async def cancel(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     return orjson.dumps(await stored(service(gateway).cancel(key.id, asked.params["id"])))
 
 

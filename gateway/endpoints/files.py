@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qsl
 
 import orjson
@@ -17,7 +17,10 @@ from multipart import (
 )
 
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Route
+from policies.batches.service import Batches
+from policies.config import Policy
 from policies.errors import BadRequest, NotFound, StateUnavailable
+from policies.keys import KeyRecord
 from policies.store import StoreUnavailable
 
 T = TypeVar("T")
@@ -25,7 +28,16 @@ MAX_QUERY = 1024
 FIELDS = ("file", "purpose")
 
 
-def service(gateway):
+class BatchGateway(Protocol):
+    """What the Files and Batch routes ask of the gateway (gateway/app.py)."""
+
+    policy: Policy
+    batches: Batches | None
+
+    def batch_runner_wake(self) -> None: ...
+
+
+def service(gateway: BatchGateway) -> Batches:
     if gateway.batches is None:
         raise NotFound("the Batch API is not enabled on this gateway", code="unknown_url")
     return gateway.batches
@@ -95,7 +107,7 @@ def form(body: bytes, content_type: str) -> tuple[dict[str, str], tuple[str, byt
     return fields, upload
 
 
-def model_refusal(gateway, key):
+def model_refusal(gateway: BatchGateway, key: KeyRecord) -> Callable[[str], str | None]:
     """Why `key` may not use a model a file's lines name (None: it may), as the model and authorize steps say."""
     def refusal(model: str) -> str | None:
         entry = next((m for m in gateway.policy.models if model == m.name or model in m.aliases), None)
@@ -108,7 +120,7 @@ def model_refusal(gateway, key):
     return refusal
 
 
-async def create(gateway, key, asked: Asked) -> bytes:
+async def create(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     batches = service(gateway)
     fields, upload = form(asked.body, asked.headers.get("content-type", ""))
     if "purpose" not in fields:
@@ -120,7 +132,7 @@ async def create(gateway, key, asked: Asked) -> bytes:
     return orjson.dumps(record)
 
 
-async def listing(gateway, key, asked: Asked) -> bytes:
+async def listing(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     query = query_of(asked.query, ("purpose", "limit", "after", "order"))
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -130,7 +142,7 @@ async def listing(gateway, key, asked: Asked) -> bytes:
     return orjson.dumps(found)
 
 
-async def retrieve(gateway, key, asked: Asked) -> bytes:
+async def retrieve(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     return orjson.dumps(shown_file(await stored(service(gateway).file(key.id, asked.params["id"]))))
 
 
@@ -138,15 +150,15 @@ def shown_file(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
-async def delete(gateway, key, asked: Asked) -> bytes:
+async def delete(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     return orjson.dumps(await stored(service(gateway).delete(key.id, asked.params["id"])))
 
 
-async def content(gateway, key, asked: Asked) -> bytes:
+async def content(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     return await stored(service(gateway).content(key.id, asked.params["id"]))
 
 
-def max_upload(policy) -> int:
+def max_upload(policy: Policy) -> int:
     return policy.batch.max_file_bytes + 64 * 1024  # the file and the form around it
 
 
