@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from backends.replicas import group_name
+from policies.lora_settings import Lora, public_adapter_names
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
@@ -141,7 +142,8 @@ def _ref(name: str, weight: float = 1.0, **params: Any) -> PluginRef:
 # Profiles every policy has (a policy's own `routing.profiles` may add more or replace these by name).
 BUILTIN_PROFILES: dict[str, RoutingProfile] = {
     # the prompt's cached prefix first, unless that replica is loaded past the guard; then vLLM's own queue
-    "default": RoutingProfile(scorers=[_ref("prefix-affinity", 4), _ref("vllm-queue", 2), _ref("least-in-flight")]),
+    "default": RoutingProfile(scorers=[_ref("lora-affinity", 8), _ref("prefix-affinity", 4), _ref("vllm-queue", 2),
+                                       _ref("least-in-flight")]),
     "least-in-flight": RoutingProfile(scorers=[_ref("least-in-flight")]),
     "vllm-queue": RoutingProfile(scorers=[_ref("vllm-queue", 2), _ref("least-in-flight")]),
     "prefix-affinity": RoutingProfile(scorers=[_ref("prefix-affinity", 4), _ref("vllm-queue", 2),
@@ -628,10 +630,13 @@ class Model(Strict):
     sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
     guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
     autoscaling: Autoscaling | None = None  # the replica-count signal's settings and scale from zero
+    lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/lora_settings.py)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
         if self.variants:
+            if self.lora is not None:
+                raise ValueError("`lora` adapters are served on a model's own replicas: not on a model with variants")
             if self.backends or self.discovery is not None:
                 raise ValueError("a model with `variants` gives its replicas there, not in `backends`/`discovery`")
             names = [v.name for v in self.variants]
@@ -765,7 +770,7 @@ class Policy(Strict):
     def unique_names(self) -> Policy:
         seen: dict[str, str] = {}
         for model in self.models:
-            for public in (model.name, *model.aliases):
+            for public in (model.name, *model.aliases, *public_adapter_names(model.lora)):
                 if public in seen:
                     raise ValueError(f"model name or alias {public!r} is used twice ({seen[public]} and {model.name})")
                 seen[public] = model.name

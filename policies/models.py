@@ -1,7 +1,13 @@
-"""Pipeline step: resolve the `model` a client asked for (a public name or an alias) to a served model."""
+"""Pipeline step: resolve the `model` a client asked for (a public name or an alias) to a served model.
+
+A LoRA adapter (policies/lora_settings.py) is a model of its own here: the call is named after the adapter
+(keys, limits, budgets, ledger, metrics and traces see it), admitted to its base model's replicas and queue
+(`call.group`), and carries what vLLM knows the adapter by (`call.adapter`).
+"""
 
 from __future__ import annotations
 
+from backends.lora import AdapterTarget
 from policies.config import Policy
 from policies.errors import BadRequest, NotFound
 from policies.pipeline import Call
@@ -12,9 +18,14 @@ class ResolveModel:
 
     def __init__(self, policy: Policy) -> None:
         self.public: dict[str, str] = {}
+        self.adapters: dict[str, tuple[str, AdapterTarget]] = {}  # adapter's name -> (base model, target)
         for model in policy.models:
             for name in (model.name, *model.aliases):
                 self.public[name] = model.name
+            for adapter in model.lora.adapters if model.lora is not None else ():
+                for name in (adapter.name, *adapter.aliases):
+                    self.public[name] = adapter.name
+                self.adapters[adapter.name] = (model.name, AdapterTarget(adapter.lora_name, adapter.path))
 
     async def enter(self, call: Call) -> None:
         requested = call.asked_model
@@ -28,6 +39,9 @@ class ResolveModel:
                 code="model_not_found",
             )
         call.model = model
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            call.group, call.adapter = adapter
 
     async def leave(self, call: Call) -> None:
         pass

@@ -38,8 +38,8 @@ class RecordLedger:
         rented = replica.rented
         self.sums.call(now, record.model, replica.name, record.key_id or "", rented is not None, record.prompt_tokens,
                        record.completion_tokens, record.queue_wait, record.cost, record.estimated)
-        if rented is None:
-            self.sums.in_flight(record.model, replica.name, record.sent_at + self.wall, now)
+        if rented is None:  # the replica's busy time is its own model's (a LoRA adapter's calls keep its base busy)
+            self.sums.in_flight(replica.model, replica.name, record.sent_at + self.wall, now)
         self.timer.arm()
 
     async def flush(self) -> None:

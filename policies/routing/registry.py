@@ -5,6 +5,7 @@ from __future__ import annotations
 from policies.routing.filters import KVHeadroom
 from policies.routing.kv_cache import KVCache
 from policies.routing.least_in_flight import LeastInFlight
+from policies.routing.lora_affinity import LoraAffinity
 from policies.routing.pickers import MaxScore, Random
 from policies.routing.precise_prefix import PrecisePrefix
 from policies.routing.prefix_affinity import PrefixAffinity
@@ -13,5 +14,5 @@ from policies.routing.vllm_queue import VLLMQueue
 
 FILTERS: dict[str, type] = {f.name: f for f in (KVHeadroom,)}
 SCORERS: dict[str, type] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity, SessionAffinity,
-                                                PrecisePrefix)}
+                                                PrecisePrefix, LoraAffinity)}
 PICKERS: dict[str, type] = {p.name: p for p in (MaxScore, Random)}
