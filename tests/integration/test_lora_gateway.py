@@ -172,3 +172,16 @@ async def test_an_adapter_is_a_model_for_keys_and_limits(adapter_dirs):
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_slow_load_is_bounded_and_the_next_call_loads_again(adapter_dirs):
+    a = sim(lora_load_ms=3000)
+    async with serve_app(a) as url_a, running_gateway(lora_policy(adapter_dirs, url_a, load_timeout=0.5)) as gw, \
+            httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        slow = await http.post(f"{gw.url}/v1/chat/completions", json=chat("ft-a"))
+        assert slow.status_code == 504
+        error = slow.json()["error"]
+        assert error["code"] == "adapter_load_failed" and "ft-a" in error["message"]
+        assert "lora.load_timeout" in error["message"]
+        assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("m"))).status_code == 200
+        assert gw.state.replicas.by_model["m"][0].in_flight == 0  # the slot the load held is back
