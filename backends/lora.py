@@ -70,6 +70,7 @@ class Held:
     loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # the single flight of each load
     changed_at: dict[str, float] = field(default_factory=dict)  # monotonic time of our own last load/unload
     known: bool = False  # read from vLLM at least once
+    roots: dict[str, str] = field(default_factory=dict)  # lora_name -> the path vLLM loaded it from (its `root`)
     max_loras: int | None = None  # its slots (the policy's lora.max_loras), once this gateway used it
     loads: int = 0  # loads this gateway made on it (for tests and benchmarks)
     unloads: int = 0
@@ -94,8 +95,9 @@ def held(replica: Replica) -> Held:
     return replica.lora
 
 
-def listed_adapters(body: bytes) -> list[str] | None:
-    """The adapters a vLLM /v1/models answer lists (entries with a `parent`); None: not such an answer."""
+def listed_adapters(body: bytes) -> dict[str, str | None] | None:
+    """The adapters a vLLM /v1/models answer lists (entries with a `parent`), each with its `root` (the path it
+    was loaded from); None: not such an answer."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -103,8 +105,8 @@ def listed_adapters(body: bytes) -> list[str] | None:
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return None
-    return [e["id"] for e in entries
-            if isinstance(e, dict) and isinstance(e.get("id"), str) and e.get("parent") is not None]
+    return {e["id"]: e["root"] if isinstance(e.get("root"), str) and e["root"] else None for e in entries
+            if isinstance(e, dict) and isinstance(e.get("id"), str) and e.get("parent") is not None}
 
 
 class LoraAdapters:
@@ -242,9 +244,21 @@ class LoraAdapters:
                 kept[name] = 0.0
                 kept.move_to_end(name, last=False)  # one we did not use yet: the first to go
         state.loaded = kept
+        state.roots = {n: root for n, root in names.items() if root is not None}
         state.known = True
         cutoff = time.monotonic() - 3600
         state.changed_at = {n: at for n, at in state.changed_at.items() if at > cutoff}
+
+    def found(self, model: str) -> dict[str, AdapterTarget]:
+        """The adapters the replicas of `model` say they hold, with the path to load each elsewhere (for
+        `lora.discover`): from the last reads of their /v1/models."""
+        out: dict[str, AdapterTarget] = {}
+        for replica in self.replicas():
+            if replica.model == model and replica.lora is not None and not replica.draining:
+                for name in replica.lora.loaded:
+                    if name not in out or out[name].path is None:
+                        out[name] = AdapterTarget(name, replica.lora.roots.get(name))
+        return out
 
     async def refresh_all(self, client: Client) -> None:
         owned = [r for r in self.replicas() if r.rented is None and r.routable]

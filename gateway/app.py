@@ -114,7 +114,8 @@ class Gateway:
         self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.owners, self.record_usage, self.background.run,
-                             state.queues, self.budgets, self.record_ledger, variants, self._observers)
+                             state.queues, self.budgets, self.record_ledger, variants, self._observers,
+                             lora_found=self.loras.found)
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -182,8 +183,15 @@ class Gateway:
         """(name, aliases, base model of a LoRA adapter or None) of every model the policy serves."""
         for model in self.policy.models:
             yield model.name, model.aliases, None
-            for adapter in model.lora.adapters if model.lora is not None else ():
+            if model.lora is None:
+                continue
+            declared = set()
+            for adapter in model.lora.adapters:
+                declared.update((adapter.name, *adapter.aliases))
                 yield adapter.name, adapter.aliases, model.name
+            if model.lora.discover:  # those its replicas hold that the policy does not name
+                for name in sorted(set(self.loras.found(model.name)) - declared):
+                    yield name, [], model.name
 
     def _model_object(self, name: str, parent: str | None = None) -> dict:
         entry = {"id": name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}

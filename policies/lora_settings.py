@@ -51,6 +51,10 @@ class Lora(_Strict):
     # how often each replica's /v1/models is read for the adapters it really holds (a restarted vLLM holds
     # none; one loaded by someone else counts); an adapter call that vLLM answers 404 is reloaded at once anyway
     refresh_seconds: float = Field(5.0, ge=0.1, le=3600)
+    # also serve, as models, the adapters the replicas list in their /v1/models that `adapters` does not name
+    # (loaded by hand or with --lora-modules): routed to their holders, loaded elsewhere from the path vLLM
+    # reports (`root`). They have no limits of their own and are not in the own-or-rent report
+    discover: bool = False
     # one /v1/models answer or load/unload answer, read whole: a larger one is dropped (the bounded edge)
     max_answer_bytes: int = Field(1024 * 1024, ge=4096, le=64 * 1024**2)
 

@@ -43,11 +43,14 @@ class LoraAffinity(Stateless):
         for state in states:
             if state.holds(name) or name in state.loading:  # a load under way: wait for it, not load it twice
                 scores.append(1.0)
+            elif adapter.path is None:  # found on some replicas, with no path to load it on others
+                scores.append(0.0)
             elif len(state.loaded) < (state.max_loras or self.params.max_loras):
                 scores.append(self.params.room)
             else:
                 scores.append(0.0)
-        if self.params.room not in scores and 1.0 not in scores:  # every one would unload: the longest idle
+        if adapter.path is not None and self.params.room not in scores and 1.0 not in scores:
+            # every one would have to unload one: the one whose unload is of the longest idle adapter
             idle = [s.idle_since() for s in states]
             oldest = min((at for at in idle if at is not None), default=None)
             scores = [self.params.room / 2 if at is not None and at == oldest else 0.0 for at in idle]

@@ -185,3 +185,32 @@ async def test_a_slow_load_is_bounded_and_the_next_call_loads_again(adapter_dirs
         assert "lora.load_timeout" in error["message"]
         assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("m"))).status_code == 200
         assert gw.state.replicas.by_model["m"][0].in_flight == 0  # the slot the load held is back
+
+
+async def test_adapters_the_replicas_hold_are_models_with_discover(adapter_dirs):
+    a, b = sim(), sim()
+    async with serve_app(a) as url_a, serve_app(b) as url_b:
+        policy = lora_policy(adapter_dirs, url_a, url_b, refresh_seconds=0.1, discover=True)
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            async with httpx.AsyncClient() as direct:  # loaded by hand on b, under a name the policy does not know
+                loaded = await direct.post(f"{url_b}/v1/load_lora_adapter",
+                                           json={"lora_name": "by-hand", "lora_path": str(adapter_dirs / "ft-c")})
+                assert loaded.status_code == 200
+
+            async def listed() -> bool:
+                models = (await http.get(f"{gw.url}/v1/models")).json()["data"]
+                return any(m["id"] == "by-hand" and m.get("parent") == "m" for m in models)
+
+            await eventually(listed)
+            for _ in range(3):
+                reply = await http.post(f"{gw.url}/v1/chat/completions", json=chat("by-hand"))
+                assert reply.status_code == 200 and reply.json()["model"] == "by-hand"
+            assert b.lora.loads == 1 and a.lora.loads == 0  # served where it is
+            assert await gw.metric("llm_gateway_requests_total", model="by-hand") == 3
+            b.lora.loaded.clear()  # gone from b: no longer a model once the gateway has read b again
+
+            async def gone() -> bool:
+                return not await listed()
+
+            await eventually(gone)
+            assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("by-hand"))).status_code == 404
