@@ -253,9 +253,16 @@ class Gateway:
         self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
 
     def _lora_of(self, replica: Replica) -> LoraTimings | None:
+        """The LoRA settings of the replica's model, or of its variant that an adapter serves; None: no LoRA."""
         model = next((m for m in self.policy.models if m.name == replica.model), None)
-        lora = model.lora if model is not None else None
-        return None if lora is None else LoraTimings(lora.max_loras, lora.load_timeout, lora.max_answer_bytes)
+        if model is None:
+            return None
+        if model.lora is not None:
+            return LoraTimings(model.lora.max_loras, model.lora.load_timeout, model.lora.max_answer_bytes)
+        variant = next((v for v in model.variants if v.name == replica.variant and v.adapter is not None), None)
+        if variant is None:
+            return None
+        return LoraTimings(variant.adapter.max_loras, variant.adapter.load_timeout)
 
     def _lora_refresh_seconds(self) -> float:
         return min((m.lora.refresh_seconds for m in self.policy.models if m.lora is not None), default=5.0)

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from backends.replicas import group_name
-from policies.lora_settings import Lora, public_adapter_names
+from policies.lora_settings import Lora, VariantAdapter, public_adapter_names
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
@@ -568,11 +568,14 @@ class Variant(Strict):
     served_name: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None
+    adapter: VariantAdapter | None = None  # served by this LoRA adapter on its replicas (policies/lora_settings.py)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Variant:
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a variant needs either a non-empty `backends` list or `discovery`, not both")
+        if self.adapter is not None and self.shadow:
+            raise ValueError("a shadow variant cannot be served by an adapter (its copies name the base model)")
         return self
 
 

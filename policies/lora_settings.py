@@ -66,5 +66,15 @@ class Lora(_Strict):
         return self
 
 
+class VariantAdapter(_Strict):
+    """A variant served by a LoRA adapter on its replicas (a fine-tune canaried against its base, or against its
+    previous version): the variant's requests name it to vLLM, loaded on demand as a model's adapters are."""
+
+    name: str = Field(pattern=NAME)  # vLLM's lora_name for it
+    path: str | None = Field(None, min_length=1, max_length=1024)  # where vLLM loads it from; null: never loaded
+    max_loras: int = Field(1, ge=1, le=1024)  # as Lora.max_loras, for the variant's replicas
+    load_timeout: float = Field(30.0, gt=0, le=600)
+
+
 def public_adapter_names(lora: Lora | None) -> list[str]:
     return [] if lora is None else [n for a in lora.adapters for n in (a.name, *a.aliases)]

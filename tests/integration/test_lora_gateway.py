@@ -214,3 +214,27 @@ async def test_adapters_the_replicas_hold_are_models_with_discover(adapter_dirs)
 
             await eventually(gone)
             assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("by-hand"))).status_code == 404
+
+
+async def test_an_adapter_as_a_variant_of_its_base(adapter_dirs):
+    """A fine-tune canaried against its base on the same replica: a sticky session of the candidate is served by
+    the adapter (loaded on demand), the other variant by the base, both answering as the model."""
+    a = sim()
+    async with serve_app(a) as url_a:
+        policy = {"models": [{"name": "m", "served_name": "served-m", "sticky": {"header": "x-session-id"},
+                              "variants": [
+                                  {"name": "base", "weight": 50, "backends": [{"url": url_a, "name": "m-base"}]},
+                                  {"name": "ft", "weight": 50, "backends": [{"url": url_a, "name": "m-ft"}],
+                                   "adapter": {"name": "ft-a", "path": str(adapter_dirs / "ft-a")}}]}],
+                  "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1}}
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            seen = {}
+            for session in range(16):
+                reply = await http.post(f"{gw.url}/v1/chat/completions", json=chat("m"),
+                                        headers={"x-session-id": f"s{session}"})
+                assert reply.status_code == 200 and reply.json()["model"] == "m"
+                seen.setdefault(reply.headers["x-gateway-variant"], 0)
+                seen[reply.headers["x-gateway-variant"]] += 1
+            assert set(seen) == {"base", "ft"}
+            assert a.lora.loads == 1 and a.lora.holds("ft-a")
+            assert await gw.metric("llm_gateway_lora_events_total", adapter="ft-a", event="load") == 1
