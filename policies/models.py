@@ -53,6 +53,8 @@ class ResolveModel:
 
     def discovered(self, call: Call, requested: str) -> str | None:
         """An adapter a replica of a discovering model holds, not named in the policy: the call is its."""
+        if self.found is None:
+            return None
         for base in self.discovering:
             target = self.found(base).get(requested)
             if target is not None:

@@ -45,7 +45,7 @@ class Lora:
     async def unload(self, http: Any) -> None:
         body = await http.read_json()
         name = (body or {}).get("lora_name")
-        if self.loaded.pop(name, None) is None:
+        if not isinstance(name, str) or self.loaded.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         self.unloads += 1
         await http.reply(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), b"text/plain")
