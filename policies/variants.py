@@ -93,7 +93,7 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
     sticky = model.sticky
     shadows = tuple((v.name, group_name(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
                     for v in model.variants if v.shadow and weights[v.name] > 0)
-    adapters = tuple(v.adapter and AdapterTarget(v.adapter.name, v.adapter.path) for v in live)
+    adapters = tuple(None if v.adapter is None else AdapterTarget(v.adapter.name, v.adapter.path) for v in live)
     return Plan(tuple(v.name for v in live), tuple(group_name(model.name, v.name) for v in live), tuple(bounds),
                 sticky.header if sticky else None, bool(sticky and sticky.key), shadows,
                 adapters if any(adapters) else ())
