@@ -67,7 +67,7 @@ class Held:
 
     loaded: OrderedDict[str, float] = field(default_factory=OrderedDict)
     in_use: dict[str, int] = field(default_factory=dict)  # requests of this gateway using each adapter now
-    loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # the single flight of each load
+    loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # the single flight of each load
     changed_at: dict[str, float] = field(default_factory=dict)  # monotonic time of our own last load/unload
     known: bool = False  # read from vLLM at least once
     roots: dict[str, str] = field(default_factory=dict)  # lora_name -> the path vLLM loaded it from (its `root`)
@@ -129,22 +129,12 @@ class LoraAdapters:
         if adapter.path is None:
             raise LoadFailed(f"replica {replica.name} does not serve adapter {adapter.lora_name} and the policy "
                              "gives no path to load it from")
-        flight = state.loading.get(adapter.lora_name)
-        if flight is None:
-            flight = asyncio.get_running_loop().create_future()
-            state.loading[adapter.lora_name] = flight
-            try:
-                await self._load(client, replica, state, adapter)
-            except BaseException as exc:
-                flight.set_exception(exc if isinstance(exc, LoadFailed) else LoadFailed(
-                    f"loading adapter {adapter.lora_name} on replica {replica.name} was cancelled"))
-                flight.exception()  # retrieved: those waiting get it; no "never retrieved" warning when none do
-                raise
-            else:
-                flight.set_result(None)
-            finally:
-                state.loading.pop(adapter.lora_name, None)
-            return True
+        name = adapter.lora_name
+        flight = state.loading.get(name)
+        if flight is None:  # a task of its own: a caller that goes away (its client left) leaves it to the others
+            flight = asyncio.get_running_loop().create_task(self._load(client, replica, state, adapter))
+            state.loading[name] = flight
+            flight.add_done_callback(lambda done: _landed(state, name, done))
         await asyncio.shield(flight)
         return True
 
@@ -272,6 +262,13 @@ class LoraAdapters:
             except Exception:  # a bug: say so, and keep watching
                 log.exception("could not read the replicas' LoRA adapters")
             await asyncio.sleep(max(0.1, interval() - (time.monotonic() - started)))
+
+
+def _landed(state: Held, name: str, flight: asyncio.Task[None]) -> None:
+    if state.loading.get(name) is flight:
+        del state.loading[name]
+    if not flight.cancelled():
+        flight.exception()  # retrieved: the callers got it; no "never retrieved" warning when none waited
 
 
 def _message(text: str) -> str:

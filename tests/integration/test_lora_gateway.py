@@ -238,3 +238,17 @@ async def test_an_adapter_as_a_variant_of_its_base(adapter_dirs):
             assert set(seen) == {"base", "ft"}
             assert a.lora.loads == 1 and a.lora.holds("ft-a")
             assert await gw.metric("llm_gateway_lora_events_total", adapter="ft-a", event="load") == 1
+
+
+async def test_a_caller_that_leaves_during_the_load_does_not_fail_the_others(adapter_dirs):
+    a = sim(lora_load_ms=1500)
+    async with serve_app(a) as url_a, running_gateway(lora_policy(adapter_dirs, url_a)) as gw, \
+            httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+        first = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat("ft-a")))
+        await asyncio.sleep(0.3)
+        second = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=chat("ft-a")))
+        await asyncio.sleep(0.3)
+        first.cancel()  # its client leaves while the load it started is under way
+        reply = await second
+        assert reply.status_code == 200 and reply.json()["model"] == "ft-a"
+        assert a.lora.loads == 1
