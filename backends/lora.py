@@ -220,7 +220,7 @@ class LoraAdapters:
         state.max_loras = timings.max_loras
         started = time.monotonic()
         try:
-            status, body = await client.get(f"{replica.url}/v1/models", timeout=timings.load_timeout,
+            status, body = await client.get(f"{replica.url}/v1/models", timeout=min(timings.load_timeout, 10.0),
                                             max_bytes=timings.max_answer_bytes, limit_name="lora.max_answer_bytes")
         except UpstreamError:
             return
