@@ -8,6 +8,8 @@ order in which adapters were last used, for the least-recently-used unload.
 `ensure(replica, adapter)` makes sure the replica holds the adapter before a request is sent there:
 - at most one load of one adapter on one replica at a time (single-flight: every request that needs it waits
   on that one load, and gets its outcome);
+- loads of different adapters on one replica take turns (each within `load_timeout`), so they never both
+  count one free slot;
 - when the replica already holds `max_loras` adapters, the least recently used one that no request of this
   gateway is using is unloaded first (when every one is in use, the load goes ahead and vLLM queues the extra
   adapter's requests until a slot frees: no request is refused for it);
@@ -68,6 +70,7 @@ class Held:
     loaded: OrderedDict[str, float] = field(default_factory=OrderedDict)
     in_use: dict[str, int] = field(default_factory=dict)  # requests of this gateway using each adapter now
     loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # the single flight of each load
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # loads (of different adapters) take turns
     changed_at: dict[str, float] = field(default_factory=dict)  # monotonic time of our own last load/unload
     known: bool = False  # read from vLLM at least once
     roots: dict[str, str] = field(default_factory=dict)  # lora_name -> the path vLLM loaded it from (its `root`)
@@ -161,6 +164,20 @@ class LoraAdapters:
         timings = self.timings(replica)
         state.max_loras = timings.max_loras
         deadline = time.monotonic() + timings.load_timeout
+        try:  # one load at a time on one replica, so that two loads do not both count the same free slot
+            async with asyncio.timeout(timings.load_timeout):
+                await state.turn.acquire()
+        except TimeoutError:
+            raise LoadFailed(f"loading adapter {adapter.lora_name} on replica {replica.name} waited for its other "
+                             f"loads longer than lora.load_timeout ({timings.load_timeout:g} s)", timed_out=True) \
+                from None
+        try:
+            await self._load_now(client, replica, state, adapter, timings, deadline)
+        finally:
+            state.turn.release()
+
+    async def _load_now(self, client: Client, replica: Replica, state: Held, adapter: AdapterTarget,
+                        timings: LoraTimings, deadline: float) -> None:
         while len(state.loaded) >= timings.max_loras:
             victim = next((n for n in state.loaded if not state.in_use.get(n) and n not in state.loading), None)
             if victim is None:

@@ -252,3 +252,20 @@ async def test_a_caller_that_leaves_during_the_load_does_not_fail_the_others(ada
         reply = await second
         assert reply.status_code == 200 and reply.json()["model"] == "ft-a"
         assert a.lora.loads == 1
+
+
+async def test_loads_of_different_adapters_on_one_replica_keep_to_max_loras(adapter_dirs):
+    (adapter_dirs / "ft-d").mkdir()
+    (adapter_dirs / "ft-d" / "adapter_config.json").write_text("{}")
+    a = sim(lora_load_ms=300)
+    async with serve_app(a) as url_a:
+        policy = lora_policy(adapter_dirs, url_a, max_loras=2)
+        policy["models"][0]["lora"]["adapters"].append({"name": "ft-d", "path": str(adapter_dirs / "ft-d")})
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            for name in ("ft-a", "ft-b"):  # both held, both idle
+                assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat(name))).status_code == 200
+            replies = await asyncio.gather(*(http.post(f"{gw.url}/v1/chat/completions", json=chat(name))
+                                             for name in ("ft-c", "ft-d")))
+            assert [r.status_code for r in replies] == [200, 200]
+            assert sorted(a.lora.loaded) == ["ft-c", "ft-d"]  # each load unloaded one: never three held
+            assert a.lora.unloads == 2
