@@ -16,6 +16,7 @@ import pytest
 from backends.simulator import SimConfig, create_app
 from policies.keys import hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record, running_gateway
+from tests.support.otlp_receiver import Receiver
 from tests.support.probes import eventually
 from tests.support.servers import serve_app
 
@@ -269,3 +270,15 @@ async def test_loads_of_different_adapters_on_one_replica_keep_to_max_loras(adap
             assert [r.status_code for r in replies] == [200, 200]
             assert sorted(a.lora.loaded) == ["ft-c", "ft-d"]  # each load unloaded one: never three held
             assert a.lora.unloads == 2
+
+
+async def test_an_adapters_call_is_traced_under_its_name(adapter_dirs):
+    a = sim()
+    with Receiver() as receiver:
+        async with serve_app(a) as url_a:
+            policy = {**lora_policy(adapter_dirs, url_a),
+                      "tracing": {"enabled": True, "endpoint": receiver.url, "schedule_delay": 0.1}}
+            async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+                assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("ft-a-latest"))).status_code == 200
+                (root,) = await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == 2 and s.name == "chat ft-a")
+    assert root.attributes["llm_gateway.lora_adapter"] == "ft-a"
