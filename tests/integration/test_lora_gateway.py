@@ -282,3 +282,19 @@ async def test_an_adapters_call_is_traced_under_its_name(adapter_dirs):
                 assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("ft-a-latest"))).status_code == 200
                 (root,) = await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == 2 and s.name == "chat ft-a")
     assert root.attributes["llm_gateway.lora_adapter"] == "ft-a"
+
+
+async def test_an_adapter_shares_its_bases_cap_and_queue(adapter_dirs):
+    a = sim(step_base_ms=20, step_ms_per_seq=0)
+    async with serve_app(a) as url_a:
+        policy = lora_policy(adapter_dirs, url_a)
+        policy["models"][0]["backends"][0]["cap"] = 1
+        async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            long = {**chat("ft-a"), "max_tokens": 40, "ignore_eos": True}  # ~0.8 s of decoding
+            first = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=long))
+            replica = gw.state.replicas.by_model["m"][0]
+            await eventually(lambda: _true(replica.in_flight == 1))
+            base = await http.post(f"{gw.url}/v1/chat/completions", json=chat("m"))
+            assert base.status_code == 200 and (await first).status_code == 200
+            assert float(base.headers["x-gateway-queue-ms"]) > 200  # it waited for the adapter's call to end
+            assert await gw.metric("llm_gateway_queue_wait_seconds_count", model="m") >= 1  # the base's queue
