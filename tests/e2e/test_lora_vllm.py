@@ -11,6 +11,7 @@ cores serve two vLLM processes at a time.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,11 @@ def lora_vllms(tmp_path_factory):
 def lora_gateway(lora_vllms, tmp_path_factory):
     adapters = [{"name": name, "path": str(adapters_dir() / name)} for name in ADAPTERS]
     adapters.append({"name": "tiny-lora-missing", "path": str(adapters_dir() / "no-such-adapter")})
+    wide = tmp_path_factory.mktemp("tiny-lora-wide")  # an adapter whose rank is above the servers' --max-lora-rank
+    shutil.copy(adapters_dir() / "tiny-lora-a" / "adapter_model.safetensors", wide)
+    config = json.loads((adapters_dir() / "tiny-lora-a" / "adapter_config.json").read_text())
+    (wide / "adapter_config.json").write_text(json.dumps({**config, "r": 64, "lora_alpha": 128}))
+    adapters.append({"name": "tiny-lora-wide", "path": str(wide)})
     policy = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
@@ -159,12 +165,18 @@ def test_a_key_sees_and_uses_only_its_adapters(lora_gateway):
         answer(sdk(gw), "tiny-lora-z")
 
 
-def test_a_failed_load_names_the_adapter_and_the_replica_stays_up(lora_vllms, lora_gateway):
+def test_failed_loads_name_the_adapter_and_the_replica_stays_up(lora_vllms, lora_gateway):
     gw, client = lora_gateway, sdk(lora_gateway)
     with pytest.raises(openai.APIStatusError) as failed:
         answer(client, "tiny-lora-missing")
     assert failed.value.status_code == 502
     assert "tiny-lora-missing" in failed.value.message and "no-such-adapter" in failed.value.message
+    with pytest.raises(openai.APIStatusError) as wide:
+        answer(client, "tiny-lora-wide")
+    assert wide.value.status_code == 502 and "tiny-lora-wide" in wide.value.message, wide.value.message
+    # refused at load (vLLM: HTTP 500 "LoRA rank 64 is greater than max_lora_rank 8"), not by a request that
+    # reached vLLM, so the replica is not taken for unwell
+    assert wide.value.code == "adapter_load_failed" and "max_lora_rank" in wide.value.message
     assert gw.metric("llm_gateway_backend_up", model="tiny-lora-base") == 2
     answer(client, "tiny-lora-base")
 
