@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-caps bench-overload bench-routing venv clean
+.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-caps bench-overload bench-routing bench-lora venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -68,6 +68,11 @@ bench-routing: venv e2e-setup
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --size bench
 	$(VENV)/bin/python -m tests.benchmarks.peers.install router
 	$(VENV)/bin/python -m tests.benchmarks.routing
+
+# not part of `make test`: adapter-affine vs adapter-blind routing of three LoRA adapters over two real CPU vLLM
+# servers (~5 min)
+bench-lora: venv e2e-setup
+	$(VENV)/bin/python -m tests.benchmarks.lora $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .cache

@@ -76,6 +76,7 @@ class Replica:
     group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
     kv_events: Any = None  # a KVEventSource when vLLM publishes its KV cache events to this gateway
     kv_index: Any = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
+    lora: Any = None  # the LoRA adapters it holds (backends/lora.py Held); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
     upstream: Upstream | None = field(default=None, init=False, repr=False)
 

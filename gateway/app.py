@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from backends.egress import GuardedDialer, Resolver, SystemResolver
 from backends.http1 import Client
 from backends.kv_events import Subscribers
+from backends.lora import LoraAdapters, LoraTimings
 from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
@@ -94,6 +95,9 @@ class Gateway:
         self.scraper = Scraper(lambda: list(self.replicas), scrape.interval, scrape.timeout, scrape.stale_after,
                                on_scrape=self._scraped, max_bytes=scrape.max_bytes)
         self.kv_subscribers = Subscribers(lambda: list(self.replicas))
+        # LoRA adapters on the replicas of models that have them: what each holds, loads on demand
+        self.loras = LoraAdapters(lambda: [r for r in self.replicas if self._lora_of(r) is not None],
+                                  lambda r: self._lora_of(r) or LoraTimings(), on_event=self._lora_event)
         self.background = Background(lambda why: self.metrics.background_errors.labels(why).inc())
         variants = Variants(self.metrics)
         state = open_state(policy, variants, self.background.run)  # what the store kind implies (policies/state)
@@ -119,7 +123,8 @@ class Gateway:
         self.tracing = tracing_for(policy.tracing, self.metrics)  # raises PolicyError for an unset header variable
         self.shared = Shared(self.replicas, Stats(self.scraper.stats if scrape.enabled else None), self.metrics,
                              self.limiter, self.authenticate, self.owners, self.record_usage, self.background.run,
-                             state.queues, self.budgets, self.record_ledger, variants, self._observers)
+                             state.queues, self.budgets, self.record_ledger, variants, self._observers,
+                             lora_found=self.loras.found)
         if version is None:  # the policy's version: its file's hash when there is a file, else its canonical form's
             version = version_of(Path(policy_path).read_bytes() if policy_path else policy.model_dump_json())
         self.snapshot = compile_snapshot(policy, None, self.shared, version)
@@ -163,6 +168,7 @@ class Gateway:
                       snapshot.rented, overflow, snapshot.observers)
         proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
         proxy.shadow = next((o for o in snapshot.observers if isinstance(o, Shadow)), None)
+        proxy.loras = self.loras
         self.proxy = proxy
 
     def batch_runner_wake(self) -> None:
@@ -171,22 +177,41 @@ class Gateway:
             self.batch_runner.wake.set()
 
     def models_listing(self, key: KeyRecord) -> bytes:
-        """/v1/models: only the models this key may use."""
+        """/v1/models: only the models this key may use (a LoRA adapter is one, with its base as `parent`)."""
         allowed = key.models
         return orjson.dumps({
             "object": "list",
-            "data": [self._model_object(m.name) for m in self.policy.models if allowed is None or m.name in allowed],
+            "data": [self._model_object(name, parent) for name, _, parent in self._public_models()
+                     if allowed is None or name in allowed],
         })
 
     def model_entry(self, key: KeyRecord, name: str) -> bytes | None:
         """/v1/models/{model}: the model by its public name or an alias, if this key may use it."""
-        model = next((m for m in self.policy.models if name == m.name or name in m.aliases), None)
-        if model is None or (key.models is not None and model.name not in key.models):
+        found = next(((n, parent) for n, aliases, parent in self._public_models() if name == n or name in aliases),
+                     None)
+        if found is None or (key.models is not None and found[0] not in key.models):
             return None
-        return orjson.dumps(self._model_object(model.name))
+        return orjson.dumps(self._model_object(*found))
 
-    def _model_object(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
+    def _public_models(self) -> Iterator[tuple[str, list[str], str | None]]:
+        """(name, aliases, base model of a LoRA adapter or None) of every model the policy serves."""
+        for model in self.policy.models:
+            yield model.name, model.aliases, None
+            if model.lora is None:
+                continue
+            declared: set[str] = set()
+            for adapter in model.lora.adapters:
+                declared.update((adapter.name, *adapter.aliases))
+                yield adapter.name, adapter.aliases, model.name
+            if model.lora.discover:  # those its replicas hold that the policy does not name
+                for name in sorted(set(self.loras.found(model.name)) - declared):
+                    yield name, [], model.name
+
+    def _model_object(self, name: str, parent: str | None = None) -> dict:
+        entry = {"id": name, "object": "model", "created": self._created, "owned_by": "llm-gateway"}
+        if parent is not None:
+            entry["parent"] = parent
+        return entry
 
     async def report(self, window: float, until: float | None = None) -> dict:
         """The own-vs-rent report (policies/ledger/report.py) for the `window` seconds before `until` (default:
@@ -243,6 +268,24 @@ class Gateway:
     def _scraped(self, replica: Replica, stats, error: str | None) -> None:
         self.metrics.scraped(replica.model, replica.name, self.scraper.age(replica), failed=error is not None)
 
+    def _lora_of(self, replica: Replica) -> LoraTimings | None:
+        """The LoRA settings of the replica's model, or of its variant that an adapter serves; None: no LoRA."""
+        model = next((m for m in self.policy.models if m.name == replica.model), None)
+        if model is None:
+            return None
+        if model.lora is not None:
+            return LoraTimings(model.lora.max_loras, model.lora.load_timeout, model.lora.max_answer_bytes)
+        variant = next((v for v in model.variants if v.name == replica.variant and v.adapter is not None), None)
+        if variant is None:
+            return None
+        return LoraTimings(variant.adapter.max_loras, variant.adapter.load_timeout)
+
+    def _lora_refresh_seconds(self) -> float:
+        return min((m.lora.refresh_seconds for m in self.policy.models if m.lora is not None), default=5.0)
+
+    def _lora_event(self, replica: Replica, adapter: str, event: str) -> None:
+        self.metrics.lora_events.labels(replica.model, replica.name, adapter, event).inc()
+
     def _egress_refused(self, host: str, _port: int, _address: str) -> None:
         self.metrics.egress_refused.labels(host).inc()
 
@@ -274,6 +317,7 @@ class Gateway:
         if self.policy.routing.scrape.enabled:
             loops.append(asyncio.create_task(self.scraper.run(client)))
         loops.append(asyncio.create_task(self.kv_subscribers.run()))  # idle unless a backend has kv_events
+        loops.append(asyncio.create_task(self.loras.run(client, self._lora_refresh_seconds)))  # idle without LoRA
         if self.policy.ledger.enabled:
             loops.append(asyncio.create_task(self.refresh_report_gauges()))
         loops.append(asyncio.create_task(self.scaling.run(lambda: (self.policy, self.admission.queues))))

@@ -66,6 +66,9 @@ class SpanWriter:
         variant = getattr(call, "variant", None)  # the model's variant that served it (policies/variants.py)
         if variant is not None:
             parts.append(wire.string_attribute("llm_gateway.variant", variant))
+        adapter = getattr(call, "adapter", None)  # the LoRA adapter vLLM served it with (backends/lora.py)
+        if adapter is not None:
+            parts.append(wire.string_attribute("llm_gateway.lora_adapter", adapter.lora_name))
         if model in self.content_models:
             parts.append(wire.attributes(b"\x4a", content(body, response, trace.tap)))
         if call.status >= 500:

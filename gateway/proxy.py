@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from backends.http1 import Client, Response
+from backends.lora import LoadFailed, LoraAdapters
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import BROKEN, CONNECT, TIMEOUT, TOO_LARGE, UpstreamError
@@ -94,6 +95,7 @@ class Proxy:
         self.observers = observers or Observers(())  # the snapshot's observers of finished calls
         self.tracing: Tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
         self.shadow: Shadow | None = None  # gateway/shadow.py: set by the app when a model has a shadow variant
+        self.loras: LoraAdapters | None = None  # backends/lora.py: set by the app; loads adapters on demand
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -173,7 +175,11 @@ class Proxy:
             tried.append(replica)
             call.load = replica.in_flight
             try:
+                if call.adapter is not None and self.loras is not None:
+                    await self.load_adapter(call, replica)
                 response = await self.send(call, replica, holds=True)
+                if response.status == 404 and call.adapter is not None and self.loras and "model" in call.body:
+                    response = await self.reload_adapter(call, replica, response)
             except UpstreamError as exc:
                 kind = exc.kind
                 self.upstream_failed(replica, kind, str(exc))
@@ -190,6 +196,31 @@ class Proxy:
         if overflow is not None:
             return await self.rent(call, time.perf_counter())
         raise NoBackendAvailable(f"no backend of model {call.model} is reachable; try again shortly")
+
+    async def load_adapter(self, call: Call, replica: Replica) -> None:
+        """Make sure the chosen replica holds the call's LoRA adapter, waiting (bounded) for its load; the call
+        holds its slot meanwhile, so a load counts against the cap like the request it is for."""
+        loras = self.loras
+        assert loras is not None  # the caller checked
+        call.replica, call.holds_replica = replica, True  # released by finish() whatever happens below
+        loras.using(replica, call.adapter.lora_name)
+        try:
+            if await loras.ensure(self.client, replica, call.adapter):
+                call.response_headers["x-gateway-lora-load"] = replica.name
+        except LoadFailed as exc:
+            error = UpstreamTimeout if exc.timed_out else UpstreamFailed
+            raise error(f"model {call.model}: {exc}", code="adapter_load_failed") from None
+
+    async def reload_adapter(self, call: Call, replica: Replica, response: Response) -> Response:
+        """vLLM does not know the adapter it was said to hold (it restarted since its /v1/models was read):
+        load it again and send once more."""
+        response.close()
+        loras = self.loras
+        assert loras is not None  # the caller checked
+        loras.forget(replica, call.adapter.lora_name)
+        loras.done(replica, call.adapter.lora_name)  # load_adapter counts the call in again
+        await self.load_adapter(call, replica)
+        return await self.send(call, replica, holds=True)
 
     def may_rent(self, call: Call) -> bool:
         """Only keys whose data policy allows it (and whose budget does), only for models with a rented overflow,
@@ -235,9 +266,10 @@ class Proxy:
         method = "POST" if route.body != NONE else route.methods[0]
         return await upstream.open(path, body, call.request_id, method, extra=trace_headers)
 
-    def rename(self, replica: Replica) -> tuple[bytes, bytes] | None:
-        """How the replica's served model name is told back as the public one in its answers (None: the same)."""
-        names = (replica.served_name, replica.model)
+    def rename(self, call: Call) -> tuple[bytes, bytes] | None:
+        """How the served model name (the replica's, or the call's LoRA adapter's) is told back as the public
+        one in its answers (None: the same)."""
+        names = self.served_names(call)
         found = self.renames.get(names, False)
         if found is False:
             found = self.renames[names] = model_rename(*names)
@@ -251,7 +283,8 @@ class Proxy:
         body = call.body
         route = call.route
         if "model" in body:
-            body["model"] = target.served_name
+            body["model"] = call.adapter.lora_name if call.adapter is not None and not target.rented \
+                else target.served_name
         if target.rented:
             body.pop("priority", None)
         elif not call.client_priority:  # ours to set (or to take back after a retry on another replica)
@@ -296,7 +329,7 @@ class Proxy:
             call.usage = call.route.usage(data)
             if call.usage is None and call.replica.rented:  # paid for all the same
                 call.usage = estimated_usage(call, len(raw) // CHARS_PER_TOKEN)
-            if self.rename(call.replica) is not None and data.get("model") == call.replica.served_name:
+            if self.rename(call) is not None and data.get("model") == self.served_names(call)[0]:
                 data["model"] = call.model
                 raw = orjson.dumps(data)
         call.overhead += time.perf_counter() - received
@@ -304,7 +337,7 @@ class Proxy:
 
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
-        relay = call.route.relay(call, self.rename(call.replica))
+        relay = call.route.relay(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
         first = True
@@ -349,9 +382,19 @@ class Proxy:
         response.close()  # an unfinished stream drops the connection, and vLLM aborts the request
         await self.finish(call, error or call.error)
 
+    @staticmethod
+    def served_names(call: Call) -> tuple[str, str]:
+        """(the name the upstream answers with, the public name the client asked for)"""
+        replica = call.replica
+        if call.adapter is not None and not replica.rented:
+            return call.adapter.lora_name, call.model
+        return replica.served_name, replica.model
+
     def release(self, call: Call) -> None:
         if call.replica is not None and call.holds_replica:
             call.holds_replica = False
+            if call.adapter is not None and self.loras is not None:
+                self.loras.done(call.replica, call.adapter.lora_name)
             self.admission.release(call.replica, call)
 
     def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:

@@ -102,6 +102,10 @@ class GatewayMetrics:
             "llm_gateway_backend_limit", "Most requests the gateway sends to a backend at once (its cap; -1: none).",
             ["model", "backend"], registry=r,
         )
+        self.lora_events = Counter(
+            "llm_gateway_lora_events", "LoRA adapters loaded, unloaded (least recently used) and failed to load on"
+            " each replica by this gateway (backends/lora.py).", ["model", "backend", "adapter", "event"], registry=r,
+        )
         self.admission_rejected = Counter(
             "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
             ["model", "reason"], registry=r,

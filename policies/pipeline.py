@@ -54,6 +54,7 @@ class Call:
     streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
     variant: str | None = None  # the model's variant that serves it, when the model has variants
+    adapter: Any = None  # the LoRA adapter that serves it, when its model is one (backends/lora.py AdapterTarget)
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
     shadow: tuple[str, str] | None = None  # (variant, replica set) of a shadow variant it is copied to once under way

@@ -51,6 +51,10 @@ class RateLimit:
         self.model_scopes = {
             m.name: Scope(f"model:{m.name}", **m.limits.model_dump()) for m in policy.models if m.limits
         }
+        self.model_scopes.update({  # a LoRA adapter is a model: its own totals (its base's are not shared)
+            a.name: Scope(f"model:{a.name}", **a.limits.model_dump())
+            for m in policy.models if m.lora for a in m.lora.adapters if a.limits
+        })
         self.outage_logged_at = -1.0
         self.outage_unlogged = 0
         self.scope_cache: dict[tuple[str, str], tuple[object, tuple[Scope, ...]]] = {}

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.rented import RentedProviders
 from backends.replicas import ReplicaSet
@@ -79,6 +80,8 @@ class Shared:
     variants: Variants = field(default_factory=Variants)  # every model's variant weights (policies/variants.py)
     # the HTTP shell's observers for a snapshot (access log, tracing, shadow copies): it knows them, not we
     observers: Callable[[Policy, Admission], Sequence[Observer]] = lambda policy, admission: ()
+    # the LoRA adapters a model's replicas say they hold (backends/lora.py LoraAdapters.found), for lora.discover
+    lora_found: Callable[[str], Mapping[str, Any]] | None = None
 
 
 def version_of(text: str | bytes) -> str:
@@ -115,7 +118,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         client_network,
         shared.authenticate,
         shared.owners,
-        ResolveModel(policy),
+        ResolveModel(policy, shared.lora_found),
         *([AssignVariant(shared.variants, shared.metrics)] if shared.variants.models else []),
         Authorize(),
         Classify(policy),

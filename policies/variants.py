@@ -29,6 +29,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import partial
 
+from backends.lora import AdapterTarget
 from backends.replicas import group_name
 from policies.config import Model, Policy
 from policies.finished import Finished
@@ -62,6 +63,7 @@ class Plan:
     header: str | None  # sticky on this request header's value
     key: bool  # sticky on the API key (when the header is absent)
     shadows: tuple[tuple[str, str, float], ...] = ()  # (variant, replica set, share of requests copied to it)
+    adapters: tuple[AdapterTarget | None, ...] = ()  # the LoRA adapter serving each live variant, if any
     point: float = field(default_factory=random.random)  # the model's evenly spread sequence, from a random start
     shadow_point: float = field(default_factory=random.random)  # the same, for sampling copies to shadows
 
@@ -91,8 +93,10 @@ def plan_of(model: Model, weights: dict[str, float]) -> Plan:
     sticky = model.sticky
     shadows = tuple((v.name, group_name(model.name, v.name), min(100.0, weights[v.name]) / 100.0)
                     for v in model.variants if v.shadow and weights[v.name] > 0)
+    adapters = tuple(None if v.adapter is None else AdapterTarget(v.adapter.name, v.adapter.path) for v in live)
     return Plan(tuple(v.name for v in live), tuple(group_name(model.name, v.name) for v in live), tuple(bounds),
-                sticky.header if sticky else None, bool(sticky and sticky.key), shadows)
+                sticky.header if sticky else None, bool(sticky and sticky.key), shadows,
+                adapters if any(adapters) else ())
 
 
 def point_of(value: str) -> float:
@@ -221,6 +225,8 @@ class AssignVariant:
         pinned = call.pinned  # a stored Responses id lives on one replica: its variant it is
         if pinned is not None:
             call.variant, call.group = pinned.variant, pinned.group
+            if plan.adapters and pinned.variant in plan.names:
+                call.adapter = plan.adapters[plan.names.index(pinned.variant)]
             if pinned.variant is not None:
                 call.response_headers[HEADER] = pinned.variant
             return
@@ -234,6 +240,8 @@ class AssignVariant:
             i = plan.index(point)
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]
+        if plan.adapters:
+            call.adapter = plan.adapters[i]
         call.shadow = shadow = plan.shadow() if plan.shadows else None
         body = call.body
         if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison

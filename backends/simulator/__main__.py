@@ -24,6 +24,8 @@ def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Nam
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         default=None)
+    parser.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None)
+    parser.add_argument("--lora-load-ms", dest="lora_load_ms", type=float)
     parser.add_argument("--log-level", default="info")
     defaults = SimConfig.model_fields
     for name in FIELD_FLAGS:
@@ -31,7 +33,8 @@ def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Nam
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=float if kind is float else int,
                             help=defaults[name].description)
     args = parser.parse_args(argv)
-    overrides = {k: v for k in ("model", "enable_prefix_caching", *FIELD_FLAGS) if (v := getattr(args, k)) is not None}
+    named = ("model", "enable_prefix_caching", "enable_lora", "lora_load_ms", *FIELD_FLAGS)
+    overrides = {k: v for k in named if (v := getattr(args, k)) is not None}
     base = PRESETS[args.preset]().model_dump()
     return SimConfig(**{**base, **overrides}), args
 

@@ -26,6 +26,7 @@ from .audio import Audio
 from .config import SimConfig
 from .engine import Engine, GenRequest
 from .extras import Extras
+from .lora import Lora
 from .structured import Corruptor, Structured, structured_answer
 from .protocol import (ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, check_lengths,
                        completion_prompt, embedding_inputs, parse, refuse_unsupported, render_chat, tokenize)
@@ -130,6 +131,10 @@ class SimulatorApp:
         self.audio = Audio(self)
         self.routes.update({path: ("POST", handler) for path, handler in {**self.extras.routes,
                                                                           **self.audio.routes}.items()})
+        self.lora = Lora(self)
+        if cfg.enable_lora:
+            self.routes.update({path: ("POST", handler) for path, handler in self.lora.routes.items()})
+            self.routes["/lora_stats"] = ("GET", self.lora.stats)
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -172,7 +177,7 @@ class SimulatorApp:
                 return
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.cfg.model:
+        if model is not None and model != self.cfg.model and not self.lora.holds(model):
             raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.",
                            "NotFoundError", "model")
 
@@ -202,6 +207,7 @@ class SimulatorApp:
         gen = self.engine.submit(prompt, max_tokens, ignore_eos=req.ignore_eos, stop=req.stop_list, seed=req.seed)
         shape = _ChatShape(self, structured_answer(req, self.cfg.tool_calling, self.corruptor)) if chat \
             else _CompletionShape(self)
+        shape.model = req.model if req.model and self.lora.holds(req.model) else self.cfg.model
         async with http.abort_on_disconnect(gen):
             if req.stream:
                 await self._stream(http, gen, shape, req.include_usage)
@@ -279,7 +285,7 @@ class SimulatorApp:
                 "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                 "organization": "*", "group": None, "is_blocking": False,
             }],
-        }]})
+        }, *self.lora.model_entries(self.created)]})
 
     async def health(self, http: Http) -> None:
         await http.reply(200, b"", content_type=None)  # vLLM: 200, empty body, no content-type
@@ -308,10 +314,11 @@ class _Shape:
     def __init__(self, app: SimulatorApp):
         self.app = app
         self.id = f"{self.prefix}-{secrets.token_hex(8)}"
+        self.model = app.cfg.model  # or the LoRA adapter the request named
         self.created = int(time.time())
 
     def head(self, object_: str) -> dict:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.app.cfg.model}
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     def usage_chunk(self, gen: GenRequest) -> bytes:
         return _sse({**self.head(self.object_), "choices": [], "usage": _usage(gen, details=False),

@@ -42,6 +42,9 @@ class SimConfig(BaseModel):
     # as vLLM sends when its engine fails, and then, as vLLM, its stream (made or replayed) stays open and
     # silent (vLLM ends one only after `response.completed`). None: never
     fail_background_after: int | None = Field(None, ge=0)
+    # vLLM's --enable-lora with run-time updating (backends/simulator/lora.py); a load takes lora_load_ms
+    enable_lora: bool = False
+    lora_load_ms: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _cache_holds_one_request(self) -> SimConfig:

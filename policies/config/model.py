@@ -15,6 +15,7 @@ from policies.config.discovery import Discovery
 from policies.config.providers import Overflow
 from policies.config.scaling import Autoscaling
 from policies.config.variants import Guard, Sticky, Variant
+from policies.lora_settings import Lora
 
 
 class Model(Strict):
@@ -34,10 +35,13 @@ class Model(Strict):
     sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
     guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
     autoscaling: Autoscaling | None = None  # the replica-count signal's settings and scale from zero
+    lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/lora_settings.py)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:
         if self.variants:
+            if self.lora is not None:
+                raise ValueError("`lora` adapters are served on a model's own replicas: not on a model with variants")
             if self.backends or self.discovery is not None:
                 raise ValueError("a model with `variants` gives its replicas there, not in `backends`/`discovery`")
             names = [v.name for v in self.variants]

@@ -16,6 +16,7 @@ from policies.config.routing import Routing
 from policies.config.routing_profile import RoutingProfile
 from policies.config.server import Health, Listen, Server, Timeouts, UpstreamLimits
 from policies.config.store import Store
+from policies.lora_settings import public_adapter_names
 
 
 class Policy(Strict):
@@ -51,7 +52,7 @@ class Policy(Strict):
     def unique_names(self) -> Policy:
         seen: dict[str, str] = {}
         for model in self.models:
-            for public in (model.name, *model.aliases):
+            for public in (model.name, *model.aliases, *public_adapter_names(model.lora)):
                 if public in seen:
                     raise ValueError(f"model name or alias {public!r} is used twice ({seen[public]} and {model.name})")
                 seen[public] = model.name

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from policies.config.backend import Backend
 from policies.config.base import NAME, Seconds, Strict
 from policies.config.discovery import Discovery
+from policies.lora_settings import VariantAdapter
 
 VARIANT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -23,11 +24,14 @@ class Variant(Strict):
     served_name: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None
+    adapter: VariantAdapter | None = None  # served by this LoRA adapter on its replicas (policies/lora_settings.py)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Variant:
         if bool(self.backends) == (self.discovery is not None):
             raise ValueError("a variant needs either a non-empty `backends` list or `discovery`, not both")
+        if self.adapter is not None and self.shadow:
+            raise ValueError("a shadow variant cannot be served by an adapter (its copies name the base model)")
         return self
 
 

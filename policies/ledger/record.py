@@ -39,8 +39,8 @@ class RecordLedger:
         batch = record.call is not None and record.call.batch is not None  # a Batch API line: a class of its own
         self.sums.call(now, record.model, replica.name, record.key_id or "", rented is not None, record.prompt_tokens,
                        record.completion_tokens, record.queue_wait, record.cost, record.estimated, batch)
-        if rented is None:
-            self.sums.in_flight(record.model, replica.name, record.sent_at + self.wall, now)
+        if rented is None:  # the replica's busy time is its own model's (a LoRA adapter's calls keep its base busy)
+            self.sums.in_flight(replica.model, replica.name, record.sent_at + self.wall, now)
         self.timer.arm()
 
     async def flush(self) -> None:

@@ -294,4 +294,7 @@ def costs_of(policy) -> list[ModelCosts]:
         price = None if provider is None else Prices(provider.price_per_million_tokens.input,
                                                      provider.price_per_million_tokens.output, provider.name)
         out.append(ModelCosts(model.name, backends, price))
+        # a LoRA adapter: its own requests and tokens, compared with its base's rented price; the replicas (and
+        # their cost and busy time) are its base's
+        out.extend(ModelCosts(a.name, [], price) for a in (model.lora.adapters if model.lora is not None else ()))
     return out

@@ -6,6 +6,7 @@ from policies.routing.base import Filter, PickerClass, Plugin, Scorer
 from policies.routing.filters import KVHeadroom
 from policies.routing.kv_cache import KVCache
 from policies.routing.least_in_flight import LeastInFlight
+from policies.routing.lora_affinity import LoraAffinity
 from policies.routing.pickers import MaxScore, Random
 from policies.routing.precise_prefix import PrecisePrefix
 from policies.routing.prefix_affinity import PrefixAffinity
@@ -14,5 +15,5 @@ from policies.routing.vllm_queue import VLLMQueue
 
 FILTERS: dict[str, Plugin[Filter]] = {f.name: f for f in (KVHeadroom,)}
 SCORERS: dict[str, Plugin[Scorer]] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity,
-                                                          SessionAffinity, PrecisePrefix)}
+                                                          SessionAffinity, PrecisePrefix, LoraAffinity)}
 PICKERS: dict[str, PickerClass] = {p.name: p for p in (MaxScore, Random)}

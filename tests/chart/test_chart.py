@@ -18,7 +18,7 @@ from gateway.cli import main as gateway_cli
 from tests.chart.render import CHART, NAMESPACE, RenderError, find, helm, policy_of, render, render_notes
 
 EXAMPLES = ["minimal.yaml", "ha-redis.yaml", "ha-sentinel.yaml", "kserve.yaml", "providers.yaml",
-            "kubernetes-discovery.yaml", "tracing.yaml", "autoscaling.yaml"]
+            "kubernetes-discovery.yaml", "tracing.yaml", "autoscaling.yaml", "lora.yaml"]
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "inferenceservice-serving.kserve.io-v1beta1.json",
@@ -646,3 +646,51 @@ def test_batch_files_live_on_a_volume_every_replica_mounts():
     assert policy_of(off)["batch"]["enabled"] is False
     with pytest.raises(RenderError, match="ReadWriteMany"):
         render("minimal.yaml", sets={"gateway.replicas": 2, "redis.enabled": True})
+
+
+def test_lora_adapters_reach_vllm_and_the_policy():
+    """A model's `lora` values: vLLM runs with LoRA enabled and reads the adapters from their volume (a PVC, or an
+    emptyDir an init step fills), loaded by the gateway at run time or by vLLM at start; the policy lists each
+    adapter with the path vLLM sees."""
+    docs = list(rendered("lora.yaml"))
+    models = {m["name"]: m for m in policy_of(docs)["models"]}
+    lora = models["qwen3-4b"]["lora"]
+    assert lora["max_loras"] == 2
+    assert [(a["name"], a["path"]) for a in lora["adapters"]] == [
+        ("support-bot", "/adapters/support-bot"), ("sql-writer", "/adapters/sql-writer"),
+        ("summarizer", "/adapters/shared/summarizer")]
+    assert lora["adapters"][0]["aliases"] == ["support-bot-latest"]
+    assert lora["adapters"][0]["limits"] == {"requests_per_minute": 600}
+    for i in (0, 1):
+        (deploy,) = find(docs, "Deployment", f"rel-llm-gateway-vllm-qwen3-4b-{i}")
+        pod = deploy["spec"]["template"]["spec"]
+        (v,) = pod["containers"]
+        assert {"--enable-lora", "--max-loras=2", "--max-lora-rank=16"} <= set(v["args"])
+        assert "--lora-modules" not in v["args"]
+        assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in v["env"]
+        mount = next(m for m in v["volumeMounts"] if m["name"] == "lora-adapters")
+        assert mount == {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True}
+        volume = next(vol for vol in pod["volumes"] if vol["name"] == "lora-adapters")
+        assert volume["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+        assert "initContainers" not in pod
+
+    (deploy,) = find(docs, "Deployment", "rel-llm-gateway-vllm-llama-8b-0")
+    pod = deploy["spec"]["template"]["spec"]
+    (v,) = pod["containers"]
+    at = v["args"].index("--lora-modules")
+    assert v["args"][at + 1] == "llama-legal=/adapters/legal" and "--max-loras=1" in v["args"]
+    assert not any(e["name"] == "VLLM_ALLOW_RUNTIME_LORA_UPDATING" for e in v["env"])
+    (init,) = pod["initContainers"]
+    assert init["volumeMounts"] == [{"name": "lora-adapters", "mountPath": "/adapters"}]
+    assert next(vol for vol in pod["volumes"] if vol["name"] == "lora-adapters") == {"name": "lora-adapters",
+                                                                                    "emptyDir": {}}
+    assert models["llama-8b"]["lora"]["adapters"] == [{"name": "llama-legal", "path": "/adapters/legal"}]
+
+
+def test_lora_values_that_cannot_work_fail_the_render(tmp_path):
+    values = yaml.safe_load((Path(__file__).parent / "values" / "lora.yaml").read_text())
+    values["models"][0]["lora"]["adapters"][0]["rank"] = 8  # not a setting of the chart
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    with pytest.raises(RenderError, match="rank"):
+        render(str(path))

@@ -324,6 +324,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 {{- end -}}
 {{- if $backends -}}{{- $_ := set $entry "backends" $backends -}}{{- end -}}
+{{- with $m.lora -}}
+{{- $_ := set $entry "lora" (include "llm-gateway.policyLora" (dict "model" $m) | fromYaml) -}}
+{{- end -}}
 {{- if (include "llm-gateway.autoscaling" (dict "root" $root "model" $m) | fromYaml).enabled -}}
 {{- $_ := set $entry "autoscaling" (include "llm-gateway.policyAutoscaling" (dict "root" $root "model" $m) | fromYaml) -}}
 {{- end -}}
@@ -378,4 +381,34 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 {{- end -}}
 {{- toYaml $reads -}}
+{{- end -}}
+
+{{/* A model's LoRA adapters in the policy (policies/lora_settings.py): backend vllm reads them from the
+     adapters' volume at lora.volume.mountPath, so a relative path is made absolute there */}}
+{{- define "llm-gateway.loraMountPath" -}}
+{{- (default dict .model.lora.volume).mountPath | default "/adapters" -}}
+{{- end -}}
+
+{{- define "llm-gateway.loraPath" -}}
+{{- if and (eq .model.backend "vllm") (not (hasPrefix "/" .adapter.path)) -}}
+{{- printf "%s/%s" (trimSuffix "/" (include "llm-gateway.loraMountPath" (dict "model" .model))) .adapter.path -}}
+{{- else -}}
+{{- .adapter.path -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "llm-gateway.policyLora" -}}
+{{- $l := .model.lora -}}
+{{- $adapters := list -}}
+{{- range $a := $l.adapters -}}
+{{- $e := dict "name" $a.name "path" (include "llm-gateway.loraPath" (dict "model" $.model "adapter" $a)) -}}
+{{- with $a.aliases -}}{{- $_ := set $e "aliases" . -}}{{- end -}}
+{{- with $a.servedName -}}{{- $_ := set $e "served_name" . -}}{{- end -}}
+{{- with $a.limits -}}{{- $_ := set $e "limits" . -}}{{- end -}}
+{{- $adapters = append $adapters $e -}}
+{{- end -}}
+{{- $out := dict "adapters" $adapters "max_loras" (int ($l.maxLoras | default 1)) -}}
+{{- with $l.loadTimeout -}}{{- $_ := set $out "load_timeout" . -}}{{- end -}}
+{{- with $l.refreshSeconds -}}{{- $_ := set $out "refresh_seconds" . -}}{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
