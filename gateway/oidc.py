@@ -47,6 +47,7 @@ class IssuerKeys:
         self.jwks_uri: str | None = None
         self.lock = asyncio.Lock()
         self.refreshing: asyncio.Task | None = None
+        self.fetches = 0  # fetches started, for the tests and the logs
 
     async def key(self, kid: str) -> jwt.PyJWK:
         """The key that verifies tokens with this `kid`; KeyError (with the reason) when there is none to trust."""
@@ -84,6 +85,7 @@ class IssuerKeys:
             if self.tried_at is not None and self.tried_at >= started:
                 return  # another caller fetched while this one waited
             self.tried_at = self.clock()
+            self.fetches += 1
             try:
                 async with asyncio.timeout(self.settings.fetch_timeout_seconds):
                     keys = await self.fetch()
