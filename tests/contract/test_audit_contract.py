@@ -10,8 +10,7 @@ from policies.audit import Actor, Audit, AuditQuery
 from policies.audit.redis import RedisAudit
 from policies.audit.sqlite import SQLiteAudit
 from policies.audit_settings import AuditSettings
-from policies.store import open_store
-from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+from tests.support.redis_fixtures import redis_prefix, redis_server, shared_stores  # noqa: F401
 
 DAY = 86400
 T0 = 1_800_000_000.0
@@ -30,13 +29,8 @@ class Clock:
 @pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 async def logs(request, tmp_path):
     """Two audit logs on one store, as two gateway replicas hold, each with its own clock."""
-    if request.param == "sqlite":
-        stores = [open_store("sqlite", path=str(tmp_path / "gateway.db")) for _ in range(2)]
-        opened = [SQLiteAudit(store.path) for store in stores]
-    else:
-        server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
-        stores = [open_store("redis", url=server.url, prefix=prefix) for _ in range(2)]
-        opened = [RedisAudit(store) for store in stores]
+    stores = shared_stores(request, tmp_path)
+    opened = [SQLiteAudit(store.path) if request.param == "sqlite" else RedisAudit(store) for store in stores]
     yield opened
     for log, store in zip(opened, stores):
         await log.close()
