@@ -42,7 +42,7 @@ class AdminAudit:
         await self.audit.record(SYSTEM, action, target, changes)
 
     def actor(self, connection: ASGIConnection) -> Actor:
-        claims = connection.scope.get(ADMIN_CLAIMS) or {}  # type: ignore[call-overload]
+        claims: dict[str, Any] = connection.scope.get(ADMIN_CLAIMS) or {}  # type: ignore[call-overload,assignment]
         client = connection.scope.get("client")
         address = self.network().client_address(client[0] if client else "",
                                                 connection.headers.get("x-forwarded-for"))
@@ -50,7 +50,7 @@ class AdminAudit:
                      role=str(claims.get("role") or "-"), team=claims.get("team"), address=address or None)
 
 
-def audit_handlers(gateway) -> list:
+def audit_handlers(gateway: Any) -> list:  # the Gateway (gateway/app.py), which imports this module
     @get("/audit", summary="The audit log: admin acts, newest first, with who, when, from where and what changed",
          description="Filters combine (all must match). Pages hold at most `limit` events; `next` is the `before`"
                      " of the following, older page.", responses=errors(400, 401, 503))

@@ -68,11 +68,12 @@ class AdminAuth:
 
     def own_claims(self, token: str) -> dict:
         """A token signed with the configured secret or key pair (HS256, RS256, ES256)."""
+        assert self.key is not None  # check() comes here only when there is one
         try:
             claims = jwt.decode(token, self.key, algorithms=[self.config.jwt_algorithm],
                                 audience=self.config.audience, issuer=self.config.issuer,
                                 leeway=self.config.leeway_seconds, options={"require": ["exp", "iss", "aud", "role"]})
-        except Exception as exc:  # noqa: BLE001 -- any malformed, forged, expired or mis-addressed token: PyJWTError and friends
+        except Exception as exc:  # noqa: BLE001 -- any malformed, forged, expired or mis-addressed token
             raise refused(problem(exc, self.config.audience)) from None
         role, team = claims.get("role"), claims.pop("team", None)
         if role == TEAM_ADMIN and isinstance(team, str) and 0 < len(team) <= 200:

@@ -19,7 +19,7 @@ from gateway.report_cli import admin_get
 CHANGES_WIDTH = 100  # characters of a change shown in the table; --json has all of it
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
     audit = sub.add_parser("audit", help="who did what through the admin API (and policy reloads)")
     audit.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
     audit.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),

@@ -23,6 +23,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Callable
 
 import httpx
 import jwt
@@ -37,7 +38,7 @@ class KeysUnavailable(Exception):
 
 
 class IssuerKeys:
-    def __init__(self, settings: AdminOidc, clock=time.monotonic) -> None:
+    def __init__(self, settings: AdminOidc, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
         self.keys: dict[str, jwt.PyJWK] = {}
@@ -90,6 +91,7 @@ class IssuerKeys:
                 async with asyncio.timeout(self.settings.fetch_timeout_seconds):
                     keys = await self.fetch()
             except (KeysUnavailable, TimeoutError) as exc:
+                self.jwks_uri = None  # the next fetch reads the discovery document again: it may have moved
                 self.error = str(exc) or f"no answer in {self.settings.fetch_timeout_seconds:g} s"
                 log.warning("admin OIDC: the keys of %s could not be fetched: %s", self.settings.issuer, self.error)
                 return
@@ -115,8 +117,9 @@ class IssuerKeys:
                     raise KeysUnavailable(str(exc)) from None
             jwks = await self.document(client, self.jwks_uri, "JWKS")
         listed = jwks.get("keys")
-        signing = [k for k in listed if isinstance(k, dict) and k.get("use", "sig") == "sig"] \
-            if isinstance(listed, list) else listed
+        if not isinstance(listed, list):
+            raise KeysUnavailable("the JWKS has no list of keys")
+        signing = [k for k in listed if isinstance(k, dict) and k.get("use", "sig") == "sig"]
         try:
             found = jwt.PyJWKSet(signing).keys
         except jwt.PyJWTError as exc:

@@ -10,15 +10,20 @@ there it returns a `next` cursor, so a filter that matches rarely costs bounded 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from policies.audit.log import AuditEvent, AuditPage, AuditQuery
 from policies.audit_settings import AuditSettings
+
+if TYPE_CHECKING:
+    from policies.store.redis import RedisStore
 
 BATCH = 200
 SCAN_LIMIT = 10_000
 
 
 class RedisAudit:
-    def __init__(self, store) -> None:
+    def __init__(self, store: RedisStore) -> None:
         self.store = store  # a RedisStore: its connection pool and its failure handling (`guard`)
         self.name = f"{store.prefix}audit"
 
@@ -46,7 +51,7 @@ class RedisAudit:
             offset += len(batch)
             for raw in batch:
                 scanned += 1
-                event = AuditEvent.model_validate_json(raw)
+                event = AuditEvent.model_validate_json(raw)  # type: ignore[arg-type]  # members are bytes
                 last = event
                 if query.matches(event):
                     if len(events) == query.limit:

@@ -1,6 +1,7 @@
 """The audit log in the embedded SQLite file (the one that holds keys), in a table of its own.
 
-Its own connection on its own worker thread (policies/store/sqlite_table.py), as the ledger has. Each write is one transaction: the event, then the rows retention drops.
+Its own connection on its own worker thread (policies/store/sqlite_table.py), as the ledger has. Each write
+is one transaction: the event, then the rows retention drops.
 """
 
 from __future__ import annotations
