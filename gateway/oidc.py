@@ -101,8 +101,10 @@ class IssuerKeys:
                      f" ({len(dropped)} no longer listed)" if dropped else "")
 
     async def fetch(self) -> dict[str, jwt.PyJWK]:
+        """Discovery (once), then the JWKS. The caller bounds the whole; httpx's own bound is looser, so the
+        message says the whole timed out rather than which read did."""
         async with httpx.AsyncClient(verify=self.tls(), follow_redirects=False, trust_env=False,
-                                     timeout=self.settings.fetch_timeout_seconds) as client:
+                                     timeout=self.settings.fetch_timeout_seconds + 1) as client:
             if self.jwks_uri is None:
                 discovery = await self.document(client, self.settings.issuer.rstrip("/")
                                                 + "/.well-known/openid-configuration", "discovery document")

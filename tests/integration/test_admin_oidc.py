@@ -151,3 +151,42 @@ async def test_unreachable_provider_keeps_cached_keys_then_fails_closed(provider
             return (await admin(http, gw, "GET", "/keys", token)).status_code == 200
 
         await eventually(back, timeout=30, every=0.5)
+
+
+def hostile_provider(port: int, mode: str):
+    """An ASGI 'provider' whose JWKS never ends (`endless`) or never comes (`silent`)."""
+    issuer = f"http://127.0.0.1:{port}"
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/.well-known/openid-configuration":
+            body = f'{{"issuer": "{issuer}", "jwks_uri": "{issuer}/jwks"}}'.encode()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        if mode == "silent":
+            await asyncio.sleep(3600)
+        await send({"type": "http.response.body", "body": b'{"keys": [', "more_body": True})
+        for _ in range(100_000):  # 100 MB unless the reader stops
+            await send({"type": "http.response.body", "body": b" " * 1024, "more_body": True})
+        await send({"type": "http.response.body", "body": b"]}"})
+
+    return app
+
+
+@pytest.mark.parametrize("mode, problem", [("endless", "over 4096 bytes"), ("silent", "no answer in 1 s")])
+async def test_a_provider_that_floods_or_stalls_is_cut_off(mode, problem):
+    from tests.support.servers import free_port, serve_app
+
+    port = free_port()
+    issuer = f"http://127.0.0.1:{port}"
+    settings = {"fetch_timeout_seconds": 1, "max_document_bytes": 4096}
+    async with serve_app(hostile_provider(port, mode), port=port, timeout_graceful_shutdown=1), \
+            running_gateway(policy(issuer, **settings)) as gw, httpx.AsyncClient(timeout=30) as http:
+        started = time.monotonic()
+        r = await admin(http, gw, "GET", "/keys", foreign(issuer, "k1"))
+        assert r.status_code == 401 and problem in r.json()["error"]["message"], r.text
+        assert time.monotonic() - started < 10
