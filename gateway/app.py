@@ -250,6 +250,8 @@ class Gateway:
         self.install(self.snapshot)
         self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
         self.background.run(self.owners.warm())  # read now, so an outage later does not find it missing
+        if self.admin_auth.oidc is not None:  # the provider's keys now: the log says at once if it cannot be read
+            self.background.run(self.admin_auth.oidc.refresh())
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))

@@ -61,6 +61,9 @@ class IssuerKeys:
         # unknown kid, or keys too old to trust: a fetch now (rate-limited), then decide
         if self.may_fetch(now):
             await self.refresh()
+        elif self.lock.locked():  # a fetch is under way (at startup, or another caller's): its outcome decides
+            async with self.lock:
+                pass
         age = None if self.fetched_at is None else self.clock() - self.fetched_at
         if age is not None and age <= self.settings.max_stale_seconds and kid in self.keys:
             return self.keys[kid]
