@@ -81,3 +81,20 @@ async def test_retention_by_age_and_by_count(logs):
     page = await audit.query(AuditQuery(limit=500))
     kept += page.events
     assert len(kept) == 100 and kept[0].target == "k129" and kept[-1].target == "k30" and page.next is None
+
+
+async def test_a_store_that_fails_costs_the_event_not_the_act(tmp_path, caplog):
+    """The act is done when it is recorded: a store that cannot take the event is counted and logged, the log
+    line of the event is written anyway, and nothing is raised to the admin route."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, "llm_gateway.audit")
+    failures: list[str] = []
+    broken = SQLiteAudit(str(tmp_path / "missing-dir" / "gateway.db"))
+    await Audit(broken, AuditSettings(), failures.append).record(ALICE, "key.revoke", "k1", {"revoked": True})
+    await broken.close()
+    assert failures == ["audit"]
+    lines = [json.loads(r.getMessage())["audit"] for r in caplog.records if r.levelno == logging.INFO]
+    assert [(e["action"], e["actor"], e["changes"]) for e in lines] == [("key.revoke", "alice", {"revoked": True})]
+    assert any("not stored" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
