@@ -1,4 +1,5 @@
-"""The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage.
+"""The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage and the
+audit log. Every change is recorded in the audit log (gateway/admin_audit.py) with who made it.
 
 Every route needs an admin JWT (gateway/admin_auth.py), checked before anything in the request is read;
 `viewer` tokens may only read (GET). A key's secret is in exactly one response, the one that creates (or
@@ -11,17 +12,19 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from litestar import Response, Router, get, patch, post, route
+from litestar import Request, Response, Router, get, patch, post, route
 from litestar.connection import ASGIConnection
 from litestar.enums import HttpMethod
 from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gateway.admin_audit import ADMIN_CLAIMS, audit_handlers
 from gateway.admin_live import live_handlers
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.variant_routes import variant_handlers
 from policies.accounting import by_model
+from policies.audit import diff
 from policies.errors import NotFound, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
@@ -128,10 +131,14 @@ class Usage(BaseModel):
 def admin_router(gateway) -> Router:
     store = gateway.store
 
-    def admin_token(connection: ASGIConnection, _handler) -> None:
-        """A guard: runs before the path and body are parsed, so a caller without a token learns nothing."""
+    async def admin_token(connection: ASGIConnection, _handler) -> None:
+        """A guard: runs before the path and body are parsed, so a caller without a token learns nothing. The
+        verified claims stay in the scope (ADMIN_CLAIMS): the audit log's actor, and a team admin's team."""
         write = connection.scope["method"] not in READS
-        gateway.admin_auth.check(connection.headers.get("authorization"), write, _handler.opt.get("operator", False))
+        opt = _handler.opt
+        claims = await gateway.admin_auth.check(connection.headers.get("authorization"), write,
+                                                opt.get("operator", False), opt.get("team_admin", False))
+        connection.scope[ADMIN_CLAIMS] = claims  # type: ignore[literal-required]
 
     async def load(key_id: str) -> KeyRecord:
         record = await store.get_key(key_id)
@@ -139,17 +146,21 @@ def admin_router(gateway) -> Router:
             raise NotFound(f"no API key with id {key_id}", code="key_not_found")
         return record
 
-    async def save(record: KeyRecord) -> KeyView:
+    async def save(record: KeyRecord, request: Request, action: str, before: KeyRecord,
+                   more: dict | None = None) -> KeyView:
         try:
             await store.put_key(record)
         except KeyNotFound:
             raise NotFound(f"no API key with id {record.id}", code="key_not_found") from None
         await gateway.forget_key(record.id)
-        return KeyView.of(record)
+        view = KeyView.of(record)
+        await gateway.audit.act(request, action, record.id,
+                                {**diff(KeyView.of(before).model_dump(), view.model_dump()), **(more or {})})
+        return view
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
           responses=errors(400, 401, 403, 413, 503))
-    async def create_key(data: JSONBody[NewKey]) -> IssuedKey:
+    async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
             fields["expires_at"] = time.time() + data.expires_in
@@ -161,7 +172,9 @@ def admin_router(gateway) -> Router:
                 await store.create_key(record)
             except KeyExists:
                 continue
-            return IssuedKey(key=key, record=KeyView.of(record))
+            view = KeyView.of(record)
+            await gateway.audit.act(request, "key.create", key_id, view.model_dump())
+            return IssuedKey(key=key, record=view)
         raise StateUnavailable(f"no free key id in {CREATE_ATTEMPTS} tries; try again")
 
     @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
@@ -174,7 +187,7 @@ def admin_router(gateway) -> Router:
 
     @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks, limits or priority class",
            responses=errors(400, 401, 403, 404, 413, 503))
-    async def update_key(data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
+    async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
         record = await load(key_id)
         changes = data.model_dump(exclude_unset=True)
         for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when the key was issued
@@ -182,26 +195,29 @@ def admin_router(gateway) -> Router:
                 changes[field] = KeyRecord.model_fields[field].get_default()
         if isinstance(changes.get("limits"), dict):  # only the limits sent change (one sent as null: unlimited)
             changes["limits"] = {**record.limits.model_dump(), **changes["limits"]}
-        return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
+        updated = KeyRecord.model_validate({**record.model_dump(), **changes})
+        return await save(updated, request, "key.update", record)
 
     @post("/keys/{key_id:str}/revoke", status_code=200,
           summary="Revoke a key; every replica refuses it within auth.cache_seconds",
           responses=errors(400, 401, 403, 404, 503))
-    async def revoke_key(key_id: str = KeyId) -> KeyView:
+    async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
         record = await load(key_id)
         return await save(record.model_copy(update={"revoked": True, "previous_hash": None,
-                                                    "previous_valid_until": None}))
+                                                    "previous_valid_until": None}), request, "key.revoke", record)
 
     @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds",
           description="The body may be left out: the old secret then works for another hour.",
           operation_class=OptionalBody, responses=errors(400, 401, 403, 404, 413, 503))
-    async def rotate_key(key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
+    async def rotate_key(request: Request, key_id: str = KeyId,
+                         data: JSONBody[Rotation | None] = None) -> IssuedKey:
         record = await load(key_id)
         grace = (data or Rotation()).grace_seconds
         key = new_key(key_id)
         rotated = record.model_copy(update={"hash": hash_key(key), "previous_hash": record.hash,
                                             "previous_valid_until": time.time() + grace})
-        return IssuedKey(key=key, record=await save(rotated))
+        view = await save(rotated, request, "key.rotate", record, {"grace_seconds": grace})
+        return IssuedKey(key=key, record=view)
 
     @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model",
          responses=errors(400, 401, 404, 503))
@@ -216,7 +232,8 @@ def admin_router(gateway) -> Router:
         return Usage(id=key_id, models=models, variants=variants, total=total)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway),
+                *audit_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

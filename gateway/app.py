@@ -35,6 +35,7 @@ from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
 from gateway.access_log import AccessLog
+from gateway.admin_audit import AdminAudit
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
@@ -46,6 +47,7 @@ from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
 from gateway.variant_routes import slashed_model_names
 from policies.accounting import RecordUsage
+from policies.audit import Audit
 from policies.auth import Authenticate
 from policies.compile import replica_set
 from policies.config import Policy
@@ -97,6 +99,9 @@ class Gateway:
         self.store, self.fleet, self.variant_share = state.store, state.fleet, state.shared_variants
         self.limiter, self.ledger, self.budgets = state.limiter, state.ledger, state.budgets
         self.admin_auth = AdminAuth(policy.admin)
+        self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin_audit.py)
+                                      lambda why: self.metrics.background_errors.labels(why).inc()),
+                                lambda: self.client_network)
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
@@ -245,6 +250,8 @@ class Gateway:
         self.install(self.snapshot)
         self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
         self.background.run(self.owners.warm())  # read now, so an outage later does not find it missing
+        if self.admin_auth.oidc is not None:  # the provider's keys now: the log says at once if it cannot be read
+            self.background.run(self.admin_auth.oidc.refresh())
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
             loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
@@ -278,6 +285,8 @@ class Gateway:
             await self.limiter.close()  # a rate-limit release still queued reaches Redis before the store closes
             await client.aclose()
             await self.ledger.close()
+            await self.audit.audit.store.close()
+            await self.admin_auth.close()
             await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
 

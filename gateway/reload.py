@@ -82,6 +82,8 @@ class PolicyReloader:
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
             self.gateway.discovery.sync(policy)
             self.gateway.live_metrics.reloaded(OK, version)
+            await self.gateway.audit.system("policy.reload", self.path,
+                                            {"version": {"from": live.version, "to": version}, "why": why})
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
             return OK
 

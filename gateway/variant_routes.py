@@ -13,11 +13,12 @@ A model's name may hold "/" (`Qwen/Qwen3-4B`, vLLM's usual served name) where a 
 
 from __future__ import annotations
 
-from litestar import get, put
+from litestar import Request, get, put
 from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openapi import errors
+from policies.audit import diff
 from policies.errors import Conflict, NotFound
 from policies.variants import NoLiveWeight, UnknownVariant
 
@@ -131,10 +132,10 @@ def variant_handlers(gateway) -> list:
         return current(model_of(model))
 
     @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
-         opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
-    def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+         opt={"operator": True}, responses=errors(400, 401, 403, 404, 409, 413))
+    async def change(request: Request, data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
         model = model_of(model)
-        current(model)
+        before = weights(current(model))
         try:
             if data.weights:
                 variants.set_weights(model, {w.name: w.weight for w in data.weights}, why="admin API")
@@ -142,7 +143,9 @@ def variant_handlers(gateway) -> list:
             raise NotFound(str(exc), param="weights", code="variant_not_found") from None
         except NoLiveWeight as exc:
             raise Conflict(str(exc), param="weights", code="no_live_weight") from None
-        return current(model)
+        after = current(model)
+        await gateway.audit.act(request, "variants.weights", model, diff(before, weights(after)))
+        return after
 
     @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
          sync_to_thread=False, responses=errors(400, 401))
@@ -151,3 +154,7 @@ def variant_handlers(gateway) -> list:
         return AllVariants.model_validate({"models": variants.report(window)})
 
     return [show, change, signals]
+
+
+def weights(view: ModelVariants) -> dict[str, float]:
+    return {v.name: v.weight for v in view.variants}

@@ -22,6 +22,8 @@ from pydantic import (
 )
 
 from backends.replicas import group_name
+from policies.audit_settings import AuditSettings
+from policies.oidc_settings import AdminOidc
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
@@ -288,6 +290,8 @@ class Admin(Strict):
     issuer: str = "llm-gateway"
     audience: str = "llm-gateway-admin"
     leeway_seconds: float = Field(5.0, ge=0, le=300)
+    oidc: AdminOidc | None = None  # admins from an OpenID provider (policies/oidc_settings.py)
+    audit: AuditSettings = AuditSettings()  # retention of the audit log (policies/audit_settings.py)
 
     @model_validator(mode="after")
     def key_for_algorithm(self) -> Admin:
