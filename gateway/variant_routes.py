@@ -120,10 +120,7 @@ def variant_handlers(gateway) -> list:
     variants = gateway.shared.variants
 
     def current(model: str) -> ModelVariants:
-        view = variants.view(model)
-        if view is None:
-            raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
-        return ModelVariants.model_validate(view)
+        return current_variants(variants, model)
 
     @get("/models/{model:str}/variants", summary="A model's variants and the weights in force",
          sync_to_thread=False, responses=errors(400, 401, 404))
@@ -133,16 +130,7 @@ def variant_handlers(gateway) -> list:
     @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
          opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
     def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
-        model = model_of(model)
-        current(model)
-        try:
-            if data.weights:
-                variants.set_weights(model, {w.name: w.weight for w in data.weights}, why="admin API")
-        except UnknownVariant as exc:
-            raise NotFound(str(exc), param="weights", code="variant_not_found") from None
-        except NoLiveWeight as exc:
-            raise Conflict(str(exc), param="weights", code="no_live_weight") from None
-        return current(model)
+        return change_weights(variants, model_of(model), {w.name: w.weight for w in data.weights}, "admin API")
 
     @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
          sync_to_thread=False, responses=errors(400, 401))
@@ -151,3 +139,23 @@ def variant_handlers(gateway) -> list:
         return AllVariants.model_validate({"models": variants.report(window)})
 
     return [show, change, signals]
+
+
+def current_variants(variants, model: str) -> ModelVariants:
+    view = variants.view(model)
+    if view is None:
+        raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
+    return ModelVariants.model_validate(view)
+
+
+def change_weights(variants, model: str, weights: dict[str, float], why: str) -> ModelVariants:
+    """Set some of a model's variant weights live (the admin API's PUT and the console's form)."""
+    current_variants(variants, model)
+    try:
+        if weights:
+            variants.set_weights(model, weights, why=why)
+    except UnknownVariant as exc:
+        raise NotFound(str(exc), param="weights", code="variant_not_found") from None
+    except NoLiveWeight as exc:
+        raise Conflict(str(exc), param="weights", code="no_live_weight") from None
+    return current_variants(variants, model)
