@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from backends.replicas import group_name
+from policies.console_settings import Console
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 Seconds = Annotated[float, Field(gt=0, le=86400)]
@@ -752,6 +753,7 @@ class Policy(Strict):
     providers: list[Provider] = []
     tracing: Tracing = Tracing()
     access_log: AccessLogSettings = AccessLogSettings()
+    console: Console = Console()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")
