@@ -16,7 +16,7 @@ from litestar.params import Parameter
 from litestar.response import Template
 
 from gateway.console.pages import Page
-from gateway.console.render import page
+from gateway.console.render import page as render
 from gateway.console.session import form_of
 from gateway.key_admin import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
 from gateway.report_routes import budget_status
@@ -32,27 +32,27 @@ def handlers(gateway) -> list:
 
     @get("/keys")
     async def listing(request: Request, q: str = Parameter(default="", max_length=200),
-                      page_no: int = Parameter(query="page", default=1, ge=1, le=10**6)) -> Template:
+                      page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
         records = await gateway.store.list_keys()
         found = search(records, q)
         size = gateway.policy.console.page_size
         pages = max(1, math.ceil(len(found) / size))
-        page_no = min(page_no, pages)
+        page_no = min(page, pages)
         shown = [KeyView.of(r) for r in found[(page_no - 1) * size: page_no * size]]
         template = "keys_table.html" if request.headers.get("hx-target") == "keys-table" else "keys.html"
-        return page(request, template, "Keys", keys=shown, q=q, page_no=page_no, pages=pages, total=len(found),
+        return render(request, template, "Keys", keys=shown, q=q, page_no=page_no, pages=pages, total=len(found),
                     of=len(records), now=time.time())
 
     @post("/keys", opt={"role": "admin"}, status_code=201)
     async def create(request: Request) -> Template:
         fields = await form_of(request)
         issued = await keys.create(NewKey.model_validate({**settings_of(fields), **expiry_of(fields)}))
-        return page(request, "new_key.html", "New key", status=201, issued=issued, rotated=False)
+        return render(request, "new_key.html", "New key", status=201, issued=issued, rotated=False)
 
     @get("/keys/{key_id:str}")
     async def show(request: Request, key_id: str = KEY_ID) -> Template:
         view = KeyView.of(await keys.load(key_id))
-        return page(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id),
+        return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id),
                     budget=await budget_status(gateway, key_id), now=time.time(), message=None)
 
     @post("/keys/{key_id:str}", opt={"role": "admin"}, status_code=200)
@@ -70,10 +70,10 @@ def handlers(gateway) -> list:
         fields = await form_of(request)
         grace = fields.get("grace_seconds", "").strip()
         issued = await keys.rotate(key_id, Rotation.model_validate({"grace_seconds": grace} if grace else {}))
-        return page(request, "new_key.html", "Rotated key", issued=issued, rotated=True)
+        return render(request, "new_key.html", "Rotated key", issued=issued, rotated=True)
 
     def panel(request: Request, view: KeyView, message: str) -> Template:
-        return page(request, "key_panel.html", f"Key {view.name}", key=view, now=time.time(), message=message)
+        return render(request, "key_panel.html", f"Key {view.name}", key=view, now=time.time(), message=message)
 
     return [listing, create, show, update, revoke, rotate]
 
