@@ -30,6 +30,7 @@ from tests.support.servers import free_port, serve_app, stop_processes
 SECRET = "c" * 40
 ENV = Admin().jwt_secret_env
 CONSOLE = {"enabled": True}  # secure_cookie stays on: Chromium keeps Secure cookies for http://127.0.0.1
+SERVED = SimConfig(model="served")
 WAIT = 60.0  # seconds any background condition may take on a slow machine
 
 
@@ -134,7 +135,7 @@ def variants_policy(a: str, b: str, db: str) -> dict:
 
 
 async def test_operator_changes_a_variant_weight_and_reloads_the_policy_but_cannot_touch_keys(tmp_path):
-    async with serve_app(simulator(SimConfig(model="served"))) as a, serve_app(simulator(SimConfig(model="served"))) as b:
+    async with serve_app(simulator(SERVED)) as a, serve_app(simulator(SERVED)) as b:
         policy = variants_policy(a, b, str(tmp_path / "keys.db"))
         async with gateway_from_file(policy, tmp_path / "policy.yaml") as url, browser_page() as page:
             await sign_in(page, url, token("operator"))
@@ -166,7 +167,7 @@ async def test_operator_changes_a_variant_weight_and_reloads_the_policy_but_cann
 
 
 async def test_viewer_reads_every_page_and_can_change_nothing(tmp_path):
-    async with serve_app(simulator(SimConfig(model="served"))) as a, serve_app(simulator(SimConfig(model="served"))) as b:
+    async with serve_app(simulator(SERVED)) as a, serve_app(simulator(SERVED)) as b:
         async with gateway_from_file(variants_policy(a, b, str(tmp_path / "keys.db")), tmp_path / "p.yaml") as url, \
                 browser_page() as page:
             key_id = TEST_KEY.split("-")[1]
@@ -179,9 +180,9 @@ async def test_viewer_reads_every_page_and_can_change_nothing(tmp_path):
                 assert await page.locator("main input[type=number]").count() == 0, path
             await screenshot(page, "variants-viewer")
             csrf = await csrf_of(page)
-            for path, form in ((f"keys/{key_id}/revoke", {}), ("keys", {"name": "x"}), (f"keys/{key_id}", {"name": "y"}),
-                               (f"keys/{key_id}/rotate", {}), ("variants", {"model": "m", "weight:a": "0"}),
-                               ("reload", {})):
+            for path, form in ((f"keys/{key_id}/revoke", {}), ("keys", {"name": "x"}),
+                               (f"keys/{key_id}", {"name": "y"}), (f"keys/{key_id}/rotate", {}),
+                               ("variants", {"model": "m", "weight:a": "0"}), ("reload", {})):
                 refused = await page.request.post(f"{url}/console/{path}", form=form, headers={"x-csrf-token": csrf})
                 assert refused.status == 403, (path, refused.status)
             keys = (await admin_api(url, "GET", "/keys")).json()

@@ -35,7 +35,8 @@ async def test_the_keys_page_reads_the_store_once_and_answers_fast_with_thousand
         cookie = {"console_session": mint_token(Admin(), 600, secret=SECRET)}
         async with httpx.AsyncClient(base_url=gw.url, cookies=cookie, timeout=60) as http:
             await http.get("/console/keys")  # warm: templates compiled, caches filled
-            for query, rows, first in (({"page": "30"}, PAGE_SIZE, "app-1549"), ({"q": "app-29"}, PAGE_SIZE, "app-2999"),
+            for query, rows, first in (({"page": "30"}, PAGE_SIZE, "app-1549"),
+                                       ({"q": "app-29"}, PAGE_SIZE, "app-2999"),
                                        ({"q": "team-3", "page": "9"}, 29, "app-0199"), ({"q": "nothing"}, 0, None)):
                 statements.clear()
                 started = time.perf_counter()
