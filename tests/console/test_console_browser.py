@@ -113,6 +113,16 @@ async def test_admin_issues_a_key_the_sdk_uses_changes_it_and_revokes_it():
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert (await admin_api(gw.url, "GET", f"/keys/{key_id}")).json()["revoked"] is True
+
+        await page.get_by_role("link", name="Usage").click()  # its call, per key and per model
+        await expect()(page.get_by_role("row").filter(has_text=key_id)).to_contain_text("browser-app")
+        await page.get_by_role("link", name="Own or rent").click()  # charts drawn under the CSP, from the JSON
+        await expect()(page.locator(".chart .uplot")).to_have_count(2)
+        await page.get_by_label("Window", exact=True).select_option(label="last day")
+        await page.get_by_role("button", name="Show").click()
+        await expect()(page).to_have_url(re.compile(r"window=86400"))
+        await expect()(page.locator(".chart .uplot")).to_have_count(2)
+        assert await page.locator(".chart").first.get_attribute("data-src") == "/console/report.json?window=86400"
         assert not page.errors, page.errors  # no script error, no CSP refusal
 
 
@@ -129,7 +139,7 @@ async def gateway_from_file(policy: dict, path: Path) -> AsyncIterator[str]:
 def variants_policy(a: str, b: str, db: str) -> dict:
     return {"store": {"kind": "sqlite", "path": db}, "console": CONSOLE,
             "health": {"interval": 0.2, "backoff_initial": 0.2, "backoff_max": 1},
-            "models": [{"name": "m", "served_name": "served", "variants": [
+            "models": [{"name": "m", "served_name": "served", "guard": {"min_samples": 40}, "variants": [
                 {"name": "a", "weight": 50, "backends": [{"url": a}]},
                 {"name": "b", "weight": 50, "backends": [{"url": b}]}]}]}
 
@@ -147,6 +157,11 @@ async def test_operator_changes_a_variant_weight_and_reloads_the_policy_but_cann
             await screenshot(page, "variants-operator")
             view = (await admin_api(url, "GET", "/models/m/variants")).json()
             assert [(v["name"], v["weight"]) for v in view["variants"]] == [("a", 80), ("b", 20)]
+            for v in view["variants"]:  # the guard's state and reason, as the API gives them
+                row = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name=v["name"], exact=True))
+                await expect()(row.locator("td.guard")).to_have_text(v["guard"]["state"])
+                await expect()(row.locator("td.guard-reason")).to_have_text(
+                    v["guard"]["reason"] or v["guard"]["undecided"] or "")
 
             before = (await admin_api(url, "GET", "/policy")).json()["version"]
             policy["console"] = {**CONSOLE, "refresh_seconds": 3}
