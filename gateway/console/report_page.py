@@ -18,7 +18,8 @@ def handlers(gateway) -> list:
     async def report(request: Request, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
         window = window_of(window)
         figures = Report.model_validate(await gateway.report(window))
-        return page(request, "report.html", "Own or rent", window=window, windows=WINDOWS, report=figures)
+        return page(request, "report.html", "Own or rent", window=window, windows=WINDOWS, report=figures,
+                    refresh=max(5.0, gateway.policy.console.refresh_seconds * 5))
 
     @get("/report.json")
     async def report_json(window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Report:

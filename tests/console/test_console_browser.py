@@ -122,7 +122,15 @@ async def test_admin_issues_a_key_the_sdk_uses_changes_it_and_revokes_it():
         await page.get_by_role("button", name="Show").click()
         await expect()(page).to_have_url(re.compile(r"window=86400"))
         await expect()(page.locator(".chart .uplot")).to_have_count(2)
-        assert await page.locator(".chart").first.get_attribute("data-src") == "/console/report.json?window=86400"
+        chart = page.locator(".chart").first
+        assert await chart.get_attribute("data-src") == "/console/report.json?window=86400"
+        before = int(await chart.get_attribute("data-requests"))
+        await page.evaluate("window.stillTheSamePage = true")
+        other = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30)
+        for _ in range(2):
+            await other.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        await expect()(chart).to_have_attribute("data-requests", str(before + 2), timeout=WAIT * 1000)
+        assert await page.evaluate("window.stillTheSamePage === true")  # redrawn from fresh JSON, in place
         assert not page.errors, page.errors  # no script error, no CSP refusal
 
 

@@ -28,23 +28,42 @@
         { label: "if all rented", stroke: "#8250df", width: 2, dash: [6, 4] }] };
   }
 
+  const plots = new WeakMap(); // chart element -> its uPlot
+
   function draw(el) {
-    if (el.dataset.drawn) { return; }
-    el.dataset.drawn = "1";
     load(el.dataset.src).then(function (report) {
       const model = report.models[el.dataset.model];
       if (!model || !model.series.length) { el.textContent = "No data in this window."; return; }
       const s = series(el.dataset.chart, model.series);
-      const width = Math.max(320, Math.min(el.clientWidth || 800, 1100));
-      new uPlot({ width: width, height: 220, series: s.series,
-        axes: [{}, { label: el.dataset.chart === "utilisation" ? "%" : "cost" }] }, s.data, el);
+      const plot = plots.get(el);
+      if (plot) {
+        plot.setData(s.data);
+        el.dataset.refreshed = String(Number(el.dataset.refreshed || "0") + 1);
+      } else {
+        const width = Math.max(320, Math.min(el.clientWidth || 800, 1100));
+        plots.set(el, new uPlot({ width: width, height: 220, series: s.series,
+          axes: [{}, { label: el.dataset.chart === "utilisation" ? "%" : "cost" }] }, s.data, el));
+      }
       el.dataset.points = String(model.series.length);
+      el.dataset.requests = String(model.series.reduce(function (sum, p) { return sum + p.requests; }, 0));
     }).catch(function (err) { el.textContent = "Could not load the chart: " + err.message; });
+  }
+
+  // The charts follow the ledger without a reload: the report is fetched again every data-chart-refresh seconds.
+  function refreshLater(root) {
+    root.querySelectorAll("[data-chart-refresh]").forEach(function (holder) {
+      if (holder.dataset.timer) { return; }
+      holder.dataset.timer = String(setInterval(function () {
+        reports.clear();
+        holder.querySelectorAll("[data-chart]").forEach(draw);
+      }, Number(holder.dataset.chartRefresh) * 1000));
+    });
   }
 
   function drawAll(root) {
     if (typeof uPlot === "undefined") { return; }
-    root.querySelectorAll("[data-chart]").forEach(draw);
+    root.querySelectorAll("[data-chart]").forEach(function (el) { if (!plots.has(el)) { draw(el); } });
+    refreshLater(root);
   }
 
   function selectOnFocus(root) {
