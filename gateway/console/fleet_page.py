@@ -36,7 +36,8 @@ def handlers(gateway) -> list:
                            "up": sum(1 for r in rows if r["view"].state == "up" and not r["view"].draining),
                            "watches": [v for v in views if not isinstance(v, ReplicaView)]})
         outcomes = sorted(gateway.metrics.routing_decisions.counts.items())
-        return {"models": models, "outcomes": outcomes, "at": time.strftime("%H:%M:%S", time.gmtime()),
+        return {"models": models, "outcomes": outcomes, "answered": answered(gateway.metrics),
+                "at": time.strftime("%H:%M:%S", time.gmtime()),
                 "snapshot": gateway.snapshot, "loaded_at": loaded_at_iso(gateway.snapshot),
                 "refresh": gateway.policy.console.refresh_seconds, "reloadable": gateway.reloader is not None}
 
@@ -59,6 +60,18 @@ def handlers(gateway) -> list:
         return page(request, "message.html", "Reload", message=message.get(outcome, outcome), ok=outcome != "invalid")
 
     return [fleet, fleet_live, reload]
+
+
+def answered(metrics) -> list[tuple[tuple[str, str, str], int]]:
+    """Requests answered since start by model, where they went (a replica, a rented provider, or none) and
+    status: llm_gateway_requests_total summed over endpoints."""
+    sums: dict[tuple[str, str, str], int] = {}
+    for family in metrics.requests.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                where = (sample.labels["model"], sample.labels["backend"], sample.labels["status"])
+                sums[where] = sums.get(where, 0) + int(sample.value)
+    return sorted(sums.items())
 
 
 PAGE = Page("fleet", "Fleet", handlers)

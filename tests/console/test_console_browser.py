@@ -253,6 +253,9 @@ async def test_fleet_page_shows_a_replica_go_down_and_come_back_without_a_reload
 
             procs[1] = start_simulator(ports[1])
             await expect()(second).to_have_text("up", timeout=WAIT * 1000)
+            client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=30)
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            await expect()(page.locator("table.answered tbody tr").filter(has_text="200")).to_contain_text("m-")
             assert await page.evaluate("window.stillTheSamePage === true")  # htmx refreshed it in place
             await screenshot(page, "fleet-replica-back")
             assert not page.errors, page.errors
