@@ -19,13 +19,17 @@ from gateway.console.session import (
 )
 from policies.errors import AuthenticationFailed, StateUnavailable
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 INVALID = "That token was not accepted: it is malformed, expired, or not an admin token of this gateway."
 
 
 def handlers(gateway, landing: str) -> list:
     def form(request: Request, error: str | None = None, status: int = 200) -> Template:
         nonce, cookie = signin_nonce(gateway)
-        response = page(request, "signin.html", "Sign in", status=status, nonce=nonce, error=error)
+        # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
+        plain = (request.url.scheme == "http" and gateway.policy.console.secure_cookie
+                 and request.url.hostname not in LOOPBACK)
+        response = page(request, "signin.html", "Sign in", status=status, nonce=nonce, error=error, plain=plain)
         response.cookies.append(cookie)
         return response
 

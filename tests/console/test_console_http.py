@@ -69,6 +69,9 @@ async def test_signing_in_sets_a_strict_cookie_and_no_page_ever_holds_the_token(
         assert asset is not None and (await http.get(asset.group(1))).status_code == 200
         r = await http.get("/console/keys/0000000000000000")  # an error page carries the headers too
         assert r.status_code == 404 and "content-security-policy" in r.headers
+        r = await http.get("/console/signin", headers={"host": "console.internal"})  # plain HTTP, not loopback
+        assert "secure_cookie: false" in r.text  # says why the browser would drop the session cookie
+        assert "secure_cookie" not in (await http.get("/console/signin")).text
 
 
 async def test_sign_in_refuses_a_bad_token_or_a_missing_nonce_and_echoes_nothing():
