@@ -40,6 +40,8 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
+from gateway.console import console_routes, security_headers
+from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.proxy import Proxy
@@ -125,6 +127,7 @@ class Gateway:
         self.live_metrics.watching(self.discovery)
         # the replicas each model needs (GET /scaling, llm_gateway_replicas_needed), over every gateway replica
         self.scaling = ScalingSignal(self.metrics.registry, state.shared_store)
+        self.reloader: PolicyReloader | None = None  # watches policy_path while the app runs
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
@@ -254,7 +257,8 @@ class Gateway:
             self.background.run(self.admin_auth.oidc.refresh())
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
-            loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
+            self.reloader = PolicyReloader(self, self.policy_path)
+            loops.append(asyncio.create_task(self.reloader.run()))
         if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
         if self.key_events is not None:  # other replicas' key changes drop our cached copies
@@ -399,7 +403,9 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         return view
 
     ops = Litestar(
-        route_handlers=[health, ready, metrics, scaling, admin_router(gateway)],
+        route_handlers=[health, ready, metrics, scaling, admin_router(gateway), *console_routes(gateway)],
+        template_config=console_templates(),
+        before_send=[security_headers],
         openapi_config=openapi_config(),
         # Bodies are validated strictly: `true` is not 1 and "5" is not 5, as the schema says.
         plugins=[PydanticInitPlugin(validate_strict=True), StrictModels()],

@@ -23,6 +23,7 @@ from pydantic import (
 
 from backends.replicas import group_name
 from policies.audit_settings import AuditSettings
+from policies.console_settings import Console
 from policies.oidc_settings import AdminOidc
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
@@ -756,6 +757,7 @@ class Policy(Strict):
     providers: list[Provider] = []
     tracing: Tracing = Tracing()
     access_log: AccessLogSettings = AccessLogSettings()
+    console: Console = Console()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")
