@@ -44,6 +44,13 @@ async def admin_api(gw_url: str, method: str, path: str, **kw) -> httpx.Response
                                   headers={"authorization": f"Bearer {token()}"}, **kw)
 
 
+async def audited(gw_url: str, **params) -> list[dict]:
+    """GET /admin/audit's events (newest first)."""
+    r = await admin_api(gw_url, "GET", "/audit", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()["events"]
+
+
 def expect():
     from playwright.async_api import expect as playwright_expect
 
@@ -113,6 +120,15 @@ async def test_admin_issues_a_key_the_sdk_uses_changes_it_and_revokes_it():
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         assert (await admin_api(gw.url, "GET", f"/keys/{key_id}")).json()["revoked"] is True
+        # audited as the signed-in admin, as the admin API's acts are: the same actions, targets and diffs
+        events = await audited(gw.url, target=key_id)
+        assert [e["action"] for e in events] == ["key.revoke", "key.update", "key.create"]
+        assert {(e["actor"], e["role"], e["address"]) for e in events} == {("admin-in-test", "admin", "127.0.0.1")}
+        created, updated, revoked = events[2]["changes"], events[1]["changes"], events[0]["changes"]
+        assert created["name"] == "browser-app" and created["limits"]["requests_per_minute"] == 100
+        assert updated["limits"]["to"]["requests_per_minute"] == 7 and "budget" in updated
+        assert revoked["revoked"] == {"from": False, "to": True}
+        assert secret not in str(events) and secret.split("-")[2] not in str(events)
 
         await page.get_by_role("link", name="Usage").click()  # its call, per key and per model
         await expect()(page.get_by_role("row").filter(has_text=key_id)).to_contain_text("browser-app")
@@ -177,7 +193,14 @@ async def test_operator_changes_a_variant_weight_and_reloads_the_policy_but_cann
             await page.get_by_role("link", name="Fleet").click()
             await page.get_by_role("button", name="Reload the policy file").click()
             await expect()(page.locator("#reload-result")).to_contain_text("Reloaded")
-            assert (await admin_api(url, "GET", "/policy")).json()["version"] != before
+            after = (await admin_api(url, "GET", "/policy")).json()["version"]
+            assert after != before
+            weights, reload = (await audited(url, action="variants.weights"))[0], \
+                (await audited(url, action="policy.reload"))[0]  # both as the operator who acted
+            assert (weights["actor"], weights["role"], weights["target"]) == ("operator-in-test", "operator", "m")
+            assert weights["changes"] == {"a": {"from": 50, "to": 80}, "b": {"from": 50, "to": 20}}
+            assert (reload["actor"], reload["role"]) == ("operator-in-test", "operator")
+            assert reload["changes"]["version"] == {"from": before, "to": after}
 
             await page.get_by_role("link", name="Keys", exact=True).click()
             await expect()(page.locator("#keys-table")).to_be_visible()
