@@ -11,7 +11,7 @@ from policies.snapshot import NEEDS_RESTART
 # Applied on reload: each is rebuilt into the next snapshot, or carried over and updated by it.
 LIVE = {
     "routing.default_profile", "routing.profiles", "rate_limits.default_max_tokens", "priorities", "network",
-    "providers", "access_log", "models",
+    "providers", "access_log", "models", "console",
 }
 # Grouped settings whose sub-settings are classified one by one (in LIVE or NEEDS_RESTART).
 SPLIT = {"routing", "rate_limits"}
