@@ -190,3 +190,33 @@ async def test_a_provider_that_floods_or_stalls_is_cut_off(mode, problem):
         r = await admin(http, gw, "GET", "/keys", foreign(issuer, "k1"))
         assert r.status_code == 401 and problem in r.json()["error"]["message"], r.text
         assert time.monotonic() - started < 10
+
+
+async def test_the_console_takes_a_providers_token_and_audits_its_acts_but_not_a_team_admins(provider):
+    """Signed in to the console with the provider's token, a key issued and revoked there is in the audit log as
+    the provider's subject; a team admin's token from the provider does not open the console."""
+    import re
+
+    from gateway.console.session import csrf_of
+
+    settings = {**policy(provider.issuer), "console": {"enabled": True, "secure_cookie": False}}
+    async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        async def sign_in(token: str) -> httpx.Response:
+            nonce = re.search(r'name="csrf" value="([^"]+)"', (await http.get("/console/signin")).text).group(1)
+            return await http.post("/console/signin", data={"csrf": nonce, "token": token})
+
+        team = await asyncio.to_thread(provider.token, "team-a")
+        r = await sign_in(team)
+        assert r.status_code == 403 and "does not open the console" in r.text
+        assert "console_session" not in http.cookies
+
+        admins = await asyncio.to_thread(provider.token, "admins")
+        assert (await sign_in(admins)).status_code == 303 and http.cookies.get("console_session") == admins
+        change = {"x-csrf-token": csrf_of(admins), "hx-request": "true"}
+        r = await http.post("/console/keys", data={"name": "console-sso"}, headers=change)
+        assert r.status_code == 201, r.text[:300]
+        key_id = re.search(r"sk-([0-9a-f]{16})-", r.text).group(1)
+        assert (await http.post(f"/console/keys/{key_id}/revoke", headers=change)).status_code == 200
+        events = (await admin(http, gw, "GET", "/audit", admins, params={"target": key_id})).json()["events"]
+        assert [(e["action"], e["actor"], e["issuer"], e["role"]) for e in events] == [
+            ("key.revoke", "admins", provider.issuer, "admin"), ("key.create", "admins", provider.issuer, "admin")]
