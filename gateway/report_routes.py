@@ -130,19 +130,24 @@ def report_handlers(gateway, key_id_param) -> list:
     @get("/keys/{key_id:str}/budget", summary="What a key has spent of its budget this period",
          responses=errors(400, 401, 404, 503))
     async def key_budget(key_id: str = key_id_param) -> BudgetStatus:
-        record = await gateway.store.get_key(key_id)
-        if record is None:
-            raise NotFound(f"no API key with id {key_id}", code="key_not_found")
-        budget = record.budget
-        period = budget.period if budget else "month"
-        start, end = period_bounds(period, time.time())
-        spent, used = await gateway.budgets.status(key_id, start, end)
-        return BudgetStatus(
-            id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
-            max_rented_spend=budget.max_rented_spend if budget else None,
-            tokens=int(used) if budget and budget.max_tokens_per_period else None,
-            max_tokens_per_period=budget.max_tokens_per_period if budget else None,
-            when_spent=budget.when_spent if budget else "owned_only",
-        )
+        return await budget_status(gateway, key_id)
 
     return [report, key_budget]
+
+
+async def budget_status(gateway, key_id: str) -> BudgetStatus:
+    """What a key has spent of its budget this period (the admin API's and the console's answer)."""
+    record = await gateway.store.get_key(key_id)
+    if record is None:
+        raise NotFound(f"no API key with id {key_id}", code="key_not_found")
+    budget = record.budget
+    period = budget.period if budget else "month"
+    start, end = period_bounds(period, time.time())
+    spent, used = await gateway.budgets.status(key_id, start, end)
+    return BudgetStatus(
+        id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
+        max_rented_spend=budget.max_rented_spend if budget else None,
+        tokens=int(used) if budget and budget.max_tokens_per_period else None,
+        max_tokens_per_period=budget.max_tokens_per_period if budget else None,
+        when_spent=budget.when_spent if budget else "owned_only",
+    )

@@ -13,11 +13,13 @@ A model's name may hold "/" (`Qwen/Qwen3-4B`, vLLM's usual served name) where a 
 
 from __future__ import annotations
 
-from litestar import get, put
+from litestar import Request, get, put
+from litestar.connection import ASGIConnection
 from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openapi import errors
+from policies.audit import diff
 from policies.errors import Conflict, NotFound
 from policies.variants import NoLiveWeight, UnknownVariant
 
@@ -120,10 +122,7 @@ def variant_handlers(gateway) -> list:
     variants = gateway.shared.variants
 
     def current(model: str) -> ModelVariants:
-        view = variants.view(model)
-        if view is None:
-            raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
-        return ModelVariants.model_validate(view)
+        return current_variants(variants, model)
 
     @get("/models/{model:str}/variants", summary="A model's variants and the weights in force",
          sync_to_thread=False, responses=errors(400, 401, 404))
@@ -131,18 +130,10 @@ def variant_handlers(gateway) -> list:
         return current(model_of(model))
 
     @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
-         opt={"operator": True}, sync_to_thread=False, responses=errors(400, 401, 403, 404, 409, 413))
-    def change(data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
-        model = model_of(model)
-        current(model)
-        try:
-            if data.weights:
-                variants.set_weights(model, {w.name: w.weight for w in data.weights}, why="admin API")
-        except UnknownVariant as exc:
-            raise NotFound(str(exc), param="weights", code="variant_not_found") from None
-        except NoLiveWeight as exc:
-            raise Conflict(str(exc), param="weights", code="no_live_weight") from None
-        return current(model)
+         opt={"operator": True}, responses=errors(400, 401, 403, 404, 409, 413))
+    async def change(request: Request, data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+        return await change_weights(gateway, request, model_of(model), {w.name: w.weight for w in data.weights},
+                                    "admin API")
 
     @get("/variants", summary="Every model's variants side by side: speed, errors, structured validity",
          sync_to_thread=False, responses=errors(400, 401))
@@ -151,3 +142,32 @@ def variant_handlers(gateway) -> list:
         return AllVariants.model_validate({"models": variants.report(window)})
 
     return [show, change, signals]
+
+
+def current_variants(variants, model: str) -> ModelVariants:
+    view = variants.view(model)
+    if view is None:
+        raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
+    return ModelVariants.model_validate(view)
+
+
+async def change_weights(gateway, connection: ASGIConnection, model: str, weights: dict[str, float],
+                         why: str) -> ModelVariants:
+    """Set some of a model's variant weights live (the admin API's PUT and the console's form), and record the
+    act in the audit log as the admin whose claims the connection's guard left in its scope."""
+    variants = gateway.shared.variants
+    before = weights_of(current_variants(variants, model))
+    try:
+        if weights:
+            variants.set_weights(model, weights, why=why)
+    except UnknownVariant as exc:
+        raise NotFound(str(exc), param="weights", code="variant_not_found") from None
+    except NoLiveWeight as exc:
+        raise Conflict(str(exc), param="weights", code="no_live_weight") from None
+    after = current_variants(variants, model)
+    await gateway.audit.act(connection, "variants.weights", model, diff(before, weights_of(after)))
+    return after
+
+
+def weights_of(view: ModelVariants) -> dict[str, float]:
+    return {v.name: v.weight for v in view.variants}

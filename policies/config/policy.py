@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from policies.batch_settings import BatchSettings
+from policies.console_settings import Console
 from policies.config.access import Admin, Auth, Network, RateLimits
 from policies.config.admission import Caps, Priorities
 from policies.config.discovery import KubernetesAccess
@@ -39,6 +40,7 @@ class Policy(Strict):
     tracing: Tracing = Tracing()
     access_log: AccessLogSettings = AccessLogSettings()
     batch: BatchSettings = BatchSettings()
+    console: Console = Console()
     models: list[Model] = Field(min_length=1)
 
     @model_validator(mode="after")

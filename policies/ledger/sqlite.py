@@ -1,7 +1,8 @@
 """The ledger in the embedded SQLite file (the one that holds keys and usage), in a table of its own.
 
-It has its own connection on its own worker thread (policies/store/sqlite_thread.py), so a report's read never
-waits behind the request path's writes in one queue. A flush is one transaction of upserts, so a crash leaves whole flushes or none.
+It has its own connection on its own worker thread (policies/store/sqlite_thread.py), so a report's read
+never waits behind the request path's writes in one queue. A flush is one transaction of upserts, so a crash
+leaves whole flushes or none.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Everything a store kind implies, opened in one place: the store, the rate limiter, the backends' caps, the
-budgets, the cost ledger, the shared variant weights, the admission queues' factory and the Batch API's state.
+budgets, the cost ledger, the audit log, the shared variant weights, the admission queues' factory and the
+Batch API's state.
 
 Each kind is one module (policies/state/embedded.py: SQLite and this process's memory; policies/state/redis.py:
 one Redis for every gateway replica) with an `open_state(policy, variants, background) -> State`; `KINDS` names
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from policies.admission import QueueFactory
+from policies.audit.log import AuditLog
 from policies.budget import Budgets
 from policies.config import Policy
 from policies.ledger.sums import Ledger
@@ -39,6 +41,7 @@ class State:
     budgets: Budgets
     ledger: Ledger
     queues: QueueFactory  # makes each model's admission queue
+    audit: AuditLog  # the admin acts (policies/audit)
     fleet: FleetSlots | None = None  # caps counted across every gateway replica; None: in this process
     shared_variants: SharedVariants | None = None  # variant weights and verdicts other replicas adopt
     shared_store: Store | None = None  # the store every gateway replica shares (None: this process alone)

@@ -1,9 +1,10 @@
-"""One gateway process: keys, usage and the cost ledger in one SQLite file (WAL); rate limits, caps and budgets
-counted in this process's memory; variant weights are this process's own."""
+"""One gateway process: keys, usage, the cost ledger and the audit log in one SQLite file (WAL); rate limits,
+caps and budgets counted in this process's memory; variant weights are this process's own."""
 
 from __future__ import annotations
 
 from policies.admission import ModelQueue
+from policies.audit.sqlite import SQLiteAudit
 from policies.batches.sqlite import SQLiteBatches
 from policies.budget import MemoryBudgets
 from policies.config import Policy
@@ -17,4 +18,5 @@ from policies.variants import Variants
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:
     store = SQLiteStore(policy.store.path)
     ledger = SQLiteLedger(store.path)
-    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue, batches=SQLiteBatches(store.path))
+    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue, SQLiteAudit(store.path),
+                 batches=SQLiteBatches(store.path))

@@ -1,11 +1,12 @@
-"""Several gateway replicas on one Redis: keys, usage, the cost ledger, rate-limit buckets, budgets and the
-backends' cap slots live there, so N replicas enforce one limit and one cap; variant weights and guard
+"""Several gateway replicas on one Redis: keys, usage, the cost ledger, the audit log, rate-limit buckets,
+budgets and the backends' cap slots live there, so N replicas enforce one limit and one cap; variant weights and guard
 verdicts are shared through it."""
 
 from __future__ import annotations
 
 from functools import partial
 
+from policies.audit.redis import RedisAudit
 from policies.batches.redis import RedisBatches
 from policies.budget import RedisBudgets
 from policies.config import Policy
@@ -28,5 +29,5 @@ def open_state(policy: Policy, variants: Variants, background: Background) -> St
     fleet = FleetSlots(store, policy.caps)
     queues = partial(FleetModelQueue, fleet=fleet, on_store_failure=policy.rate_limits.on_store_failure.concurrency)
     return State(store, RedisLimiter(store), RedisBudgets(store), RedisLedger(store, policy.ledger.bucket_seconds),
-                 queues, fleet, SharedVariants(store, variants, background), shared_store=store,
+                 queues, RedisAudit(store), fleet, SharedVariants(store, variants, background), shared_store=store,
                  batches=RedisBatches(store))

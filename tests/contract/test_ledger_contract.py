@@ -11,8 +11,7 @@ import pytest
 from policies.ledger.redis import RedisLedger
 from policies.ledger.sqlite import SQLiteLedger
 from policies.ledger.sums import BUSY, COST, COUNTERS, PROMPT, REQUESTS, Batch, Row, Sums
-from policies.store import open_store
-from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+from tests.support.redis_fixtures import redis_prefix, redis_server, shared_stores  # noqa: F401
 
 BUCKET = 60
 HOUR = 3600
@@ -21,13 +20,9 @@ HOUR = 3600
 @pytest.fixture(params=["sqlite", "redis", "redis-sentinel", "redis-cluster"])
 async def ledgers(request, tmp_path):
     """Two ledgers on one store, as two gateway replicas (or one gateway before and after a restart) hold."""
-    if request.param == "sqlite":
-        stores = [open_store("sqlite", path=str(tmp_path / "gateway.db")) for _ in range(2)]
-        opened = [SQLiteLedger(store.path) for store in stores]
-    else:
-        server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
-        stores = [open_store("redis", url=server.url, prefix=prefix) for _ in range(2)]
-        opened = [RedisLedger(store, BUCKET) for store in stores]
+    stores = shared_stores(request, tmp_path)
+    opened = [SQLiteLedger(store.path) if request.param == "sqlite" else RedisLedger(store, BUCKET)
+              for store in stores]
     yield opened
     for ledger, store in zip(opened, stores):
         await ledger.close()

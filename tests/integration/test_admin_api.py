@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from gateway import admin_routes
+from gateway import key_admin
 from gateway.admin_auth import mint_token
 from policies.config import Admin
 from policies.keys import KEY_PATTERN, new_key_id
@@ -314,7 +314,7 @@ async def test_a_key_id_collision_on_create_takes_another_id(env, monkeypatch):
     gw, http, call = env
     taken = (await call("POST", "/keys", json={"name": "first"})).json()["record"]["id"]
     ids = iter([taken, taken])
-    monkeypatch.setattr(admin_routes, "new_key_id", lambda: next(ids, None) or new_key_id())
+    monkeypatch.setattr(key_admin, "new_key_id", lambda: next(ids, None) or new_key_id())
     r = await call("POST", "/keys", json={"name": "second"})
     assert r.status_code == 201, r.text
     second = r.json()["record"]["id"]

@@ -395,3 +395,24 @@ async def test_each_restart_only_setting_is_refused_by_name_and_priorities_apply
                 assert waiter is not None and waiter.rank == 1  # interactive is now second
                 answers = await asyncio.wait_for(asyncio.gather(first, second), 60)
                 assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+
+
+async def test_a_reload_turns_the_console_on_and_off():
+    """The console's settings are read from the live policy on each request: a reload applies them at once."""
+    from gateway.reload import OK, PolicyReloader
+
+    with tempfile.TemporaryDirectory(prefix="llmgw-console-") as tmp:
+        path = Path(tmp) / "policy.yaml"
+        base = policy(f"{tmp}/keys.db", [{"name": "m", "backends": [{"url": "http://127.0.0.1:9"}]}])
+        path.write_text(yaml.safe_dump(base))
+        app = create_app(load_policy(path), policy_path=str(path))
+        reloader = PolicyReloader(app.state, str(path))
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/console/signin")).status_code == 404
+            path.write_text(yaml.safe_dump({**base, "console": {"enabled": True, "page_size": 20}}))
+            assert await reloader.reload("test") == OK
+            assert (await http.get("/console/signin")).status_code == 200
+            assert app.state.policy.console.page_size == 20
+            path.write_text(yaml.safe_dump(base))
+            assert await reloader.reload("test") == OK
+            assert (await http.get("/console/signin")).status_code == 404

@@ -52,3 +52,14 @@ def redis_server(request) -> RedisServer | SentinelSet | ClusterSet:
 def redis_prefix() -> str:
     """A key prefix no other test uses."""
     return f"test-{uuid.uuid4().hex[:12]}:"
+
+
+def shared_stores(request, tmp_path, count: int = 2) -> list:
+    """`count` stores on one backing store, as that many gateway replicas open them: the SQLite file under
+    `tmp_path` when the test's parameter is "sqlite", else the Redis set-up it names (under its own prefix)."""
+    from policies.store import open_store
+
+    if request.param == "sqlite":
+        return [open_store("sqlite", path=str(tmp_path / "gateway.db")) for _ in range(count)]
+    server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
+    return [open_store("redis", url=server.url, prefix=prefix) for _ in range(count)]

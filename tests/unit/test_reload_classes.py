@@ -11,7 +11,7 @@ from policies.snapshot import NEEDS_RESTART
 # Applied on reload: each is rebuilt into the next snapshot, or carried over and updated by it.
 LIVE = {
     "routing.default_profile", "routing.profiles", "rate_limits.default_max_tokens", "priorities", "network",
-    "providers", "access_log", "models",
+    "providers", "access_log", "models", "console",
     # read from the live policy by each Batch API operation and each round of its runner (policies/batches/)
     "batch.max_file_bytes", "batch.max_lines", "batch.max_line_bytes", "batch.max_queued_lines_per_key",
     "batch.concurrency", "batch.max_in_flight", "batch.priority_class", "batch.allow_rented", "batch.claim_seconds",

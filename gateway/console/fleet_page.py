@@ -1,0 +1,78 @@
+"""The fleet, live: every model's replicas with their health, cap and load (the gateway's in-flight count and
+vLLM's own running, waiting and KV cache use from the scraper), each queue's depth, the routing decisions so far
+and the live policy; it refreshes itself without reloading the page (htmx polling the `live` fragment). An
+operator may reload the policy file here, as SIGHUP would."""
+
+from __future__ import annotations
+
+import time
+
+from litestar import Request, get, post
+from litestar.response import Template
+
+from gateway.admin_live import ReplicaView, replica_views
+from gateway.console.pages import Page
+from gateway.console.render import page
+from gateway.reload import loaded_at_iso
+from policies.errors import Conflict
+
+
+def handlers(gateway) -> list:
+    def live() -> dict:
+        replicas = {r.name: r for r in gateway.replicas}  # the live set, for vLLM's scraped figures
+        queues = gateway.admission.queues
+        models = []
+        for group, views in replica_views(gateway).items():
+            rows = []
+            for v in views:
+                if not isinstance(v, ReplicaView):
+                    continue  # a discovery watch: listed below
+                replica = replicas.get(v.name)
+                stats = gateway.scraper.stats(replica) if replica is not None else None
+                rows.append({"view": v, "running": stats.running if stats else None,
+                             "waiting": stats.waiting if stats else None, "kv": stats.kv_usage if stats else None})
+            queue = queues.get(group)
+            models.append({"group": group, "replicas": rows, "queued": queue.depth if queue is not None else None,
+                           "up": sum(1 for v in views if isinstance(v, ReplicaView) and v.state == "up"
+                                     and not v.draining),
+                           "watches": [v for v in views if not isinstance(v, ReplicaView)]})
+        outcomes = sorted(gateway.metrics.routing_decisions.counts.items())
+        return {"models": models, "outcomes": outcomes, "answered": answered(gateway.metrics),
+                "at": time.strftime("%H:%M:%S", time.gmtime()),
+                "snapshot": gateway.snapshot, "loaded_at": loaded_at_iso(gateway.snapshot),
+                "refresh": gateway.policy.console.refresh_seconds, "reloadable": gateway.reloader is not None}
+
+    @get("/fleet")
+    async def fleet(request: Request) -> Template:
+        return page(request, "fleet.html", "Fleet", **live())
+
+    @get("/fleet/live")
+    async def fleet_live(request: Request) -> Template:
+        return page(request, "fleet_live.html", "Fleet", **live())
+
+    @post("/reload", opt={"role": "operator"}, status_code=200)
+    async def reload(request: Request) -> Template:
+        if gateway.reloader is None:
+            raise Conflict("this gateway's policy came from no file: there is nothing to reload",
+                           code="no_policy_file")
+        outcome = await gateway.reloader.reload(f"console ({request.state.viewer.subject})", request)
+        message = {"ok": "Reloaded: the new policy serves.", "unchanged": "The file has not changed.",
+                   "invalid": "The file was refused (the gateway's log says why); the policy in force stays."}
+        return page(request, "message.html", "Reload", message=message.get(outcome, outcome), ok=outcome != "invalid")
+
+    return [fleet, fleet_live, reload]
+
+
+def answered(metrics) -> list[tuple[tuple[str, str, str], int]]:
+    """Requests answered since start by model, where they went (a replica, a rented provider, or none) and
+    status: llm_gateway_requests_total summed over endpoints."""
+    sums: dict[tuple[str, str, str], int] = {}
+    for family in metrics.requests.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                where = (sample.labels["model"], sample.labels["backend"], sample.labels["status"])
+                sums[where] = sums.get(where, 0) + int(sample.value)
+    return sorted(sums.items())
+
+
+PAGE = Page("fleet", "Fleet", handlers)

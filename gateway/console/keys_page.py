@@ -1,0 +1,123 @@
+"""The keys page: search and page through every key, issue one (its secret shown once), and on a key's own
+page its usage, budget, settings (limits, budget, data policy, models, networks, expiry), rotation and revocation.
+
+Everything goes through gateway/key_admin.py, as the admin API does. The key list is read once per page (the
+store's one listing query) and filtered in memory: a few thousand records take tens of milliseconds, and the
+page renders only `console.page_size` rows of them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from litestar import Request, get, post
+from litestar.params import Parameter
+from litestar.response import Template
+
+from gateway.console.pages import Page
+from gateway.console.render import page as render
+from gateway.console.session import form_of
+from gateway.key_admin import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
+from gateway.report_routes import budget_status
+from policies.errors import BadRequest
+from policies.keys import KeyRecord
+
+KEY_ID = Parameter(pattern=r"^[0-9a-f]{16}$")
+NO_STORE = {"cache-control": "no-store"}
+
+
+def handlers(gateway) -> list:
+    keys = KeyAdmin(gateway)
+
+    @get("/keys")
+    async def listing(request: Request, q: str = Parameter(default="", max_length=200),
+                      page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
+        records = await gateway.store.list_keys()
+        found = search(records, q)
+        size = gateway.policy.console.page_size
+        pages = max(1, math.ceil(len(found) / size))
+        page_no = min(page, pages)
+        shown = [KeyView.of(r) for r in found[(page_no - 1) * size: page_no * size]]
+        template = "keys_table.html" if request.headers.get("hx-target") == "keys-table" else "keys.html"
+        return render(request, template, "Keys", keys=shown, q=q, page_no=page_no, pages=pages, total=len(found),
+                    of=len(records), now=time.time())
+
+    @post("/keys", opt={"role": "admin"}, status_code=201)
+    async def create(request: Request) -> Template:
+        fields = await form_of(request)
+        issued = await keys.create(request, NewKey.model_validate({**settings_of(fields), **expiry_of(fields)}))
+        return render(request, "new_key.html", "New key", status=201, issued=issued, rotated=False)
+
+    @get("/keys/{key_id:str}")
+    async def show(request: Request, key_id: str = KEY_ID) -> Template:
+        view = KeyView.of(await keys.load(key_id))
+        return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id),
+                    budget=await budget_status(gateway, key_id), now=time.time(), message=None)
+
+    @post("/keys/{key_id:str}", opt={"role": "admin"}, status_code=200)
+    async def update(request: Request, key_id: str = KEY_ID) -> Template:
+        view = await keys.update(request, key_id, KeyChanges.model_validate(settings_of(await form_of(request))))
+        return panel(request, view, "Saved.")
+
+    @post("/keys/{key_id:str}/revoke", opt={"role": "admin"}, status_code=200)
+    async def revoke(request: Request, key_id: str = KEY_ID) -> Template:
+        return panel(request, await keys.revoke(request, key_id), "Revoked: every replica refuses it within"
+                     f" {gateway.policy.auth.cache_seconds:g} s.")
+
+    @post("/keys/{key_id:str}/rotate", opt={"role": "admin"}, status_code=200)
+    async def rotate(request: Request, key_id: str = KEY_ID) -> Template:
+        fields = await form_of(request)
+        grace = fields.get("grace_seconds", "").strip()
+        issued = await keys.rotate(request, key_id, Rotation.model_validate({"grace_seconds": grace} if grace else {}))
+        return render(request, "new_key.html", "Rotated key", issued=issued, rotated=True)
+
+    def panel(request: Request, view: KeyView, message: str) -> Template:
+        return render(request, "key_panel.html", f"Key {view.name}", key=view, now=time.time(), message=message)
+
+    return [listing, create, show, update, revoke, rotate]
+
+
+def search(records: list[KeyRecord], q: str) -> list[KeyRecord]:
+    """Keys whose id, name or owner holds `q` (any case), newest first."""
+    q = q.strip().casefold()
+    found = [r for r in records if not q or q in r.id or q in r.name.casefold() or q in (r.owner or "").casefold()]
+    found.reverse()  # the store lists oldest first
+    return found
+
+
+def blank(value: str | None) -> str | None:
+    value = (value or "").strip()
+    return value or None
+
+
+def listed(value: str | None) -> list[str] | None:
+    """A comma- or space-separated list; empty: none (all models, any network)."""
+    items = [v for v in (value or "").replace(",", " ").split() if v]
+    return items or None
+
+
+def settings_of(fields: dict[str, str]) -> dict:
+    """A key's settings form as the admin API's body: an empty field is the default (null)."""
+    limits = {k: blank(fields.get(k)) for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent")}
+    spend, tokens = blank(fields.get("max_rented_spend")), blank(fields.get("max_tokens_per_period"))
+    budget = None
+    if spend is not None or tokens is not None:
+        budget = {"max_rented_spend": spend, "max_tokens_per_period": tokens,
+                  "period": fields.get("period") or "month", "when_spent": fields.get("when_spent") or "owned_only"}
+    return {"name": fields.get("name", "").strip(), "owner": blank(fields.get("owner")),
+            "models": listed(fields.get("models")), "data_policy": fields.get("data_policy") or None,
+            "allowed_cidrs": listed(fields.get("allowed_cidrs")), "limits": limits, "budget": budget}
+
+
+def expiry_of(fields: dict[str, str]) -> dict:
+    days = blank(fields.get("expires_in_days"))
+    if days is None:
+        return {}
+    try:
+        return {"expires_in": float(days) * 86400}
+    except ValueError:
+        raise BadRequest("expires in: a number of days", param="expires_in_days") from None
+
+
+PAGE = Page("keys", "Keys", handlers)

@@ -1,0 +1,66 @@
+"""Signing in (pasting an admin JWT) and out. The token is checked exactly as the admin API checks it."""
+
+from __future__ import annotations
+
+import hmac
+
+from litestar import Request, get, post
+from litestar.response import Redirect, Template
+
+from gateway.console.render import page
+from gateway.console.session import (
+    CSRF_FIELD,
+    SESSION,
+    SIGNIN,
+    form_of,
+    gone,
+    session_cookie,
+    signin_nonce,
+)
+from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+INVALID = "That token was not accepted: it is malformed, expired, or not an admin token of this gateway."
+TEAM_ADMIN = "A team admin's token does not open the console yet: sign in with an admin, operator or viewer token."
+
+
+def handlers(gateway, landing: str) -> list:
+    def form(request: Request, error: str | None = None, status: int = 200) -> Template:
+        nonce, cookie = signin_nonce(gateway)
+        # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
+        plain = (request.url.scheme == "http" and gateway.policy.console.secure_cookie
+                 and request.url.hostname not in LOOPBACK)
+        response = page(request, "signin.html", "Sign in", status=status, nonce=nonce, error=error, plain=plain)
+        response.cookies.append(cookie)
+        return response
+
+    @get("/signin", opt={"public": True}, sync_to_thread=False)
+    def show(request: Request) -> Template:
+        return form(request)
+
+    @post("/signin", opt={"public": True}, status_code=303)
+    async def sign_in(request: Request) -> Template | Redirect:
+        fields = await form_of(request)
+        nonce = request.cookies.get(SIGNIN)
+        if not nonce or not hmac.compare_digest(nonce, fields.get(CSRF_FIELD, "")):
+            return form(request, "The sign-in form expired or came from another site: try again.", 403)
+        token = fields.get("token", "").strip()
+        try:
+            claims = await gateway.admin_auth.check(f"Bearer {token}", write=False)
+        except AuthenticationFailed:
+            return form(request, INVALID, 401)
+        except PermissionDenied as exc:  # a team admin (not an admin of the console yet), or no role mapped
+            return form(request, TEAM_ADMIN if exc.code == "team_admin_token" else str(exc), 403)
+        except StateUnavailable as exc:
+            return form(request, str(exc), 503)
+        response = Redirect(landing, status_code=303)
+        response.cookies.extend([session_cookie(gateway, token, claims), gone(gateway, SIGNIN)])
+        return response
+
+    @post("/signout", opt={"role": "viewer"}, status_code=303)
+    async def sign_out() -> Redirect:
+        response = Redirect(f"{landing.rsplit('/', 1)[0]}/signin", status_code=303)
+        response.cookies.append(gone(gateway, SESSION))
+        return response
+
+    return [show, sign_in, sign_out]

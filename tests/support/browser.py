@@ -1,0 +1,69 @@
+"""A real browser for the console's tests: Debian's Chromium (`make test` installs it: scripts/setup_browser.sh),
+driven by Playwright for Python, headless, talking only to loopback gateways. Playwright never downloads a
+browser here: it is pointed at /usr/bin/chromium.
+
+Waits are Playwright's own (auto-waiting locators and `expect`) with generous deadlines, so a machine twice as
+slow as usual only takes longer. Screenshots go to build/artifacts/console/ (CI keeps that folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "artifacts" / "console"
+AXE = Path(__file__).parent / "vendor" / "axe-core-4.11.0.min.js"
+TIMEOUT_MS = 30_000  # any one wait; a page answers in well under a second on an idle machine
+
+
+def need_chromium() -> None:
+    if shutil.which(CHROMIUM) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (scripts/setup_browser.sh)")
+        pytest.skip(f"{CHROMIUM} is missing: run scripts/setup_browser.sh (make test does)")
+
+
+@contextlib.asynccontextmanager
+async def browser_page(bypass_csp: bool = False) -> AsyncIterator:
+    """A fresh headless Chromium page (its own cookies), with the page's console errors collected in
+    `page.errors` (a CSP refusal shows there)."""
+    need_chromium()
+    from playwright.async_api import async_playwright, expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            context = await browser.new_context(bypass_csp=bypass_csp, viewport={"width": 1280, "height": 900})
+            page = await context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.errors = []
+            page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: page.errors.append(str(e)))
+            yield page
+        finally:
+            await browser.close()
+
+
+async def sign_in(page, base: str, token: str) -> None:
+    from playwright.async_api import expect
+
+    await page.goto(f"{base}/console/")
+    await expect(page).to_have_url(re.compile(r"/console/signin$"))
+    await page.get_by_label("Admin token").fill(token)
+    await page.get_by_role("button", name="Sign in").click()
+    await expect(page.get_by_role("button", name="Sign out")).to_be_visible()
+
+
+async def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    await page.screenshot(path=str(path), full_page=True)
+    return path
