@@ -8,6 +8,7 @@ are rejected by construction. Every failure is the same 401; the token never app
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -15,9 +16,12 @@ import jwt
 
 from policies.config import Admin
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
+from policies.keys import TEAM_NAME as TEAM_NAME_PATTERN
 
-# admin: everything; operator: reads, and changes to live traffic (variant weights), never keys; viewer: reads
-ROLES = ("admin", "operator", "viewer")
+# admin: everything; operator: reads, and changes to live traffic (variant weights), never keys; viewer: reads;
+# team_admin: the keys of the one team its `team` claim names, and that team's usage (gateway/admin_routes.py)
+ROLES = ("admin", "operator", "viewer", "team_admin")
+TEAM_NAME = re.compile(TEAM_NAME_PATTERN)
 INVALID = "missing or invalid admin token"
 MAX_TOKEN = 8192
 
@@ -54,7 +58,9 @@ class AdminAuth:
         role = claims.get("role")
         if role not in ROLES:
             raise AuthenticationFailed(INVALID, code="invalid_admin_token")
-        if write and role != "admin" and not (operator and role == "operator"):
+        if role == "team_admin" and not (isinstance(claims.get("team"), str) and TEAM_NAME.match(claims["team"])):
+            raise AuthenticationFailed(INVALID, code="invalid_admin_token")  # a team admin of no team is no one
+        if write and role not in ("admin", "team_admin") and not (operator and role == "operator"):
             raise PermissionDenied(f"this admin token may not change this (role {role})", code="read_only_token")
         return claims
 
@@ -70,10 +76,13 @@ def verification_key(config: Admin) -> str | bytes | None:
 
 
 def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: str = "admin",
-               private_key: bytes | None = None, secret: str | None = None) -> str:
-    """A token this gateway accepts: HS256 with `secret` (default: the configured env var), else `private_key`."""
+               private_key: bytes | None = None, secret: str | None = None, team: str | None = None) -> str:
+    """A token this gateway accepts: HS256 with `secret` (default: the configured env var), else `private_key`.
+    A team_admin token names its `team`."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    if (role == "team_admin") != (team is not None) or (team is not None and not TEAM_NAME.match(team)):
+        raise ValueError("a team_admin token needs --team (a team's name), and only it takes one")
     if config.jwt_algorithm == "HS256":
         key: str | bytes | None = secret if secret is not None else os.environ.get(config.jwt_secret_env, "")
         if len(key.encode()) < MIN_SECRET:
@@ -84,5 +93,5 @@ def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: 
         key = private_key
     now = int(time.time())
     claims = {"iss": config.issuer, "aud": config.audience, "sub": subject, "role": role, "iat": now,
-              "nbf": now, "exp": now + int(ttl_seconds)}
+              "nbf": now, "exp": now + int(ttl_seconds), **({"team": team} if team else {})}
     return jwt.encode(claims, key, algorithm=config.jwt_algorithm)

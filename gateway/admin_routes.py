@@ -11,21 +11,24 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from litestar import Response, Router, get, patch, post, route
+from litestar import Request, Response, Router, get, patch, post, route
 from litestar.connection import ASGIConnection
 from litestar.enums import HttpMethod
 from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin_live import live_handlers
+from gateway.admin_scope import check_key, check_route, own_team, remember
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
+from gateway.team_routes import TeamName, team_handlers
 from gateway.variant_routes import variant_handlers
-from policies.accounting import by_model
-from policies.errors import NotFound, StateUnavailable
+from policies.accounting import by_model, totals
+from policies.errors import BadRequest, NotFound, PermissionDenied, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
     CLASS_NAME,
+    TEAM_NAME,
     DataPolicy,
     KeyBudget,
     KeyLimits,
@@ -36,8 +39,10 @@ from policies.keys import (
     normalize_cidrs,
 )
 from policies.store import KeyExists, KeyNotFound
+from policies.teams import key_problems
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
+TeamFilter = Parameter(default=None, pattern=TEAM_NAME, description="only the keys of this team")
 
 
 READS = ("GET", "HEAD", "OPTIONS")
@@ -56,7 +61,10 @@ class KeyChanges(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(None, min_length=1, max_length=200)  # a key always has a name: null is not one
     owner: str | None = Field(None, max_length=200)
-    models: list[str] | None = Field(None, description="models the key may use; omit or null for all")
+    team: TeamName | None = Field(None, description="the team the key belongs to (it may only narrow what the"
+                                  " team allows); null for none. A team admin's keys are always in its team")
+    models: list[str] | None = Field(None, description="models the key may use; omit or null for all (in a team:"
+                                     " all of the team's)")
     expires_at: float | None = Field(None, description="unix seconds after which the key stops working")
     data_policy: DataPolicy | None = None
     allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
@@ -91,6 +99,7 @@ class KeyView(BaseModel):
     id: str
     name: str
     owner: str | None
+    team: str | None
     models: list[str] | None
     expires_at: float | None
     revoked: bool
@@ -131,13 +140,29 @@ def admin_router(gateway) -> Router:
     def admin_token(connection: ASGIConnection, _handler) -> None:
         """A guard: runs before the path and body are parsed, so a caller without a token learns nothing."""
         write = connection.scope["method"] not in READS
-        gateway.admin_auth.check(connection.headers.get("authorization"), write, _handler.opt.get("operator", False))
+        remember(connection, gateway.admin_auth.check(connection.headers.get("authorization"), write,
+                                                      _handler.opt.get("operator", False)))
+        check_route(connection, _handler.opt.get("team", False))
 
-    async def load(key_id: str) -> KeyRecord:
+    async def load(key_id: str, connection: ASGIConnection) -> KeyRecord:
+        """The key, if this token may manage it (a team admin: only its team's)."""
         record = await store.get_key(key_id)
         if record is None:
             raise NotFound(f"no API key with id {key_id}", code="key_not_found")
+        check_key(connection, record)
         return record
+
+    async def fits_team(record: KeyRecord) -> None:
+        """400 naming every way the key would allow more than its team (or that its team does not exist)."""
+        if record.team is None:
+            return
+        team = await store.get_team(record.team)
+        if team is None:
+            raise BadRequest(f"no team named {record.team}", param="team", code="team_not_found")
+        problems = key_problems(record, team)
+        if problems:
+            raise BadRequest(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
+                             param=problems[0][0], code="exceeds_team")
 
     async def save(record: KeyRecord) -> KeyView:
         try:
@@ -148,15 +173,22 @@ def admin_router(gateway) -> Router:
         return KeyView.of(record)
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
-          responses=errors(400, 401, 403, 413, 503))
-    async def create_key(data: JSONBody[NewKey]) -> IssuedKey:
+          opt={"team": True}, responses=errors(400, 401, 403, 413, 503))
+    async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
             fields["expires_at"] = time.time() + data.expires_in
-        for _ in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
+        team = own_team(request)
+        if team is not None:  # a team admin's keys are its team's
+            if data.team not in (None, team):
+                raise PermissionDenied(f"this admin token issues keys of team {team} only", code="other_team")
+            fields["team"] = team
+        for attempt in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
             key_id = new_key_id()
             key = new_key(key_id)
             record = KeyRecord(id=key_id, created_at=time.time(), hash=hash_key(key), **fields)
+            if attempt == 0:
+                await fits_team(record)
             try:
                 await store.create_key(record)
             except KeyExists:
@@ -164,39 +196,49 @@ def admin_router(gateway) -> Router:
             return IssuedKey(key=key, record=KeyView.of(record))
         raise StateUnavailable(f"no free key id in {CREATE_ATTEMPTS} tries; try again")
 
-    @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
-    async def list_keys() -> list[KeyView]:
-        return [KeyView.of(r) for r in await store.list_keys()]
+    @get("/keys", summary="List keys (never their secrets)", opt={"team": True}, responses=errors(400, 401, 403, 503))
+    async def list_keys(request: Request, team: str | None = TeamFilter) -> list[KeyView]:
+        own = own_team(request)
+        if own is not None:
+            if team not in (None, own):
+                raise PermissionDenied(f"this admin token lists keys of team {own} only", code="other_team")
+            team = own
+        return [KeyView.of(r) for r in await store.list_keys() if team is None or r.team == team]
 
-    @get("/keys/{key_id:str}", summary="Show one key", responses=errors(400, 401, 404, 503))
-    async def show_key(key_id: str = KeyId) -> KeyView:
-        return KeyView.of(await load(key_id))
+    @get("/keys/{key_id:str}", summary="Show one key", opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def show_key(request: Request, key_id: str = KeyId) -> KeyView:
+        return KeyView.of(await load(key_id, request))
 
-    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks, limits or priority class",
-           responses=errors(400, 401, 403, 404, 413, 503))
-    async def update_key(data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
-        record = await load(key_id)
+    @patch("/keys/{key_id:str}", summary="Change a key's name, team, models, expiry, data policy, networks, limits or"
+           " priority class", opt={"team": True}, responses=errors(400, 401, 403, 404, 413, 503))
+    async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
+        record = await load(key_id, request)
         changes = data.model_dump(exclude_unset=True)
+        own = own_team(request)
+        if own is not None and changes.get("team", own) != own:
+            raise PermissionDenied(f"a team admin cannot move keys out of team {own}", code="other_team")
         for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when the key was issued
             if field in changes and changes[field] is None:
                 changes[field] = KeyRecord.model_fields[field].get_default()
         if isinstance(changes.get("limits"), dict):  # only the limits sent change (one sent as null: unlimited)
             changes["limits"] = {**record.limits.model_dump(), **changes["limits"]}
-        return await save(KeyRecord.model_validate({**record.model_dump(), **changes}))
+        changed = KeyRecord.model_validate({**record.model_dump(), **changes})
+        await fits_team(changed)
+        return await save(changed)
 
     @post("/keys/{key_id:str}/revoke", status_code=200,
           summary="Revoke a key; every replica refuses it within auth.cache_seconds",
-          responses=errors(400, 401, 403, 404, 503))
-    async def revoke_key(key_id: str = KeyId) -> KeyView:
-        record = await load(key_id)
+          opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
+        record = await load(key_id, request)
         return await save(record.model_copy(update={"revoked": True, "previous_hash": None,
                                                     "previous_valid_until": None}))
 
     @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds",
           description="The body may be left out: the old secret then works for another hour.",
-          operation_class=OptionalBody, responses=errors(400, 401, 403, 404, 413, 503))
-    async def rotate_key(key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
-        record = await load(key_id)
+          operation_class=OptionalBody, opt={"team": True}, responses=errors(400, 401, 403, 404, 413, 503))
+    async def rotate_key(request: Request, key_id: str = KeyId, data: JSONBody[Rotation | None] = None) -> IssuedKey:
+        record = await load(key_id, request)
         grace = (data or Rotation()).grace_seconds
         key = new_key(key_id)
         rotated = record.model_copy(update={"hash": hash_key(key), "previous_hash": record.hash,
@@ -204,19 +246,16 @@ def admin_router(gateway) -> Router:
         return IssuedKey(key=key, record=await save(rotated))
 
     @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model",
-         responses=errors(400, 401, 404, 503))
-    async def key_usage(key_id: str = KeyId) -> Usage:
-        await load(key_id)
+         opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def key_usage(request: Request, key_id: str = KeyId) -> Usage:
+        await load(key_id, request)
         await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         models, variants = by_model(await store.usage(key_id))
-        total: dict[str, int] = {}
-        for counts in models.values():
-            for name, value in counts.items():
-                total[name] = total.get(name, 0) + value
-        return Usage(id=key_id, models=models, variants=variants, total=total)
+        return Usage(id=key_id, models=models, variants=variants, total=totals(models))
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId, load), *variant_handlers(gateway),
+                *team_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

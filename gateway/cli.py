@@ -32,11 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import keys_cli, knee_cli, report_cli, variants_cli
+    from gateway import keys_cli, knee_cli, report_cli, teams_cli, variants_cli
 
     keys_cli.add_commands(sub)
     knee_cli.add_commands(sub)
     report_cli.add_commands(sub)
+    teams_cli.add_commands(sub)
     variants_cli.add_commands(sub)
 
     args = parser.parse_args(argv)
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return knee_cli.run(args)
     if args.command == "report":
         return report_cli.run(args)
+    if args.command == "teams":
+        return teams_cli.run(args)
     if args.command == "variants":
         return variants_cli.run(args)
     if args.command == "check":

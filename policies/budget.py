@@ -1,4 +1,4 @@
-"""Pipeline step: per-key budgets per period: rented spend (`max_rented_spend`) and tokens (`max_tokens_per_period`).
+"""Pipeline step: per-key (and per-team) budgets per period: rented spend (`max_rented_spend`) and tokens (`max_tokens_per_period`).
 
 Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
 price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
@@ -20,6 +20,7 @@ period ends (they are at most its requests in flight).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import math
@@ -29,6 +30,8 @@ from functools import partial
 from typing import Protocol
 
 from policies.errors import RateLimited
+from policies.keys import KeyBudget
+from policies.teams import OWNER_PREFIX
 from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.tokens import used_tokens
 from policies.pipeline import Call
@@ -70,7 +73,7 @@ class Verdict:
 
 @dataclass(slots=True)
 class Hold:
-    key_id: str
+    key_id: str  # the budget's owner: a key id, or a team's `team:<name>`
     start: int
     end: int
     cost: float
@@ -91,19 +94,26 @@ class Budgets(Protocol):
 
 
 class MemoryBudgets:
-    """Budgets in this process (embedded store): per (key, period) [spent, reserved, tokens, reserved tokens]."""
+    """Budgets in this process (embedded store): per (owner, period) [spent, reserved, tokens, reserved tokens].
+    An owner is a key id, or a team's `team:<name>` (`members` then names its keys, whose ledger rows count)."""
 
     in_memory = True
 
-    def __init__(self, ledger) -> None:
+    def __init__(self, ledger, members=None) -> None:
         self.ledger = ledger
+        self.members = members  # async (team name) -> its key ids
         self.counts: dict[tuple[str, int], list[float]] = {}
 
     async def counters(self, key_id: str, start: int) -> list[float]:
         counts = self.counts.get((key_id, start))
         if counts is None:
             spent = used = 0.0
-            for _row, values in await self.ledger.read(start, time.time() + 86400 * 32, key_id=key_id):
+            team = key_id[len(OWNER_PREFIX):] if key_id.startswith(OWNER_PREFIX) else None
+            keys = set(await self.members(team)) if team is not None and self.members is not None else {key_id}
+            for row, values in await self.ledger.read(start, time.time() + 86400 * 32,
+                                                      key_id=key_id if team is None else None):
+                if row.key_id not in keys:
+                    continue
                 spent += values[COST]
                 used += values[PROMPT] + values[COMPLETION]
             counts = self.counts.setdefault((key_id, start), [spent, 0.0, used, 0.0])
@@ -197,6 +207,9 @@ class RedisBudgets:
 
 
 class Budget:
+    """Each call counts against its key's budget and, for a key in a team, its team's too (every key of the team
+    together): a reservation is taken in each or in none, and a call rents only while both have room."""
+
     name = "budget"
 
     def __init__(self, policy, budgets, rented_cost, background) -> None:
@@ -207,30 +220,55 @@ class Budget:
         self.overflow = {m.name: m.overflow.provider for m in policy.models if m.overflow}
         self.outage_logged = False
 
+    @staticmethod
+    def owners(call: Call) -> list[tuple[str, KeyBudget, str]]:
+        """(budget owner id, its budget, who it is in a refusal) for every budget the call counts against."""
+        out = []
+        if call.key.budget is not None:
+            out.append((call.key.id, call.key.budget, "This API key"))
+        team = call.team
+        if team is not None and team.budget is not None:
+            out.append((team.id, team.budget, f"Team {team.name}"))
+        return out
+
     async def enter(self, call: Call) -> None:
-        budget = call.key.budget
-        if budget is None:
+        owners = self.owners(call)
+        if not owners:
             return
+        holds: list[tuple[Hold, KeyBudget]] = []
+        try:
+            for owner, budget, who in owners:
+                holds.append((await self.enter_one(call, owner, budget, who), budget))
+        except BaseException:  # a later budget refused: give back what the earlier ones reserved
+            await asyncio.gather(*(self.budgets.settle(hold, 0.0, 0) for hold, _ in holds if hold.tokens))
+            raise
+        call.budget_hold = [hold for hold, _ in holds]
+        provider = self.overflow.get(call.model) if call.key.data_policy == "allow_rented" and call.rent_allowed \
+            else None
+        rented = [(hold, budget) for hold, budget in holds if budget.max_rented_spend is not None]
+        if rented and provider is not None:
+            call.before_rent = partial(self.reserve_rents, call, rented, provider)
+
+    async def enter_one(self, call: Call, owner: str, budget: KeyBudget, who: str) -> Hold:
+        """Reserve the call's tokens in one owner's budget (or refuse it, holding nothing)."""
         start, end = period_bounds(budget.period, time.time())
-        call.budget_hold = hold = Hold(call.key.id, start, end, 0.0, 0)
-        provider = self.overflow.get(call.model) if call.key.data_policy == "allow_rented" else None
-        if budget.max_rented_spend is not None and provider is not None:
-            call.before_rent = partial(self.reserve_rent, call, hold, provider)
+        hold = Hold(owner, start, end, 0.0, 0)
         if budget.max_tokens_per_period is None and budget.when_spent != "reject":
-            return  # only renting is budgeted, and it reserves when (if) the call spills
+            return hold  # only renting is budgeted, and it reserves when (if) the call spills
         want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
         verdict = await self.reserve(call, hold, -1 if budget.when_spent != "reject" else budget.max_rented_spend,
                                      0.0, budget.max_tokens_per_period, want)
         if verdict is None:
-            return
+            return hold
         if not verdict.tokens_ok:
-            self.refuse(f"This API key has used its {budget.max_tokens_per_period} tokens for the {budget.period}",
+            self.refuse(f"{who} has used its {budget.max_tokens_per_period} tokens for the {budget.period}",
                         "token_budget_exceeded", end)
         hold.tokens = want
         if budget.when_spent == "reject" and budget.max_rented_spend is not None and not verdict.rent_ok:
             await self.budgets.settle(hold, 0.0, 0)
-            self.refuse(f"This API key has spent its rented budget of {budget.max_rented_spend:g} for the "
+            self.refuse(f"{who} has spent its rented budget of {budget.max_rented_spend:g} for the "
                         f"{budget.period}", "budget_exceeded", end)
+        return hold
 
     async def reserve(self, call: Call, hold: Hold, max_spend, cost: float, max_tokens, want: int) -> Verdict | None:
         """One atomic check-and-reserve; None while the store is down (then the call stays owned)."""
@@ -246,16 +284,23 @@ class Budget:
         self.outage_logged = False
         return verdict
 
-    async def reserve_rent(self, call: Call, hold: Hold, provider: str) -> bool:
-        """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
-        below the budget (so the spend ends within one request's cost of it)."""
+    async def reserve_rents(self, call: Call, rented: list[tuple[Hold, KeyBudget]], provider: str) -> bool:
+        """The call is about to spill: reserve its most likely-high rented cost in each budget that has a rented
+        spend, if spent + reserved is still below each (so the spend ends within one request's cost of it); if
+        one has no room, give back what the others took and stay owned."""
         prompt, output, _ = estimate(call, self.default_max_tokens)
         cost = self.rented_cost(provider, prompt, output)
-        verdict = await self.reserve(call, hold, call.key.budget.max_rented_spend, cost, None, 0)
-        if verdict is None or not verdict.rent_ok:
-            call.rent_allowed = False
-            return False
-        hold.cost = cost
+        taken: list[Hold] = []
+        for hold, budget in rented:
+            verdict = await self.reserve(call, hold, budget.max_rented_spend, cost, None, 0)
+            if verdict is None or not verdict.rent_ok:
+                for earlier in taken:
+                    await self.budgets.settle(Hold(earlier.key_id, earlier.start, earlier.end, cost, 0), 0.0, 0)
+                    earlier.cost = 0.0
+                call.rent_allowed = False
+                return False
+            hold.cost = cost
+            taken.append(hold)
         return True
 
     def refuse(self, message: str, code: str, end: int) -> None:
@@ -265,16 +310,17 @@ class Budget:
                           headers={"retry-after": str(wait), "x-budget-reset": reset})
 
     async def leave(self, call: Call) -> None:
-        hold: Hold | None = call.budget_hold
-        if hold is None:
+        holds: list[Hold] | None = call.budget_hold
+        if not holds:
             return
         call.budget_hold = None
         prompt, completion = used_tokens(call.usage)  # never below 0: a provider cannot refund a budget
         rented = call.replica.rented if call.replica is not None and call.status < 400 else None
         cost = self.rented_cost(rented, prompt, completion) if rented else 0.0
-        if not (hold.cost or hold.tokens or cost):
-            return  # nothing reserved, nothing spent
-        if self.budgets.in_memory:  # nothing to wait for: settled before the next request of the key reserves
-            await self.budgets.settle(hold, cost, prompt + completion)
-        else:
-            self.background(self.budgets.settle(hold, cost, prompt + completion))
+        for hold in holds:
+            if not (hold.cost or hold.tokens or cost):
+                continue  # nothing reserved, nothing spent
+            if self.budgets.in_memory:  # nothing to wait for: settled before the next request of the key reserves
+                await self.budgets.settle(hold, cost, prompt + completion)
+            else:
+                self.background(self.budgets.settle(hold, cost, prompt + completion))

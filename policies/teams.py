@@ -46,24 +46,28 @@ class TeamRecord(BaseModel):
         return f"{OWNER_PREFIX}{self.name}"
 
 
-def key_problems(key: KeyRecord, team: TeamRecord) -> list[str]:
-    """Every way `key` allows more than `team` does, one readable phrase each; empty when it fits."""
+def key_problems(key: KeyRecord, team: TeamRecord) -> list[tuple[str, str]]:
+    """Every way `key` allows more than `team` does: (the key's field, a readable phrase); empty when it fits.
+
+    A limit, a budget amount or a model list the key leaves unset is the team's, so only a value of the key's
+    own can exceed the team's."""
     problems = []
-    if team.models is not None and key.models is not None:  # a key without a list of its own gets the team's
+    if team.models is not None and key.models is not None:
         outside = [m for m in key.models if m not in team.models]
         if outside:
-            problems.append(f"models {', '.join(outside)} are not among team {team.name}'s models")
+            problems.append(("models", f"models {', '.join(outside)} are not among team {team.name}'s models"))
     for field in LIMITS:
         mine, theirs = getattr(key.limits, field), getattr(team.limits, field)
         if mine is not None and theirs is not None and mine > theirs:
-            problems.append(f"limits.{field} {mine} is above team {team.name}'s {theirs}")
+            problems.append((f"limits.{field}", f"limits.{field} {mine} is above team {team.name}'s {theirs}"))
     if key.data_policy == "allow_rented" and team.data_policy == "private_only":
-        problems.append(f"data_policy allow_rented is more than team {team.name}'s private_only")
+        problems.append(("data_policy", f"data_policy allow_rented is more than team {team.name}'s private_only"))
     if key.budget is not None and team.budget is not None:
         for field in AMOUNTS:
             mine, theirs = getattr(key.budget, field), getattr(team.budget, field)
             if mine is not None and theirs is not None and mine > theirs:
-                problems.append(f"budget.{field} {mine:g} is above team {team.name}'s {theirs:g}")
+                text = f"budget.{field} {mine:g} is above team {team.name}'s {theirs:g}"
+                problems.append((f"budget.{field}", text))
     return problems
 
 
@@ -74,7 +78,7 @@ def keys_over(team: TeamRecord, keys: list[KeyRecord]) -> dict[str, list[str]]:
         if key.team == team.name and not key.revoked:
             problems = key_problems(key, team)
             if problems:
-                out[key.id] = problems
+                out[key.id] = [text for _field, text in problems]
     return out
 
 

@@ -33,7 +33,6 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from policies.keys import KeyRecord
-from policies.teams import TeamRecord
 from policies.store.base import (
     SECRET_BYTES,
     KeyExists,
@@ -49,6 +48,7 @@ from policies.store.base import (
 from policies.store.key_events import KeyEvents
 from policies.store.pipelined import Pipelined, Script
 from policies.store.redis_client import TLSFiles, connect
+from policies.teams import TeamRecord
 
 DEFAULT_PREFIX = "llmgw:"
 
