@@ -93,14 +93,14 @@ async def test_a_key_may_only_narrow_its_team_and_nothing_half_applies(env):
 
 
 async def test_a_team_admin_manages_only_its_own_teams_keys(env):
-    gw, call = env
+    _, call = env
     for name in ("red", "blue"):
         assert (await call("POST", "/teams", json={"name": name})).status_code == 201
     _, blue = await new_key(call, team="blue")
     _, loose = await new_key(call)
     red_admin = token("team_admin", team="red")
 
-    key, mine = await new_key(call, headers=red_admin, name="mine")
+    _, mine = await new_key(call, headers=red_admin, name="mine")
     assert mine["team"] == "red"  # a team admin's keys are its team's
     assert [k["id"] for k in (await call("GET", "/keys", headers=red_admin)).json()] == [mine["id"]]
     for other in (blue, loose):
