@@ -24,7 +24,7 @@ from gateway.report_routes import report_handlers
 from gateway.team_routes import TeamName, team_handlers
 from gateway.variant_routes import variant_handlers
 from policies.accounting import by_model, totals
-from policies.errors import BadRequest, NotFound, PermissionDenied, StateUnavailable
+from policies.errors import Conflict, NotFound, PermissionDenied, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
     CLASS_NAME,
@@ -153,15 +153,15 @@ def admin_router(gateway) -> Router:
         return record
 
     async def fits_team(record: KeyRecord) -> None:
-        """400 naming every way the key would allow more than its team (or that its team does not exist)."""
+        """409 naming every way the key would allow more than its team as it stands (404: no such team)."""
         if record.team is None:
             return
         team = await store.get_team(record.team)
         if team is None:
-            raise BadRequest(f"no team named {record.team}", param="team", code="team_not_found")
+            raise NotFound(f"no team named {record.team}", param="team", code="team_not_found")
         problems = key_problems(record, team)
         if problems:
-            raise BadRequest(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
+            raise Conflict(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
                              param=problems[0][0], code="exceeds_team")
 
     async def save(record: KeyRecord) -> KeyView:
@@ -173,7 +173,7 @@ def admin_router(gateway) -> Router:
         return KeyView.of(record)
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
-          opt={"team": True}, responses=errors(400, 401, 403, 413, 503))
+          opt={"team": True}, responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
@@ -210,7 +210,7 @@ def admin_router(gateway) -> Router:
         return KeyView.of(await load(key_id, request))
 
     @patch("/keys/{key_id:str}", summary="Change a key's name, team, models, expiry, data policy, networks, limits or"
-           " priority class", opt={"team": True}, responses=errors(400, 401, 403, 404, 413, 503))
+           " priority class", opt={"team": True}, responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
         record = await load(key_id, request)
         changes = data.model_dump(exclude_unset=True)

@@ -8,7 +8,7 @@ step its budget beside the key's); its models and data policy bound each key's o
 A key belongs to at most one team (`KeyRecord.team`) and may only narrow what its team allows: a key's models
 inside the team's, each limit at most the team's, `allow_rented` only in a team that allows it, each budget
 amount at most the team's. `key_problems` names every way a key breaks that; the admin API refuses such a key
-(400) and a change to a team that would put an existing key above it (409, naming the keys), so nothing is
+(409) and a change to a team that would put an existing key above it (409, naming the keys), so nothing is
 half-applied. The request path still checks the team's models and data policy itself, so two admins acting
 at once cannot open a gap between them.
 

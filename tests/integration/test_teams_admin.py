@@ -66,16 +66,16 @@ async def test_a_key_may_only_narrow_its_team_and_nothing_half_applies(env):
     }
     for field, fields in refused.items():
         r = await call("POST", "/keys", json={"name": "k", "team": "search", **fields})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 409, r.text
         error = r.json()["error"]
         assert error["code"] == "exceeds_team" and error["param"] == field and field in error["message"]
     r = await call("POST", "/keys", json={"name": "k", "team": "nosuch"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "team_not_found"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "team_not_found"
     assert (await call("GET", "/keys")).json() == []  # none of those was created
 
     _, record = await new_key(call, team="search", limits={"requests_per_minute": 5})
     r = await call("PATCH", f"/keys/{record['id']}", json={"limits": {"requests_per_minute": 50}})
-    assert r.status_code == 400 and "requests_per_minute 50 is above team search's 10" in r.json()["error"]["message"]
+    assert r.status_code == 409 and "requests_per_minute 50 is above team search's 10" in r.json()["error"]["message"]
     assert (await call("GET", f"/keys/{record['id']}")).json()["limits"]["requests_per_minute"] == 5
 
     r = await call("PATCH", "/teams/search", json={"limits": {"requests_per_minute": 3}})
