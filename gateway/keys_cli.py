@@ -12,6 +12,8 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -158,7 +160,7 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def send(args: argparse.Namespace, command: str, method: str, url: str, body: dict | None, headers: dict,
-         show) -> int:
+         show: Callable[[str, Any], str]) -> int:
     """One admin API call; prints `show(action, answer)` (or the JSON with --json), or what went wrong."""
     try:
         response = httpx.request(method, url, json=body, headers=headers, timeout=10)

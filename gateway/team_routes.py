@@ -9,7 +9,7 @@ Each act is one function, so what records admin acts can be added with one line 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from litestar import Request, delete, get, patch, post
 from litestar.params import JSONBody, KwargDefinition, Parameter
@@ -57,7 +57,7 @@ class TeamUsage(BaseModel):
     keys: dict[str, dict[str, int]] = Field(description="each of the team's keys' totals")
 
 
-def team_handlers(gateway) -> list:
+def team_handlers(gateway: Any) -> list:
     store = gateway.store
 
     async def load(name: str, request: Request) -> TeamRecord:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import httpx
 
 from gateway.keys_cli import budget_table, send, table, usage_table
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: Any) -> None:
     teams = sub.add_parser("teams", help="manage teams (shared limits, budget and ceiling of their keys)")
     teams.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
     teams.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
@@ -119,7 +120,7 @@ def team_row(t: dict) -> list[str]:
 TEAM_HEADER = ["NAME", "MODELS", "DATA POLICY", "LIMITS", "BUDGET"]
 
 
-def render(action: str, data) -> str:
+def render(action: str, data: Any) -> str:
     if action == "list":
         return table([team_row(t) for t in data], TEAM_HEADER)
     if action == "usage":

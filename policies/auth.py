@@ -113,7 +113,7 @@ class Authenticate:
         now = time.time()
         mono = time.monotonic()
         record = self.cache.get(key_id, mono)
-        if record is None or not isinstance(record, KeyRecord):
+        if record is None:
             try:
                 record = await self.store.get_key(key_id)
             except StoreUnavailable:
@@ -124,7 +124,7 @@ class Authenticate:
             else:
                 if record is not None:
                     self.cache.put(record, mono)
-        if record is None or not record.matches(key, now) or not record.usable(now):
+        if not isinstance(record, KeyRecord) or not record.matches(key, now) or not record.usable(now):
             raise AuthenticationFailed(INVALID)
         if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:
             self.touched[key_id] = mono

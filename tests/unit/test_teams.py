@@ -25,7 +25,7 @@ TEAM = TeamRecord(name="red", models=["a", "b"], data_policy="private_only",
                   budget=KeyBudget(max_rented_spend=5.0, max_tokens_per_period=100))
 
 
-def test_a_key_that_sets_nothing_of_its_own_fits_and_inherits_the_teams_models():
+def test_a_key_that_sets_nothing_of_its_own_fits_and_inherits_the_teams_models() -> None:
     assert key_problems(key(), TEAM) == []
     assert effective_models(key(), TEAM) == ["a", "b"]
     assert effective_models(key(models=["b", "c"]), TEAM) == ["b"]
@@ -41,13 +41,13 @@ def test_a_key_that_sets_nothing_of_its_own_fits_and_inherits_the_teams_models()
     ({"budget": KeyBudget(max_rented_spend=5.01)}, "budget.max_rented_spend"),
     ({"budget": KeyBudget(max_tokens_per_period=101)}, "budget.max_tokens_per_period"),
 ])
-def test_each_way_a_key_exceeds_its_team_is_named(fields, field):
+def test_each_way_a_key_exceeds_its_team_is_named(fields: dict, field: str) -> None:
     problems = key_problems(key(**fields), TEAM)
     assert [f for f, _ in problems] == [field]
     assert field in problems[0][1] and "red" in problems[0][1]
 
 
-def test_equal_to_the_team_fits_and_a_team_without_a_setting_bounds_nothing():
+def test_equal_to_the_team_fits_and_a_team_without_a_setting_bounds_nothing() -> None:
     same = key(models=["a"], limits=TEAM.limits, budget=KeyBudget(max_rented_spend=5.0, max_tokens_per_period=100))
     assert key_problems(same, TEAM) == []
     open_team = TeamRecord(name="red", data_policy="allow_rented")
@@ -55,7 +55,7 @@ def test_equal_to_the_team_fits_and_a_team_without_a_setting_bounds_nothing():
                         open_team) == []
 
 
-def test_a_team_change_names_its_active_keys_above_it():
+def test_a_team_change_names_its_active_keys_above_it() -> None:
     over, fits, revoked = key(limits=KeyLimits(max_concurrent=2)), key(), key(limits=KeyLimits(max_concurrent=2),
                                                                                revoked=True)
     other_team = key(limits=KeyLimits(max_concurrent=2)).model_copy(update={"team": "blue"})
@@ -63,7 +63,7 @@ def test_a_team_change_names_its_active_keys_above_it():
     assert keys_over(tighter, [over, fits, revoked, other_team]) == {over.id: [key_problems(over, tighter)[0][1]]}
 
 
-def test_team_admin_tokens_carry_their_team(monkeypatch):
+def test_team_admin_tokens_carry_their_team(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
     auth = AdminAuth(Admin())
     claims = auth.check(f"Bearer {mint_token(Admin(), 60, role='team_admin', team='red')}", write=True)
