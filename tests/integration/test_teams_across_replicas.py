@@ -16,6 +16,7 @@ from policies.config import Admin
 from tests.support.cluster import Cluster, cluster
 
 RPM = 6
+BUDGET = 200  # tokens a day for team lab: a few dozen short calls
 
 
 def issue(c: Cluster, token: str, *args: str) -> tuple[str, str]:
@@ -43,7 +44,8 @@ async def ask(client: openai.AsyncOpenAI, max_tokens: int) -> str:
 def test_team_limits_hold_across_three_replicas_and_team_admins_stay_in_their_team(tmp_path):
     with cluster(tmp_path, replicas=3, slow=True) as c:
         admin = c.admin_token
-        for args in (("red", "--rpm", str(RPM)), ("green", "--max-concurrent", "2"), ("blue",)):
+        for args in (("red", "--rpm", str(RPM)), ("green", "--max-concurrent", "2"), ("blue",),
+                     ("lab", "--max-tokens-per-period", str(BUDGET), "--budget-period", "day")):
             done = c.cli("teams", "--url", c.urls[1], "create", *args)
             assert done.returncode == 0, done.stderr
         red_admin = mint_token(Admin(), 600, role="team_admin", team="red",
@@ -51,6 +53,7 @@ def test_team_limits_hold_across_three_replicas_and_team_admins_stay_in_their_te
         red = [issue(c, red_admin) for _ in range(2)]  # the team admin's keys are its team's
         green = [issue(c, admin, "--team", "green") for _ in range(2)]
         blue, blue_id = issue(c, admin, "--team", "blue")
+        lab = [issue(c, admin, "--team", "lab")[0] for _ in range(2)]
 
         # the red team admin cannot touch blue's key, on any replica, nor the teams themselves
         for url in c.urls:
@@ -86,6 +89,21 @@ def test_team_limits_hold_across_three_replicas_and_team_admins_stay_in_their_te
         answers = asyncio.run(in_flight())
         assert answers.count("ok") == 2, answers  # 150 tokens at 20 ms each: all six overlap
         assert all("concurrent requests on this API key's team green" in a for a in answers if a != "ok"), answers
+
+        async def spend() -> list[str]:
+            """Lab's calls, round robin over both keys and every replica, one at a time, until one is refused."""
+            lab_clients = [cl for key in lab for cl in clients(c, key)]
+            answers: list[str] = []
+            while len(answers) < 100 and (not answers or answers[-1] == "ok"):
+                answers.append(await ask(lab_clients[len(answers) % len(lab_clients)], 4))
+            return answers
+
+        answers = asyncio.run(spend())
+        assert "Team lab has used its 200 tokens" in answers[-1], answers[-3:]
+        assert len(answers) > len(c.urls) * 2, answers  # both keys were served on every replica first
+        done = c.cli("teams", "--url", c.urls[2], "--json", "budget", "lab")
+        assert done.returncode == 0, done.stderr
+        assert BUDGET / 2 <= json.loads(done.stdout)["tokens"] <= BUDGET, done.stdout
 
         done = c.cli("teams", "--url", c.urls[0], "--json", "usage", "red")
         assert done.returncode == 0, done.stderr
