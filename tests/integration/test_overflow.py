@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from policies.keys import KeyRecord, hash_key, new_key, new_key_id
+from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
+from policies.teams import TeamRecord
 from tests.support.gateway import running_gateway
 from tests.support.probes import wait_http_ok
 from tests.support.rented_standin import read_log
@@ -148,3 +149,27 @@ async def test_rented_provider_gets_trace_context_only_when_the_policy_asks(stan
             assert trace["tracestate"] == "vendor=private-tenant-42"
         else:
             assert trace == {}
+
+
+async def test_a_team_that_keeps_data_private_holds_its_keys_at_home_whatever_they_say(standin):
+    """The admin API never lets a key of a private_only team allow renting; should one say so anyway (written
+    while its team changed), the request path still keeps it off the rented provider, until the team allows it."""
+    rented_url, log, _ = standin
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with running_gateway(policy(dead, rented_url)) as gw, httpx.AsyncClient(timeout=10) as http:
+        store = gw.state.store
+        await store.create_team(TeamRecord(name="vault"))  # private_only, the default
+        key = await issue(gw, "allow_rented")
+        record = await store.get_key(key_id_of(key))
+        await store.put_key(record.model_copy(update={"team": "vault"}))
+        await gw.state.forget_key(record.id)
+
+        async def ask() -> httpx.Response:
+            return await http.post(f"{gw.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"model": "m", "messages": []})
+
+        assert (await ask()).status_code == 503 and read_log(log) == []  # nothing left for the provider
+        await store.put_team(TeamRecord(name="vault", data_policy="allow_rented"))
+        await gw.state.forget_key("team:vault")
+        r = await ask()
+        assert r.status_code == 200 and r.headers["x-gateway-served-by"] == "rented" and len(read_log(log)) == 1
