@@ -32,17 +32,18 @@ def clients(c: Cluster, key: str) -> list[openai.AsyncOpenAI]:
 
 
 async def ask(client: openai.AsyncOpenAI, max_tokens: int) -> str:
-    """"ok", or the message of the 429 that refused it."""
+    """"ok", or the message of the 429 (or 403) that refused it."""
     try:
         await client.completions.create(model="m", prompt="x", max_tokens=max_tokens,
                                         extra_body={"ignore_eos": True})
-    except openai.RateLimitError as exc:
+    except (openai.RateLimitError, openai.PermissionDeniedError) as exc:
         return str(exc)
     return "ok"
 
 
 def test_team_limits_hold_across_three_replicas_and_team_admins_stay_in_their_team(tmp_path):
-    with cluster(tmp_path, replicas=3, slow=True) as c:
+    # a long auth cache: only the announcement of a change can make the replicas follow it at once
+    with cluster(tmp_path, replicas=3, slow=True, auth={"cache_seconds": 120}) as c:
         admin = c.admin_token
         for args in (("red", "--rpm", str(RPM)), ("green", "--max-concurrent", "2"), ("blue",),
                      ("lab", "--max-tokens-per-period", str(BUDGET), "--budget-period", "day")):
@@ -112,3 +113,23 @@ def test_team_limits_hold_across_three_replicas_and_team_admins_stay_in_their_te
             time.sleep(0.2)  # each replica writes its usage a moment after the call
             done = c.cli("teams", "--url", c.urls[0], "--json", "usage", "red")
         assert json.loads(done.stdout)["total"]["requests"] == served
+
+        def red_in_report() -> dict:
+            done = c.cli("report", "--url", c.urls[1], "--token", red_admin, "--team", "red", "--json")
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)["teams"].get("red", {})
+
+        deadline = time.monotonic() + 30
+        while red_in_report().get("requests") != served and time.monotonic() < deadline:
+            time.sleep(0.5)  # each replica writes its ledger every ledger.flush_seconds
+        assert red_in_report()["requests"] == served
+
+        # a team change reaches every replica before the CLI returns: red's next calls pass everywhere at once
+        async def on_each_replica() -> list[str]:
+            return [await ask(cl, 1) for cl in clients(c, red[0][0])]
+
+        assert all("team red" in a or a == "ok" for a in asyncio.run(on_each_replica()))  # red cached everywhere
+        done = c.cli("teams", "--url", c.urls[0], "update", "red", "--models", "elsewhere")
+        assert done.returncode == 0, done.stderr
+        answers = asyncio.run(on_each_replica())
+        assert all("team red may not use model m" in a for a in answers), answers
