@@ -1,10 +1,13 @@
-"""Pipeline step: per-key (and per-team) budgets per period: rented spend (`max_rented_spend`) and tokens (`max_tokens_per_period`).
+"""Pipeline step: budgets per period, a key's and its team's: rented spend (`max_rented_spend`) and tokens
+(`max_tokens_per_period`).
 
 Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
 price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
 reservation is one atomic step (one Lua call on one Redis hash when the store is shared, so N replicas enforce
 one budget); the call's end settles it against the real cost and tokens, off the request path. Keys without a
-budget cost nothing here; a budget on rented spend alone costs nothing until a call spills.
+budget cost nothing here; a budget on rented spend alone costs nothing until a call spills. A key in a team (policies/teams.py) counts
+against both budgets: its call is admitted only while both have room, and rents only while both do (what one
+reserved is given back when the other refuses); the team's budget is kept under `team:<name>`.
 
 Rented spend: a call may rent while spent + reserved is below the budget, so the spend ends within one
 request's cost of it (when the estimate is not below the real cost: max_tokens bounds the completion, the

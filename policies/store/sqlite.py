@@ -6,8 +6,8 @@ synchronous=NORMAL makes each write a cheap append; a power cut may lose the las
 Other processes (the CLI) may open the same file; busy_timeout makes them wait their turn instead of failing.
 
 Tables: `keys` (the record as JSON, plus created_at for ordering and the touched last_used_at kept apart so a
-touch never rewrites the record), `teams` (name -> the team as JSON), `usage` (one row per key and model, one column per USAGE_FIELDS) and
-`secrets` (see shared_secret).
+touch never rewrites the record), `teams` (name -> the team as JSON), `usage` (one row per key and model, one
+column per USAGE_FIELDS) and `secrets` (see shared_secret).
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ async def test_a_team_admin_manages_only_its_own_teams_keys(env):
         ("PATCH", f"/keys/{mine['id']}", {"team": None}), ("GET", "/keys?team=blue", None),
         ("POST", "/teams", {"name": "green"}), ("PATCH", "/teams/red", {"limits": {"max_concurrent": 100}}),
         ("DELETE", "/teams/red", None), ("GET", "/teams/blue", None), ("GET", "/teams/blue/usage", None),
-        ("GET", "/report", None), ("GET", "/report?team=blue", None), ("GET", "/replicas", None), ("GET", "/policy", None),
+        ("GET", "/report", None), ("GET", "/report?team=blue", None), ("GET", "/replicas", None),
+        ("GET", "/policy", None),
     ]
     for method, path, body in refusals:
         r = await call(method, path, headers=red_admin, json=body)
