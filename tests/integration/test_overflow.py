@@ -173,3 +173,25 @@ async def test_a_team_that_keeps_data_private_holds_its_keys_at_home_whatever_th
         await gw.state.forget_key("team:vault")
         r = await ask()
         assert r.status_code == 200 and r.headers["x-gateway-served-by"] == "rented" and len(read_log(log)) == 1
+
+
+async def test_a_teams_rented_budget_is_spent_by_all_its_keys_together(standin):
+    rented_url, log, _ = standin
+    dead = f"http://127.0.0.1:{free_port()}"  # every call rents
+    async with running_gateway(policy(dead, rented_url)) as gw, httpx.AsyncClient(timeout=10) as http:
+        # a call costs about (11 prompt + 5 completion tokens at 1 and 2 per million): 2.1e-5; the team has 5e-5
+        await gw.state.store.create_team(TeamRecord(name="renters", data_policy="allow_rented",
+                                                    budget={"max_rented_spend": 5e-5, "period": "day"}))
+        keys = []
+        for _ in range(2):
+            key = await issue(gw, "allow_rented")
+            record = await gw.state.store.get_key(key_id_of(key))
+            await gw.state.store.put_key(record.model_copy(update={"team": "renters"}))
+            keys.append(key)
+        answers = []
+        while len(answers) < 10 and (not answers or answers[-1].status_code == 200):
+            answers.append(await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "messages": []},
+                                           headers={"authorization": f"Bearer {keys[len(answers) % 2]}"}))
+        served = len(answers) - 1
+        assert answers[-1].status_code == 503 and "rented budget is spent" in answers[-1].text
+        assert 2 <= served <= 3 and len(read_log(log)) == served  # both keys spent the one budget

@@ -1,6 +1,8 @@
 """The rules that keep a key inside its team, and the team_admin token's shape."""
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import jwt
 import pytest
@@ -76,3 +78,35 @@ def test_team_admin_tokens_carry_their_team(monkeypatch: pytest.MonkeyPatch) -> 
                           SECRET, algorithm="HS256")
     with pytest.raises(AuthenticationFailed):
         auth.check(f"Bearer {teamless}", write=False)
+
+
+async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_room(tmp_path) -> None:
+    """Each rented call costs 1; the key may spend 5, its team 2: the third call stays owned, and the key's
+    reservation for it is given back (its spend stays what was really rented)."""
+    from policies.budget import Budget, MemoryBudgets, period_bounds
+    from policies.config import Policy
+    from policies.ledger.sqlite import SQLiteLedger
+    from policies.pipeline import Call
+
+    ledger = SQLiteLedger(str(tmp_path / "ledger.db"))
+    budgets = MemoryBudgets(ledger, members=lambda team: asyncio.sleep(0, []))
+    policy = Policy.model_validate({"models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}]}]})
+    step = Budget(policy, budgets, lambda provider, prompt, completion: 1.0, background=None)
+    step.overflow = {"m": "rented"}
+    team = TeamRecord(name="red", data_policy="allow_rented", budget=KeyBudget(max_rented_spend=2.0))
+    member = key(data_policy="allow_rented", budget=KeyBudget(max_rented_spend=5.0))
+    rented = []
+    for i in range(3):
+        call = Call(request_id=str(i), endpoint="chat/completions", headers={}, client_host="10.0.0.2", arrived=0.0,
+                    model="m", key=member, team=team)
+        await step.enter(call)
+        rented.append(await call.before_rent())
+        call.usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        call.status, call.replica = 200, SimpleNamespace(rented="rented" if rented[-1] else None)
+        await step.leave(call)
+    assert rented == [True, True, False]
+    start, end = period_bounds("month", time.time())
+    assert await budgets.status(member.id, start, end) == (2.0, 4.0)  # spent, tokens: the two rented calls
+    assert (await budgets.counters(member.id, start))[1] == 0.0  # nothing left held: the third's was given back
+    assert await budgets.status(team.id, start, end) == (2.0, 4.0)
+    await ledger.close()
