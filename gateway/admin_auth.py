@@ -13,6 +13,7 @@ wrong audience, untrusted issuer, unknown key); the token never appears in a mes
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -21,11 +22,15 @@ import jwt
 from gateway.oidc import IssuerKeys
 from policies.config import Admin
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
+from policies.keys import TEAM_NAME as TEAM_NAME_PATTERN
 from policies.oidc_settings import AdminOidc, RoleGrant
 
 # admin: everything; operator: reads, and changes to live traffic (variant weights), never keys; viewer: reads
 ROLES = ("admin", "operator", "viewer")
-TEAM_ADMIN = "team_admin"  # manages one team (the `team` claim); only on routes that scope it to that team
+# team_admin: the keys of the one team its `team` claim names, and that team's usage; only on routes that scope
+# it to that team (opt={"team": True}: gateway/admin_scope.py)
+TEAM_ADMIN = "team_admin"
+TEAM_NAME = re.compile(TEAM_NAME_PATTERN)
 INVALID = "missing or invalid admin token"
 MAX_TOKEN = 8192
 
@@ -76,7 +81,7 @@ class AdminAuth:
         except Exception as exc:  # noqa: BLE001 -- any malformed, forged, expired or mis-addressed token
             raise refused(problem(exc, self.config.audience)) from None
         role, team = claims.get("role"), claims.pop("team", None)
-        if role == TEAM_ADMIN and isinstance(team, str) and 0 < len(team) <= 200:
+        if role == TEAM_ADMIN and isinstance(team, str) and TEAM_NAME.fullmatch(team):
             return {**claims, "team": team}
         if role not in ROLES:
             raise refused("the admin token's role is not one of " + ", ".join((*ROLES, TEAM_ADMIN)))
@@ -172,10 +177,13 @@ def verification_key(config: Admin) -> str | bytes | None:
 
 
 def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: str = "admin",
-               private_key: bytes | None = None, secret: str | None = None) -> str:
-    """A token this gateway accepts: HS256 with `secret` (default: the configured env var), else `private_key`."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+               private_key: bytes | None = None, secret: str | None = None, team: str | None = None) -> str:
+    """A token this gateway accepts: HS256 with `secret` (default: the configured env var), else `private_key`.
+    A team_admin token names its `team`."""
+    if role not in (*ROLES, TEAM_ADMIN):
+        raise ValueError(f"role must be one of {', '.join((*ROLES, TEAM_ADMIN))}")
+    if (role == TEAM_ADMIN) != (team is not None) or (team is not None and not TEAM_NAME.match(team)):
+        raise ValueError("a team_admin token needs --team (a team's name), and only it takes one")
     if config.jwt_algorithm == "HS256":
         key: str | bytes | None = secret if secret is not None else os.environ.get(config.jwt_secret_env, "")
         if len(key.encode()) < MIN_SECRET:
@@ -186,5 +194,5 @@ def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: 
         key = private_key
     now = int(time.time())
     claims = {"iss": config.issuer, "aud": config.audience, "sub": subject, "role": role, "iat": now,
-              "nbf": now, "exp": now + int(ttl_seconds)}
+              "nbf": now, "exp": now + int(ttl_seconds), **({"team": team} if team else {})}
     return jwt.encode(claims, key, algorithm=config.jwt_algorithm)

@@ -14,7 +14,7 @@ from litestar.connection import ASGIConnection
 from litestar.enums import HttpMethod
 from litestar.params import JSONBody, Parameter
 
-from gateway.admin_audit import ADMIN_CLAIMS, audit_handlers
+from gateway.admin_audit import audit_handlers
 from gateway.admin_live import live_handlers
 from gateway.key_admin import (
     IssuedKey,
@@ -25,11 +25,16 @@ from gateway.key_admin import (
     Rotation,
     Usage,
 )
+from gateway.admin_scope import check_route, own_team, remember
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
+from gateway.team_routes import team_handlers
 from gateway.variant_routes import variant_handlers
+from policies.errors import PermissionDenied
+from policies.keys import TEAM_NAME
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
+TeamFilter = Parameter(default=None, pattern=TEAM_NAME, description="only the keys of this team")
 
 
 READS = ("GET", "HEAD", "OPTIONS")
@@ -42,50 +47,56 @@ def admin_router(gateway) -> Router:
         write = connection.scope["method"] not in READS
         opt = _handler.opt
         claims = await gateway.admin_auth.check(connection.headers.get("authorization"), write,
-                                                opt.get("operator", False), opt.get("team_admin", False))
-        connection.scope[ADMIN_CLAIMS] = claims  # type: ignore[literal-required]
+                                                opt.get("operator", False), opt.get("team", False))
+        remember(connection, claims)
+        check_route(connection, opt.get("team", False))
 
     keys = KeyAdmin(gateway)
 
     @post("/keys", status_code=201, summary="Issue a key (its secret is shown only in this response)",
-          responses=errors(400, 401, 403, 413, 503))
+          opt={"team": True}, responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def create_key(request: Request, data: JSONBody[NewKey]) -> IssuedKey:
         return await keys.create(request, data)
 
-    @get("/keys", summary="List keys (never their secrets)", responses=errors(401, 503))
-    async def list_keys() -> list[KeyView]:
-        return await keys.listing()
+    @get("/keys", summary="List keys (never their secrets)", opt={"team": True}, responses=errors(400, 401, 403, 503))
+    async def list_keys(request: Request, team: str | None = TeamFilter) -> list[KeyView]:
+        own = own_team(request)
+        if own is not None:
+            if team not in (None, own):
+                raise PermissionDenied(f"this admin token lists keys of team {own} only", code="other_team")
+            team = own
+        return await keys.listing(team)
 
-    @get("/keys/{key_id:str}", summary="Show one key", responses=errors(400, 401, 404, 503))
-    async def show_key(key_id: str = KeyId) -> KeyView:
-        return KeyView.of(await keys.load(key_id))
+    @get("/keys/{key_id:str}", summary="Show one key", opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def show_key(request: Request, key_id: str = KeyId) -> KeyView:
+        return KeyView.of(await keys.load(key_id, request))
 
-    @patch("/keys/{key_id:str}", summary="Change a key's name, models, expiry, data policy, networks, limits or priority class",
-           responses=errors(400, 401, 403, 404, 413, 503))
+    @patch("/keys/{key_id:str}", summary="Change a key's name, team, models, expiry, data policy, networks, limits or"
+           " priority class", opt={"team": True}, responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def update_key(request: Request, data: JSONBody[KeyChanges], key_id: str = KeyId) -> KeyView:
         return await keys.update(request, key_id, data)
 
     @post("/keys/{key_id:str}/revoke", status_code=200,
           summary="Revoke a key; every replica refuses it within auth.cache_seconds",
-          responses=errors(400, 401, 403, 404, 503))
+          opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
     async def revoke_key(request: Request, key_id: str = KeyId) -> KeyView:
         return await keys.revoke(request, key_id)
 
     @post("/keys/{key_id:str}/rotate", status_code=200, summary="New secret; the old one works for grace_seconds",
           description="The body may be left out: the old secret then works for another hour.",
-          operation_class=OptionalBody, responses=errors(400, 401, 403, 404, 413, 503))
+          operation_class=OptionalBody, opt={"team": True}, responses=errors(400, 401, 403, 404, 413, 503))
     async def rotate_key(request: Request, key_id: str = KeyId,
                          data: JSONBody[Rotation | None] = None) -> IssuedKey:
         return await keys.rotate(request, key_id, data)
 
     @get("/keys/{key_id:str}/usage", summary="Requests and tokens used by a key, per model",
-         responses=errors(400, 401, 404, 503))
-    async def key_usage(key_id: str = KeyId) -> Usage:
-        return await keys.usage(key_id)
+         opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def key_usage(request: Request, key_id: str = KeyId) -> Usage:
+        return await keys.usage(key_id, request)
 
     handlers = [create_key, list_keys, show_key, update_key, revoke_key, rotate_key, key_usage,
-                *live_handlers(gateway), *report_handlers(gateway, KeyId), *variant_handlers(gateway),
-                *audit_handlers(gateway)]
+                *live_handlers(gateway), *report_handlers(gateway, KeyId, keys.load), *variant_handlers(gateway),
+                *team_handlers(gateway), *audit_handlers(gateway)]
     return Router(
         path="/admin",
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own

@@ -221,16 +221,21 @@ class Gateway:
             entry["parent"] = parent
         return entry
 
-    async def report(self, window: float, until: float | None = None) -> dict:
+    async def report(self, window: float, until: float | None = None, team: str | None = None,
+                     teams: bool = False) -> dict:
         """The own-vs-rent report (policies/ledger/report.py) for the `window` seconds before `until` (default:
-        now), in whole ledger buckets; this replica's unwritten sums are written first."""
+        now), in whole ledger buckets; this replica's unwritten sums are written first. `team`: only that
+        team's keys' calls (the backends' time stays the fleet's); `teams`: figures per team too."""
         size = self.policy.ledger.bucket_seconds
         now = time.time()
         end = math.ceil(min(until or now, now) / size) * size
         since = (end - window) // size * size
         await self.record_ledger.flush()
         rows = await self.ledger.read(since, end)
-        return build_report(rows, costs_of(self.policy), since, min(end, now), size)
+        members = {k.id: k.team for k in await self.store.list_keys() if k.team} if teams or team else None
+        if team is not None and members is not None:
+            rows = [(row, values) for row, values in rows if not row.key_id or members.get(row.key_id) == team]
+        return build_report(rows, costs_of(self.policy), since, min(end, now), size, members)
 
     async def refresh_report_gauges(self) -> None:
         every = self.policy.ledger.report_every_seconds

@@ -32,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
 
-    from gateway import audit_cli, keys_cli, knee_cli, report_cli, variants_cli
+    from gateway import audit_cli, keys_cli, knee_cli, report_cli, teams_cli, variants_cli
 
     keys_cli.add_commands(sub)
     audit_cli.add_commands(sub)
     knee_cli.add_commands(sub)
     report_cli.add_commands(sub)
+    teams_cli.add_commands(sub)
     variants_cli.add_commands(sub)
 
     args = parser.parse_args(argv)
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return knee_cli.run(args)
     if args.command == "report":
         return report_cli.run(args)
+    if args.command == "teams":
+        return teams_cli.run(args)
     if args.command == "variants":
         return variants_cli.run(args)
     if args.command == "check":

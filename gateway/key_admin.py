@@ -3,7 +3,9 @@ and the console (gateway/console/) call these, so a key issued, changed, rotated
 what the other would have done. The request and answer models are the admin API's documented shapes.
 
 Each change is recorded in the audit log (gateway/admin_audit.py) here, whichever door it came through: the
-caller passes its connection, whose scope holds the verified claims of the admin acting (ADMIN_CLAIMS).
+caller passes its connection, whose scope holds the verified claims of the admin acting (ADMIN_CLAIMS). A team
+admin's token (gateway/admin_scope.py) reaches only its own team's keys, and a key in a team may only narrow
+what the team allows (policies/teams.py): 409 naming each excess, nothing stored.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from litestar.connection import ASGIConnection
 from litestar.params import KwargDefinition
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from policies.accounting import by_model
+from gateway.admin_scope import check_key, own_team
+from gateway.team_routes import TeamName
+from policies.accounting import by_model, totals
 from policies.audit import diff
-from policies.errors import NotFound, StateUnavailable
+from policies.errors import Conflict, NotFound, PermissionDenied, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
     CLASS_NAME,
@@ -31,6 +35,7 @@ from policies.keys import (
     normalize_cidrs,
 )
 from policies.store import KeyExists, KeyNotFound
+from policies.teams import key_problems
 
 CREATE_ATTEMPTS = 5  # ids tried for one new key
 # The pattern is for the document; the validator below checks the same form with a readable message.
@@ -47,7 +52,10 @@ class KeyChanges(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(None, min_length=1, max_length=200)  # type: ignore[assignment]  # absent: unchanged; null is refused
     owner: str | None = Field(None, max_length=200)
-    models: list[str] | None = Field(None, description="models the key may use; omit or null for all")
+    team: TeamName | None = Field(None, description="the team the key belongs to (it may only narrow what the"
+                                  " team allows); null for none. A team admin's keys are always in its team")
+    models: list[str] | None = Field(None, description="models the key may use; omit or null for all (in a team:"
+                                     " all of the team's)")
     expires_at: float | None = Field(None, description="unix seconds after which the key stops working")
     data_policy: DataPolicy | None = None
     allowed_cidrs: list[Cidr] | None = Field(None, description="client networks (CIDR) the key may be used from;"
@@ -82,6 +90,7 @@ class KeyView(BaseModel):
     id: str
     name: str
     owner: str | None
+    team: str | None
     models: list[str] | None
     expires_at: float | None
     revoked: bool
@@ -123,11 +132,26 @@ class KeyAdmin:
         self.gateway = gateway
         self.store = gateway.store
 
-    async def load(self, key_id: str) -> KeyRecord:
+    async def load(self, key_id: str, connection: ASGIConnection | None = None) -> KeyRecord:
+        """The key, if the admin on `connection` may manage it (a team admin: only its team's)."""
         record = await self.store.get_key(key_id)
         if record is None:
             raise NotFound(f"no API key with id {key_id}", code="key_not_found")
+        if connection is not None:
+            check_key(connection, record)
         return record
+
+    async def fits_team(self, record: KeyRecord) -> None:
+        """409 naming every way the key would allow more than its team as it stands (404: no such team)."""
+        if record.team is None:
+            return
+        team = await self.store.get_team(record.team)
+        if team is None:
+            raise NotFound(f"no team named {record.team}", param="team", code="team_not_found")
+        problems = key_problems(record, team)
+        if problems:
+            raise Conflict(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
+                           param=problems[0][0], code="exceeds_team")
 
     async def save(self, connection: ASGIConnection, action: str, before: KeyRecord, record: KeyRecord,
                    more: dict | None = None) -> KeyView:
@@ -146,10 +170,17 @@ class KeyAdmin:
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
             fields["expires_at"] = time.time() + data.expires_in
-        for _ in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
+        team = own_team(connection)
+        if team is not None:  # a team admin's keys are its team's
+            if data.team not in (None, team):
+                raise PermissionDenied(f"this admin token issues keys of team {team} only", code="other_team")
+            fields["team"] = team
+        for attempt in range(CREATE_ATTEMPTS):  # a taken id (1 in 2**64 per key issued) gets a fresh one
             key_id = new_key_id()
             key = new_key(key_id)
             record = KeyRecord(id=key_id, created_at=time.time(), hash=hash_key(key), **fields)
+            if attempt == 0:
+                await self.fits_team(record)
             try:
                 await self.store.create_key(record)
             except KeyExists:
@@ -159,27 +190,32 @@ class KeyAdmin:
             return IssuedKey(key=key, record=view)
         raise StateUnavailable(f"no free key id in {CREATE_ATTEMPTS} tries; try again")
 
-    async def listing(self) -> list[KeyView]:
-        return [KeyView.of(r) for r in await self.store.list_keys()]
+    async def listing(self, team: str | None = None) -> list[KeyView]:
+        """Every key, or the keys of `team`."""
+        return [KeyView.of(r) for r in await self.store.list_keys() if team is None or r.team == team]
 
     async def update(self, connection: ASGIConnection, key_id: str, data: KeyChanges) -> KeyView:
-        record = await self.load(key_id)
+        record = await self.load(key_id, connection)
         changes = data.model_dump(exclude_unset=True)
+        own = own_team(connection)
+        if own is not None and changes.get("team", own) != own:
+            raise PermissionDenied(f"a team admin cannot move keys out of team {own}", code="other_team")
         for field in ("data_policy", "limits", "client_priority"):  # null: back to the default, as when issued
             if field in changes and changes[field] is None:
                 changes[field] = KeyRecord.model_fields[field].get_default()
         if isinstance(changes.get("limits"), dict):  # only the limits sent change (one sent as null: unlimited)
             changes["limits"] = {**record.limits.model_dump(), **changes["limits"]}
         updated = KeyRecord.model_validate({**record.model_dump(), **changes})
+        await self.fits_team(updated)
         return await self.save(connection, "key.update", record, updated)
 
     async def revoke(self, connection: ASGIConnection, key_id: str) -> KeyView:
-        record = await self.load(key_id)
+        record = await self.load(key_id, connection)
         revoked = record.model_copy(update={"revoked": True, "previous_hash": None, "previous_valid_until": None})
         return await self.save(connection, "key.revoke", record, revoked)
 
     async def rotate(self, connection: ASGIConnection, key_id: str, rotation: Rotation | None = None) -> IssuedKey:
-        record = await self.load(key_id)
+        record = await self.load(key_id, connection)
         grace = (rotation or Rotation()).grace_seconds
         key = new_key(key_id)
         rotated = record.model_copy(update={"hash": hash_key(key), "previous_hash": record.hash,
@@ -187,12 +223,8 @@ class KeyAdmin:
         view = await self.save(connection, "key.rotate", record, rotated, {"grace_seconds": grace})
         return IssuedKey(key=key, record=view)
 
-    async def usage(self, key_id: str) -> Usage:
-        await self.load(key_id)
+    async def usage(self, key_id: str, connection: ASGIConnection | None = None) -> Usage:
+        await self.load(key_id, connection)
         await self.gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         models, variants = by_model(await self.store.usage(key_id))
-        total: dict[str, int] = {}
-        for counts in models.values():
-            for name, value in counts.items():
-                total[name] = total.get(name, 0) + value
-        return Usage(id=key_id, models=models, variants=variants, total=total)
+        return Usage(id=key_id, models=models, variants=variants, total=totals(models))

@@ -12,6 +12,8 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -31,7 +33,8 @@ def add_commands(sub) -> None:
     token = sub.add_parser("admin-token", help="mint an admin JWT from the configured secret")
     token.add_argument("--config", "-c", help="the policy file (for algorithm, issuer, audience)")
     token.add_argument("--ttl", type=seconds, default=3600.0, help="lifetime, e.g. 1h (default 1h)")
-    token.add_argument("--role", choices=["admin", "operator", "viewer"], default="admin")
+    token.add_argument("--role", choices=["admin", "operator", "viewer", "team_admin"], default="admin")
+    token.add_argument("--team", help="the team a team_admin token manages")
     token.add_argument("--subject", default="admin")
     token.add_argument("--private-key-file", help="PEM private key, for RS256/ES256")
 
@@ -50,7 +53,7 @@ def add_commands(sub) -> None:
     update.add_argument("--name")
     add_settings(update)
     update.add_argument("--no-budget", action="store_true", help="remove the key's budget")
-    actions.add_parser("list", help="list keys")
+    actions.add_parser("list", help="list keys").add_argument("--team", help="only this team's keys")
     for action in ("show", "revoke", "usage", "budget"):
         actions.add_parser(action, help=f"{action} one key").add_argument("id")
     rotate = actions.add_parser("rotate", help="new secret; the old one keeps working during --grace")
@@ -60,6 +63,7 @@ def add_commands(sub) -> None:
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--owner")
+    parser.add_argument("--team", help="the team the key belongs to (it may only narrow the team's settings)")
     parser.add_argument("--models", help="comma-separated models the key may use (default: all)")
     parser.add_argument("--expires-in", type=seconds, help="e.g. 30d")
     parser.add_argument("--data-policy", choices=["private_only", "allow_rented"])
@@ -79,7 +83,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 
 def settings(args: argparse.Namespace) -> dict:
     body: dict = {}
-    for field in ("name", "owner", "data_policy", "priority_class"):
+    for field in ("name", "owner", "team", "data_policy", "priority_class"):
         if getattr(args, field, None) is not None:
             body[field] = getattr(args, field)
     if args.client_priority is not None:
@@ -120,7 +124,8 @@ def run_admin_token(args: argparse.Namespace) -> int:
     try:
         config = load_policy(args.config).admin if args.config else Admin()
         private = open(args.private_key_file, "rb").read() if args.private_key_file else None
-        print(mint_token(config, args.ttl, role=args.role, subject=args.subject, private_key=private))
+        print(mint_token(config, args.ttl, role=args.role, subject=args.subject, private_key=private,
+                         team=args.team))
     except (PolicyError, ValueError, OSError) as exc:
         print(f"admin-token: {exc}", file=sys.stderr)
         return 1
@@ -137,7 +142,7 @@ def run_keys(args: argparse.Namespace) -> int:
     requests = {
         "create": lambda: ("POST", base, {**settings(args), "expires_in": args.expires_in}),
         "update": lambda: ("PATCH", f"{base}/{args.id}", update_body(args, f"{base}/{args.id}", headers)),
-        "list": lambda: ("GET", base, None),
+        "list": lambda: ("GET", base + (f"?team={args.team}" if args.team else ""), None),
         "show": lambda: ("GET", f"{base}/{args.id}", None),
         "usage": lambda: ("GET", f"{base}/{args.id}/usage", None),
         "budget": lambda: ("GET", f"{base}/{args.id}/budget", None),
@@ -146,11 +151,21 @@ def run_keys(args: argparse.Namespace) -> int:
     }
     try:
         method, url, body = requests[args.action]()
-        if args.action == "create" and body["expires_in"] is None:
-            del body["expires_in"]
-        response = httpx.request(method, url, json=body, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
         print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    if args.action == "create" and body["expires_in"] is None:
+        del body["expires_in"]
+    return send(args, "keys", method, url, body, headers, render)
+
+
+def send(args: argparse.Namespace, command: str, method: str, url: str, body: dict | None, headers: dict,
+         show: Callable[[str, Any], str]) -> int:
+    """One admin API call; prints `show(action, answer)` (or the JSON with --json), or what went wrong."""
+    try:
+        response = httpx.request(method, url, json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"{command}: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
         return 1
     try:
         data = response.json() if response.content else {}
@@ -158,9 +173,10 @@ def run_keys(args: argparse.Namespace) -> int:
         data = {}
     if response.status_code >= 400:
         message = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        print(f"keys {args.action}: HTTP {response.status_code}: {message or response.text[:300]}", file=sys.stderr)
+        print(f"{command} {args.action}: HTTP {response.status_code}: {message or response.text[:300]}",
+              file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2) if args.json else render(args.action, data))
+    print(json.dumps(data, indent=2) if args.json else show(args.action, data))
     return 0
 
 
@@ -178,30 +194,38 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def key_row(k: dict) -> list[str]:
     state = "revoked" if k["revoked"] else "active"
-    return [k["id"], k["name"], state, ",".join(k["models"]) if k["models"] is not None else "*",
+    return [k["id"], k["name"], k.get("team") or "-", state, ",".join(k["models"]) if k["models"] is not None else "*",
             k["data_policy"], k.get("priority_class") or "(default)", when(k["expires_at"]),
             when(k["last_used_at"])]
 
 
-KEY_HEADER = ["ID", "NAME", "STATE", "MODELS", "DATA POLICY", "CLASS", "EXPIRES", "LAST USED"]
+KEY_HEADER = ["ID", "NAME", "TEAM", "STATE", "MODELS", "DATA POLICY", "CLASS", "EXPIRES", "LAST USED"]
 
 
 def render(action: str, data) -> str:
     if action == "list":
         return table([key_row(k) for k in data], KEY_HEADER)
     if action == "usage":
-        rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
-                for m, c in sorted(data["models"].items())]
-        return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
+        return usage_table(data)
     if action == "budget":
-        spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
-                                              is not None else "")
-        tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"
-        return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
-                     ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])
+        return budget_table(data)
     if action in ("create", "rotate"):
         record = data["record"]
         note = "" if action == "create" else f"\nthe previous secret works until {when(record['previous_valid_until'])}"
         return (f"{table([key_row(record)], KEY_HEADER)}\n\nAPI key (shown once, store it now):\n{data['key']}"
                 f"{note}")
     return table([key_row(data)], KEY_HEADER)
+
+
+def usage_table(data: dict) -> str:
+    rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
+            for m, c in sorted(data["models"].items())]
+    return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
+
+
+def budget_table(data: dict) -> str:
+    spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
+                                          is not None else "")
+    tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"
+    return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
+                 ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])

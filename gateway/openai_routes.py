@@ -26,6 +26,7 @@ from policies.errors import (
 )
 from policies.finished import answered
 from policies.pipeline import Call
+from policies.teams import effective_models
 
 log = logging.getLogger("gateway.http")
 
@@ -187,6 +188,9 @@ class OpenAIRoutes:
             network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
             check_key_source(key, host)
+            team = await self.gateway.authenticate.team_of(key)
+            if team is not None:  # the models it lists are the key's inside its team's
+                key = key.model_copy(update={"models": effective_models(key, team)})
             raw = b""
             if route.body != NONE:
                 policy = self.gateway.policy

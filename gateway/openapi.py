@@ -43,9 +43,13 @@ class ErrorBody(BaseModel):
 WHY = {
     400: "The request is malformed: an invalid path parameter or body (the message names the field)",
     401: "Missing, malformed, expired or forged admin token",
-    403: "The admin token may not do this (role viewer is read-only; operator may change variant weights only)",
-    404: "No API key has this id (no model or variant of that name, on the variant routes)",
-    409: "The change would leave the model no live traffic (every weight 0)",
+    403: "The admin token may not do this (role viewer is read-only; operator may change variant weights only;"
+         " team_admin may manage only its own team's keys)",
+    404: "No API key has this id (or no team has the name given; no model or variant of that name on the variant"
+         " routes)",
+    409: "The change conflicts with what is stored: a key that would allow more than its team, a team change that"
+         " would leave a key above the team, a team that still has keys, or a variant change that would leave the"
+         " model no live traffic",
     413: "The request body is larger than server.max_body_bytes",
     503: "The admin API is not configured, or the key store cannot be reached",
 }

@@ -25,6 +25,7 @@ def add_commands(sub) -> None:
                         help="admin or viewer JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
     report.add_argument("--window", type=seconds, default=86400.0, help="e.g. 1h, 7d (default 1d)")
     report.add_argument("--until", type=int, help="end of the window, unix seconds (default: now)")
+    report.add_argument("--team", help="only this team's calls (a team admin token: its own team)")
     report.add_argument("--json", action="store_true", help="print the report as JSON")
     report.add_argument("--png", type=Path, help="also write a chart of utilisation and cost over time")
 
@@ -53,7 +54,8 @@ def admin_get(args: argparse.Namespace, command: str, path: str, params: dict) -
 
 
 def run(args: argparse.Namespace) -> int:
-    params = {"window": max(1, round(args.window)), **({"until": args.until} if args.until is not None else {})}
+    params = {"window": max(1, round(args.window)), **({"until": args.until} if args.until is not None else {}),
+              **({"team": args.team} if args.team else {})}
     report = admin_get(args, "report", "/admin/report", params)
     if isinstance(report, int):
         return report
@@ -105,6 +107,10 @@ def render(report: dict) -> str:
         for b in m["backends"]:
             out.append(f"  {b['name']}: busy {_fmt(b['utilisation'], '%')}, {b['average_in_flight']:.2f} in flight"
                        f" on average" + (f" of a cap of {b['cap']} ({b['in_flight_vs_cap']:.0%})" if b["cap"] else ""))
+    if report.get("teams"):
+        out.extend(["", table([[name, f"{t['requests']:,}", f"{t['tokens']:,}", f"{t['rented_requests']:,}",
+                                _fmt(t["rented_cost"])] for name, t in sorted(report["teams"].items())],
+                              ["TEAM", "REQUESTS", "TOKENS", "RENTED REQUESTS", "RENTED COST"])])
     return "\n".join(out)
 
 

@@ -12,9 +12,11 @@ from litestar import Request, get
 from litestar.params import Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.admin_scope import check_team, own_team
 from gateway.openapi import errors
 from policies.budget import period_bounds
-from policies.errors import BadRequest, NotFound
+from policies.errors import BadRequest, NotFound, PermissionDenied
+from policies.keys import TEAM_NAME
 
 
 class Closed(BaseModel):
@@ -98,6 +100,7 @@ class Report(Closed):
     bucket_seconds: int
     models: dict[str, ModelFigures]
     keys: dict[str, KeyFigures]
+    teams: dict[str, KeyFigures] = Field(description="each team's calls, its keys' summed")
 
 
 class BudgetStatus(Closed):
@@ -113,41 +116,55 @@ class BudgetStatus(Closed):
     when_spent: str
 
 
-def report_handlers(gateway, key_id_param) -> list:
-    @get("/report", summary="Own or rent: utilisation, owned vs rented cost and a recommendation per model",
-         responses=errors(400, 401, 503))
-    async def report(
-        request: Request,
-        window: int = Parameter(default=3600, ge=1, le=90 * 86400, description="seconds before `until`"),
-        until: int | None = Parameter(default=None, ge=1, le=10**11, description="unix seconds (default: now)"),
-    ) -> Report:
-        unknown = sorted(set(request.query_params) - {"window", "until"})
-        if unknown:
-            raise BadRequest(f"unknown query parameter {unknown[0]!r:.40}: expected window and until",
-                             param=unknown[0][:40])
-        return Report.model_validate(await gateway.report(window, until))
-
-    @get("/keys/{key_id:str}/budget", summary="What a key has spent of its budget this period",
-         responses=errors(400, 401, 404, 503))
-    async def key_budget(key_id: str = key_id_param) -> BudgetStatus:
-        return await budget_status(gateway, key_id)
-
-    return [report, key_budget]
-
-
-async def budget_status(gateway, key_id: str) -> BudgetStatus:
-    """What a key has spent of its budget this period (the admin API's and the console's answer)."""
-    record = await gateway.store.get_key(key_id)
-    if record is None:
-        raise NotFound(f"no API key with id {key_id}", code="key_not_found")
-    budget = record.budget
+async def budget_status(gateway, owner: str, shown: str, budget) -> BudgetStatus:
+    """What `owner` (a key id, or a team's `team:<name>`) has spent of `budget` (a KeyBudget or None) this period."""
     period = budget.period if budget else "month"
     start, end = period_bounds(period, time.time())
-    spent, used = await gateway.budgets.status(key_id, start, end)
+    spent, used = await gateway.budgets.status(owner, start, end)
     return BudgetStatus(
-        id=key_id, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
+        id=shown, period=period, period_start=start, resets_at=end, rented_spend=round(spent, 9),
         max_rented_spend=budget.max_rented_spend if budget else None,
         tokens=int(used) if budget and budget.max_tokens_per_period else None,
         max_tokens_per_period=budget.max_tokens_per_period if budget else None,
         when_spent=budget.when_spent if budget else "owned_only",
     )
+
+
+def report_handlers(gateway, key_id_param, load) -> list:
+    @get("/report", summary="Own or rent: utilisation, owned vs rented cost and a recommendation per model",
+         description="With `team`, the calls counted are that team's keys' (a team admin may ask for its own"
+         " team's); the backends' utilisation stays the whole fleet's.",
+         opt={"team": True}, responses=errors(400, 401, 403, 503))
+    async def report(
+        request: Request,
+        window: int = Parameter(default=3600, ge=1, le=90 * 86400, description="seconds before `until`"),
+        until: int | None = Parameter(default=None, ge=1, le=10**11, description="unix seconds (default: now)"),
+        team: str | None = Parameter(default=None, pattern=TEAM_NAME, description="only this team's calls"),
+    ) -> Report:
+        unknown = sorted(set(request.query_params) - {"window", "until", "team"})
+        if unknown:
+            raise BadRequest(f"unknown query parameter {unknown[0]!r:.40}: expected window, until and team",
+                             param=unknown[0][:40])
+        if own_team(request) is not None:
+            if team is None:
+                raise PermissionDenied("a team admin token reads its own team's report only: add ?team=",
+                                       code="team_admin_scope")
+            check_team(request, team)
+        return Report.model_validate(await gateway.report(window, until, team, teams=True))
+
+    @get("/keys/{key_id:str}/budget", summary="What a key has spent of its budget this period",
+         opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
+    async def key_budget(request: Request, key_id: str = key_id_param) -> BudgetStatus:
+        record = await load(key_id, request)  # `load` (admin_routes): 404, or 403 outside a team admin's team
+        return await budget_status(gateway, key_id, key_id, record.budget)
+
+    return [report, key_budget]
+
+
+
+async def key_budget_status(gateway, key_id: str) -> BudgetStatus:
+    """What a key has spent of its budget this period (the console's answer, as GET /admin/keys/{id}/budget's)."""
+    record = await gateway.store.get_key(key_id)
+    if record is None:
+        raise NotFound(f"no API key with id {key_id}", code="key_not_found")
+    return await budget_status(gateway, key_id, key_id, record.budget)

@@ -88,6 +88,26 @@ class RecordUsage:
                 raise
 
 
+def merged(usages: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Several keys' usage rows summed into one (a team's), by model (or model#variant)."""
+    out: dict[str, dict[str, int]] = {}
+    for rows in usages:
+        for name, counts in rows.items():
+            total = out.setdefault(name, dict.fromkeys(counts, 0))
+            for field, value in counts.items():
+                total[field] = total.get(field, 0) + value
+    return dict(sorted(out.items()))
+
+
+def totals(models: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Every model's counters summed."""
+    out: dict[str, int] = {}
+    for counts in models.values():
+        for name, value in counts.items():
+            out[name] = out.get(name, 0) + value
+    return out
+
+
 def by_model(rows: dict[str, dict[str, int]]) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, dict[str, int]]]]:
     """A key's usage rows ({model or model#variant: counters}) as (per model, summing its variants; per model
     with variants, per variant)."""

@@ -6,6 +6,8 @@ revoked, wrong secret), and never echoes the key. Verified records are cached pe
 so the TTL is only the bound when such a message is lost. While the
 store cannot be reached (an outage, a Redis failover) a record verified within `auth.stale_seconds` is used
 as it was, so keys issued before the failover keep working; a key never seen by this process gets a 503.
+A key's team (policies/teams.py) is looked up and cached the same way, under `team:<name>`, and announced the
+same way when it changes; Authorize holds the call to the team's models and data policy as well as the key's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavail
 from policies.keys import KeyRecord, key_id_of
 from policies.pipeline import Call
 from policies.store import Store, StoreUnavailable
+from policies.teams import OWNER_PREFIX, TeamRecord
 
 INVALID = "Incorrect or missing API key. Pass a valid key as `Authorization: Bearer sk-...`."
 MAX_HEADER = 512
@@ -34,15 +37,18 @@ def bearer_key(authorization: str | None) -> str | None:
     return value.strip() or None
 
 
+Cached = KeyRecord | TeamRecord  # a team's id is `team:<name>`, never a key's (hex)
+
+
 class KeyCache:
-    """key id -> (record, fetched at): a small LRU with a time bound."""
+    """key id (or team:<name>) -> (record, fetched at): a small LRU with a time bound."""
 
     def __init__(self, ttl: float, keep: float = 0.0) -> None:
         self.ttl = ttl
         self.keep = keep  # how long an entry may serve while the store is unreachable
-        self.entries: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()
+        self.entries: OrderedDict[str, tuple[Cached, float]] = OrderedDict()
 
-    def get(self, key_id: str, now: float, ttl: float | None = None) -> KeyRecord | None:
+    def get(self, key_id: str, now: float, ttl: float | None = None) -> Cached | None:
         """The record if fetched less than `ttl` (default: the cache's own) ago."""
         entry = self.entries.get(key_id)
         if entry is None or now - entry[1] >= (self.ttl if ttl is None else ttl):
@@ -50,7 +56,7 @@ class KeyCache:
         self.entries.move_to_end(key_id)
         return entry[0]
 
-    def put(self, record: KeyRecord, now: float) -> None:
+    def put(self, record: Cached, now: float) -> None:
         if self.ttl <= 0 and self.keep <= 0:
             return
         self.entries[record.id] = (record, now)
@@ -76,6 +82,29 @@ class Authenticate:
     async def enter(self, call: Call) -> None:
         if call.batch is None:  # a batch's line comes with its key's record, checked as it was read
             call.key = await self.verify(call.headers.get("authorization"))
+        call.team = await self.team_of(call.key)
+
+    async def team_of(self, key: KeyRecord) -> TeamRecord | None:
+        """The key's team (cached as keys are); 403 if it names a team that no longer exists."""
+        if key.team is None:
+            return None
+        entry = OWNER_PREFIX + key.team
+        mono = time.monotonic()
+        team = self.cache.get(entry, mono)
+        if team is None:
+            try:
+                team = await self.store.get_team(key.team)
+            except StoreUnavailable:
+                team = self.cache.get(entry, mono, self.cache.keep)
+                self.on_outage("refused" if team is None else "cached")
+                if team is None:
+                    raise StateUnavailable("the key store is unavailable; try again shortly") from None
+            else:
+                if team is not None:
+                    self.cache.put(team, mono)
+        if not isinstance(team, TeamRecord):
+            raise PermissionDenied(f"this API key's team {key.team} no longer exists", code="team_not_found")
+        return team
 
     async def verify(self, authorization: str | None) -> KeyRecord:
         key = bearer_key(authorization)
@@ -96,7 +125,7 @@ class Authenticate:
             else:
                 if record is not None:
                     self.cache.put(record, mono)
-        if record is None or not record.matches(key, now) or not record.usable(now):
+        if not isinstance(record, KeyRecord) or not record.matches(key, now) or not record.usable(now):
             raise AuthenticationFailed(INVALID)
         if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:
             self.touched[key_id] = mono
@@ -117,6 +146,13 @@ class Authorize:
         if key.models is not None and call.model not in key.models:
             raise PermissionDenied(f"this API key may not use model {call.model}", param="model",
                                    code="model_not_allowed")
+        team = call.team
+        if team is not None:  # checked here too: a key's own settings are kept inside its team's when written
+            if team.models is not None and call.model not in team.models:
+                raise PermissionDenied(f"this API key's team {team.name} may not use model {call.model}",
+                                       param="model", code="model_not_allowed")
+            if team.data_policy == "private_only":
+                call.rent_allowed = False
         check_key_source(key, call.client_host)
 
     async def leave(self, call: Call) -> None:

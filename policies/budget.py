@@ -1,11 +1,15 @@
-"""Pipeline step: per-key budgets per period: rented spend (`max_rented_spend`) and tokens (`max_tokens_per_period`).
+"""Pipeline step: budgets per period, a key's and its team's: rented spend (`max_rented_spend`) and tokens
+(`max_tokens_per_period`).
 
 Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
 price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
 reservation is one atomic step (one Lua call on one Redis hash when the store is shared, so N replicas enforce
 one budget); the call's end settles it against the real cost and tokens, as its finished-call record counted them
 (policies/finished.py: the budget step observes the records), off the request path. Keys without a
-budget cost nothing here; a budget on rented spend alone costs nothing until a call spills.
+budget cost nothing here; a budget on rented spend alone costs nothing until a call spills. A key in a team
+(policies/teams.py) counts against both budgets: its call is admitted only while both have room, and rents only
+while both do (what one reserved is given back when the other refuses); the team's budget is kept under
+`team:<name>`.
 
 Rented spend: a call may rent while spent + reserved is below the budget, so the spend ends within one
 request's cost of it (when the estimate is not below the real cost: max_tokens bounds the completion, the
@@ -21,6 +25,7 @@ period ends (they are at most its requests in flight).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import math
@@ -31,6 +36,8 @@ from typing import Protocol
 
 from policies.errors import RateLimited
 from policies.finished import RENTED, Finished
+from policies.keys import KeyBudget
+from policies.teams import OWNER_PREFIX
 from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.pipeline import Call
 from policies.store import StoreUnavailable
@@ -71,7 +78,7 @@ class Verdict:
 
 @dataclass(slots=True)
 class Hold:
-    key_id: str
+    key_id: str  # the budget's owner: a key id, or a team's `team:<name>`
     start: int
     end: int
     cost: float
@@ -93,17 +100,24 @@ class Budgets(Protocol):
 
 
 class MemoryBudgets:
-    """Budgets in this process (embedded store): per (key, period) [spent, reserved, tokens, reserved tokens]."""
+    """Budgets in this process (embedded store): per (owner, period) [spent, reserved, tokens, reserved tokens].
+    An owner is a key id, or a team's `team:<name>` (`members` then names its keys, whose ledger rows count)."""
 
-    def __init__(self, ledger) -> None:
+    def __init__(self, ledger, members=None) -> None:
         self.ledger = ledger
+        self.members = members  # async (team name) -> its key ids
         self.counts: dict[tuple[str, int], list[float]] = {}
 
     async def counters(self, key_id: str, start: int) -> list[float]:
         counts = self.counts.get((key_id, start))
         if counts is None:
             spent = used = 0.0
-            for _row, values in await self.ledger.read(start, time.time() + 86400 * 32, key_id=key_id):
+            team = key_id[len(OWNER_PREFIX):] if key_id.startswith(OWNER_PREFIX) else None
+            keys = set(await self.members(team)) if team is not None and self.members is not None else {key_id}
+            for row, values in await self.ledger.read(start, time.time() + 86400 * 32,
+                                                      key_id=key_id if team is None else None):
+                if row.key_id not in keys:
+                    continue
                 spent += values[COST]
                 used += values[PROMPT] + values[COMPLETION]
             counts = self.counts.setdefault((key_id, start), [spent, 0.0, used, 0.0])
@@ -211,7 +225,9 @@ class RedisBudgets:
 
 class Budget:
     """A pipeline step (it reserves on entry) and an observer of finished calls (it settles from the record, whose
-    tokens and rented cost are counted once for every observer)."""
+    tokens and rented cost are counted once for every observer). Each call counts against its key's budget and,
+    for a key in a team, its team's too (every key of the team together): a reservation is taken in each or in
+    none, and a call rents only while both have room."""
 
     name = "budget"
 
@@ -223,33 +239,59 @@ class Budget:
         self.overflow = {m.name: m.overflow.provider for m in policy.models if m.overflow}
         self.outage_logged = False
 
-    async def enter(self, call: Call) -> None:
+    @staticmethod
+    def owners(call: Call) -> list[tuple[str, KeyBudget, str]]:
+        """(budget owner id, its budget, who it is in a refusal) for every budget the call counts against."""
         key = call.key
         assert key is not None  # authenticated by an earlier step
-        budget = key.budget
-        if budget is None:
+        out = []
+        if key.budget is not None:
+            out.append((key.id, key.budget, "This API key"))
+        team = call.team
+        if team is not None and team.budget is not None:
+            out.append((team.id, team.budget, f"Team {team.name}"))
+        return out
+
+    async def enter(self, call: Call) -> None:
+        owners = self.owners(call)
+        if not owners:
             return
+        holds: list[tuple[Hold, KeyBudget]] = []
+        try:
+            for owner, budget, who in owners:
+                holds.append((await self.enter_one(call, owner, budget, who), budget))
+        except BaseException:  # a later budget refused: give back what the earlier ones reserved
+            await asyncio.gather(*(self.budgets.settle(hold, 0.0, 0) for hold, _ in holds if hold.tokens))
+            raise
+        call.budget_hold = [hold for hold, _ in holds]
+        provider = self.overflow.get(call.model) if call.key is not None and call.key.data_policy == "allow_rented" \
+            and call.rent_allowed \
+            else None
+        rented = [(hold, budget) for hold, budget in holds if budget.max_rented_spend is not None]
+        if rented and provider is not None:
+            call.before_rent = partial(self.reserve_rents, call, rented, provider)
+
+    async def enter_one(self, call: Call, owner: str, budget: KeyBudget, who: str) -> Hold:
+        """Reserve the call's tokens in one owner's budget (or refuse it, holding nothing)."""
         start, end = period_bounds(budget.period, time.time())
-        call.budget_hold = hold = Hold(key.id, start, end, 0.0, 0)
-        provider = self.overflow.get(call.model) if key.data_policy == "allow_rented" else None
-        if budget.max_rented_spend is not None and provider is not None:
-            call.before_rent = partial(self.reserve_rent, call, hold, provider, budget.max_rented_spend)
+        hold = Hold(owner, start, end, 0.0, 0)
         if budget.max_tokens_per_period is None and budget.when_spent != "reject":
-            return  # only renting is budgeted, and it reserves when (if) the call spills
+            return hold  # only renting is budgeted, and it reserves when (if) the call spills
         want = estimate(call, self.default_max_tokens)[2] if budget.max_tokens_per_period is not None else 0
         verdict = await self.reserve(call, hold, -1 if budget.when_spent != "reject" else budget.max_rented_spend,
                                      0.0, budget.max_tokens_per_period, want)
         if verdict is None:
-            return
+            return hold
         if not verdict.tokens_ok:
-            self.refuse(f"This API key has used its {budget.max_tokens_per_period} tokens for the {budget.period}",
+            self.refuse(f"{who} has used its {budget.max_tokens_per_period} tokens for the {budget.period}",
                         "token_budget_exceeded", end)
         hold.tokens = want
         if budget.when_spent == "reject" and budget.max_rented_spend is not None and not verdict.rent_ok:
             call.budget_hold = None  # settled here: the refused call's record has nothing to settle
             await self.budgets.settle(hold, 0.0, 0)
-            self.refuse(f"This API key has spent its rented budget of {budget.max_rented_spend:g} for the "
+            self.refuse(f"{who} has spent its rented budget of {budget.max_rented_spend:g} for the "
                         f"{budget.period}", "budget_exceeded", end)
+        return hold
 
     async def reserve(self, call: Call, hold: Hold, max_spend, cost: float, max_tokens, want: int) -> Verdict | None:
         """One atomic check-and-reserve; None while the store is down (then the call stays owned)."""
@@ -265,16 +307,23 @@ class Budget:
         self.outage_logged = False
         return verdict
 
-    async def reserve_rent(self, call: Call, hold: Hold, provider: str, max_spend: float) -> bool:
-        """The call is about to spill: reserve its most likely-high rented cost if spent + reserved is still
-        below the budget (so the spend ends within one request's cost of it)."""
+    async def reserve_rents(self, call: Call, rented: list[tuple[Hold, KeyBudget]], provider: str) -> bool:
+        """The call is about to spill: reserve its most likely-high rented cost in each budget that has a rented
+        spend, if spent + reserved is still below each (so the spend ends within one request's cost of it); if
+        one has no room, give back what the others took and stay owned."""
         prompt, output, _ = estimate(call, self.default_max_tokens)
         cost = self.rented_cost(provider, prompt, output)
-        verdict = await self.reserve(call, hold, max_spend, cost, None, 0)
-        if verdict is None or not verdict.rent_ok:
-            call.rent_allowed = False
-            return False
-        hold.cost = cost
+        taken: list[Hold] = []
+        for hold, budget in rented:
+            verdict = await self.reserve(call, hold, budget.max_rented_spend, cost, None, 0)
+            if verdict is None or not verdict.rent_ok:
+                for earlier in taken:
+                    await self.budgets.settle(Hold(earlier.key_id, earlier.start, earlier.end, cost, 0), 0.0, 0)
+                    earlier.cost = 0.0
+                call.rent_allowed = False
+                return False
+            hold.cost = cost
+            taken.append(hold)
         return True
 
     def refuse(self, message: str, code: str, end: int) -> None:
@@ -287,17 +336,19 @@ class Budget:
         """Nothing: what `enter` reserved is settled once the call's record is built (`observe`)."""
 
     def observe(self, record: Finished) -> None:
-        """Settle what the call reserved against what its record counted: its tokens (never below 0, so a
-        provider cannot refund a budget) and its rented cost, for an answer a rented provider served."""
+        """Settle what the call reserved, in each budget it counted against, against what its record counted: its
+        tokens (never below 0, so a provider cannot refund a budget) and its rented cost, for an answer a rented
+        provider served."""
         call = record.call
-        if call is None or call.budget_hold is None:
+        if call is None or not call.budget_hold:
             return
-        hold: Hold = call.budget_hold
+        holds: list[Hold] = call.budget_hold
         call.budget_hold = None
         cost = record.cost if record.served_by == RENTED else 0.0
         used = record.prompt_tokens + record.completion_tokens
-        if not (hold.cost or hold.tokens or cost):
-            return  # nothing reserved, nothing spent
-        # in this process: settled before the next request of the key reserves; in Redis: off the request path
-        if not self.budgets.settle_now(hold, cost, used):
-            self.background(self.budgets.settle(hold, cost, used))
+        for hold in holds:
+            if not (hold.cost or hold.tokens or cost):
+                continue  # nothing reserved, nothing spent
+            # in this process: settled before the next request of the key reserves; in Redis: off the request path
+            if not self.budgets.settle_now(hold, cost, used):
+                self.background(self.budgets.settle(hold, cost, used))

@@ -26,6 +26,7 @@ ALPHABET = string.ascii_letters + string.digits
 KEY_PATTERN = re.compile(rf"^sk-([0-9a-f]{{{ID_LENGTH}}})-([A-Za-z0-9]{{{SECRET_LENGTH}}})$")
 
 CLASS_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # a priority class's name, as the policy spells them
+TEAM_NAME = r"^[a-z0-9][a-z0-9._-]{0,62}$"  # a team's name (policies/teams.py): lower case, one spelling each
 DataPolicy = Literal["private_only", "allow_rented"]
 
 
@@ -97,7 +98,8 @@ class KeyRecord(BaseModel):
     id: str = Field(pattern=rf"^[0-9a-f]{{{ID_LENGTH}}}$")
     name: str = Field(min_length=1, max_length=200)
     owner: str | None = Field(None, max_length=200)
-    models: list[str] | None = None  # None: every model
+    team: str | None = Field(None, pattern=TEAM_NAME)  # the team it belongs to, if any: it narrows the team's
+    models: list[str] | None = None  # None: every model (of its team, in a team)
     expires_at: float | None = None  # unix seconds
     revoked: bool = False
     data_policy: DataPolicy = "private_only"

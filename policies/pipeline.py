@@ -20,6 +20,7 @@ from policies.tokens import FREE, Estimate
 if TYPE_CHECKING:  # the steps' own types
     from policies.keys import KeyRecord
     from policies.ratelimit.base import Ticket
+    from policies.teams import TeamRecord
     from policies.variant_signals import StreamAnswer
 
 log = logging.getLogger("gateway.pipeline")
@@ -42,6 +43,7 @@ class Call:
     asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     key: KeyRecord | None = None  # the caller's key, once authenticated
+    team: TeamRecord | None = None  # its key's team, when it has one (policies/teams.py)
     # ids it names that must be its key's (policies/ownership.py): (what the tag covers, the tag, the refusal)
     claims: list[tuple[str, str, Exception]] = field(default_factory=list)
     mints_ids: bool = False  # it will mint ids its key owns: the owners step sets tag_owner

@@ -1,4 +1,4 @@
-"""Pipeline step: admit a request under its key's and its model's limits, and settle up when it ends.
+"""Pipeline step: admit a request under its key's, its team's and its model's limits, and settle up when it ends.
 
 Admission is one call to the limiter (one Redis round trip when shared); the release (slot back, token
 reservation settled against the real usage) runs off the request path. While the shared store is down (an
@@ -57,25 +57,29 @@ class RateLimit:
         })
         self.outage_logged_at = -1.0
         self.outage_unlogged = 0
-        self.scope_cache: dict[tuple[str, str], tuple[object, tuple[Scope, ...]]] = {}
+        self.scope_cache: dict[tuple[str, str], tuple[object, object, tuple[Scope, ...]]] = {}
 
     def scopes(self, call: Call) -> tuple[Scope, ...]:
         """The limits this call counts against; remembered per (key record, model) while the record is the same
         object (the auth cache hands out one record per key until it refreshes it)."""
-        key = call.key
+        key, team = call.key, call.team
         cached = self.scope_cache.get((key.id, call.model))
-        if cached is not None and cached[0] is key:
-            return cached[1]
+        if cached is not None and cached[0] is key and cached[1] is team:
+            return cached[2]
         scopes = self.build_scopes(call)
         if len(self.scope_cache) >= 10_000:
             self.scope_cache.clear()
-        self.scope_cache[(key.id, call.model)] = (key, scopes)
+        self.scope_cache[(key.id, call.model)] = (key, team, scopes)
         return scopes
 
     def build_scopes(self, call: Call) -> tuple[Scope, ...]:
+        """The key's limits, its team's (every key of the team counts against them together) and the model's."""
         limits = call.key.limits
         scopes = [Scope(f"key:{call.key.id}", limits.requests_per_minute, limits.tokens_per_minute,
                         limits.max_concurrent)]
+        if call.team is not None:
+            team = call.team.limits
+            scopes.append(Scope(call.team.id, team.requests_per_minute, team.tokens_per_minute, team.max_concurrent))
         if call.model in self.model_scopes:
             scopes.append(self.model_scopes[call.model])
         return tuple(s for s in scopes if s.limited)
@@ -127,7 +131,7 @@ class RateLimit:
 
     def refuse(self, call: Call, decision: Decision) -> None:
         scope_type, _, name = decision.scope.partition(":")
-        where = "this API key" if scope_type == "key" else f"model {name}"
+        where = {"key": "this API key", "team": f"this API key's team {name}"}.get(scope_type, f"model {name}")
         wait = max(decision.retry_after, 0.001)
         self.metrics.rate_limited.labels(call.model, scope_type, decision.kind).inc()
         raise RateLimited(

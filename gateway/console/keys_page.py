@@ -19,7 +19,7 @@ from gateway.console.pages import Page
 from gateway.console.render import page as render
 from gateway.console.session import form_of
 from gateway.key_admin import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
-from gateway.report_routes import budget_status
+from gateway.report_routes import key_budget_status
 from policies.errors import BadRequest
 from policies.keys import KeyRecord
 
@@ -53,7 +53,7 @@ def handlers(gateway) -> list:
     async def show(request: Request, key_id: str = KEY_ID) -> Template:
         view = KeyView.of(await keys.load(key_id))
         return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id),
-                    budget=await budget_status(gateway, key_id), now=time.time(), message=None)
+                    budget=await key_budget_status(gateway, key_id), now=time.time(), message=None)
 
     @post("/keys/{key_id:str}", opt={"role": "admin"}, status_code=200)
     async def update(request: Request, key_id: str = KEY_ID) -> Template:

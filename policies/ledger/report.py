@@ -68,28 +68,37 @@ def _round(value: float | None, digits: int = 6) -> float | None:
 
 
 def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], since: float, until: float,
-                 bucket_seconds: int) -> dict:
-    """The report for [since, until) (unix seconds; `until` no later than now)."""
+                 bucket_seconds: int, teams: dict[str, str] | None = None) -> dict:
+    """The report for [since, until) (unix seconds; `until` no later than now). `teams` (key id -> team) adds
+    each team's calls summed, as each key's are."""
     seconds = max(until - since, 1e-9)
     out: dict[str, Any] = {"since": since, "until": until, "window_seconds": seconds, "bucket_seconds": bucket_seconds,
-           "models": {}, "keys": {}}
+                           "models": {}, "keys": {}, "teams": {}}
     by_model: dict[str, list[tuple[Row, list[float]]]] = {}
     for row, values in rows:
         by_model.setdefault(row.model, []).append((row, values))
         if row.key_id:
-            key = out["keys"].setdefault(row.key_id, {"requests": 0, "tokens": 0, "rented_requests": 0,
-                                                      "rented_cost": 0.0, "batch_requests": 0})
-            key["requests"] += int(values[REQUESTS])
-            key["tokens"] += int(values[PROMPT] + values[COMPLETION])
-            if row.served == "rented":
-                key["rented_requests"] += int(values[REQUESTS])
-                key["rented_cost"] = round(key["rented_cost"] + values[COST], 9)
-            elif row.served == "batch":
-                key["batch_requests"] += int(values[REQUESTS])
+            add_calls(out["keys"], row.key_id, row, values)
+            team = (teams or {}).get(row.key_id)
+            if team:
+                add_calls(out["teams"], team, row, values)
     for model in models:
         out["models"][model.name] = model_report(model, by_model.get(model.name, []), since, seconds,
                                                  bucket_seconds)
     return out
+
+
+def add_calls(into: dict, name: str, row: Row, values: list[float]) -> None:
+    """A row's calls added to `name`'s figures (a key's or a team's)."""
+    figures = into.setdefault(name, {"requests": 0, "tokens": 0, "rented_requests": 0, "rented_cost": 0.0,
+                                     "batch_requests": 0})
+    figures["requests"] += int(values[REQUESTS])
+    figures["tokens"] += int(values[PROMPT] + values[COMPLETION])
+    if row.served == "rented":
+        figures["rented_requests"] += int(values[REQUESTS])
+        figures["rented_cost"] = round(figures["rented_cost"] + values[COST], 9)
+    elif row.served == "batch":
+        figures["batch_requests"] += int(values[REQUESTS])
 
 
 def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: float, seconds: float,

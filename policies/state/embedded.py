@@ -18,5 +18,9 @@ from policies.variants import Variants
 def open_state(policy: Policy, variants: Variants, background: Background) -> State:
     store = SQLiteStore(policy.store.path)
     ledger = SQLiteLedger(store.path)
-    return State(store, MemoryLimiter(), MemoryBudgets(ledger), ledger, ModelQueue, SQLiteAudit(store.path),
+
+    async def members(team: str) -> list[str]:  # a team's keys, whose ledger rows its budget starts from
+        return [k.id for k in await store.list_keys() if k.team == team]
+
+    return State(store, MemoryLimiter(), MemoryBudgets(ledger, members), ledger, ModelQueue, SQLiteAudit(store.path),
                  batches=SQLiteBatches(store.path))

@@ -15,6 +15,8 @@ from policies.store.base import (
     Store,
     StoreError,
     StoreUnavailable,
+    TeamExists,
+    TeamNotFound,
 )
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailable",
+    "TeamExists",
+    "TeamNotFound",
     "open_store",
 ]
 

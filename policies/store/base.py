@@ -10,7 +10,9 @@ Errors (every failure a caller sees is one of these, never a driver's own except
     StoreError             anything the store could not do
     ├── StoreUnavailable   the backing server or file cannot be reached right now: the gateway answers 503
     ├── KeyExists          create_key with an id that is already taken
-    └── KeyNotFound        put_key for an id that has no record
+    ├── KeyNotFound        put_key for an id that has no record
+    ├── TeamExists         create_team with a name that is already taken
+    └── TeamNotFound       put_team or delete_team for a name that has no record
 
 Messages name the operation, never a stored value.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from policies.keys import KeyRecord
+from policies.teams import TeamRecord
 
 SECRET_BYTES = 32  # of a shared_secret
 USAGE_FIELDS = (
@@ -52,6 +55,14 @@ class KeyNotFound(StoreError):
     """No record has this id."""
 
 
+class TeamExists(StoreError):
+    """A team with this name already exists."""
+
+
+class TeamNotFound(StoreError):
+    """No team has this name."""
+
+
 @runtime_checkable
 class Store(Protocol):
     """Keys and usage, shared by everything that serves or administers the gateway."""
@@ -67,6 +78,21 @@ class Store(Protocol):
 
     async def put_key(self, record: KeyRecord) -> None:
         """Replace an existing record (update, revoke, rotate); raise KeyNotFound if there is none."""
+
+    async def create_team(self, team: TeamRecord) -> None:
+        """Store a new team; raise TeamExists if its name is taken."""
+
+    async def get_team(self, name: str) -> TeamRecord | None:
+        """The team with this name, or None."""
+
+    async def list_teams(self) -> list[TeamRecord]:
+        """Every team, by name."""
+
+    async def put_team(self, team: TeamRecord) -> None:
+        """Replace an existing team; raise TeamNotFound if there is none."""
+
+    async def delete_team(self, name: str) -> None:
+        """Remove a team; raise TeamNotFound if there is none. Its keys are the caller's business."""
 
     async def touch_key(self, key_id: str, when: float) -> None:
         """Note that the key was used at `when`; keeps the latest time. A missing id is ignored."""

@@ -5,6 +5,8 @@ Layout, with P = `prefix` (default "llmgw:"); the braces are literal, a Redis Cl
     {P}key:<id>             string   the KeyRecord as JSON
     {P}keys                 zset     id -> created_at: the index list_keys walks, already in order
     {P}last_used            zset     id -> latest touch_key time (ZADD GT), kept apart so a touch is one command
+    {P}team:<name>          string   the TeamRecord as JSON
+    {P}teams                zset     name -> 0: the index list_teams walks, in name order
     P secret:<name>         string   32 random bytes in hex, set once (SET NX): see shared_secret
     P usage:<id>            hash     "{model}:{field}" -> count, field one of USAGE_FIELDS (model names may
                                      hold ':'; the field is what follows the last one)
@@ -38,6 +40,8 @@ from policies.store.base import (
     KeyNotFound,
     StoreError,
     StoreUnavailable,
+    TeamExists,
+    TeamNotFound,
     empty_usage,
     usage_increments,
     with_last_used,
@@ -45,6 +49,7 @@ from policies.store.base import (
 from policies.store.key_events import KeyEvents
 from policies.store.pipelined import Pipelined, Script
 from policies.store.redis_client import TLSFiles, connect
+from policies.teams import TeamRecord
 
 DEFAULT_PREFIX = "llmgw:"
 
@@ -53,6 +58,14 @@ DEFAULT_PREFIX = "llmgw:"
 WRITE = """
 if redis.call('SET', KEYS[1], ARGV[1], ARGV[4]) then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+# KEYS: record, index. ARGV: name. 1 when there was a record to delete.
+DELETE = """
+if redis.call('DEL', KEYS[1]) == 1 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
   return 1
 end
 return 0
@@ -122,6 +135,7 @@ class RedisStore:
         self._fast = Pipelined.for_client(self._redis, timeout)
         self._write = self._redis.register_script(WRITE)
         self._touch = self._redis.register_script(TOUCH)
+        self._delete = self._redis.register_script(DELETE)
         # key changes reach the other replicas' auth caches at once (a Cluster client has no pub/sub here:
         # its replicas follow within auth.cache_seconds)
         self.key_events = None if self.cluster else KeyEvents(self._redis, prefix)
@@ -152,6 +166,13 @@ class RedisStore:
     @property
     def _last_used(self) -> str:
         return f"{{{self.prefix}}}last_used"
+
+    def _team(self, name: str) -> str:
+        return f"{{{self.prefix}}}team:{name}"
+
+    @property
+    def _teams(self) -> str:
+        return f"{{{self.prefix}}}teams"
 
     def _secret(self, name: str) -> str:
         return f"{self.prefix}secret:{name}"
@@ -211,6 +232,36 @@ class RedisStore:
     async def put_key(self, record: KeyRecord) -> None:
         if not await self.write(record, "XX", "put_key"):
             raise KeyNotFound(f"key {record.id} not found")
+
+    async def write_team(self, team: TeamRecord, mode: str, op: str) -> bool:
+        async with self.guard(op):
+            return bool(await self._write(keys=[self._team(team.name), self._teams],
+                                          args=[team.model_dump_json(), team.name, "0", mode]))
+
+    async def create_team(self, team: TeamRecord) -> None:
+        if not await self.write_team(team, "NX", "create_team"):
+            raise TeamExists(f"team {team.name} already exists")
+
+    async def get_team(self, name: str) -> TeamRecord | None:
+        async with self.guard("get_team"):
+            raw = await self._redis.get(self._team(name))
+        return None if raw is None else TeamRecord.model_validate_json(raw)
+
+    async def list_teams(self) -> list[TeamRecord]:
+        async with self.guard("list_teams"):
+            names = await self._redis.zrange(self._teams, 0, -1)  # equal scores: in name order
+            raws = await self._redis.mget([self._team(str(n)) for n in names]) if names else []
+        return [TeamRecord.model_validate_json(raw) for raw in raws if raw is not None]
+
+    async def put_team(self, team: TeamRecord) -> None:
+        if not await self.write_team(team, "XX", "put_team"):
+            raise TeamNotFound(f"team {team.name} not found")
+
+    async def delete_team(self, name: str) -> None:
+        async with self.guard("delete_team"):
+            deleted = await self._delete(keys=[self._team(name), self._teams], args=[name])
+        if not deleted:
+            raise TeamNotFound(f"team {name} not found")
 
     async def touch_key(self, key_id: str, when: float) -> None:
         async with self.guard("touch_key"):

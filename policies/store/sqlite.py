@@ -6,8 +6,8 @@ synchronous=NORMAL makes each write a cheap append; a power cut may lose the las
 Other processes (the CLI) may open the same file; busy_timeout makes them wait their turn instead of failing.
 
 Tables: `keys` (the record as JSON, plus created_at for ordering and the touched last_used_at kept apart so a
-touch never rewrites the record), `usage` (one row per key and model, one column per USAGE_FIELDS) and
-`secrets` (see shared_secret).
+touch never rewrites the record), `teams` (name -> the team as JSON), `usage` (one row per key and model, one
+column per USAGE_FIELDS) and `secrets` (see shared_secret).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from policies.keys import KeyRecord
+from policies.teams import TeamRecord
 from policies.store.base import (
     SECRET_BYTES,
     USAGE_FIELDS,
@@ -27,6 +28,8 @@ from policies.store.base import (
     KeyNotFound,
     StoreError,
     StoreUnavailable,
+    TeamExists,
+    TeamNotFound,
     empty_usage,
     usage_increments,
     with_last_used,
@@ -49,6 +52,10 @@ CREATE TABLE IF NOT EXISTS usage (
     {", ".join(f"{name} INTEGER NOT NULL DEFAULT 0" for name in USAGE_FIELDS)},
     PRIMARY KEY (key_id, model)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS teams (
+    name TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS secrets (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
@@ -135,6 +142,37 @@ class SQLiteStore:
 
         if await self._run("put_key", update) == 0:
             raise KeyNotFound(f"key {record.id} not found")
+
+    async def create_team(self, team: TeamRecord) -> None:
+        def insert(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute("INSERT INTO teams (name, record) VALUES (?, ?)", (team.name, team.model_dump_json()))
+            except sqlite3.IntegrityError:
+                raise TeamExists(f"team {team.name} already exists") from None
+
+        await self._run("create_team", insert)
+
+    async def get_team(self, name: str) -> TeamRecord | None:
+        row = await self._run("get_team", lambda conn: conn.execute(
+            "SELECT record FROM teams WHERE name = ?", (name,)).fetchone())
+        return None if row is None else TeamRecord.model_validate_json(row[0])
+
+    async def list_teams(self) -> list[TeamRecord]:
+        rows = await self._run("list_teams", lambda conn: conn.execute(
+            "SELECT record FROM teams ORDER BY name").fetchall())
+        return [TeamRecord.model_validate_json(row[0]) for row in rows]
+
+    async def put_team(self, team: TeamRecord) -> None:
+        changed = await self._run("put_team", lambda conn: conn.execute(
+            "UPDATE teams SET record = ? WHERE name = ?", (team.model_dump_json(), team.name)).rowcount)
+        if changed == 0:
+            raise TeamNotFound(f"team {team.name} not found")
+
+    async def delete_team(self, name: str) -> None:
+        deleted = await self._run("delete_team", lambda conn: conn.execute(
+            "DELETE FROM teams WHERE name = ?", (name,)).rowcount)
+        if deleted == 0:
+            raise TeamNotFound(f"team {name} not found")
 
     async def touch_key(self, key_id: str, when: float) -> None:
         def update(conn: sqlite3.Connection) -> None:

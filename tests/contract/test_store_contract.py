@@ -8,7 +8,18 @@ import asyncio
 import pytest
 
 from policies.keys import KeyBudget, KeyLimits, KeyRecord, hash_key, new_key, new_key_id
-from policies.store import USAGE_FIELDS, KeyExists, KeyNotFound, Store, StoreError, StoreUnavailable, open_store
+from policies.store import (
+    USAGE_FIELDS,
+    KeyExists,
+    KeyNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TeamExists,
+    TeamNotFound,
+    open_store,
+)
+from policies.teams import TeamRecord
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
 
 
@@ -32,6 +43,7 @@ def full_record(created_at: float = 1712345678.123456, **changes) -> KeyRecord:
         "id": key_id,
         "name": "billing service",
         "owner": "team-ñ@example.com",
+        "team": "billing",
         "models": ["llama-3:8b", "org/embed"],
         "expires_at": 1893456000.5,
         "revoked": True,
@@ -227,3 +239,45 @@ async def test_closed_store_refuses_calls_and_closes_twice(store):
     with pytest.raises(StoreError) as caught:
         await store.get_key(new_key_id())
     assert not isinstance(caught.value, StoreUnavailable)
+
+
+def full_team(name: str = "billing", **changes) -> TeamRecord:
+    """A team with every field away from its default."""
+    fields = {
+        "name": name,
+        "description": "Billing – ñ",
+        "models": ["llama-3:8b", "org/embed"],
+        "data_policy": "allow_rented",
+        "limits": KeyLimits(requests_per_minute=600, tokens_per_minute=900_000, max_concurrent=40),
+        "budget": KeyBudget(max_rented_spend=125.25, max_tokens_per_period=10**9, period="day", when_spent="reject"),
+        "created_at": 1712345678.123456,
+    }
+    return TeamRecord(**(fields | changes))
+
+
+async def test_team_create_get_list_put_delete(store):
+    team = full_team()
+    assert set(team.model_fields_set) == set(TeamRecord.model_fields)
+    await store.create_team(team)
+    await store.create_team(full_team("ads", models=None))
+    assert await store.get_team("billing") == team
+    assert [t.name for t in await store.list_teams()] == ["ads", "billing"]
+    with pytest.raises(TeamExists):
+        await store.create_team(full_team(description="other"))
+    assert (await store.get_team("billing")).description == team.description  # the original stays
+    changed = team.model_copy(update={"limits": KeyLimits(requests_per_minute=5)})
+    await store.put_team(changed)
+    assert await store.get_team("billing") == changed
+    await store.delete_team("billing")
+    assert await store.get_team("billing") is None
+    assert [t.name for t in await store.list_teams()] == ["ads"]
+    with pytest.raises(TeamNotFound):
+        await store.delete_team("billing")
+    with pytest.raises(TeamNotFound):
+        await store.put_team(team)
+    assert await store.get_team("billing") is None  # a put never creates
+
+
+async def test_teams_empty(store):
+    assert await store.list_teams() == []
+    assert await store.get_team("nobody") is None

@@ -59,7 +59,9 @@ async def test_each_role_from_the_providers_groups(provider, monkeypatch):
         assert r.status_code == 404  # past the role check: an operator may change weights (m has no variants)
 
         team = await asyncio.to_thread(provider.token, "team-a")
-        r = await admin(http, gw, "GET", "/keys", team)
+        r = await admin(http, gw, "GET", "/keys", team)  # a team admin lists its own team's keys (none yet)
+        assert r.status_code == 200 and r.json() == []
+        r = await admin(http, gw, "GET", "/audit", team)  # but reaches no route outside its team
         assert r.status_code == 403 and r.json()["error"]["code"] == "team_admin_token"
         claims = await gw.state.admin_auth.check(f"Bearer {team}", write=True, team_admin=True)
         assert claims["role"] == "team_admin" and claims["team"] == "team-a" and claims["iss"] == provider.issuer

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from policies.keys import KeyRecord, hash_key, new_key, new_key_id
+from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
+from policies.teams import TeamRecord
 from tests.support.gateway import running_gateway
 from tests.support.probes import wait_http_ok
 from tests.support.rented_standin import read_log
@@ -148,3 +149,49 @@ async def test_rented_provider_gets_trace_context_only_when_the_policy_asks(stan
             assert trace["tracestate"] == "vendor=private-tenant-42"
         else:
             assert trace == {}
+
+
+async def test_a_team_that_keeps_data_private_holds_its_keys_at_home_whatever_they_say(standin):
+    """The admin API never lets a key of a private_only team allow renting; should one say so anyway (written
+    while its team changed), the request path still keeps it off the rented provider, until the team allows it."""
+    rented_url, log, _ = standin
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with running_gateway(policy(dead, rented_url)) as gw, httpx.AsyncClient(timeout=10) as http:
+        store = gw.state.store
+        await store.create_team(TeamRecord(name="vault"))  # private_only, the default
+        key = await issue(gw, "allow_rented")
+        record = await store.get_key(key_id_of(key))
+        await store.put_key(record.model_copy(update={"team": "vault"}))
+        await gw.state.forget_key(record.id)
+
+        async def ask() -> httpx.Response:
+            return await http.post(f"{gw.url}/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"model": "m", "messages": []})
+
+        assert (await ask()).status_code == 503 and read_log(log) == []  # nothing left for the provider
+        await store.put_team(TeamRecord(name="vault", data_policy="allow_rented"))
+        await gw.state.forget_key("team:vault")
+        r = await ask()
+        assert r.status_code == 200 and r.headers["x-gateway-served-by"] == "rented" and len(read_log(log)) == 1
+
+
+async def test_a_teams_rented_budget_is_spent_by_all_its_keys_together(standin):
+    rented_url, log, _ = standin
+    dead = f"http://127.0.0.1:{free_port()}"  # every call rents
+    async with running_gateway(policy(dead, rented_url)) as gw, httpx.AsyncClient(timeout=10) as http:
+        # a call costs about (11 prompt + 5 completion tokens at 1 and 2 per million): 2.1e-5; the team has 5e-5
+        await gw.state.store.create_team(TeamRecord(name="renters", data_policy="allow_rented",
+                                                    budget={"max_rented_spend": 5e-5, "period": "day"}))
+        keys = []
+        for _ in range(2):
+            key = await issue(gw, "allow_rented")
+            record = await gw.state.store.get_key(key_id_of(key))
+            await gw.state.store.put_key(record.model_copy(update={"team": "renters"}))
+            keys.append(key)
+        answers = []
+        while len(answers) < 10 and (not answers or answers[-1].status_code == 200):
+            answers.append(await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "messages": []},
+                                           headers={"authorization": f"Bearer {keys[len(answers) % 2]}"}))
+        served = len(answers) - 1
+        assert answers[-1].status_code == 503 and "rented budget is spent" in answers[-1].text
+        assert 2 <= served <= 3 and len(read_log(log)) == served  # both keys spent the one budget

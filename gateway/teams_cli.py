@@ -1,0 +1,134 @@
+"""`llm-gateway teams ...`: a running gateway's teams from a terminal (the admin API's /admin/teams).
+
+URL and token as for `keys` (flags or LLM_GATEWAY_URL / LLM_GATEWAY_ADMIN_TOKEN); tables for people, `--json`
+for scripts. Keys join a team with `keys create --team NAME` (or `keys update ID --team NAME`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import httpx
+
+from gateway.keys_cli import budget_table, send, table, usage_table
+
+
+def add_commands(sub: Any) -> None:
+    teams = sub.add_parser("teams", help="manage teams (shared limits, budget and ceiling of their keys)")
+    teams.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
+    teams.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
+                       help="admin JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    teams.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    actions = teams.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="create a team")
+    create.add_argument("name")
+    add_settings(create)
+    update = actions.add_parser("update", help="change a team (refused while a key of it would exceed the change)")
+    update.add_argument("name")
+    add_settings(update)
+    update.add_argument("--all-models", action="store_true", help="let the team's keys use every model")
+    update.add_argument("--no-budget", action="store_true", help="remove the team's budget")
+    actions.add_parser("list", help="list teams")
+    for action in ("show", "delete", "usage", "budget"):
+        actions.add_parser(action, help=f"{action} one team").add_argument("name")
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--description")
+    parser.add_argument("--models", help="comma-separated models its keys may use (default: all)")
+    parser.add_argument("--data-policy", choices=["private_only", "allow_rented"],
+                        help="the most its keys may allow (default private_only)")
+    parser.add_argument("--rpm", type=int, help="requests per minute, all its keys together")
+    parser.add_argument("--tpm", type=int, help="tokens per minute, all its keys together")
+    parser.add_argument("--max-concurrent", type=int, help="requests in flight at once, all its keys together")
+    parser.add_argument("--max-rented-spend", type=float, help="budget: rented spend per period (currency units)")
+    parser.add_argument("--max-tokens-per-period", type=int, help="budget: tokens per period")
+    parser.add_argument("--budget-period", choices=["day", "week", "month"], help="budget period (default month)")
+    parser.add_argument("--when-spent", choices=["owned_only", "reject"],
+                        help="once the rented budget is spent: stay owned (default) or answer 429 until the reset")
+
+
+def settings(args: argparse.Namespace) -> dict:
+    body: dict = {k: getattr(args, k) for k in ("description", "data_policy") if getattr(args, k) is not None}
+    if args.models is not None:
+        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    limits = {k: v for k, v in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm),
+                                ("max_concurrent", args.max_concurrent)) if v is not None}
+    if limits:
+        body["limits"] = limits
+    budget = {k: v for k, v in (("max_rented_spend", args.max_rented_spend),
+                                ("max_tokens_per_period", args.max_tokens_per_period),
+                                ("period", args.budget_period), ("when_spent", args.when_spent)) if v is not None}
+    if budget:
+        body["budget"] = budget
+    return body
+
+
+def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
+    """The PATCH for `teams update`: budget flags laid over the team's current budget (the API replaces it)."""
+    body = settings(args)
+    if args.all_models:
+        body["models"] = None
+    if args.no_budget:
+        body["budget"] = None
+    elif "budget" in body:
+        current = httpx.get(url, headers=headers, timeout=10)
+        if current.status_code == 200:  # else the PATCH reports what is wrong
+            body["budget"] = {**(current.json().get("budget") or {}), **body["budget"]}
+    return body
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.token:
+        print("teams: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
+              "(mint one with `llm-gateway admin-token`)", file=sys.stderr)
+        return 2
+    base = args.url.rstrip("/") + "/admin/teams"
+    headers = {"authorization": f"Bearer {args.token}"}
+    one = f"{base}/{getattr(args, 'name', '')}"
+    requests = {
+        "create": lambda: ("POST", base, {"name": args.name, **settings(args)}),
+        "update": lambda: ("PATCH", one, update_body(args, one, headers)),
+        "list": lambda: ("GET", base, None),
+        "show": lambda: ("GET", one, None),
+        "delete": lambda: ("DELETE", one, None),
+        "usage": lambda: ("GET", f"{one}/usage", None),
+        "budget": lambda: ("GET", f"{one}/budget", None),
+    }
+    try:
+        method, url, body = requests[args.action]()
+    except httpx.HTTPError as exc:
+        print(f"teams: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    return send(args, "teams", method, url, body, headers, render)
+
+
+def team_row(t: dict) -> list[str]:
+    limits = t["limits"]
+    budget = t["budget"] or {}
+    shown = [f"{name}={limits[field]}" for name, field in (("rpm", "requests_per_minute"), ("tpm", "tokens_per_minute"),
+                                                            ("conc", "max_concurrent")) if limits.get(field)]
+    spend = [f"{name}={budget[field]:g}/{budget['period']}" for name, field in
+             (("rented", "max_rented_spend"), ("tokens", "max_tokens_per_period")) if budget.get(field) is not None]
+    return [t["name"], ",".join(t["models"]) if t["models"] is not None else "*", t["data_policy"],
+            " ".join(shown) or "-", " ".join(spend) or "-"]
+
+
+TEAM_HEADER = ["NAME", "MODELS", "DATA POLICY", "LIMITS", "BUDGET"]
+
+
+def render(action: str, data: Any) -> str:
+    if action == "list":
+        return table([team_row(t) for t in data], TEAM_HEADER)
+    if action == "usage":
+        keys = table([[k, c.get("requests", 0), c.get("prompt_tokens", 0) + c.get("completion_tokens", 0)]
+                      for k, c in sorted(data["keys"].items())], ["KEY", "REQUESTS", "TOKENS"])
+        return f"{usage_table(data)}\n\n{keys}"
+    if action == "budget":
+        return budget_table(data)
+    if action == "delete":
+        return f"deleted team {data['name']}"
+    return table([team_row(data)], TEAM_HEADER)

@@ -1,0 +1,115 @@
+"""The rules that keep a key inside its team, and the team_admin token's shape."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import jwt
+import pytest
+
+from gateway.admin_auth import AdminAuth, mint_token
+from policies.config import Admin
+from policies.errors import AuthenticationFailed
+from policies.keys import KeyBudget, KeyLimits, KeyRecord, hash_key, new_key, new_key_id
+from policies.teams import TeamRecord, effective_models, key_problems, keys_over
+
+SECRET = "t" * 40
+
+
+def key(**fields) -> KeyRecord:
+    key_id = new_key_id()
+    return KeyRecord(id=key_id, name="k", created_at=time.time(), hash=hash_key(new_key(key_id)), team="red",
+                     **fields)
+
+
+TEAM = TeamRecord(name="red", models=["a", "b"], data_policy="private_only",
+                  limits=KeyLimits(requests_per_minute=10, tokens_per_minute=1000, max_concurrent=2),
+                  budget=KeyBudget(max_rented_spend=5.0, max_tokens_per_period=100))
+
+
+def test_a_key_that_sets_nothing_of_its_own_fits_and_inherits_the_teams_models() -> None:
+    assert key_problems(key(), TEAM) == []
+    assert effective_models(key(), TEAM) == ["a", "b"]
+    assert effective_models(key(models=["b", "c"]), TEAM) == ["b"]
+    assert effective_models(key(models=["c"]), None) == ["c"]
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"models": ["a", "z"]}, "models"),
+    ({"limits": KeyLimits(requests_per_minute=11)}, "limits.requests_per_minute"),
+    ({"limits": KeyLimits(tokens_per_minute=1001)}, "limits.tokens_per_minute"),
+    ({"limits": KeyLimits(max_concurrent=3)}, "limits.max_concurrent"),
+    ({"data_policy": "allow_rented"}, "data_policy"),
+    ({"budget": KeyBudget(max_rented_spend=5.01)}, "budget.max_rented_spend"),
+    ({"budget": KeyBudget(max_tokens_per_period=101)}, "budget.max_tokens_per_period"),
+])
+def test_each_way_a_key_exceeds_its_team_is_named(fields: dict, field: str) -> None:
+    problems = key_problems(key(**fields), TEAM)
+    assert [f for f, _ in problems] == [field]
+    assert field in problems[0][1] and "red" in problems[0][1]
+
+
+def test_equal_to_the_team_fits_and_a_team_without_a_setting_bounds_nothing() -> None:
+    same = key(models=["a"], limits=TEAM.limits, budget=KeyBudget(max_rented_spend=5.0, max_tokens_per_period=100))
+    assert key_problems(same, TEAM) == []
+    open_team = TeamRecord(name="red", data_policy="allow_rented")
+    assert key_problems(key(models=["z"], data_policy="allow_rented", limits=KeyLimits(max_concurrent=99)),
+                        open_team) == []
+
+
+def test_a_team_change_names_its_active_keys_above_it() -> None:
+    over, fits, revoked = key(limits=KeyLimits(max_concurrent=2)), key(), key(limits=KeyLimits(max_concurrent=2),
+                                                                               revoked=True)
+    other_team = key(limits=KeyLimits(max_concurrent=2)).model_copy(update={"team": "blue"})
+    tighter = TEAM.model_copy(update={"limits": KeyLimits(max_concurrent=1)})
+    assert keys_over(tighter, [over, fits, revoked, other_team]) == {over.id: [key_problems(over, tighter)[0][1]]}
+
+
+async def test_team_admin_tokens_carry_their_team(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    auth = AdminAuth(Admin())
+    claims = await auth.check(f"Bearer {mint_token(Admin(), 60, role='team_admin', team='red')}", write=True,
+                              team_admin=True)
+    assert claims["role"] == "team_admin" and claims["team"] == "red"
+    for bad in ({"role": "team_admin"}, {"role": "team_admin", "team": "Red Team"}, {"role": "admin", "team": "red"}):
+        with pytest.raises(ValueError):
+            mint_token(Admin(), 60, **bad)
+    now = int(time.time())
+    teamless = jwt.encode({"iss": "llm-gateway", "aud": "llm-gateway-admin", "role": "team_admin", "exp": now + 60},
+                          SECRET, algorithm="HS256")
+    with pytest.raises(AuthenticationFailed):
+        await auth.check(f"Bearer {teamless}", write=False)
+
+
+async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_room(tmp_path) -> None:
+    """Each rented call costs 1; the key may spend 5, its team 2: the third call stays owned, and the key's
+    reservation for it is given back (its spend stays what was really rented)."""
+    from policies.budget import Budget, MemoryBudgets, period_bounds
+    from policies.config import Policy
+    from policies.finished import record_of
+    from policies.ledger.sqlite import SQLiteLedger
+    from policies.pipeline import Call
+
+    ledger = SQLiteLedger(str(tmp_path / "ledger.db"))
+    budgets = MemoryBudgets(ledger, members=lambda team: asyncio.sleep(0, []))
+    policy = Policy.model_validate({"models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}]}]})
+    step = Budget(policy, budgets, lambda provider, prompt, completion: 1.0, background=None)
+    step.overflow = {"m": "rented"}
+    team = TeamRecord(name="red", data_policy="allow_rented", budget=KeyBudget(max_rented_spend=2.0))
+    member = key(data_policy="allow_rented", budget=KeyBudget(max_rented_spend=5.0))
+    rented = []
+    for i in range(3):
+        call = Call(request_id=str(i), endpoint="chat/completions", headers={}, client_host="10.0.0.2", arrived=0.0,
+                    model="m", key=member, team=team)
+        await step.enter(call)
+        rented.append(await call.before_rent())
+        call.usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        call.status, call.replica = 200, SimpleNamespace(rented="rented" if rented[-1] else None)
+        await step.leave(call)
+        step.observe(record_of(call, lambda provider, prompt, completion: 1.0))  # settles from the record
+    assert rented == [True, True, False]
+    start, end = period_bounds("month", time.time())
+    assert await budgets.status(member.id, start, end) == (2.0, 4.0)  # spent, tokens: the two rented calls
+    assert (await budgets.counters(member.id, start))[1] == 0.0  # nothing left held: the third's was given back
+    assert await budgets.status(team.id, start, end) == (2.0, 4.0)
+    await ledger.close()
