@@ -51,7 +51,7 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 	$(VENV)/bin/mypy
 
 test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 unit: venv redis-setup oidc-setup lint  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration
