@@ -114,3 +114,35 @@ def test_acts_on_one_replica_are_read_on_another(tmp_path):
         logs = c.log_text()
         assert '"action":"key.create"' in logs and key_id in logs
         assert key not in logs and key.split("-")[-1] not in logs and c.admin_token not in logs
+
+
+async def test_team_acts_and_a_team_admins_acts_are_recorded(tmp_path, monkeypatch):
+    """A team created, changed and deleted is in the log with its admin; a key a team admin issues names the team
+    admin (role team_admin, its team) as its author."""
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy(tmp_path)))
+    app = create_app(load_policy(path), policy_path=str(path))
+    admin = {"authorization": f"Bearer {mint_token(Admin(), 600, subject='alice')}"}
+    lead = {"authorization": f"Bearer {mint_token(Admin(), 600, role='team_admin', subject='tia', team='red')}"}
+    async with serve_app(app) as url, httpx.AsyncClient(timeout=30, headers=admin) as http:
+        r = await http.post(f"{url}/admin/teams", json={"name": "red", "limits": {"requests_per_minute": 60}})
+        assert r.status_code == 201, r.text
+        r = await http.patch(f"{url}/admin/teams/red", json={"limits": {"requests_per_minute": 30}})
+        assert r.status_code == 200, r.text
+        r = await http.post(f"{url}/admin/keys", json={"name": "red-app"}, headers=lead)
+        assert r.status_code == 201, r.text
+        key_id = r.json()["record"]["id"]
+        assert r.json()["record"]["team"] == "red"
+        assert (await http.post(f"{url}/admin/keys/{key_id}/revoke", headers=lead)).status_code == 200
+        assert (await http.delete(f"{url}/admin/teams/red")).status_code == 200
+
+        events = (await http.get(f"{url}/admin/audit")).json()["events"]
+        assert [(e["action"], e["target"], e["actor"]) for e in events] == [
+            ("team.delete", "red", "alice"), ("key.revoke", key_id, "tia"), ("key.create", key_id, "tia"),
+            ("team.update", "red", "alice"), ("team.create", "red", "alice")]
+        by_action = {e["action"]: e for e in events}
+        assert by_action["team.update"]["changes"]["limits"]["from"]["requests_per_minute"] == 60
+        assert by_action["team.update"]["changes"]["limits"]["to"]["requests_per_minute"] == 30
+        assert (by_action["key.create"]["role"], by_action["key.create"]["team"]) == ("team_admin", "red")
+        assert by_action["key.create"]["changes"]["team"] == "red"
