@@ -235,7 +235,23 @@ class Gateway:
         members = {k.id: k.team for k in await self.store.list_keys() if k.team} if teams or team else None
         if team is not None and members is not None:
             rows = [(row, values) for row, values in rows if not row.key_id or members.get(row.key_id) == team]
-        return build_report(rows, costs_of(self.policy), since, min(end, now), size, members)
+        return build_report(rows, costs_of(self.policy, self._discovered_adapters(rows)), since, min(end, now), size,
+                            members)
+
+    def _discovered_adapters(self, rows: list) -> dict[str, set[str]]:
+        """Per model with `lora.discover`: the adapters its replicas hold now, and those the ledger's rows name that
+        the policy does not (an adapter served in the window, since unloaded), by the replica that served them."""
+        bases = {m.name for m in self.policy.models if m.lora is not None and m.lora.discover}
+        if not bases:
+            return {}
+        out: dict[str, set[str]] = {base: set(self.loras.found(base)) for base in bases}
+        known = {name for name, _aliases, _parent in self._public_models()}
+        replica_model = {r.name: r.model for r in self.replicas}
+        for row, _values in rows:
+            base = replica_model.get(row.backend)
+            if base in bases and row.model not in known:
+                out[base].add(row.model)
+        return out
 
     async def refresh_report_gauges(self) -> None:
         every = self.policy.ledger.report_every_seconds

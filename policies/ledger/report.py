@@ -288,8 +288,9 @@ def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Pr
     return out
 
 
-def costs_of(policy) -> list[ModelCosts]:
-    """What the policy file says each model's backends cost and which rented price they compare with."""
+def costs_of(policy, discovered: dict[str, set[str]] | None = None) -> list[ModelCosts]:
+    """What the policy file says each model's backends cost and which rented price they compare with;
+    `discovered`: the LoRA adapters found on each model's replicas (`lora.discover`) beside those it declares."""
     providers = {p.name: p for p in policy.providers}
     kwh = policy.ledger.power_price_per_kwh or 0.0
     out = []
@@ -305,5 +306,7 @@ def costs_of(policy) -> list[ModelCosts]:
         out.append(ModelCosts(model.name, backends, price))
         # a LoRA adapter: its own requests and tokens, compared with its base's rented price; the replicas (and
         # their cost and busy time) are its base's
-        out.extend(ModelCosts(a.name, [], price) for a in (model.lora.adapters if model.lora is not None else ()))
+        declared = [a.name for a in (model.lora.adapters if model.lora is not None else ())]
+        found = sorted((discovered or {}).get(model.name, set()) - set(declared))
+        out.extend(ModelCosts(name, [], price) for name in (*declared, *found))
     return out

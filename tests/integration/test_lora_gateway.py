@@ -208,6 +208,8 @@ async def test_adapters_the_replicas_hold_are_models_with_discover(adapter_dirs)
                 assert reply.status_code == 200 and reply.json()["model"] == "by-hand"
             assert b.lora.loads == 1 and a.lora.loads == 0  # served where it is
             assert await gw.metric("llm_gateway_requests_total", model="by-hand") == 3
+            report = await gw.state.report(3600)  # a model in the own-or-rent report too, priced as its base
+            assert report["models"]["by-hand"]["owned"]["requests"] == 3
             b.lora.loaded.clear()  # gone from b: no longer a model once the gateway has read b again
 
             async def gone() -> bool:
@@ -215,6 +217,8 @@ async def test_adapters_the_replicas_hold_are_models_with_discover(adapter_dirs)
 
             await eventually(gone)
             assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat("by-hand"))).status_code == 404
+            report = await gw.state.report(3600)  # served in the window, since unloaded: its calls still count
+            assert report["models"]["by-hand"]["owned"]["requests"] == 3
 
 
 async def test_an_adapter_as_a_variant_of_its_base(adapter_dirs):
