@@ -88,10 +88,16 @@ def settings(args: argparse.Namespace) -> dict:
             body[field] = getattr(args, field)
     if args.client_priority is not None:
         body["client_priority"] = args.client_priority == "yes"
-    if args.models is not None:
-        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.allowed_cidrs is not None:
         body["allowed_cidrs"] = [c.strip() for c in args.allowed_cidrs.split(",") if c.strip()]
+    return {**body, **ceilings(args)}
+
+
+def ceilings(args: argparse.Namespace) -> dict:
+    """The models, limits and budget flags a key and a team share, as the admin API's fields."""
+    body: dict = {}
+    if args.models is not None:
+        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     limits = {k: v for k, v in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm),
                                 ("max_concurrent", args.max_concurrent)) if v is not None}
     if limits:
@@ -107,12 +113,17 @@ def settings(args: argparse.Namespace) -> dict:
 def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
     """The PATCH for `keys update`. The API replaces a key's whole budget, so the budget flags given are laid
     over the key's current budget: `--when-spent reject` alone must not drop its max_rented_spend."""
-    body = settings(args)
+    return over_current_budget(settings(args), args, url, headers)
+
+
+def over_current_budget(body: dict, args: argparse.Namespace, url: str, headers: dict) -> dict:
+    """`body` with its budget flags laid over the current record's budget at `url` (a key's or a team's), or
+    the budget dropped with --no-budget."""
     if args.no_budget:
         body["budget"] = None
     elif "budget" in body:
         current = httpx.get(url, headers=headers, timeout=10)
-        if current.status_code == 200:  # else the PATCH reports what is wrong (no such key, bad token)
+        if current.status_code == 200:  # else the PATCH reports what is wrong (no such record, bad token)
             body["budget"] = {**(current.json().get("budget") or {}), **body["budget"]}
     return body
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from gateway.keys_cli import budget_table, send, table, usage_table
+from gateway.keys_cli import budget_table, ceilings, over_current_budget, send, table, usage_table
 
 
 def add_commands(sub: Any) -> None:
@@ -53,18 +53,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
 
 def settings(args: argparse.Namespace) -> dict:
     body: dict = {k: getattr(args, k) for k in ("description", "data_policy") if getattr(args, k) is not None}
-    if args.models is not None:
-        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
-    limits = {k: v for k, v in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm),
-                                ("max_concurrent", args.max_concurrent)) if v is not None}
-    if limits:
-        body["limits"] = limits
-    budget = {k: v for k, v in (("max_rented_spend", args.max_rented_spend),
-                                ("max_tokens_per_period", args.max_tokens_per_period),
-                                ("period", args.budget_period), ("when_spent", args.when_spent)) if v is not None}
-    if budget:
-        body["budget"] = budget
-    return body
+    return {**body, **ceilings(args)}
 
 
 def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
@@ -72,13 +61,7 @@ def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
     body = settings(args)
     if args.all_models:
         body["models"] = None
-    if args.no_budget:
-        body["budget"] = None
-    elif "budget" in body:
-        current = httpx.get(url, headers=headers, timeout=10)
-        if current.status_code == 200:  # else the PATCH reports what is wrong
-            body["budget"] = {**(current.json().get("budget") or {}), **body["budget"]}
-    return body
+    return over_current_budget(body, args, url, headers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ from policies.batch_settings import BatchSettings
 from policies.batches.files import FileDir
 from policies.batches.jsonl import lines_of
 from policies.batches.store import OPEN, BatchStore
+from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.batches")
 
@@ -70,6 +71,7 @@ class Runner:
         self.wake = asyncio.Event()
         self.stopping = False  # claim nothing more: the process is shutting down
         self.in_flight = 0  # lines of every batch running in this process (batch.max_in_flight bounds it)
+        self.outage_logged = False  # a store outage is said once, not at every poll
 
     async def run_forever(self) -> None:
         while True:
@@ -80,8 +82,12 @@ class Runner:
                         task = asyncio.create_task(self.drive(batch_id))
                         self.driving[batch_id] = task
                         task.add_done_callback(partial(self.forget, batch_id))
-            except Exception:  # the store is down, or a bug: say so and look again
+            except StoreUnavailable:  # an outage, not a bug: said once, batches wait until the store answers
+                self.store_down()
+            except Exception:  # a bug: say so and look again
                 log.exception("batch runner could not list open batches")
+            else:
+                self.outage_logged = False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.settings().poll_seconds)
             self.wake.clear()
@@ -108,9 +114,17 @@ class Runner:
             await self._drive(batch_id)
         except asyncio.CancelledError:
             raise
+        except StoreUnavailable:
+            self.store_down()
+            await asyncio.sleep(self.settings().poll_seconds)
         except Exception:
             log.exception("batch %s: runner failed; it is picked up again", batch_id)
             await asyncio.sleep(self.settings().poll_seconds)
+
+    def store_down(self) -> None:
+        if not self.outage_logged:
+            self.outage_logged = True
+            log.warning("batch runner: the store is unavailable; open batches resume when it answers")
 
     async def _drive(self, batch_id: str) -> None:
         record = await self.store.get_batch(None, batch_id)
