@@ -62,6 +62,22 @@ async def sign_in(page, base: str, token: str) -> None:
     await expect(page.get_by_role("button", name="Sign out")).to_be_visible()
 
 
+async def csrf_of(page) -> str:
+    """The signed-in session's CSRF token, as the page hands it to htmx."""
+    headers = await page.locator("body").get_attribute("hx-headers")
+    found = re.search(r'"X-CSRF-Token": "([0-9a-f]+)"', headers or "")
+    assert found, f"no CSRF token on the page: {headers!r}"
+    return found.group(1)
+
+
+async def assert_offers_no_change(page, where: str) -> None:
+    """The page on screen offers nothing that changes anything (sign-out aside): no posting form, no htmx
+    change, no number field to edit. What a viewer must see on every page."""
+    changing = page.locator("form[method=post]:not(.signout), [hx-post], [hx-put], [hx-delete]")
+    assert await changing.count() == 0, f"{where} offers a viewer a change"
+    assert await page.locator("main input[type=number]").count() == 0, f"{where} offers a viewer a number to edit"
+
+
 async def screenshot(page, name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
