@@ -19,7 +19,7 @@ SECRET = "s" * 40
 def token(role: str = "admin", **claims) -> dict:
     now = int(time.time())
     body = {"iss": "llm-gateway", "aud": "llm-gateway-admin", "sub": "t", "role": role, "iat": now, "nbf": now,
-            "exp": now + 600, **claims}
+            "exp": now + 86400, **claims}  # minted when the module is collected: outlive the whole suite
     return {"authorization": f"Bearer {jwt.encode(body, SECRET, algorithm='HS256')}"}
 
 
