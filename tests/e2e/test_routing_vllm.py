@@ -96,6 +96,10 @@ class Conversation:
 
 @pytest.fixture(scope="module")
 def client(gateway):
+    # modules before this one may have paused the shared servers (for vLLMs of their own): the session's gateway
+    # takes them back within its health backoff once they answer again
+    wait_for(lambda: all(gateway.metric("llm_gateway_backend_up", backend=f"duo-{s}") == 1 for s in "ab"), 60,
+             "both of duo's replicas to be up")
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key, max_retries=0, timeout=60) as c:
         yield c
 

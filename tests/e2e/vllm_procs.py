@@ -339,8 +339,11 @@ class VLLMServer:
             _signal_group(self.proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
+        """SIGCONT, then wait (bounded) until it answers again: the next test finds it serving."""
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGCONT)
+            if self.is_running() and self.started_at is not None:
+                self.wait_ready(60)
 
     def restart(self, timeout: float = 300.0) -> float:
         """stop() (if running), start() on the same port, wait_ready(); return seconds until ready."""

@@ -92,8 +92,8 @@ def test_a_gateway_stopped_mid_batch_resumes_it_when_started_again(pair, tmp_pat
     wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 6, DEADLINE, "lines answered")
     for proc in pair.gateways:  # both stopped gracefully: lines in flight finish, nothing more is claimed
         proc.terminate()
-    for proc in pair.gateways:
-        assert proc.wait(30) == 0
+    for proc in pair.gateways:  # lines in flight get their grace, then the drain its bound: slow on a loaded machine
+        assert proc.wait(90) == 0
     stopped = backend_successes(pair.backend_url) - before
     assert 6 <= stopped < 60
     port = free_port()

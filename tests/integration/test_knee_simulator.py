@@ -58,7 +58,9 @@ async def test_sweep_finds_the_batch_cap_and_sees_the_queue(tmp_path):
         assert abs(r.prompt_tokens_mean - 64) <= 64 * 0.1  # the calibrated prompt length
     peak = max(r.output_tokens_per_s for r in result.levels)
     assert by_c[4].output_tokens_per_s < 0.7 * peak < by_c[8].output_tokens_per_s  # still growing below the cap
-    assert by_c[32].output_tokens_per_s < 1.1 * by_c[16].output_tokens_per_s  # flat past it
+    # flat past it: no level above the cap beats the best capped one (one level of a loaded machine can be slow,
+    # so the reference is the better of the two at or past the cap, not one of them)
+    assert by_c[32].output_tokens_per_s < 1.1 * max(by_c[8].output_tokens_per_s, by_c[16].output_tokens_per_s)
     assert by_c[16].waiting_max > 0 and by_c[32].waiting_max > 0 and by_c[1].waiting_max == 0
     assert by_c[32].ttft_p99_s > 3 * by_c[4].ttft_p99_s
     assert 0.005 < by_c[1].itl_p50_s < 0.05  # one ~10.5 ms step per token
