@@ -27,7 +27,7 @@ def need_chromium() -> None:
     if shutil.which(CHROMIUM) is None:
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (scripts/setup_browser.sh)")
-        pytest.skip(f"{CHROMIUM} is missing: run scripts/setup_browser.sh (make test does)")
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/setup_browser.sh (make test does)")
 
 
 @contextlib.asynccontextmanager

@@ -36,7 +36,7 @@ def signing_key(kid: str) -> tuple[rsa.RSAPrivateKey, dict]:
 class OidcProvider:
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         if shutil.which("node") is None or not (MODULES / "oidc-provider").is_dir():
-            pytest.skip("node-oidc-provider is not installed: run scripts/setup_oidc.sh (make test does)")
+            pytest.fail("node-oidc-provider is not installed: run scripts/setup_oidc.sh (make test does)")
         self.workdir = workdir
         self.port = port or free_port()
         self.issuer = f"http://127.0.0.1:{self.port}"
