@@ -39,7 +39,7 @@ class Frames:
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
         data = self.pending + chunk if self.pending else chunk
-        if CR in data:  # CRLF framing (SSE allows it): events and usage must not depend on a provider's line ends
+        if 13 in data:  # a CR: CRLF framing (SSE allows it): events and usage must not depend on a provider's line ends
             data = data.replace(b"\r\n", b"\n")  # a \r that ends a chunk waits in `pending` for its \n
         cut = data.rfind(SEP)
         if cut < 0:

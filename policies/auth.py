@@ -82,7 +82,8 @@ class Authenticate:
     async def enter(self, call: Call) -> None:
         if call.batch is None:  # a batch's line comes with its key's record, checked as it was read
             call.key = await self.verify(call.headers.get("authorization"))
-        call.team = await self.team_of(call.key)
+        if call.key.team is not None:  # most keys have none: no coroutine made for them
+            call.team = await self.team_of(call.key)
 
     async def team_of(self, key: KeyRecord) -> TeamRecord | None:
         """The key's team (cached as keys are); 403 if it names a team that no longer exists."""

@@ -253,6 +253,9 @@ class Budget:
         return out
 
     async def enter(self, call: Call) -> None:
+        key, team = call.key, call.team
+        if key is not None and key.budget is None and (team is None or team.budget is None):
+            return  # the common case, before any list is built
         owners = self.owners(call)
         if not owners:
             return
