@@ -216,6 +216,15 @@ class ReplicaSet:
         for replicas in self.by_model.values():
             yield from replicas
 
+    def load_of(self, group: str) -> float:
+        """Requests in flight per routable replica of `group` (infinite when none is routable)."""
+        total = count = 0
+        for replica in self.by_model.get(group, ()):
+            if replica.routable:
+                total += replica.in_flight
+                count += 1
+        return total / count if count else float("inf")
+
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0
         if replica.state != UP:

@@ -24,7 +24,17 @@ reason for GET /admin/variants. While some signal the candidate has samples of c
 says why (`undecided`, e.g. "ITL: not enough samples at comparable load: candidate 12/50, baseline 400/50") and
 since when (`judging_since`, `undecided_for_s`, the gauge llm_gateway_variant_guard_undecided_seconds), and
 `warning` turns true once that has lasted longer than `window_seconds`. The variant stays out until an operator gives it a weight again (admin API or
-the file). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
+the file).
+
+Where the two sides never met one load (a steady light canary on a busy model: the candidate near 8 in flight,
+the baseline near 32), only the bound of the candidate at a lighter load judges latency, and a slowdown smaller
+than the baseline's load penalty hides under it. With `even_load` (the default) the guard then evens the load
+for a while (`Variants.even`): requests drawn for either side go to whichever has fewer in flight per replica,
+so both run at one load and the comparison at one level judges; the evening ends once a latency signal was
+judged at a load both met (or with the verdict), or after `even_load.calls` of the candidate's calls, and
+comes at most once per `window_seconds`: then the weights rule again. While it lasts the candidate takes up to
+half the pair's traffic; the admin view says so (`evening`), and each evening is counted
+(llm_gateway_variant_guard_actions_total{action="even_load"}). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
 next share of traffic (the baseline takes the rest).
 """
 
@@ -58,6 +68,8 @@ class GuardState:
     judging_since: float | None = None  # unix seconds since when some signal has been waiting
     warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
     ratios: dict | None = None  # each latency signal's worst candidate/baseline ratio at the last look
+    evening_left: int = 0  # the candidate's calls the evening of the two sides' load may still last (0: none)
+    evened_at: float | None = None  # unix seconds the last evening began
 
     def view(self) -> dict:
         waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
@@ -66,7 +78,7 @@ class GuardState:
                 "judging_since": self.judging_since if self.state == WATCHING else None,
                 "undecided_for_s": waited if self.state == WATCHING else None,
                 "warning": self.state == WATCHING and waited is not None and waited > self.warn_after,
-                "ratios": self.ratios}
+                "ratios": self.ratios, "evening": self.evening_left or None, "evened_at": self.evened_at}
 
 
 def baseline_of(model: Model) -> str:
@@ -80,11 +92,13 @@ def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, 
     return judge(guard, cand, base)[0]
 
 
-def judge(guard: Guard, cand: list[Sample], base: list[Sample],
-          seen: dict[str, float] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
+def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, float] | None = None,
+          blind: list[str] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
     """(breach, waiting): the first signal on which the candidate is worse, or None; and why each signal the
     candidate has samples of could not be judged yet (empty while every one was). `seen` (when given) gets
-    each latency signal's worst ratio at comparable load."""
+    each latency signal's worst ratio at comparable load; `blind` the latency signals that both sides have
+    enough calls of at loads that never met (held only to the bound of the baseline at a heavier load, or not
+    comparable at all)."""
     need = guard.min_samples
     waiting: list[str] = []
     if guard.max_validity_drop is not None:
@@ -119,9 +133,14 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample],
             return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
                              f" {limit:g}x; {where})")), waiting
         if worst is None and closest is not None:
+            if blind is not None and min(sum(getattr(s, field) is not None for s in side) for side in (cand, base)) \
+                    >= need:  # enough calls on both sides, at loads that never met
+                blind.append(signal)
             waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
                            f" baseline {closest[1]}/{need}")
         elif worst is not None and not matched:
+            if blind is not None:
+                blind.append(signal)
             waiting.append(f"{signal.upper()}: no load level both sides met, nor one the baseline met on each side of"
                            f" the candidate's: held only to the baseline at heavier load ({worst[0]:.2f}x), which"
                            f" hides a slowdown smaller than the baseline's load penalty")
@@ -131,6 +150,33 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample],
             return ("agreement", (f"agreement with the live answer {sum(agreed) / len(agreed):.1%} (below"
                                   f" {guard.min_agreement:.0%}, {len(agreed)} compared)")), waiting
     return None, waiting
+
+
+def judge_evened(guard: Guard, cand: list[Sample], base: list[Sample],
+                 seen: dict[str, float]) -> tuple[tuple[str, str] | None, set[str]]:
+    """(breach, judged): latency as the calls sent while the two sides' load was evened say it (both sides at
+    the same times and loads): the first latency signal that breaches, or None; and the signals that were judged
+    at a load both met."""
+    judged: set[str] = set()
+    for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
+        if limit is None:
+            continue
+        worst, _, matched = compare_latency(cand, base, field, guard.min_samples)
+        if worst is None or not matched:
+            continue
+        judged.add(signal)
+        seen[signal] = round(worst[0], 3)
+        if worst[0] > limit:
+            ratio, where = worst
+            return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
+                             f" {limit:g}x; while their load was evened, {where})")), judged
+    return None, judged
+
+
+def latency_signals(guard: Guard, cand: list[Sample]) -> set[str]:
+    """The latency signals the guard checks that the candidate's calls have samples of."""
+    return {signal for signal, limit in (("itl", guard.max_itl_ratio), ("ttft", guard.max_ttft_ratio))
+            if limit is not None and any(getattr(s, signal) is not None for s in cand)}
 
 
 def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int):
@@ -258,11 +304,16 @@ class VariantGuard:
             return None
         if variant == baseline_of(config):
             return {"state": BASELINE, "reason": None, "at": None, "step": -1, "undecided": None,
-                    "judging_since": None, "undecided_for_s": None, "warning": False, "ratios": None}
+                    "judging_since": None, "undecided_for_s": None, "warning": False, "ratios": None,
+                    "evening": None, "evened_at": None}
         return self.state(model, variant).view()
 
     def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
-        """An operator (or the file) gave weights: a variant given one again is watched again."""
+        """Weights changed: any evening of the model's load ends (the shares are new); a variant an operator (or
+        the file) gave a weight again is watched again."""
+        for (name, _), each in self.states.items():
+            if name == model:
+                each.evening_left = 0
         if why.startswith("guard"):
             return
         for variant, weight in weights.items():
@@ -289,23 +340,71 @@ class VariantGuard:
             return
         st.calls += 1
         st.held += 1
+        if st.evening_left:
+            if model not in self.variants.evening:  # ended by the clock (module doc)
+                st.evening_left = 0
+            elif st.evening_left == 1:
+                self.stop_evening(model, variant, f"after {guard.even_load.calls if guard.even_load else 0} of its"
+                                                  f" calls")
+            else:
+                st.evening_left -= 1
         if st.calls % EVERY:
             return
         cand = self.variants.window(model, variant).recent(guard.window_seconds)
         baseline = self.variants.window(model, base).recent(guard.window_seconds)
         st.ratios = {}
-        breach, waiting = judge(guard, cand, baseline, st.ratios)
-        self.waiting(model, variant, st, guard, waiting)
+        blind: list[str] = []
+        breach, waiting = judge(guard, cand, baseline, st.ratios, blind)
+        evened = False  # every latency signal the last evening's calls have was judged on them
+        if breach is None and st.evened_at is not None:  # what the calls sent while the load was evened say
+            evened_cand = [s for s in cand if s.evened]
+            breach, judged = judge_evened(guard, evened_cand, [s for s in baseline if s.evened], st.ratios)
+            blind = [signal for signal in blind if signal not in judged]
+            waiting = [w for w in waiting if not w.startswith(tuple(f"{signal.upper()}:" for signal in judged))]
+            evened = bool(judged) and judged >= latency_signals(guard, evened_cand)
         if breach is not None:
+            self.waiting(model, variant, st, guard, waiting)
             self.roll_back(model, variant, *breach)
-        elif guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
+            return
+        if st.evening_left and evened:
+            self.stop_evening(model, variant, "judged at a load both met")
+        elif blind and not st.evening_left:
+            self.start_evening(config, variant, base, st, blind[0])
+        self.waiting(model, variant, st, guard, waiting)
+        if guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
                 and len(cand) >= guard.min_samples:
             self.promote(config, variant, base, st)
+
+    def start_evening(self, config: Model, variant: str, base: str, st: GuardState, signal: str) -> None:
+        """Even the two sides' load for a while (module doc), unless it is off, came within the window already,
+        another candidate's evening is on, or requests cannot be moved (stickiness on the key, no live weight)."""
+        guard = config.guard
+        even = guard.even_load if guard is not None else None
+        now = time.time()
+        weights = self.variants.weights.get(config.name, {})
+        if even is None or guard is None or (st.evened_at is not None and now - st.evened_at < guard.window_seconds) \
+                or config.name in self.variants.evening or (config.sticky is not None and config.sticky.key) \
+                or not weights.get(variant) or not weights.get(base):
+            return
+        st.evening_left, st.evened_at = even.calls, now
+        self.variants.even(config.name, variant, base, guard.window_seconds)
+        log.info("variant guard: model %s: no load both %s and %s met; evening their load for up to %d of %s's"
+                 " calls", config.name, variant, base, even.calls, variant)
+        if self.metrics is not None:
+            self.metrics.variant_guard_actions.labels(config.name, variant, "even_load", signal).inc()
+
+    def stop_evening(self, model: str, variant: str, why: str) -> None:
+        self.state(model, variant).evening_left = 0
+        self.variants.uneven(model)
+        log.info("variant guard: model %s: the evening of %s's load ended (%s); the weights rule again", model,
+                 variant, why)
 
     def waiting(self, model: str, variant: str, st: GuardState, guard: Guard, waiting: list[str]) -> None:
         """Keep why the guard could not judge yet, and since when (the admin view; the metric's seconds)."""
         now = time.time()
         st.warn_after = guard.window_seconds
+        if st.evening_left:
+            waiting = [*waiting, f"evening the two sides' load for up to {st.evening_left} more of its calls"]
         st.undecided = "; ".join(waiting) or None
         st.judging_since = (st.judging_since or now) if waiting else None
         if self.metrics is not None:
@@ -315,6 +414,7 @@ class VariantGuard:
         st = self.state(model, variant)
         before = self.variants.weights[model][variant]
         st.state, st.reason, st.at = ROLLED_BACK, reason, time.time()
+        st.evening_left = 0
         self.variants.set_weights(model, {variant: 0.0}, why=f"guard: {reason}")
         log.warning("variant guard: model %s variant %s rolled back (weight %g -> 0): %s", model, variant, before,
                     reason)

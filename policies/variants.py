@@ -25,9 +25,12 @@ import hashlib
 import logging
 import math
 import random
+import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 from backends.lora import AdapterTarget
 from backends.replicas import group_name
@@ -43,6 +46,16 @@ log = logging.getLogger("gateway.variants")
 HEADER = "x-gateway-variant"  # the variant that served a request, in its response headers
 _SCALE = float(1 << 64)
 GOLDEN = (math.sqrt(5) - 1) / 2  # the step of the evenly spread sequence: it never falls into a short cycle
+
+
+class Evening(NamedTuple):
+    """A candidate and its baseline whose load the guard evens (policies/variant_guard.py), until a time."""
+
+    candidate: str
+    candidate_group: str
+    baseline: str
+    baseline_group: str
+    until: float  # monotonic
 
 
 class UnknownVariant(LookupError):
@@ -116,6 +129,7 @@ class Variants:
         self.models: dict[str, Model] = {}
         self.windows: dict[tuple[str, str], Window] = {}  # (model, variant) -> its last calls' signals
         self.guard = VariantGuard(self, metrics)
+        self.evening: dict[str, Evening] = {}  # model -> the pair whose load the guard evens now
         self.on_change = lambda model, weights, why: None  # observers (metrics, shared state)
 
     def configure(self, policy: Policy) -> None:
@@ -132,6 +146,9 @@ class Variants:
             self.filed.pop(gone, None)
         self.models = models
         self.plans = {name: plan_of(model, self.weights[name]) for name, model in models.items()}
+        for name, even in list(self.evening.items()):
+            if name not in self.plans or not {even.candidate, even.baseline} <= set(self.plans[name].names):
+                self.uneven(name)
         for name in models:
             self.publish(name)
 
@@ -156,11 +173,21 @@ class Variants:
             raise NoLiveWeight(f"model {model}: at least one variant that is not a shadow needs a weight above 0")
         plan = plan_of(config, new)
         self.weights[model], self.plans[model] = new, plan  # one swap each: a request sees the old or the new
+        self.uneven(model)
         log.info("model %s: variant weights %s (%s)", model, ", ".join(f"{k}={v:g}" for k, v in new.items()), why)
         self.publish(model)
         self.guard.weights_set(model, weights, why)
         self.on_change(model, new, why)
         return new
+
+    def even(self, model: str, candidate: str, baseline: str, seconds: float) -> None:
+        """For `seconds` at most, until `uneven`: requests of `model` drawn for either variant go to the one with
+        fewer in flight per replica (the guard's evening, policies/variant_guard.py)."""
+        self.evening[model] = Evening(candidate, group_name(model, candidate), baseline, group_name(model, baseline),
+                                      time.monotonic() + seconds)
+
+    def uneven(self, model: str) -> None:
+        self.evening.pop(model, None)
 
     def record(self, model: str, variant: str, sample: Sample, status: int) -> None:
         """One finished call of a variant (live or shadow): its metrics, its window, then its guard's look."""
@@ -215,8 +242,9 @@ class AssignVariant:
 
     name = "assign-variant"
 
-    def __init__(self, variants: Variants, metrics=None) -> None:
+    def __init__(self, variants: Variants, load: Callable[[str], float] = lambda group: 0.0) -> None:
         self.variants = variants
+        self.load = load  # requests in flight per replica of a replica set (backends/replicas.py load_of)
 
     async def enter(self, call: Call) -> None:
         plan = self.variants.plans.get(call.model)
@@ -238,6 +266,10 @@ class AssignVariant:
         else:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
+            even = self.variants.evening.get(call.model) if self.variants.evening else None
+            if even is not None and plan.names[i] in (even.candidate, even.baseline):  # the guard evens their load
+                i = self.lighter(plan, even, call.model)
+                call.evened = True
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]
         if plan.adapters:
@@ -246,6 +278,13 @@ class AssignVariant:
         body = call.body
         if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
             call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
+
+    def lighter(self, plan: Plan, even: Evening, model: str) -> int:
+        """The index of the pair's variant with fewer in flight per replica (ties: the baseline)."""
+        if time.monotonic() > even.until:  # a candidate that stopped getting calls (down) ends it by the clock
+            self.variants.uneven(model)
+        lighter = self.load(even.candidate_group) < self.load(even.baseline_group)
+        return plan.names.index(even.candidate if lighter else even.baseline)
 
     async def leave(self, call: Call) -> None:
         pass  # nothing taken; the finished call's signals are VariantSignals' to record

@@ -49,6 +49,15 @@ class Promotion(Strict):
         return steps
 
 
+class EvenLoad(Strict):
+    """When the candidate and the baseline never meet one load (a light canary on a busy model under steady
+    traffic), the guard evens it for a while: the model's requests drawn for either of the two go to whichever
+    has fewer in flight per replica, until the candidate has been judged at a load both met, or for at most
+    `calls` of the candidate's calls; then the weights rule again. At most once per `window_seconds`."""
+
+    calls: int = Field(150, ge=1, le=1_000_000)  # the candidate's calls one evening lasts at most
+
+
 class Guard(Strict):
     """Each candidate variant against the baseline, over a sliding window (policies/variant_guard.py): a
     breach sets the candidate's weight to 0 at once. A limit that is null is not checked."""
@@ -62,6 +71,7 @@ class Guard(Strict):
     max_ttft_ratio: float | None = Field(1.5, gt=1, le=100)  # time to first token p50 at comparable load
     min_agreement: float | None = Field(0.9, ge=0, le=1)  # shadow answers equal to the live one (temperature 0)
     promotion: Promotion | None = None
+    even_load: EvenLoad | None = Field(default_factory=EvenLoad)  # null: never even the load, stay undecided
 
 
 class Sticky(Strict):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import httpx
+import pytest
 
 from backends.simulator import SimConfig, create_app
 from gateway.admin_auth import mint_token
@@ -103,6 +105,20 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "required": ["city", "days"]}}}]
 
 
+STREAM_HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True}
+
+
+async def streams(http: httpx.AsyncClient, url: str, clients: int, calls: int, body: dict = STREAM_HI) -> None:
+    """`calls` streamed requests, `clients` at a time, each answered 200."""
+    gate = asyncio.Semaphore(clients)
+
+    async def one() -> None:
+        async with gate:
+            assert (await http.post(f"{url}/v1/chat/completions", json=body)).status_code == 200
+
+    await asyncio.gather(*(one() for _ in range(calls)))
+
+
 def canary_policy(a: str, b: str, guard: dict) -> dict:
     """Baseline `a` at 80, candidate `b` at 20, guarded."""
     policy = variants_policy(a, b, guard=guard)
@@ -166,13 +182,7 @@ async def test_a_light_canary_on_a_busy_model_is_judged_and_a_slower_one_rolled_
             assert guard["undecided_for_s"] is not None and guard["warning"] is False
             signals = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()
             assert "b: cannot judge yet" in render(signals) and "not enough samples at comparable load" in render(signals)
-            gate = asyncio.Semaphore(40)
-
-            async def one(i: int) -> None:
-                async with gate:
-                    assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
-
-            await asyncio.gather(*(one(i) for i in range(600)))
+            await streams(http, gw.url, 40, 600)
             view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()
             cand = view["models"]["m"]["variants"][1]
             assert cand["weight"] == 0 and cand["guard"]["state"] == "rolled_back", cand
@@ -183,46 +193,61 @@ async def test_a_light_canary_on_a_busy_model_is_judged_and_a_slower_one_rolled_
                                    signal="itl") == 1
 
 
-async def test_a_candidate_slower_by_less_than_the_baselines_load_penalty_is_judged_at_matched_load(monkeypatch):
-    """80/20, each token 20 ms + 0.8 ms per running sequence: the baseline at 32 in flight costs 1.7x what it costs
-    at 8, more than the candidate's 1.3x. Under a steady 40 clients their loads never meet, and the guard says
-    it cannot see such a slowdown; once traffic falls to 8 clients and rises again, the baseline meets the
-    candidate's load and a default guard pulls it back, compared at that load."""
+@pytest.mark.parametrize("even_load", [False, True])
+async def test_a_candidate_slower_by_less_than_the_baselines_load_penalty_is_pulled_back_under_steady_load(
+        monkeypatch, even_load):
+    """80/20 under a steady 40 clients, each token 20 ms + 0.8 ms per running sequence: the baseline near 32 in
+    flight costs 1.7x what it costs near 8, more than the candidate's 1.3x, and their loads never meet. Without
+    `even_load` the guard says it cannot see such a slowdown; with it (the default) it evens the two sides' load
+    for a while and pulls the candidate back, compared at a load both met."""
     viewer_headers = viewer(monkeypatch)
     base = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0.8)
     slower = base.model_copy(update={"step_base_ms": 26, "step_ms_per_seq": 1.04})
+    guard = {} if even_load else {"even_load": None}
     async with serve_app(create_app(base)) as a, serve_app(create_app(slower)) as b:
-        async with running_gateway(canary_policy(a, b, {})) as gw, httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+        async with running_gateway(canary_policy(a, b, guard)) as gw, \
+                httpx.AsyncClient(timeout=60, headers=AUTH) as http:
             await wait_ready(http, gw.url)
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True}
-
-            async def clients(n: int, calls: int) -> None:
-                gate = asyncio.Semaphore(n)
-
-                async def one() -> None:
-                    async with gate:
-                        assert (await http.post(f"{gw.url}/v1/chat/completions", json=body)).status_code == 200
-
-                await asyncio.gather(*(one() for _ in range(calls)))
-
-            await clients(40, 400)
-            view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
-            guard = view["variants"][1]["guard"]
-            assert guard["state"] == "watching" and "ITL: no load level both sides met" in guard["undecided"], guard
-            assert guard["ratios"]["itl"] < 1.2, guard  # held only to the baseline at heavier load, it passes
-            for _ in range(10):  # bounded: traffic falls and rises again
-                await clients(8, 40)
-                await clients(40, 200)
-                if gw.state.shared.variants.guard.state("m", "b").state == "rolled_back":
+            state = gw.state.shared.variants.guard.state("m", "b")
+            for _ in range(6 if even_load else 2):  # bounded: 1,200 requests at most, 240 the candidate's at 20%
+                await streams(http, gw.url, 40, 200)
+                if state.state == "rolled_back":
                     break
             view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
             cand = view["variants"][1]
-            assert cand["guard"]["state"] == "rolled_back" and cand["weight"] == 0, cand
-            assert cand["guard"]["reason"].startswith("ITL p50") and "load level 8" in cand["guard"]["reason"]
-            assert "heavier" not in cand["guard"]["reason"], cand["guard"]
             calls = len(gw.state.shared.variants.window("m", "b").recent())
-            print("candidate calls when pulled back:", calls, cand["guard"]["reason"])
-            assert calls <= 80 + 3 * 48, calls  # its 80 under the steady 40, then within three falls and rises
+            print("even_load", even_load, "candidate calls:", calls, cand["guard"])
+            evenings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="even_load")
+            if not even_load:
+                assert cand["guard"]["state"] == "watching" and cand["weight"] == 20, cand
+                assert "ITL: no load level both sides met" in cand["guard"]["undecided"], cand["guard"]
+                assert cand["guard"]["ratios"]["itl"] < 1.2, cand["guard"]  # held only to the bound, it passes
+                assert not evenings and cand["guard"]["evening"] is None
+                return
+            assert cand["guard"]["state"] == "rolled_back" and cand["weight"] == 0, cand
+            reason = cand["guard"]["reason"]
+            assert reason.startswith("ITL p50") and ("while their load was evened" in reason or "heavier" not in reason)
+            assert evenings == 1 and "m" not in gw.state.shared.variants.evening
+            # its first 50 calls, one evening (150 of its calls at most), the next look, those under way
+            assert calls <= 50 + 150 + 10 + 40, calls
+
+
+async def test_an_identical_candidate_under_steady_load_is_evened_judged_and_held(caplog):
+    """The same 80/20 under a steady 40 clients with an identical candidate and a 4-second window: its load is
+    evened again as each evening's calls leave the window, it is judged on them, and it is never pulled back."""
+    same = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0.8)
+    async with serve_app(create_app(same)) as a, serve_app(create_app(same)) as b:
+        async with running_gateway(canary_policy(a, b, {"window_seconds": 4})) as gw, \
+                httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            await wait_ready(http, gw.url)
+            with caplog.at_level(logging.INFO, logger="gateway.variants"):
+                await streams(http, gw.url, 40, 1_200)
+            state = gw.state.shared.variants
+            assert state.guard.state("m", "b").state == "watching" and state.weights["m"] == {"a": 80, "b": 20}
+            judged = [r.getMessage() for r in caplog.records if "judged at a load both met" in r.getMessage()]
+            evenings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="even_load")
+            print("evenings:", evenings, "judged:", len(judged), state.guard.state("m", "b").ratios)
+            assert evenings >= 2 and judged, (evenings, judged)
 
 
 async def test_a_candidate_slow_only_to_its_first_token_is_rolled_back_by_a_default_guard():
