@@ -32,32 +32,41 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        # every finished call moves these: tallied in plain dicts (policies/tally.py), read at exposition
+        self.requests = TallyCounter(
             "llm_gateway_requests", "Requests answered, by public model, backend, HTTP status and endpoint (the"
             " route's name: chat/completions, responses, tokenize, rerank...).",
-            ["model", "backend", "status", "endpoint"], registry=r,
+            ("model", "backend", "status", "endpoint"),
         )
-        self.request_duration = Histogram(
+        self.request_duration = TallyHistogram(
             "llm_gateway_request_duration_seconds", "End-to-end request latency as the client sees it.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ("model",), LATENCY_BUCKETS,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = TallyHistogram(
             "llm_gateway_time_to_first_token_seconds", "Time from request arrival to the first streamed chunk.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ("model",), LATENCY_BUCKETS,
         )
-        self.overhead = Histogram(
+        self.overhead = TallyHistogram(
             "llm_gateway_overhead_seconds",
             "Time the gateway itself adds: before the upstream request is sent plus handling of the upstream"
             " response, excluding time spent waiting on the backend.",
-            ["model"], buckets=OVERHEAD_BUCKETS, registry=r,
+            ("model",), OVERHEAD_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "llm_gateway_prompt_tokens", "Prompt tokens reported by backends.", ["model", "backend"], registry=r
+        self.prompt_tokens = TallyCounter(
+            "llm_gateway_prompt_tokens", "Prompt tokens reported by backends.", ("model", "backend"))
+        self.completion_tokens = TallyCounter(
+            "llm_gateway_completion_tokens", "Completion tokens reported by backends.", ("model", "backend"))
+        self.served = TallyCounter(
+            "llm_gateway_served_requests", "Requests answered successfully, by where: owned or rented.",
+            ("model", "served_by"),
         )
-        self.completion_tokens = Counter(
-            "llm_gateway_completion_tokens", "Completion tokens reported by backends.", ["model", "backend"],
-            registry=r,
+        self.served_tokens = TallyCounter(
+            "llm_gateway_served_tokens", "Prompt plus completion tokens, by where they were served.",
+            ("model", "served_by"),
         )
+        for tally in (self.requests, self.request_duration, self.time_to_first_token, self.overhead, self.prompt_tokens,
+                      self.completion_tokens, self.served, self.served_tokens):
+            r.register(tally)
         self.in_flight = Gauge(
             "llm_gateway_backend_in_flight_requests", "Requests the gateway has in flight to each backend.",
             ["model", "backend"], registry=r,
@@ -109,14 +118,6 @@ class GatewayMetrics:
         self.admission_rejected = Counter(
             "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
             ["model", "reason"], registry=r,
-        )
-        self.served = Counter(
-            "llm_gateway_served_requests", "Requests answered successfully, by where: owned or rented.",
-            ["model", "served_by"], registry=r,
-        )
-        self.served_tokens = Counter(
-            "llm_gateway_served_tokens", "Prompt plus completion tokens, by where they were served.",
-            ["model", "served_by"], registry=r,
         )
         self.variant_requests = Counter(
             "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"
@@ -233,25 +234,24 @@ class GatewayMetrics:
         self.report = ReportGauges(r)  # the own-vs-rent report's figures (policies/ledger/gauges.py)
         # children looked up once (policies/memo.py): the calls below run for every request
         self.series = Memo(lambda model, backend: _Series(self, model, backend))
-        self.requests_by = Memo(self.requests.labels)
-        self.ttft_by = Memo(self.time_to_first_token.labels)
+        self.ttft_by = Memo(lambda model: self.time_to_first_token.child((model,)))
 
     def call_finished(self, model: str, backend: str, status: int, elapsed: float, overhead: float, prompt: int,
                       completion: int, served_by: str | None, endpoint: str = "") -> None:
         """Everything one finished call moves, through children looked up once per (model, backend)."""
         series = self.series(model, backend)
-        self.requests_by(model, backend, str(status), endpoint).inc()
-        series.duration.observe(elapsed)
-        series.overhead.observe(overhead)
+        self.requests.add((model, backend, str(status), endpoint))
+        series.duration(elapsed)
+        series.overhead(overhead)
         if prompt:
-            series.prompt.inc(prompt)
+            self.prompt_tokens.add(series.key, prompt)
         if completion:
-            series.completion.inc(completion)
+            self.completion_tokens.add(series.key, completion)
         if served_by is not None:
-            served, tokens = series.served[served_by]
-            served.inc()
+            where = series.served[served_by]
+            self.served.add(where)
             if prompt + completion:
-                tokens.inc(prompt + completion)
+                self.served_tokens.add(where, prompt + completion)
 
     def decision(self, model: str, scorer: str, outcome: str) -> None:
         self.routing_decisions.add((model, scorer, outcome))
@@ -271,7 +271,7 @@ class GatewayMetrics:
             self.scrape_age.labels(model, backend).set(age)
 
     def first_token(self, model: str, seconds: float) -> None:
-        self.ttft_by(model).observe(seconds)
+        self.ttft_by(model)(seconds)
 
     def observe(self, record: Finished) -> None:
         """One finished call: its request, duration, overhead and tokens; its cost when rented."""
@@ -290,18 +290,16 @@ class GatewayMetrics:
 
     def call_refused(self, model: str, backend: str, status: int, endpoint: str = "") -> None:
         """A call that never got as far as a model (bad body, unknown key)."""
-        self.requests_by(model, backend, str(status), endpoint).inc()
+        self.requests.add((model, backend, str(status), endpoint))
 
 
 class _Series:
     """The children one finished call of a (model, backend) moves, fetched together."""
 
-    __slots__ = ("duration", "overhead", "prompt", "completion", "served")
+    __slots__ = ("duration", "key", "overhead", "served")
 
     def __init__(self, m: GatewayMetrics, model: str, backend: str) -> None:
-        self.duration = m.request_duration.labels(model)
-        self.overhead = m.overhead.labels(model)
-        self.prompt = m.prompt_tokens.labels(model, backend)
-        self.completion = m.completion_tokens.labels(model, backend)
-        self.served = {where: (m.served.labels(model, where), m.served_tokens.labels(model, where))
-                       for where in ("owned", "rented")}
+        self.duration = m.request_duration.child((model,))
+        self.overhead = m.overhead.child((model,))
+        self.key = (model, backend)  # of the token tallies
+        self.served = {where: (model, where) for where in ("owned", "rented")}

@@ -281,3 +281,37 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
         assert one_seq["state"] == "rolled_back", one_seq
         assert one_seq["reason"].startswith(("TTFT p50", "ITL p50")), one_seq
         assert guard_of("same")["state"] == "watching"
+
+
+def test_a_steady_light_canary_is_evened_judged_and_an_identical_one_held(vllm_servers, tmp_path_factory):
+    """`guard: {}` on real vLLM under a steady 16 clients at 80/20: the candidate (the baseline's own server
+    under another variant's name, identical by construction) runs near 3 in flight, the baseline near 13, so
+    their loads never meet; the guard evens them for a while, judges the calls sent meanwhile, and holds it."""
+    a = vllm_servers["a"]
+    policy = canary_policy({
+        "guard": {},
+        "variants": [
+            {"name": "base", "weight": 80, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+            {"name": "same", "weight": 20, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
+        ],
+    })
+    with gateway_process(policy, tmp_path_factory.mktemp("evening-gateway")) as gw:
+        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
+
+        def guard() -> dict:
+            view = httpx.get(f"{gw.url}/admin/models/canary/variants", headers=viewer, timeout=10).json()
+            return view["variants"][1]["guard"]
+
+        began = time.monotonic()
+        same = guard()
+        for _ in range(8):  # bounded: 1,600 requests at most; until an evening began and ended judged
+            asyncio.run(stream_load(gw, 200, concurrency=16))
+            same = guard()
+            if same["state"] != "watching" or (same["evened_at"] and not same["evening"] and not same["undecided"]):
+                break
+        print("steady light canary on real vLLM:", same, round(time.monotonic() - began, 1), "s")
+        assert same["state"] == "watching" and same["evened_at"] is not None, same
+        assert same["evening"] is None and same["undecided"] is None, same  # judged on the evened calls
+        assert same["ratios"]["itl"] <= 1.2 and same["ratios"]["ttft"] <= 1.5, same
+        log = gw.log.read_text()
+        assert "evening their load" in log and "ended (judged at a load both met)" in log, log[-2000:]
