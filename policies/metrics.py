@@ -119,28 +119,31 @@ class GatewayMetrics:
             "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
             ["model", "reason"], registry=r,
         )
-        self.variant_requests = Counter(
+        # each call of a variant moves these: tallied like the calls' own (policies/tally.py)
+        self.variant_requests = TallyCounter(
             "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"
-            " HTTP status.", ["model", "variant", "status"], registry=r,
+            " HTTP status.", ("model", "variant", "status"),
         )
         self.variant_errors = Counter(
             "llm_gateway_variant_errors", "Failed requests of a variant by kind: upstream_error, timeout, no_backend"
             " (held against it), at_capacity, rejected, client_closed.", ["model", "variant", "kind"], registry=r,
         )
-        self.variant_ttft = Histogram(
+        self.variant_ttft = TallyHistogram(
             "llm_gateway_variant_time_to_first_token_seconds", "A variant's backend time to first token (queue"
             " excluded), by the load it met: requests in flight to its replica when sent, up to this many.",
-            ["model", "variant", "load"], buckets=LATENCY_BUCKETS, registry=r,
+            ("model", "variant", "load"), LATENCY_BUCKETS,
         )
-        self.variant_itl = Histogram(
+        self.variant_itl = TallyHistogram(
             "llm_gateway_variant_inter_token_latency_seconds", "A variant's mean time between output tokens per"
-            " stream, by the load it met.", ["model", "variant", "load"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28), registry=r,
+            " stream, by the load it met.", ("model", "variant", "load"),
+            (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
         )
-        self.variant_tokens_per_second = Histogram(
+        self.variant_tokens_per_second = TallyHistogram(
             "llm_gateway_variant_output_tokens_per_second", "A variant's output tokens per second of each stream.",
-            ["model", "variant"], buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280), registry=r,
+            ("model", "variant"), (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280),
         )
+        for tally in (self.variant_requests, self.variant_ttft, self.variant_itl, self.variant_tokens_per_second):
+            r.register(tally)
         self.variant_structured = Counter(
             "llm_gateway_variant_structured_answers", "A variant's structured answers (response_format JSON, tool"
             " call arguments), by whether they were valid.", ["model", "variant", "valid"], registry=r,
@@ -151,7 +154,7 @@ class GatewayMetrics:
         )
         self.variant_guard_actions = Counter(
             "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
-            " worse than the baseline's) or promote.", ["model", "variant", "action", "signal"], registry=r,
+            " worse than the baseline's), promote, or even_load (with the signal it could not judge otherwise).", ["model", "variant", "action", "signal"], registry=r,
         )
         self.variant_guard_undecided = Gauge(
             "llm_gateway_variant_guard_undecided_seconds", "How long a candidate's guard has been unable to judge"

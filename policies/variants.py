@@ -307,25 +307,26 @@ class Signals:
     """The Prometheus children of one variant, looked up once."""
 
     def __init__(self, metrics, model: str, variant: str) -> None:
-        self.requests = Memo(partial(metrics.variant_requests.labels, model, variant))  # by status
+        self.model, self.variant = model, variant
+        self.requests = metrics.variant_requests  # tallies (policies/tally.py): keyed by the label values
         self.errors = Memo(partial(metrics.variant_errors.labels, model, variant))  # by kind
-        self.ttft = Memo(partial(metrics.variant_ttft.labels, model, variant))  # by load level
-        self.itl = Memo(partial(metrics.variant_itl.labels, model, variant))
-        self.tokens_per_second = metrics.variant_tokens_per_second.labels(model, variant)
+        self.ttft = Memo(lambda load: metrics.variant_ttft.child((model, variant, load)))  # by load level
+        self.itl = Memo(lambda load: metrics.variant_itl.child((model, variant, load)))
+        self.tokens_per_second = metrics.variant_tokens_per_second.child((model, variant))
         self.structured = {True: metrics.variant_structured.labels(model, variant, "true"),
                            False: metrics.variant_structured.labels(model, variant, "false")}
         self.length = metrics.variant_length.labels(model, variant)
 
     def add(self, sample: Sample, status: int) -> None:
-        self.requests(str(status)).inc()
+        self.requests.add((self.model, self.variant, str(status)))
         if sample.error is not None:
             self.errors(sample.error).inc()
         if sample.ttft is not None:
-            self.ttft(sample.load).observe(sample.ttft)
+            self.ttft(sample.load)(sample.ttft)
         if sample.itl is not None:
-            self.itl(sample.load).observe(sample.itl)
+            self.itl(sample.load)(sample.itl)
         if sample.tokens_per_second is not None:
-            self.tokens_per_second.observe(sample.tokens_per_second)
+            self.tokens_per_second(sample.tokens_per_second)
         if sample.structured is not None:
             self.structured[sample.structured].inc()
         if sample.length:
