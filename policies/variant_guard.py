@@ -93,12 +93,13 @@ def verdict(guard: Guard, cand: list[Sample], base: list[Sample]) -> tuple[str, 
 
 
 def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, float] | None = None,
-          blind: list[str] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
+          blind: list[str] | None = None,
+          timed: tuple[list[Sample], list[Sample]] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
     """(breach, waiting): the first signal on which the candidate is worse, or None; and why each signal the
     candidate has samples of could not be judged yet (empty while every one was). `seen` (when given) gets
     each latency signal's worst ratio at comparable load; `blind` the latency signals that both sides have
     enough calls of at loads that never met (held only to the bound of the baseline at a heavier load, or not
-    comparable at all)."""
+    comparable at all). `timed`: the calls whose latency is compared (default: all of `cand` and `base`)."""
     need = guard.min_samples
     waiting: list[str] = []
     if guard.max_validity_drop is not None:
@@ -122,10 +123,11 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
                                    f" {guard.max_error_increase * 100:g} points higher, {len(cand)} calls)")), waiting
         else:
             waiting.append(f"errors: not enough calls: candidate {len(cand)}/{need}, baseline {len(base)}/{need}")
+    lat_cand, lat_base = timed if timed is not None else (cand, base)
     for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
         if limit is None:
             continue
-        worst, closest, matched = compare_latency(cand, base, field, need)
+        worst, closest, matched = compare_latency(lat_cand, lat_base, field, need)
         if worst is not None and seen is not None:
             seen[signal] = round(worst[0], 3)
         if worst is not None and worst[0] > limit:
@@ -133,8 +135,8 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
             return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
                              f" {limit:g}x; {where})")), waiting
         if worst is None and closest is not None:
-            if blind is not None and min(sum(getattr(s, field) is not None for s in side) for side in (cand, base)) \
-                    >= need:  # enough calls on both sides, at loads that never met
+            if blind is not None and min(sum(getattr(s, field) is not None for s in side)
+                                         for side in (lat_cand, lat_base)) >= need:  # enough, at loads that never met
                 blind.append(signal)
             waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
                            f" baseline {closest[1]}/{need}")
@@ -354,7 +356,12 @@ class VariantGuard:
         baseline = self.variants.window(model, base).recent(guard.window_seconds)
         st.ratios = {}
         blind: list[str] = []
-        breach, waiting = judge(guard, cand, baseline, st.ratios, blind)
+        # latency from the calls sent while the load was evened is compared only with each other (same times, same
+        # loads), the rest with the rest: a candidate's calls crowded into one evening are never held against a
+        # baseline's spread over the window, whose machine may have been less busy
+        plain = ([s for s in cand if not s.evened], [s for s in baseline if not s.evened]) \
+            if st.evened_at is not None else None
+        breach, waiting = judge(guard, cand, baseline, st.ratios, blind, plain)
         evened = False  # every latency signal the last evening's calls have was judged on them
         if breach is None and st.evened_at is not None:  # what the calls sent while the load was evened say
             evened_cand = [s for s in cand if s.evened]
