@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
+DAY = 86400
 
 
 class BatchSettings(BaseModel):
@@ -17,6 +19,20 @@ class BatchSettings(BaseModel):
     max_file_bytes: int = Field(100 * MiB, ge=1024, le=2048 * MiB)  # an upload past it is a 413 (OpenAI: 200 MB)
     max_lines: int = Field(50_000, ge=1, le=1_000_000)  # lines in one batch input file (OpenAI's own limit)
     max_line_bytes: int = Field(1 * MiB, ge=256, le=64 * MiB)  # one request line
+    # what one key's files (uploads and batch outputs) may hold on the shared volume, so one key cannot fill it and
+    # take every other key's batches down: 2 GiB is 20 uploads of max_file_bytes, a tenth of the chart's 20Gi
+    # volume; an upload past it is a 400 `storage_limit_reached`. Outputs are written even past it (results are
+    # never lost); the key's next uploads are refused until its files expire or it deletes some
+    max_bytes_per_key: int = Field(2 * GiB, ge=1 * MiB)
+    # files one key may have: bounds its listing (all of a key's files fit one page of /v1/files) and the store
+    max_files_per_key: int = Field(10_000, ge=1, le=100_000)
+    # how long an upload without `expires_after` is kept (OpenAI keeps batch files 30 days by default); an upload's
+    # own `expires_after` may say 1 hour to 30 days, as OpenAI's does
+    file_retention_seconds: int = Field(30 * DAY, ge=3600)
+    output_retention_seconds: int = Field(30 * DAY, ge=3600)  # a batch's output and error files (OpenAI: 30 days)
+    # how often each gateway process deletes expired files (up to 200 a sweep; an input of a batch not yet ended is
+    # kept until it ends); an expired file answers 404 at once, the sweep only frees its space
+    sweep_seconds: float = Field(60.0, gt=0, le=3600)
     # lines not yet answered across a key's open batches; a new batch past it is refused (400), so one key cannot
     # queue days of work in front of the others' batches
     max_queued_lines_per_key: int = Field(100_000, ge=1)

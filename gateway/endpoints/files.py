@@ -17,7 +17,7 @@ from multipart import (
 )
 
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Route
-from policies.batches.service import Batches
+from policies.batches.service import Batches, expires_after
 from policies.config import Policy
 from policies.errors import BadRequest, NotFound, StateUnavailable
 from policies.keys import KeyRecord
@@ -25,7 +25,7 @@ from policies.store import StoreUnavailable
 
 T = TypeVar("T")
 MAX_QUERY = 1024
-FIELDS = ("file", "purpose")
+FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")  # as the openai SDK sends them
 
 
 class BatchGateway(Protocol):
@@ -94,8 +94,8 @@ def form(body: bytes, content_type: str) -> tuple[dict[str, str], tuple[str, byt
                 elif event is None and segment is not None:
                     if segment.name == "file" and segment.filename is not None and upload is None:
                         upload = (segment.filename, b"".join(parts))
-                    elif segment.name == "purpose" and segment.filename is None:
-                        fields["purpose"] = b"".join(parts)[:64].decode("utf-8", "replace")
+                    elif segment.name in FIELDS and segment.filename is None:
+                        fields[segment.name] = b"".join(parts)[:64].decode("utf-8", "replace")
                     segment = None
                 elif segment is not None and segment.name in FIELDS:
                     parts.append(bytes(event))
@@ -128,7 +128,9 @@ async def create(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
     if upload is None:
         raise BadRequest("the form must have a 'file' part with a filename", param="file", code="missing_field")
     filename, data = upload
-    record = await stored(batches.upload(key.id, filename, fields["purpose"], data, model_refusal(gateway, key)))
+    keep = expires_after(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"))
+    record = await stored(batches.upload(key.id, filename, fields["purpose"], data, model_refusal(gateway, key),
+                                         keep))
     return orjson.dumps(record)
 
 

@@ -1,7 +1,9 @@
 """The Batch API's state in Redis, beside the keys, so every gateway replica runs the same batches.
 
-    P file:<id>                  string  a file's record (JSON, its owner inside)
-    P files:<owner>              zset    id -> _created
+    {P f:<owner>}file:<id>       string  a file's record (JSON)
+    {P f:<owner>}files           zset    id -> _created
+    {P f:<owner>}usage           hash    files, bytes: what the owner's files count against its bounds
+    P files:expiring             zset    "<id> <owner>" -> expires_at
     P batch:<id>                 string  a batch's record (JSON)
     P batches:<owner>            zset    id -> _created
     P batches:open               zset    id -> _created: batches not in a final state
@@ -13,7 +15,10 @@
 
 A batch's line keys share one hash tag, so each claim, renewal and result is one Lua script, atomic on one server
 and in a Cluster alike: a claim first returns expired claims to pending (their runner died), a result is
-written only by the runner that still holds the line, and the claim ends in the same step.
+written only by the runner that still holds the line, and the claim ends in the same step. A key's files share
+one hash tag too, so a file's record and its owner's count change in one script (PUT_FILE, DELETE_FILE). The
+expiry index is written before the record and cleared after it, so it never misses a stored file (an entry
+whose record is gone is dropped by the sweep).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from policies.batches.store import OPEN, Progress
+from policies.batches.store import OPEN, Progress, Usage
 
 CLAIM = """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
@@ -74,6 +79,30 @@ if not raw or cjson.decode(raw)['_v'] ~= tonumber(ARGV[1]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
+# KEYS: the record, the owner's index, its usage. ARGV: id, record, _created, bytes, max files, max bytes (-1: none)
+PUT_FILE = """
+local old = redis.call('GET', KEYS[1])
+local files, size = 1, tonumber(ARGV[4])
+if old then files, size = 0, size - (cjson.decode(old)['bytes'] or 0) end
+local now = redis.call('HMGET', KEYS[3], 'files', 'bytes')
+files, size = (tonumber(now[1]) or 0) + files, (tonumber(now[2]) or 0) + size
+if tonumber(ARGV[5]) >= 0 and files > tonumber(ARGV[5]) then return 'files' end
+if tonumber(ARGV[6]) >= 0 and size > tonumber(ARGV[6]) then return 'bytes' end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('HSET', KEYS[3], 'files', files, 'bytes', size)
+return ''
+"""
+# KEYS: the record, the owner's index, its usage. ARGV: id
+DELETE_FILE = """
+local old = redis.call('GET', KEYS[1])
+if not old then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'files', -1)
+redis.call('HINCRBY', KEYS[3], 'bytes', -(cjson.decode(old)['bytes'] or 0))
+return 1
+"""
 CHUNK = 10_000  # line numbers pushed per command when a batch is created
 
 
@@ -85,39 +114,61 @@ class RedisBatches:
         self._claim, self._renew = client.register_script(CLAIM), client.register_script(RENEW)
         self._release, self._complete = client.register_script(RELEASE), client.register_script(COMPLETE)
         self._drop, self._swap = client.register_script(DROP), client.register_script(SWAP)
+        self._put_file, self._delete_file = client.register_script(PUT_FILE), client.register_script(DELETE_FILE)
+        self.expiring = f"{self.p}files:expiring"
 
     def lines(self, batch_id: str, part: str) -> str:
         return f"{{{self.p}b:{batch_id}}}{part}"
 
-    async def put_file(self, record: dict[str, Any]) -> None:
-        async with self.store.guard("put_file"), self.store.client.pipeline(transaction=False) as pipe:
-            pipe.set(f"{self.p}file:{record['id']}", orjson.dumps(record).decode())
-            pipe.zadd(f"{self.p}files:{record['_owner']}", {record["id"]: record["_created"]})
-            await pipe.execute()
+    def owned(self, owner: str, part: str) -> str:
+        return f"{{{self.p}f:{owner}}}{part}"
+
+    def file_keys(self, owner: str, file_id: str) -> list[str]:
+        return [self.owned(owner, f"file:{file_id}"), self.owned(owner, "files"), self.owned(owner, "usage")]
+
+    async def put_file(self, record: dict[str, Any], max_files: int | None = None,
+                       max_bytes: int | None = None) -> str | None:
+        file_id, owner = record["id"], record["_owner"]
+        member = f"{file_id} {owner}"
+        async with self.store.guard("put_file"):
+            if record.get("expires_at") is not None:
+                await self.store.client.zadd(self.expiring, {member: record["expires_at"]})
+            refused = await self._put_file(keys=self.file_keys(owner, file_id), args=[
+                file_id, orjson.dumps(record).decode(), repr(record["_created"]), record["bytes"],
+                -1 if max_files is None else max_files, -1 if max_bytes is None else max_bytes])
+            if refused:
+                await self.store.client.zrem(self.expiring, member)
+        return refused or None
+
+    async def usage(self, owner: str) -> Usage:
+        async with self.store.guard("usage"):
+            files, size = await self.store.client.hmget(self.owned(owner, "usage"), ["files", "bytes"])
+        return Usage(int(files or 0), int(size or 0))
+
+    async def expired_files(self, now: float, limit: int) -> list[tuple[str, str]]:
+        async with self.store.guard("expired_files"):
+            members = await self.store.client.zrangebyscore(self.expiring, "-inf", f"({now!r}", start=0, num=limit)
+        return [(owner, file_id) for file_id, _, owner in (m.partition(" ") for m in members)]
 
     async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         async with self.store.guard("get_file"):
-            raw = await self.store.client.get(f"{self.p}file:{file_id}")
-        record = orjson.loads(raw) if raw else None
-        return record if record is not None and record.get("_owner") == owner else None
+            raw = await self.store.client.get(self.owned(owner, f"file:{file_id}"))
+        return orjson.loads(raw) if raw else None
 
-    async def _records(self, op: str, index: str, kind: str) -> list[dict[str, Any]]:
+    async def _records(self, op: str, index: str, prefix: str) -> list[dict[str, Any]]:
         async with self.store.guard(op):
             ids = await self.store.client.zrevrange(index, 0, -1)
-            raws = [await self.store.client.get(f"{self.p}{kind}:{i}") for i in ids]
+            raws = [await self.store.client.get(f"{prefix}{i}") for i in ids]
         return [orjson.loads(r) for r in raws if r]
 
     async def list_files(self, owner: str) -> list[dict[str, Any]]:
-        return await self._records("list_files", f"{self.p}files:{owner}", "file")
+        return await self._records("list_files", self.owned(owner, "files"), self.owned(owner, "file:"))
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        if await self.get_file(owner, file_id) is None:
-            return False
-        async with self.store.guard("delete_file"), self.store.client.pipeline(transaction=False) as pipe:
-            pipe.delete(f"{self.p}file:{file_id}")
-            pipe.zrem(f"{self.p}files:{owner}", file_id)
-            await pipe.execute()
-        return True
+        async with self.store.guard("delete_file"):
+            deleted = await self._delete_file(keys=self.file_keys(owner, file_id), args=[file_id])
+            await self.store.client.zrem(self.expiring, f"{file_id} {owner}")
+        return bool(deleted)
 
     async def create_batch(self, record: dict[str, Any], lines: int) -> None:
         batch_id = record["id"]
@@ -138,7 +189,7 @@ class RedisBatches:
         return record if record is not None and (owner is None or record.get("_owner") == owner) else None
 
     async def list_batches(self, owner: str) -> list[dict[str, Any]]:
-        return await self._records("list_batches", f"{self.p}batches:{owner}", "batch")
+        return await self._records("list_batches", f"{self.p}batches:{owner}", f"{self.p}batch:")
 
     async def swap(self, record: dict[str, Any]) -> bool:
         stored = {**record, "_v": record["_v"] + 1}
@@ -152,7 +203,7 @@ class RedisBatches:
         return bool(swapped)
 
     async def open_batches(self) -> list[dict[str, Any]]:
-        records = await self._records("open_batches", f"{self.p}batches:open", "batch")
+        records = await self._records("open_batches", f"{self.p}batches:open", f"{self.p}batch:")
         return [r for r in reversed(records) if r["status"] in OPEN]
 
     async def claim(self, batch_id: str, runner: str, count: int, until: float, now: float) -> list[int]:

@@ -11,7 +11,11 @@ later; any other answer, success or error, is its result.
 A batch's status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; cancelling ->
 cancelled; expired once its window passes. Writing the output files is claimed too (`_settling`, a time), so one
 process writes them; output ids follow from the batch's id, so a process that dies while writing and another
-that writes them again leave one file each.
+that writes them again leave one file each. Output files count against the key's bounds but are written even past
+them (a batch's results are never lost); the key's uploads are refused until it is back under.
+
+Every batch.sweep_seconds the loop also deletes expired files (bytes, then record), up to SWEEP_FILES a sweep;
+an input file of a batch not yet ended is kept until the batch ends.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from policies.batches.store import OPEN, BatchStore
 from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.batches")
+SWEEP_FILES = 200  # expired files deleted per sweep: bounded work in the runner's loop
 
 
 class TryLater(Exception):
@@ -72,16 +77,21 @@ class Runner:
         self.stopping = False  # claim nothing more: the process is shutting down
         self.in_flight = 0  # lines of every batch running in this process (batch.max_in_flight bounds it)
         self.outage_logged = False  # a store outage is said once, not at every poll
+        self.swept = 0.0  # when this process last deleted expired files (monotonic)
 
     async def run_forever(self) -> None:
         while True:
             try:
-                for record in [] if self.stopping else await self.store.open_batches():
+                records = [] if self.stopping else await self.store.open_batches()
+                for record in records:
                     batch_id: str = record["id"]
                     if batch_id not in self.driving:
                         task = asyncio.create_task(self.drive(batch_id))
                         self.driving[batch_id] = task
                         task.add_done_callback(partial(self.forget, batch_id))
+                if not self.stopping and time.monotonic() - self.swept >= self.settings().sweep_seconds:
+                    self.swept = time.monotonic()
+                    await self.sweep({r["input_file_id"] for r in records})
             except StoreUnavailable:  # an outage, not a bug: said once, batches wait until the store answers
                 self.store_down()
             except Exception:  # a bug: say so and look again
@@ -91,6 +101,22 @@ class Runner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.settings().poll_seconds)
             self.wake.clear()
+
+    async def sweep(self, in_use: set[str]) -> int:
+        """Delete up to SWEEP_FILES expired files but those in `in_use` (inputs of batches not yet ended); the
+        bytes first, so a process dying between leaves a record the next sweep deletes, never orphaned bytes.
+        Gateway processes sweeping at once delete a file once: both steps are no-ops the second time."""
+        files = FileDir(self.settings().files_dir)
+        deleted = 0
+        for owner, file_id in await self.store.expired_files(time.time(), SWEEP_FILES + len(in_use)):
+            if file_id in in_use:
+                continue
+            await files.delete(file_id)
+            await self.store.delete_file(owner, file_id)
+            deleted += 1
+            if deleted == SWEEP_FILES:
+                break
+        return deleted
 
     def forget(self, batch_id: str, _task: asyncio.Task) -> None:
         self.driving.pop(batch_id, None)
@@ -267,11 +293,12 @@ class Runner:
             data = b"\n".join(chosen) + b"\n"
             file_id = f"file-{kind}-{batch_id.removeprefix('batch_')}"
             await files.write(file_id, data)
-            await self.store.put_file({"id": file_id, "object": "file", "bytes": len(data),
-                                       "created_at": int(time.time()), "filename": f"{batch_id}_{kind}.jsonl",
-                                       "purpose": "batch_output", "status": "processed", "expires_at": None,
+            created = int(time.time())
+            await self.store.put_file({"id": file_id, "object": "file", "bytes": len(data), "created_at": created,
+                                       "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
+                                       "status": "processed", "expires_at": created + settings.output_retention_seconds,
                                        "status_details": None, "_owner": record["_owner"],
-                                       "_created": time.time()})
+                                       "_created": time.time()})  # no bound: results are never lost
             record[f"{kind}_file_id"] = file_id
         record.update(status=final, request_counts=counts, _settling=None)
         record[f"{final}_at"] = int(time.time())

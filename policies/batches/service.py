@@ -19,6 +19,7 @@ PURPOSES = ("batch",)  # what a client may upload; `batch_output` files are the 
 WINDOWS = {"24h": 86400}
 MAX_METADATA = 16
 MAX_FILENAME = 256
+EXPIRES_AFTER = (3600, 2_592_000)  # what an upload's `expires_after.seconds` may say: OpenAI's range, 1 h to 30 days
 
 
 def shown(record: dict[str, Any]) -> dict[str, Any]:
@@ -31,6 +32,28 @@ def no_file(file_id: str) -> NotFound:
 
 def no_batch(batch_id: str) -> NotFound:
     return NotFound(f"No batch found with id '{batch_id[:100]}'.", param="batch_id", code="batch_not_found")
+
+
+def live(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record, unless it expired: an expired file answers as an unknown one even before the sweep deletes it."""
+    if record is None or (record.get("expires_at") is not None and record["expires_at"] <= time.time()):
+        return None
+    return record
+
+
+def expires_after(anchor: str | None, seconds: str | None) -> int | None:
+    """An upload's `expires_after` (anchor, seconds as the form sent them): the seconds it asks for, or None when
+    it asks for nothing. Anything but OpenAI's `created_at` anchor and 3600 to 2592000 seconds is a 400."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise BadRequest("expires_after[anchor] must be created_at", param="expires_after[anchor]",
+                         code="invalid_expires_after")
+    low, high = EXPIRES_AFTER
+    if seconds is None or not seconds.isdigit() or not low <= int(seconds) <= high:
+        raise BadRequest(f"expires_after[seconds] must be an integer from {low} to {high}",
+                         param="expires_after[seconds]", code="invalid_expires_after")
+    return int(seconds)
 
 
 def page(records: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
@@ -53,22 +76,45 @@ class Batches:
         return FileDir(self.settings().files_dir)
 
     async def upload(self, owner: str, filename: str, purpose: str, data: bytes,
-                     refusal: Callable[[str], str | None]) -> dict[str, Any]:
+                     refusal: Callable[[str], str | None], keep_seconds: int | None = None) -> dict[str, Any]:
+        """Check and keep an uploaded file for `keep_seconds` (None: batch.file_retention_seconds). Its record is
+        stored, counted against the key's bounds, before its bytes are written, so an upload past a bound leaves
+        nothing on the volume; if the write fails the record goes with it."""
         if purpose not in PURPOSES:
             raise BadRequest(f"purpose must be one of: {', '.join(PURPOSES)}", param="purpose", code="invalid_purpose")
         settings = self.settings()
         summary = read_lines(data, settings.max_lines, settings.max_line_bytes, refusal)
         file_id = f"file-{secrets.token_hex(12)}"
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                  "filename": filename[:MAX_FILENAME], "purpose": purpose, "status": "processed", "expires_at": None,
+        now = int(time.time())
+        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": now,
+                  "filename": filename[:MAX_FILENAME], "purpose": purpose, "status": "processed",
+                  "expires_at": now + (keep_seconds or settings.file_retention_seconds),
                   "status_details": None, "_owner": owner, "_created": time.time(), "_lines": summary.lines,
                   "_url": summary.url, "_model": summary.model}
-        await self.files.write(file_id, data)
-        await self.store.put_file(record)
+        bound = await self.store.put_file(record, settings.max_files_per_key, settings.max_bytes_per_key)
+        if bound is not None:
+            raise await self.past_bound(owner, bound, len(data))
+        try:
+            await self.files.write(file_id, data)
+        except Exception:
+            await self.store.delete_file(owner, file_id)
+            raise
         return shown(record)
 
+    async def past_bound(self, owner: str, bound: str, size: int) -> BadRequest:
+        """A 400 naming the key's bound an upload would cross, and what the key holds now. A 400 rather than a 413:
+        the upload itself is within max_file_bytes, and deleting files (or their expiry) makes room for it."""
+        settings, usage = self.settings(), await self.store.usage(owner)
+        if bound == "files":
+            return BadRequest(f"this key has {usage.files} files; one more would pass batch.max_files_per_key "
+                              f"({settings.max_files_per_key}): delete some or wait for them to expire",
+                              param="file", code="file_count_limit_reached")
+        return BadRequest(f"this key's files hold {usage.bytes} bytes; {size} more would pass "
+                          f"batch.max_bytes_per_key ({settings.max_bytes_per_key}): delete some or wait for them to "
+                          "expire", param="file", code="storage_limit_reached")
+
     async def file(self, owner: str, file_id: str) -> dict[str, Any]:
-        record = await self.store.get_file(owner, file_id)
+        record = live(await self.store.get_file(owner, file_id))
         if record is None:
             raise no_file(file_id)
         return record
@@ -88,7 +134,8 @@ class Batches:
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int,
                          order: str = "desc") -> dict[str, Any]:
-        records = [r for r in await self.store.list_files(owner) if purpose is None or r["purpose"] == purpose]
+        records = [r for r in await self.store.list_files(owner)
+                   if live(r) and (purpose is None or r["purpose"] == purpose)]
         return page(records[::-1] if order == "asc" else records, after, limit)
 
     async def create(self, owner: str, client_host: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +152,7 @@ class Batches:
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
                 for k, v in metadata.items())):
             raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA} string pairs", param="metadata")
-        source = await self.store.get_file(owner, file_id)
+        source = live(await self.store.get_file(owner, file_id))
         if source is None or source["purpose"] != "batch":
             raise NotFound(f"No such File object: {file_id[:100]}", param="input_file_id", code="file_not_found")
         if source["_url"] != endpoint:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from policies.batches.store import OPEN, Progress
+from policies.batches.store import OPEN, Progress, Usage
 from policies.store.sqlite_thread import SQLiteThread
 
 T = TypeVar("T")
@@ -19,6 +19,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at REAL NOT NULL, record TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS batch_files_by_owner ON batch_files (owner, created_at);
+CREATE INDEX IF NOT EXISTS batch_files_by_expiry ON batch_files (json_extract(record, '$.expires_at'));
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at REAL NOT NULL, open INTEGER NOT NULL, record TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, created_at);
@@ -48,10 +49,28 @@ class SQLiteBatches(SQLiteThread):
 
         return await self._run(op, atomic)
 
-    async def put_file(self, record: dict[str, Any]) -> None:
-        await self._run("put_file", lambda c: c.execute(
-            "INSERT OR REPLACE INTO batch_files VALUES (?, ?, ?, ?)",
-            (record["id"], record["_owner"], record["_created"], orjson.dumps(record).decode())))
+    async def put_file(self, record: dict[str, Any], max_files: int | None = None,
+                       max_bytes: int | None = None) -> str | None:
+        def put(conn: sqlite3.Connection) -> str | None:
+            files, size = usage_of(conn, record["_owner"], record["id"])  # the others: this one may be rewritten
+            if max_files is not None and files + 1 > max_files:
+                return "files"
+            if max_bytes is not None and size + record["bytes"] > max_bytes:
+                return "bytes"
+            conn.execute("INSERT OR REPLACE INTO batch_files VALUES (?, ?, ?, ?)",
+                         (record["id"], record["_owner"], record["_created"], orjson.dumps(record).decode()))
+            return None
+
+        return await self._transaction("put_file", put)
+
+    async def usage(self, owner: str) -> Usage:
+        return Usage(*await self._run("usage", lambda c: usage_of(c, owner, "")))
+
+    async def expired_files(self, now: float, limit: int) -> list[tuple[str, str]]:
+        rows = await self._run("expired_files", lambda c: c.execute(
+            "SELECT owner, id FROM batch_files WHERE json_extract(record, '$.expires_at') < ? "
+            "ORDER BY json_extract(record, '$.expires_at') LIMIT ?", (now, limit)).fetchall())
+        return [(owner, file_id) for owner, file_id in rows]
 
     async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         row = await self._run("get_file", lambda c: c.execute(
@@ -147,3 +166,10 @@ class SQLiteBatches(SQLiteThread):
             "SELECT line, state, result FROM batch_lines WHERE batch_id = ? AND state IN (2, 3) ORDER BY line",
             (batch_id,)).fetchall())
         return [(line, state == OK, bytes(result)) for line, state, result in rows]
+
+
+def usage_of(conn: sqlite3.Connection, owner: str, but: str) -> tuple[int, int]:
+    """The owner's files but the one of id `but`: how many, their bytes."""
+    files, size = conn.execute("SELECT count(*), coalesce(sum(json_extract(record, '$.bytes')), 0) FROM batch_files "
+                               "WHERE owner = ? AND id != ?", (owner, but)).fetchone()
+    return int(files), int(size)

@@ -10,6 +10,10 @@ SQLite for one process (policies/batches/sqlite.py), Redis for several gateway r
 Records are plain JSON objects in OpenAI's shapes (a file object, a batch object) plus fields of the gateway's
 own that start with `_` (the owner's key id, `_created` (unix seconds, the listing order), the batch's model, its
 creator's address, `_v` its version), dropped when shown.
+
+A key's files count against its bounds (batch.max_files_per_key, max_bytes_per_key) in the store, in the same
+atomic step that stores or forgets a file's record, so gateway replicas sharing a store enforce one bound. Each
+file's `expires_at` is indexed, so a sweep finds the expired ones without reading every record.
 """
 
 from __future__ import annotations
@@ -26,9 +30,23 @@ class Progress(NamedTuple):
     failed: int  # answered with an error (a line in the error file)
 
 
+class Usage(NamedTuple):
+    files: int
+    bytes: int
+
+
 class BatchStore(Protocol):
-    async def put_file(self, record: dict[str, Any]) -> None:
-        """Store a file's metadata (a new id, or the same output file written again)."""
+    async def put_file(self, record: dict[str, Any], max_files: int | None = None,
+                       max_bytes: int | None = None) -> str | None:
+        """Store a file's metadata (a new id, or the same output file written again) and count it against its
+        owner, unless that would take the owner past `max_files` or `max_bytes` (None: no bound): then nothing is
+        stored and the answer names the bound ("files" or "bytes"); None when stored."""
+
+    async def usage(self, owner: str) -> Usage:
+        """What the owner's files count: how many, how many bytes."""
+
+    async def expired_files(self, now: float, limit: int) -> list[tuple[str, str]]:
+        """Up to `limit` (owner, file id) of files whose `expires_at` is before `now`, the earliest first."""
 
     async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         """The owner's file, or None (another owner's file is None too)."""
@@ -37,7 +55,7 @@ class BatchStore(Protocol):
         """The owner's files, newest first."""
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        """Forget the owner's file; False when it had none of that id."""
+        """Forget the owner's file (its count too); False when it had none of that id."""
 
     async def create_batch(self, record: dict[str, Any], lines: int) -> None:
         """Store a new batch and its `lines` lines (0..lines-1), all pending."""

@@ -2,7 +2,8 @@
 stores on one backing store stand for two gateway replicas (or one before and after a restart). Files and batches
 are their owner's alone; lines claimed at once by several runners never overlap and none is left out; a result
 counts only under its claim; an expired claim goes to another runner; a batch's record changes only from the
-version that was read."""
+version that was read; a key's files are counted against its bounds atomically, whoever writes them, and
+expired files are found through their expiry."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ async def pair(request, tmp_path):
         await store.close()
 
 
-def a_file(file_id: str, owner: str) -> dict:
+def a_file(file_id: str, owner: str, size: int = 10, expires_at: float | None = None) -> dict:
     return {"id": file_id, "object": "file", "purpose": "batch", "created_at": 1, "_created": time.time(),
-            "_owner": owner}
+            "_owner": owner, "bytes": size, "expires_at": expires_at}
 
 
 def a_batch(batch_id: str, owner: str = "k1") -> dict:
@@ -114,3 +115,38 @@ async def test_a_batch_changes_only_from_the_version_read(pair):
     assert await two.swap({**now, "status": "completed"})
     assert await one.open_batches() == []
     assert [b["id"] for b in await one.list_batches("k1")] == ["batch_z"] and await one.list_batches("k2") == []
+
+
+async def test_uploads_racing_on_two_replicas_never_pass_a_keys_bounds(pair):
+    one, two = pair
+    results = await asyncio.gather(*(store.put_file(a_file(f"file-{n}", "k1"), max_files=5, max_bytes=10**6)
+                                     for n, store in enumerate([one, two] * 10)))
+    assert sorted(r or "stored" for r in results) == ["files"] * 15 + ["stored"] * 5
+    assert await one.usage("k1") == (5, 50) and len(await two.list_files("k1")) == 5
+    assert await two.put_file(a_file("file-x", "k2"), max_files=5, max_bytes=10**6) is None  # another key's own
+    assert await one.usage("k2") == (1, 10)
+    assert await one.put_file(a_file("file-big", "k2", size=91), max_files=5, max_bytes=100) == "bytes"
+    assert await two.get_file("k2", "file-big") is None and await one.usage("k2") == (1, 10)
+    assert await one.put_file(a_file("file-out", "k1", size=500)) is None  # an output: past the bounds, still kept
+    assert await two.usage("k1") == (6, 550)
+    assert await two.put_file(a_file("file-out", "k1", size=300)) is None  # the same output written again
+    assert await one.usage("k1") == (6, 350)
+    assert await two.delete_file("k1", "file-out") and not await one.delete_file("k1", "file-out")
+    assert await one.usage("k1") == (5, 50)
+    assert await one.put_file(a_file("file-y", "k1"), max_files=5, max_bytes=10**6) == "files"
+    assert await one.delete_file("k1", (await two.list_files("k1"))[-1]["id"])
+    assert await two.put_file(a_file("file-y", "k1"), max_files=5, max_bytes=10**6) is None
+
+
+async def test_expired_files_are_found_earliest_first(pair):
+    one, two = pair
+    now = time.time()
+    await one.put_file(a_file("file-later", "k1", expires_at=now + 3600))
+    await one.put_file(a_file("file-b", "k2", expires_at=now - 5))
+    await two.put_file(a_file("file-a", "k1", expires_at=now - 10))
+    await two.put_file(a_file("file-c", "k1", expires_at=now - 1))
+    assert await one.expired_files(now, 10) == [("k1", "file-a"), ("k2", "file-b"), ("k1", "file-c")]
+    assert await two.expired_files(now, 2) == [("k1", "file-a"), ("k2", "file-b")]
+    assert await one.delete_file("k2", "file-b")
+    assert await two.expired_files(now, 10) == [("k1", "file-a"), ("k1", "file-c")]
+    assert await two.expired_files(now + 7200, 10) == [("k1", "file-a"), ("k1", "file-c"), ("k1", "file-later")]

@@ -15,7 +15,8 @@ LIVE = {
     # read from the live policy by each Batch API operation and each round of its runner (policies/batches/)
     "batch.max_file_bytes", "batch.max_lines", "batch.max_line_bytes", "batch.max_queued_lines_per_key",
     "batch.concurrency", "batch.max_in_flight", "batch.priority_class", "batch.allow_rented", "batch.claim_seconds",
-    "batch.poll_seconds", "batch.completion_window_seconds",
+    "batch.poll_seconds", "batch.completion_window_seconds", "batch.max_bytes_per_key", "batch.max_files_per_key",
+    "batch.file_retention_seconds", "batch.output_retention_seconds", "batch.sweep_seconds",
 }
 # Grouped settings whose sub-settings are classified one by one (in LIVE or NEEDS_RESTART).
 SPLIT = {"routing", "rate_limits", "batch"}

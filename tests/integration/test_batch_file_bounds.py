@@ -1,0 +1,156 @@
+"""The Batch API's files bounded per key and expiring, through the real openai SDK against one gateway over the
+vLLM simulator, on the embedded SQLite store and on a real redis-server: an upload past the key's file count or
+bytes is a 400 naming the bound with nothing left on the volume, another key's files never count against it, a
+batch's outputs are kept past the bound, `expires_after` sets `expires_at`, and the runner's sweep deletes an
+expired file (record and bytes) but keeps the input of a batch still running until it ends. Time passing is
+stood in for by rewriting a file's `expires_at` in the store: OpenAI's shortest expiry is an hour."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from backends.simulator import create_app
+from policies.keys import key_id_of
+from tests.integration.test_batches import DEADLINE, FAST, SLOW, chat_line, finished, jsonl, other_key
+from tests.support.gateway import TEST_KEY, one_model, running_gateway
+from tests.support.redis_fixtures import redis_prefix, redis_server, redis_standalone  # noqa: F401
+from tests.support.servers import serve_app
+
+MiB = 1024 * 1024
+
+
+def on_disk(tmp_path: Path) -> list[str]:
+    """The files on the volume (temporary ones too: a refused upload must leave none)."""
+    folder = tmp_path / "files"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request) -> dict:
+    if request.param == "sqlite":
+        return {}
+    server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
+    return {"store": {"kind": "redis", "url": server.url, "prefix": prefix}}
+
+
+def gateway_policy(backend: str, tmp_path: Path, store: dict, **batch) -> dict:
+    return one_model(backend, batch={"files_dir": str(tmp_path / "files"), "poll_seconds": 0.1, **batch}, **store)
+
+
+async def gone(predicate, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not await predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_an_upload_past_a_keys_bounds_is_a_400_naming_it_leaving_nothing(tmp_path, store):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store, max_files_per_key=2,
+                                           max_bytes_per_key=1 * MiB)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        small = jsonl([chat_line(1)])
+        big = jsonl([chat_line(1, messages=[{"role": "user", "content": "x" * (600 * 1024)}])])
+        first = await sdk.files.create(file=("a.jsonl", io.BytesIO(big)), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as refused:  # 600 KiB more would pass 1 MiB
+            await sdk.files.create(file=("b.jsonl", io.BytesIO(big)), purpose="batch")
+        error = refused.value.body
+        assert error["code"] == "storage_limit_reached" and "batch.max_bytes_per_key (1048576)" in error["message"]
+        assert on_disk(tmp_path) == [first.id]
+        second = await sdk.files.create(file=("c.jsonl", io.BytesIO(small)), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.files.create(file=("d.jsonl", io.BytesIO(small)), purpose="batch")
+        error = refused.value.body
+        assert error["code"] == "file_count_limit_reached" and "batch.max_files_per_key (2)" in error["message"]
+        assert error["param"] == "file" and "this key has 2 files" in error["message"]
+        assert on_disk(tmp_path) == sorted([first.id, second.id])
+        assert [f.id async for f in sdk.files.list()] == [second.id, first.id]
+        async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=await other_key(gw), max_retries=0,
+                                      timeout=20) as theirs:  # one key's files never count against another's
+            for data in (big, small):  # as many files and bytes as this key holds
+                await theirs.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch")
+            with pytest.raises(openai.NotFoundError):  # and another key's file answers as unknown, as before
+                await theirs.files.retrieve(first.id)
+        await sdk.files.delete(first.id)  # deleting makes room
+        third = await sdk.files.create(file=("g.jsonl", io.BytesIO(big)), purpose="batch")
+        assert third.id in on_disk(tmp_path) and first.id not in on_disk(tmp_path)
+        assert await gw.state.batch_store.usage(key_id_of(TEST_KEY)) == (2, len(small) + len(big))
+
+
+async def test_a_batchs_outputs_are_kept_past_the_bound_which_then_refuses_uploads(tmp_path, store):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store, max_files_per_key=2)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        lines = [chat_line(n) for n in range(4)] + [chat_line(9, max_tokens=-1)]  # an error line too
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        done = await finished(sdk, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 4 and done.request_counts.failed == 1
+        assert len((await sdk.files.content(done.output_file_id)).text.splitlines()) == 4
+        assert len((await sdk.files.content(done.error_file_id)).text.splitlines()) == 1
+        output = await sdk.files.retrieve(done.output_file_id)
+        assert output.expires_at == output.created_at + 30 * 86400  # batch.output_retention_seconds
+        assert (await gw.state.batch_store.usage(key_id_of(TEST_KEY))).files == 3
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.files.create(file=("more.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        assert refused.value.body["code"] == "file_count_limit_reached"
+
+
+async def test_expires_after_sets_expires_at_and_anything_else_is_a_400_naming_it(tmp_path, store):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store, file_retention_seconds=7200)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        data = jsonl([chat_line(1)])
+        hour = await sdk.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch",
+                                      expires_after={"anchor": "created_at", "seconds": 3600})
+        assert hour.expires_at == hour.created_at + 3600
+        assert (await sdk.files.retrieve(hour.id)).expires_at == hour.expires_at
+        plain = await sdk.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")
+        assert plain.expires_at == plain.created_at + 7200  # batch.file_retention_seconds
+        for asked, param in [({"anchor": "created_at", "seconds": 3599}, "expires_after[seconds]"),
+                             ({"anchor": "created_at", "seconds": 2592001}, "expires_after[seconds]"),
+                             ({"anchor": "last_active_at", "seconds": 3600}, "expires_after[anchor]")]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await sdk.files.create(file=("c.jsonl", io.BytesIO(data)), purpose="batch",
+                                       expires_after=asked)  # type: ignore[arg-type]
+            assert refused.value.body["param"] == param and refused.value.body["code"] == "invalid_expires_after"
+        assert sorted(on_disk(tmp_path)) == sorted([hour.id, plain.id])
+
+
+async def test_the_sweep_deletes_an_expired_file_and_keeps_a_running_batchs_input(tmp_path, store):
+    async with serve_app(create_app(SLOW)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store, concurrency=1, sweep_seconds=0.2)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        owner, batches = key_id_of(TEST_KEY), gw.state.batch_store
+
+        async def swept(file_id: str) -> bool:  # its record and its bytes
+            return file_id not in on_disk(tmp_path) and await batches.get_file(owner, file_id) is None
+
+        idle = await sdk.files.create(file=("idle.jsonl", io.BytesIO(jsonl([chat_line(1)]))), purpose="batch")
+        used = await sdk.files.create(file=("used.jsonl", io.BytesIO(jsonl([chat_line(n, max_tokens=10)
+                                                                            for n in range(20)]))), purpose="batch")
+        batch = await sdk.batches.create(input_file_id=used.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        for file_id in (idle.id, used.id):  # an hour passes: both expire
+            record = await batches.get_file(owner, file_id)
+            await batches.put_file({**record, "expires_at": int(time.time()) - 1})
+        with pytest.raises(openai.NotFoundError):  # expired: unknown at once, before the sweep
+            await sdk.files.retrieve(idle.id)
+        with pytest.raises(openai.NotFoundError):
+            await sdk.files.content(used.id)
+        assert [f.id async for f in sdk.files.list()] == []
+        await gone(lambda: swept(idle.id), "the expired file goes")
+        assert (await sdk.batches.retrieve(batch.id)).status in ("validating", "in_progress")
+        assert used.id in on_disk(tmp_path) and await batches.get_file(owner, used.id) is not None  # kept
+        done = await finished(sdk, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 20
+        await gone(lambda: swept(used.id), "the input goes once its batch ended")
+        assert await batches.usage(owner) == (1, (await sdk.files.retrieve(done.output_file_id)).bytes)
+
