@@ -20,7 +20,7 @@ from gateway.openapi import errors
 from gateway.report_routes import BudgetStatus, budget_status
 from policies.accounting import by_model, merged, totals
 from policies.audit import diff
-from policies.errors import BadRequest, Conflict, NotFound
+from policies.errors import Conflict, NotFound
 from policies.keys import CLASS_NAME, TEAM_NAME, DataPolicy, KeyBudget, KeyLimits
 from policies.priority import class_order
 from policies.store import TeamExists, TeamNotFound
@@ -75,12 +75,13 @@ def team_handlers(gateway: Any) -> list:
         return team
 
     def known_ceiling(team: TeamRecord) -> None:
-        """400 when the team's priority ceiling is not one of the policy's classes (a typo would cap nothing)."""
+        """404 naming the team's priority ceiling when the policy declares no such class (a typo would cap
+        nothing); 404, as for a key's unknown team, since the name is well formed and refers to nothing."""
         classes = gateway.policy.priorities
         if team.max_priority_class is not None and classes.named(team.max_priority_class) is None:
-            raise BadRequest(f"max_priority_class {team.max_priority_class} is not a priority class of the policy;"
-                             f" known: {', '.join(c.name for c in classes.classes)}", param="max_priority_class",
-                             code="unknown_priority_class")
+            raise NotFound(f"max_priority_class {team.max_priority_class} is not a priority class of the policy;"
+                           f" known: {', '.join(c.name for c in classes.classes)}", param="max_priority_class",
+                           code="priority_class_not_found")
 
     async def save(team: TeamRecord) -> TeamRecord:
         try:
@@ -90,7 +91,7 @@ def team_handlers(gateway: Any) -> list:
         await gateway.forget_key(team.id)  # every replica drops its cached copy (policies/auth.py)
         return team
 
-    @post("/teams", status_code=201, summary="Create a team", responses=errors(400, 401, 403, 409, 413, 503))
+    @post("/teams", status_code=201, summary="Create a team", responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def create_team(request: Request, data: JSONBody[NewTeam]) -> TeamRecord:
         team = TeamRecord(**data.model_dump(exclude_none=True))
         known_ceiling(team)

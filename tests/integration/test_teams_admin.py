@@ -202,7 +202,7 @@ async def test_a_teams_priority_ceiling_binds_its_admin_its_keys_and_its_clients
                 return await http.request(method, f"{gw.url}/admin{path}", headers=headers, **kw)
 
             r = await call("POST", "/teams", json={"name": "red", "max_priority_class": "urgnet"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "max_priority_class", r.text
+            assert r.status_code == 404 and r.json()["error"]["param"] == "max_priority_class", r.text
             assert "urgnet" in r.json()["error"]["message"]
             assert (await call("GET", "/teams")).json() == []
             r = await call("POST", "/teams", json={"name": "red", "max_priority_class": "interactive"})
