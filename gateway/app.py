@@ -41,6 +41,7 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
+from gateway.system_audit import SystemAudit
 from gateway.batch_calls import BatchCalls
 from gateway.console import console_routes, security_headers
 from gateway.console import templates as console_templates
@@ -117,6 +118,7 @@ class Gateway:
         self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin_audit.py)
                                       lambda why: self.metrics.background_errors.labels(why).inc()),
                                 lambda: self.client_network)
+        variants.on_change.append(SystemAudit(self.audit, self.background.run).weights_changed)  # the guard's
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
