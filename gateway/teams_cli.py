@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from gateway.keys_cli import budget_table, ceilings, over_current_budget, send, table, usage_table
+from gateway.keys_cli import add_budget_flags, budget_table, ceilings, over_current_budget, send, table, usage_table
 
 
 def add_commands(sub: Any) -> None:
@@ -47,11 +47,7 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpm", type=int, help="requests per minute, all its keys together")
     parser.add_argument("--tpm", type=int, help="tokens per minute, all its keys together")
     parser.add_argument("--max-concurrent", type=int, help="requests in flight at once, all its keys together")
-    parser.add_argument("--max-rented-spend", type=float, help="budget: rented spend per period (currency units)")
-    parser.add_argument("--max-tokens-per-period", type=int, help="budget: tokens per period")
-    parser.add_argument("--budget-period", choices=["day", "week", "month"], help="budget period (default month)")
-    parser.add_argument("--when-spent", choices=["owned_only", "reject"],
-                        help="once the rented budget is spent: stay owned (default) or answer 429 until the reset")
+    add_budget_flags(parser)
 
 
 def settings(args: argparse.Namespace) -> dict:
