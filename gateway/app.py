@@ -41,6 +41,7 @@ from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
 from gateway.background import Background
+from gateway.system_audit import SystemAudit
 from gateway.batch_calls import BatchCalls
 from gateway.console import console_routes, security_headers
 from gateway.console import templates as console_templates
@@ -117,6 +118,7 @@ class Gateway:
         self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin_audit.py)
                                       lambda why: self.metrics.background_errors.labels(why).inc()),
                                 lambda: self.client_network)
+        variants.on_change.append(SystemAudit(self.audit, self.background.run).weights_changed)  # the guard's
         self.key_events = getattr(self.store, "key_events", None)
         self.authenticate = Authenticate(
             self.store, policy.auth.cache_seconds, self.background.run, policy.auth.stale_seconds,
@@ -382,11 +384,14 @@ class Gateway:
             await self.store.close()
 
 
+VALIDATION_FAILED = "Validation failed for "  # how Litestar begins a parameter's or a body's refusal
+
+
 def openai_error(exc: GatewayError) -> Response:
     return Response(exc.body(), status_code=exc.status, media_type=MediaType.JSON, headers=exc.headers)
 
 
-def on_http_exception(_request: Request, exc: HTTPException) -> Response:
+def on_http_exception(request: Request, exc: HTTPException) -> Response:
     if isinstance(exc, NotFoundException):
         return openai_error(NotFound("unknown path", code="unknown_url"))
     if isinstance(exc, MethodNotAllowedException):  # keeps Litestar's Allow header, which RFC 9110 requires
@@ -394,6 +399,8 @@ def on_http_exception(_request: Request, exc: HTTPException) -> Response:
     if isinstance(exc, GatewayError):
         return openai_error(exc)
     detail = str(exc.detail)
+    if detail.startswith(VALIDATION_FAILED):  # Litestar quotes the whole URL: never echo a query's values
+        detail = f"{VALIDATION_FAILED}{request.method} {request.url.path}"
     if isinstance(exc.extra, list):  # validation failures: say which field and why
         problems = [problem(e) for e in exc.extra if isinstance(e, dict)]
         detail = f"{detail}: {'; '.join(problems)}" if problems else detail

@@ -18,13 +18,12 @@ from litestar.params import KwargDefinition
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin_scope import check_key, own_team
-from gateway.team_routes import TeamName
+from gateway.team_routes import ClassName, TeamName
 from policies.accounting import by_model, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound, PermissionDenied, StateUnavailable
 from policies.keys import (
     CIDR_PATTERN,
-    CLASS_NAME,
     DataPolicy,
     KeyBudget,
     KeyLimits,
@@ -34,6 +33,7 @@ from policies.keys import (
     new_key_id,
     normalize_cidrs,
 )
+from policies.priority import class_order
 from policies.store import KeyExists, KeyNotFound
 from policies.teams import key_problems
 
@@ -41,8 +41,6 @@ CREATE_ATTEMPTS = 5  # ids tried for one new key
 # The pattern is for the document; the validator below checks the same form with a readable message.
 Cidr = Annotated[str, KwargDefinition(pattern=CIDR_PATTERN,
                                       description="a network, e.g. 10.0.0.0/8 or 2001:db8::/32")]
-# The key record checks the form (a 400 naming the field); the pattern here is for the document.
-ClassName = Annotated[str, KwargDefinition(pattern=CLASS_NAME, description="a priority class, e.g. batch")]
 
 
 class KeyChanges(BaseModel):
@@ -148,7 +146,7 @@ class KeyAdmin:
         team = await self.store.get_team(record.team)
         if team is None:
             raise NotFound(f"no team named {record.team}", param="team", code="team_not_found")
-        problems = key_problems(record, team)
+        problems = key_problems(record, team, class_order(self.gateway.policy.priorities))
         if problems:
             raise Conflict(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
                            param=problems[0][0], code="exceeds_team")

@@ -74,6 +74,11 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority-class", help="e.g. interactive or batch (the policy's priorities.classes)")
     parser.add_argument("--client-priority", choices=["yes", "no"],
                         help="may its clients pick a class by header and send vLLM's `priority` field")
+    add_budget_flags(parser)
+
+
+def add_budget_flags(parser: argparse.ArgumentParser) -> None:
+    """The budget flags a key and a team share (read back by `ceilings`)."""
     parser.add_argument("--max-rented-spend", type=float, help="budget: rented spend per period (currency units)")
     parser.add_argument("--max-tokens-per-period", type=int, help="budget: tokens per period")
     parser.add_argument("--budget-period", choices=["day", "week", "month"], help="budget period (default month)")

@@ -45,8 +45,8 @@ WHY = {
     401: "Missing, malformed, expired or forged admin token",
     403: "The admin token may not do this (role viewer is read-only; operator may change variant weights only;"
          " team_admin may manage only its own team's keys)",
-    404: "No API key has this id (or no team has the name given; no model or variant of that name on the variant"
-         " routes)",
+    404: "No API key has this id (or no team has the name given; no priority class of the policy has the name a"
+         " team's max_priority_class gives; no model or variant of that name on the variant routes)",
     409: "The change conflicts with what is stored: a key that would allow more than its team, a team change that"
          " would leave a key above the team, a team that still has keys, or a variant change that would leave the"
          " model no live traffic",

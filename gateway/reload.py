@@ -24,6 +24,7 @@ from pathlib import Path
 
 from litestar.connection import ASGIConnection
 
+from policies.audit import scrub_text
 from policies.config import PolicyError, parse_policy
 from policies.egress import check_backends
 from policies.snapshot import apply_static_replicas, compile_snapshot, restart_needed, version_of
@@ -64,7 +65,7 @@ class PolicyReloader:
                 await asyncio.sleep(RECHECK)
                 again = Path(self.path).read_text(encoding="utf-8")
             except OSError as exc:
-                return self.refuse(why, f"{self.path}: cannot read: {exc.strerror}")
+                return await self.refuse(why, f"{self.path}: cannot read: {exc.strerror}", by)
             if again != text:  # still being written: the poll sees the next change and comes back
                 log.info("policy reload (%s) deferred: %s is still being written", why, self.path)
                 return UNCHANGED
@@ -76,11 +77,12 @@ class PolicyReloader:
                 policy = parse_policy(text, self.path)
                 await check_backends(policy, self.gateway.resolver, unresolved_fatal=False, source=self.path)
             except PolicyError as exc:
-                return self.refuse(why, str(exc))
+                return await self.refuse(why, str(exc), by)
             later = restart_needed(live.policy, policy)
             if later:  # never "ok" with a setting silently ignored
-                return self.refuse(why, f"{', '.join(later)} take effect only after a restart: restart the "
-                                        f"gateway with this file, or revert those settings to reload the rest")
+                return await self.refuse(why, f"{', '.join(later)} take effect only after a restart: restart the"
+                                              f" gateway with this file, or revert those settings to reload the rest",
+                                         by)
             apply_static_replicas(policy, self.gateway.replicas)
             self.gateway.install(compile_snapshot(policy, live, self.gateway.shared, version))
             self.gateway.discovery.sync(policy)
@@ -100,10 +102,17 @@ class PolicyReloader:
         await asyncio.sleep(QUIET_IN_PLACE if in_place else QUIET_RENAMED)
         return self.stamp() == stamp
 
-    def refuse(self, why: str, problem: str) -> str:
+    async def refuse(self, why: str, problem: str, by: ASGIConnection | None) -> str:
+        """Keep the live policy, and say why: the metric, the log, and the audit log (the reason without any
+        value it quotes from the file, policies/audit/log.py), as the admin of `by` or the system."""
         self.gateway.live_metrics.reloaded(INVALID)
         log.error("policy reload (%s) refused, version %s keeps serving: %s", why, self.gateway.snapshot.version,
                   problem)
+        changes = {"why": why, "reason": scrub_text(problem), "serving": self.gateway.snapshot.version}
+        if by is None:
+            await self.gateway.audit.system("policy.reload_refused", self.path, changes)
+        else:
+            await self.gateway.audit.act(by, "policy.reload_refused", self.path, changes)
         return INVALID
 
     async def run(self) -> None:

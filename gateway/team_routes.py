@@ -21,11 +21,14 @@ from gateway.report_routes import BudgetStatus, budget_status
 from policies.accounting import by_model, merged, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound
-from policies.keys import TEAM_NAME, DataPolicy, KeyBudget, KeyLimits
+from policies.keys import CLASS_NAME, TEAM_NAME, DataPolicy, KeyBudget, KeyLimits
+from policies.priority import class_order
 from policies.store import TeamExists, TeamNotFound
 from policies.teams import TeamRecord, keys_over
 
 TeamName = Annotated[str, KwargDefinition(pattern=TEAM_NAME, description="a team's name, e.g. search-ads")]
+# The records check the form (a 400 naming the field); the pattern here is for the document.
+ClassName = Annotated[str, KwargDefinition(pattern=CLASS_NAME, description="a priority class, e.g. batch")]
 NameParam = Parameter(pattern=TEAM_NAME, description="the team's name")
 SHOWN_KEYS = 20  # key ids named in one 409; the count says how many more
 
@@ -43,6 +46,9 @@ class TeamChanges(BaseModel):
                                      " over all of the team's keys together and every gateway replica")
     budget: KeyBudget | None = Field(None, description="rented spend and tokens per period over all of the"
                                      " team's keys together; null for none")
+    max_priority_class: ClassName | None = Field(None, description="the most urgent priority class (of the"
+                                                 " policy's priorities.classes) its keys may name and its calls"
+                                                 " get, whatever a client picks by header; null for no ceiling")
 
 
 class NewTeam(TeamChanges):
@@ -68,6 +74,15 @@ def team_handlers(gateway: Any) -> list:
             raise NotFound(f"no team named {name}", code="team_not_found")
         return team
 
+    def known_ceiling(team: TeamRecord) -> None:
+        """404 naming the team's priority ceiling when the policy declares no such class (a typo would cap
+        nothing); 404, as for a key's unknown team, since the name is well formed and refers to nothing."""
+        classes = gateway.policy.priorities
+        if team.max_priority_class is not None and classes.named(team.max_priority_class) is None:
+            raise NotFound(f"max_priority_class {team.max_priority_class} is not a priority class of the policy;"
+                           f" known: {', '.join(c.name for c in classes.classes)}", param="max_priority_class",
+                           code="priority_class_not_found")
+
     async def save(team: TeamRecord) -> TeamRecord:
         try:
             await store.put_team(team)
@@ -76,9 +91,10 @@ def team_handlers(gateway: Any) -> list:
         await gateway.forget_key(team.id)  # every replica drops its cached copy (policies/auth.py)
         return team
 
-    @post("/teams", status_code=201, summary="Create a team", responses=errors(400, 401, 403, 409, 413, 503))
+    @post("/teams", status_code=201, summary="Create a team", responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def create_team(request: Request, data: JSONBody[NewTeam]) -> TeamRecord:
         team = TeamRecord(**data.model_dump(exclude_none=True))
+        known_ceiling(team)
         try:
             await store.create_team(team)
         except TeamExists:
@@ -95,7 +111,7 @@ def team_handlers(gateway: Any) -> list:
     async def show_team(request: Request, name: str = NameParam) -> TeamRecord:
         return await load(name, request)
 
-    @patch("/teams/{name:str}", summary="Change a team's models, data policy, limits or budget",
+    @patch("/teams/{name:str}", summary="Change a team's models, data policy, limits, budget or priority ceiling",
            description="Refused (409, naming them) when one of the team's active keys would then allow more than"
            " the team: narrow those keys first.", responses=errors(400, 401, 403, 404, 409, 413, 503))
     async def update_team(request: Request, data: JSONBody[TeamChanges], name: str = NameParam) -> TeamRecord:
@@ -107,7 +123,8 @@ def team_handlers(gateway: Any) -> list:
         if isinstance(changes.get("limits"), dict):  # only the limits sent change
             changes["limits"] = {**team.limits.model_dump(), **changes["limits"]}
         changed = TeamRecord.model_validate({**team.model_dump(), **changes})
-        over = keys_over(changed, await store.list_keys())
+        known_ceiling(changed)
+        over = keys_over(changed, await store.list_keys(), class_order(gateway.policy.priorities))
         if over:
             shown = "; ".join(f"key {key_id}: {', '.join(problems)}" for key_id, problems in
                               list(over.items())[:SHOWN_KEYS])

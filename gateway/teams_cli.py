@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from gateway.keys_cli import budget_table, ceilings, over_current_budget, send, table, usage_table
+from gateway.keys_cli import add_budget_flags, budget_table, ceilings, over_current_budget, send, table, usage_table
 
 
 def add_commands(sub: Any) -> None:
@@ -31,6 +31,7 @@ def add_commands(sub: Any) -> None:
     add_settings(update)
     update.add_argument("--all-models", action="store_true", help="let the team's keys use every model")
     update.add_argument("--no-budget", action="store_true", help="remove the team's budget")
+    update.add_argument("--no-max-priority-class", action="store_true", help="remove the team's priority ceiling")
     actions.add_parser("list", help="list teams")
     for action in ("show", "delete", "usage", "budget"):
         actions.add_parser(action, help=f"{action} one team").add_argument("name")
@@ -41,18 +42,17 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", help="comma-separated models its keys may use (default: all)")
     parser.add_argument("--data-policy", choices=["private_only", "allow_rented"],
                         help="the most its keys may allow (default private_only)")
+    parser.add_argument("--max-priority-class", help="the most urgent priority class its keys may name and its"
+                        " calls get, e.g. interactive (default: no ceiling)")
     parser.add_argument("--rpm", type=int, help="requests per minute, all its keys together")
     parser.add_argument("--tpm", type=int, help="tokens per minute, all its keys together")
     parser.add_argument("--max-concurrent", type=int, help="requests in flight at once, all its keys together")
-    parser.add_argument("--max-rented-spend", type=float, help="budget: rented spend per period (currency units)")
-    parser.add_argument("--max-tokens-per-period", type=int, help="budget: tokens per period")
-    parser.add_argument("--budget-period", choices=["day", "week", "month"], help="budget period (default month)")
-    parser.add_argument("--when-spent", choices=["owned_only", "reject"],
-                        help="once the rented budget is spent: stay owned (default) or answer 429 until the reset")
+    add_budget_flags(parser)
 
 
 def settings(args: argparse.Namespace) -> dict:
-    body: dict = {k: getattr(args, k) for k in ("description", "data_policy") if getattr(args, k) is not None}
+    body: dict = {k: getattr(args, k) for k in ("description", "data_policy", "max_priority_class")
+                  if getattr(args, k) is not None}
     return {**body, **ceilings(args)}
 
 
@@ -61,6 +61,8 @@ def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
     body = settings(args)
     if args.all_models:
         body["models"] = None
+    if args.no_max_priority_class:
+        body["max_priority_class"] = None
     return over_current_budget(body, args, url, headers)
 
 
@@ -97,10 +99,10 @@ def team_row(t: dict) -> list[str]:
     spend = [f"{name}={budget[field]:g}/{budget['period']}" for name, field in
              (("rented", "max_rented_spend"), ("tokens", "max_tokens_per_period")) if budget.get(field) is not None]
     return [t["name"], ",".join(t["models"]) if t["models"] is not None else "*", t["data_policy"],
-            " ".join(shown) or "-", " ".join(spend) or "-"]
+            " ".join(shown) or "-", " ".join(spend) or "-", t.get("max_priority_class") or "-"]
 
 
-TEAM_HEADER = ["NAME", "MODELS", "DATA POLICY", "LIMITS", "BUDGET"]
+TEAM_HEADER = ["NAME", "MODELS", "DATA POLICY", "LIMITS", "BUDGET", "MAX CLASS"]
 
 
 def render(action: str, data: Any) -> str:

@@ -6,13 +6,30 @@ field; from any other key that field is dropped and the header ignored, so a cli
 better place in a queue its key does not allow. Admission serves waiting requests class by class; backends
 that run vLLM's priority scheduling get the class's `vllm_priority` (policies/admission.py, gateway/proxy.py).
 A batch's lines are always in the batch class (`batch.priority_class`), whatever their key's.
+A key of a team with `max_priority_class` is never served above it (policies/teams.py): the class is clamped
+down to the ceiling, and a client's own `priority` more urgent than the ceiling's `vllm_priority` is dropped.
 """
 
 from __future__ import annotations
 
-from policies.config import Policy, PriorityClass
+from policies.config import Policy, Priorities, PriorityClass
 from policies.errors import BadRequest
 from policies.pipeline import Call
+from policies.teams import ClassOrder, TeamRecord
+
+
+def class_order(priorities: Priorities) -> ClassOrder:
+    """The policy's classes as a team's ceiling ranks them (policies/teams.py)."""
+    return ClassOrder(tuple(c.name for c in priorities.classes), priorities.default)
+
+
+def within_ceiling(chosen: PriorityClass, team: TeamRecord | None, priorities: Priorities,
+                   order: ClassOrder | None = None) -> PriorityClass:
+    """`chosen`, or the team's ceiling class where `chosen` is more urgent (listed earlier in the policy)."""
+    top = (order or class_order(priorities)).ceiling(team)
+    if top is None:
+        return chosen
+    return priorities.classes[top] if priorities.classes.index(chosen) < top else chosen
 
 
 class Classify:
@@ -20,11 +37,17 @@ class Classify:
 
     def __init__(self, policy: Policy) -> None:
         self.config = policy.priorities
+        self.order = class_order(self.config)
         self.default = self.config.named(self.config.default)
         # a batch's lines: the batch class (the last, least urgent class when the policy has none of that name)
         self.batch = self.config.named(policy.batch.priority_class) or self.config.classes[-1]
 
     def of(self, call: Call) -> PriorityClass:
+        chosen = self.asked(call)
+        return chosen if call.team is None else within_ceiling(chosen, call.team, self.config, self.order)
+
+    def asked(self, call: Call) -> PriorityClass:
+        """The class the key names or its client picks, before the team's ceiling."""
         key = call.key
         if call.batch is not None:
             return self.batch
@@ -42,10 +65,19 @@ class Classify:
 
     async def enter(self, call: Call) -> None:
         call.priority = self.of(call)
-        if call.key.client_priority:
+        if call.key.client_priority and self.own_priority_fits(call):
             call.client_priority = "priority" in call.body
         else:
             call.body.pop("priority", None)
+
+    def own_priority_fits(self, call: Call) -> bool:
+        """Whether a client's own vLLM `priority` stays within its team's ceiling (lower is more urgent)."""
+        top = self.order.ceiling(call.team)
+        own = call.body.get("priority")
+        if top is None or own is None:
+            return True
+        floor = self.config.classes[top].vllm_priority
+        return isinstance(own, int) and not isinstance(own, bool) and own >= floor
 
     async def leave(self, call: Call) -> None:
         pass

@@ -7,10 +7,15 @@ step its budget beside the key's); its models and data policy bound each key's o
 
 A key belongs to at most one team (`KeyRecord.team`) and may only narrow what its team allows: a key's models
 inside the team's, each limit at most the team's, `allow_rented` only in a team that allows it, each budget
-amount at most the team's. `key_problems` names every way a key breaks that; the admin API refuses such a key
+amount at most the team's, a priority class no more urgent than the team's `max_priority_class` (in the order
+the policy lists its classes). `key_problems` names every way a key breaks that; the admin API refuses such a key
 (409) and a change to a team that would put an existing key above it (409, naming the keys), so nothing is
 half-applied. The request path still checks the team's models and data policy itself, so two admins acting
 at once cannot open a gap between them.
+
+The priority ceiling also holds at request time (the Classify step, policies/priority.py): whatever class a
+key names or its client picks by header, a call of the team is served no more urgently than the ceiling, even
+after the policy's classes change; a ceiling the policy no longer names counts as its least urgent class.
 
 Who administers a team is decided by the admin token: role `team_admin` with a `team` claim naming it.
 """
@@ -18,10 +23,11 @@ Who administers a team is decided by the admin token: role `team_admin` with a `
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.keys import TEAM_NAME, DataPolicy, KeyBudget, KeyLimits, KeyRecord
+from policies.keys import CLASS_NAME, TEAM_NAME, DataPolicy, KeyBudget, KeyLimits, KeyRecord
 
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 AMOUNTS = ("max_rented_spend", "max_tokens_per_period")
@@ -38,6 +44,7 @@ class TeamRecord(BaseModel):
     data_policy: DataPolicy = "private_only"  # the most its keys may allow
     limits: KeyLimits = KeyLimits()  # over every key of the team together
     budget: KeyBudget | None = None  # over every key of the team together
+    max_priority_class: str | None = Field(None, pattern=CLASS_NAME)  # the most urgent class its calls get
     created_at: float = Field(default_factory=time.time)
 
     @property
@@ -46,12 +53,39 @@ class TeamRecord(BaseModel):
         return f"{OWNER_PREFIX}{self.name}"
 
 
-def key_problems(key: KeyRecord, team: TeamRecord) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class ClassOrder:
+    """The policy's priority class names, most urgent first, and the default a key naming none (or a name the
+    policy lacks) is served (policies/priority.py builds it from the policy)."""
+
+    names: tuple[str, ...]
+    default: str
+
+    def served(self, name: str | None) -> int:
+        """The rank a key's class is served at (0: the most urgent)."""
+        return self.names.index(name) if name in self.names else self.names.index(self.default)
+
+    def ceiling(self, team: TeamRecord | None) -> int | None:
+        """The most urgent rank a call of `team` may get (None: no ceiling). A name the policy no longer has is
+        its least urgent class: a renamed class must not lift the team's calls."""
+        if team is None or team.max_priority_class is None:
+            return None
+        top = team.max_priority_class
+        return self.names.index(top) if top in self.names else len(self.names) - 1
+
+
+def key_problems(key: KeyRecord, team: TeamRecord, order: ClassOrder) -> list[tuple[str, str]]:
     """Every way `key` allows more than `team` does: (the key's field, a readable phrase); empty when it fits.
 
     A limit, a budget amount or a model list the key leaves unset is the team's, so only a value of the key's
-    own can exceed the team's."""
+    own can exceed the team's; a priority class is ranked as it is served (a name the policy lacks: its
+    default, policies/priority.py)."""
     problems = []
+    top = order.ceiling(team)
+    if key.priority_class is not None and top is not None:
+        if order.served(key.priority_class) < top:
+            problems.append(("priority_class", f"priority_class {key.priority_class} is above team {team.name}'s"
+                             f" max_priority_class {team.max_priority_class}"))
     if team.models is not None and key.models is not None:
         outside = [m for m in key.models if m not in team.models]
         if outside:
@@ -71,12 +105,12 @@ def key_problems(key: KeyRecord, team: TeamRecord) -> list[tuple[str, str]]:
     return problems
 
 
-def keys_over(team: TeamRecord, keys: list[KeyRecord]) -> dict[str, list[str]]:
+def keys_over(team: TeamRecord, keys: list[KeyRecord], order: ClassOrder) -> dict[str, list[str]]:
     """key id -> problems, for the team's active keys that would allow more than `team` (a team change)."""
     out = {}
     for key in keys:
         if key.team == team.name and not key.revoked:
-            problems = key_problems(key, team)
+            problems = key_problems(key, team, order)
             if problems:
                 out[key.id] = [text for _field, text in problems]
     return out

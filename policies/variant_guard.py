@@ -50,6 +50,7 @@ from policies.config import Guard, Model
 from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, level_key
 
 log = logging.getLogger("gateway.variants")
+GUARD = "guard"  # how a weight change the guard makes begins its `why` (the audit log tells it from an admin's)
 
 EVERY = 10  # a candidate's calls between two comparisons
 EPSILON = 1e-9  # 1.00 - 0.98 is a hair over 0.02 in floating point: "2 points" must hold at exactly 2
@@ -422,7 +423,7 @@ class VariantGuard:
         before = self.variants.weights[model][variant]
         st.state, st.reason, st.at = ROLLED_BACK, reason, time.time()
         st.evening_left = 0
-        self.variants.set_weights(model, {variant: 0.0}, why=f"guard: {reason}")
+        self.variants.set_weights(model, {variant: 0.0}, why=f"{GUARD}: {reason}")
         log.warning("variant guard: model %s variant %s rolled back (weight %g -> 0): %s", model, variant, before,
                     reason)
         if self.metrics is not None:
@@ -439,7 +440,7 @@ class VariantGuard:
         if st.step == len(steps) - 1:
             st.state = PROMOTED
         self.variants.set_weights(config.name, {variant: share, base: max(0.0, 100.0 - share - others)},
-                                  why=f"guard: {st.reason}")
+                                  why=f"{GUARD}: {st.reason}")
         log.info("variant guard: model %s variant %s promoted to %g%% of its traffic", config.name, variant, share)
         if self.metrics is not None:
             self.metrics.variant_guard_actions.labels(config.name, variant, "promote", "held").inc()

@@ -29,12 +29,12 @@ class SharedVariants:
         self.background = background
         self.interval = interval
         self.seen: dict[str, int] = {}  # model -> the last version adopted or written
-        variants.on_change = self.changed
+        variants.on_change.append(self.changed)
 
     def key(self, model: str) -> str:
         return f"{self.prefix}variants:{model}"
 
-    def changed(self, model: str, weights: dict[str, float], why: str) -> None:
+    def changed(self, model: str, _before: dict[str, float], weights: dict[str, float], why: str) -> None:
         if not why.startswith(SHARED):
             self.background(self.write(model, dict(weights), why))
 

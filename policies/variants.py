@@ -42,6 +42,7 @@ from policies.variant_guard import VariantGuard
 from policies.variant_signals import Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
+WeightsChanged = Callable[[str, dict[str, float], dict[str, float], str], None]  # (model, before, after, why)
 
 HEADER = "x-gateway-variant"  # the variant that served a request, in its response headers
 _SCALE = float(1 << 64)
@@ -130,7 +131,9 @@ class Variants:
         self.windows: dict[tuple[str, str], Window] = {}  # (model, variant) -> its last calls' signals
         self.guard = VariantGuard(self, metrics)
         self.evening: dict[str, Evening] = {}  # model -> the pair whose load the guard evens now
-        self.on_change = lambda model, weights, why: None  # observers (metrics, shared state)
+        # observers of every weight change, each called as (model, before, after, why): the shared state
+        # (policies/variant_share.py), the audit log of the gateway's own acts (gateway/system_audit.py)
+        self.on_change: list[WeightsChanged] = []
 
     def configure(self, policy: Policy) -> None:
         """At start and at every reload: take the file's weights for models whose file weights changed."""
@@ -168,7 +171,8 @@ class Variants:
         if unknown:
             raise UnknownVariant(f"model {model} has no variant {', '.join(sorted(unknown))}; it has "
                                  f"{', '.join(self.weights[model])}")
-        new = {**self.weights[model], **weights}
+        before = self.weights[model]
+        new = {**before, **weights}
         if sum(new[v.name] for v in config.variants if not v.shadow) <= 0:
             raise NoLiveWeight(f"model {model}: at least one variant that is not a shadow needs a weight above 0")
         plan = plan_of(config, new)
@@ -177,7 +181,8 @@ class Variants:
         log.info("model %s: variant weights %s (%s)", model, ", ".join(f"{k}={v:g}" for k, v in new.items()), why)
         self.publish(model)
         self.guard.weights_set(model, weights, why)
-        self.on_change(model, new, why)
+        for observer in self.on_change:
+            observer(model, before, new, why)
         return new
 
     def even(self, model: str, candidate: str, baseline: str, seconds: float) -> None:

@@ -10,6 +10,6 @@ Retention (admin.audit): events older than retention_days go, and only the newes
 enforced at each write, so the log never outgrows its bound between two acts.
 """
 
-from policies.audit.log import Actor, Audit, AuditEvent, AuditPage, AuditQuery, diff
+from policies.audit.log import Actor, Audit, AuditEvent, AuditPage, AuditQuery, diff, scrub_text
 
-__all__ = ["Actor", "Audit", "AuditEvent", "AuditPage", "AuditQuery", "diff"]
+__all__ = ["Actor", "Audit", "AuditEvent", "AuditPage", "AuditQuery", "diff", "scrub_text"]

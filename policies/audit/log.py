@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,19 @@ MAX_CHANGES_BYTES = 16 * 1024  # what one event keeps of its changes; a larger c
 MAX_TEXT = 500  # characters of an actor, issuer, action or target
 # never kept, whatever a caller passes: secrets and their hashes
 SECRET_FIELDS = frozenset({"key", "hash", "previous_hash", "secret", "token", "password", "authorization"})
+MAX_TEXT_CHANGE = 2000  # characters of a free text kept in an event's changes (a refused reload's reason)
+QUOTED = re.compile(r" \(got .*\)$", re.MULTILINE)  # policies/config/loader.py quotes the value it refused
+SECRETISH = (
+    (re.compile(r"(://[^/\s:@]*:)[^@\s/]+@"), r"\1[redacted]@"),  # a password in a URL's userinfo
+    (re.compile(r"(?i)\b(bearer|basic)\s+\S+"), r"\1 [redacted]"),
+    # a quoted line of the file that sets a secret-named field (`  api_key: sk-...`, `password=...`)
+    (re.compile(r"(?im)^(\s*-?\s*['\"]?[\w-]*(?:key|token|secret|password|authorization)[\w-]*['\"]?\s*[:=]\s*)\S.*$"),
+     r"\1[redacted]"),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), "sk-[redacted]"),
+    # any long token-like run of letters and digits both (a path is cut at each slash, a name at each dot)
+    (re.compile(r"(?<![A-Za-z0-9+_=-])(?=[A-Za-z0-9+_=-]*[0-9])(?=[A-Za-z0-9+_=-]*[A-Za-z])[A-Za-z0-9+_=-]{32,}"),
+     "[redacted]"),
+)
 
 
 @dataclass(frozen=True)
@@ -38,13 +52,13 @@ class AuditEvent(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(description="time-ordered: a later event has a greater id")
     at: float = Field(description="unix seconds")
-    actor: str = Field(description="the admin token's subject (sub)")
+    actor: str = Field(description="the admin token's subject (sub); gateway for its own acts")
     issuer: str = Field(description="the admin token's issuer (iss)")
     role: str
     team: str | None = None
     address: str | None = Field(description="the client's address (X-Forwarded-For only from trusted proxies)")
     action: str = Field(description="e.g. key.create, key.update, key.rotate, key.revoke, variants.weights,"
-                                    " policy.reload")
+                                    " policy.reload, policy.reload_refused")
     target: str = Field(description="what was acted on: a key id, a model, the policy file")
     changes: dict[str, Any] = Field(description="what changed (new values; never a secret)")
 
@@ -98,6 +112,16 @@ def scrub(changes: dict[str, Any]) -> dict[str, Any]:
     if len(orjson.dumps(clean, default=str)) > MAX_CHANGES_BYTES:
         return {"fields": sorted(clean)[:100], "truncated": True}
     return clean
+
+
+def scrub_text(text: str) -> str:
+    """A free text for an event (an error that may quote a file): no quoted value, nothing that reads like a
+    secret (a URL's password, a bearer token, a quoted `api_key: ...` line, a long token-like run), at most
+    MAX_TEXT_CHANGE characters."""
+    text = QUOTED.sub("", text)
+    for pattern, replacement in SECRETISH:
+        text = pattern.sub(replacement, text)
+    return text if len(text) <= MAX_TEXT_CHANGE else text[:MAX_TEXT_CHANGE] + " [truncated]"
 
 
 def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import jwt
 import openai
 import pytest
 
+from gateway.cli import main
 from tests.support.gateway import running_gateway
 from tests.support.recorder import Recorder
 from tests.support.servers import serve_app
@@ -182,3 +183,70 @@ async def test_a_team_budget_counts_every_key_of_the_team(env):
     assert status["id"] == "lab" and status["tokens"] == 10 * served and status["max_tokens_per_period"] == 25
     outsider, _ = await new_key(call, budget={"max_tokens_per_period": 25})
     await sdk(gw, outsider).chat.completions.create(model="m", messages=[], max_tokens=1)  # not the team's
+
+
+async def test_a_teams_priority_ceiling_binds_its_admin_its_keys_and_its_clients(monkeypatch):
+    """A team admin cannot lift its keys above the team's max_priority_class, and a key allowed to pick its
+    class by header is still served at most at the ceiling: the backend (priority scheduling) gets the
+    clamped class's vLLM priority, not the one asked for."""
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_SECRET", SECRET)
+    backend = Recorder()
+    classes = [{"name": "urgent", "vllm_priority": -5}, {"name": "interactive"},
+               {"name": "batch", "vllm_priority": 10}]
+    async with serve_app(backend) as up:
+        policy = {"models": [{"name": "m", "backends": [{"url": up, "scheduling_policy": "priority"}]}],
+                  "priorities": {"classes": classes}}
+        async with running_gateway(policy, issue_test_key=False) as gw, httpx.AsyncClient(timeout=10) as http:
+
+            async def call(method, path, headers=ADMIN, **kw):
+                return await http.request(method, f"{gw.url}/admin{path}", headers=headers, **kw)
+
+            r = await call("POST", "/teams", json={"name": "red", "max_priority_class": "urgnet"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "max_priority_class", r.text
+            assert "urgnet" in r.json()["error"]["message"]
+            assert (await call("GET", "/teams")).json() == []
+            r = await call("POST", "/teams", json={"name": "red", "max_priority_class": "interactive"})
+            assert r.status_code == 201 and r.json()["max_priority_class"] == "interactive"
+
+            red_admin = token("team_admin", team="red")
+            r = await call("POST", "/keys", headers=red_admin, json={"name": "k", "priority_class": "urgent"})
+            assert r.status_code == 409, r.text
+            assert r.json()["error"]["code"] == "exceeds_team" and r.json()["error"]["param"] == "priority_class"
+            assert (await call("GET", "/keys")).json() == []  # nothing stored
+            secret, record = await new_key(call, headers=red_admin, priority_class="interactive",
+                                           client_priority=True)
+            r = await call("PATCH", f"/keys/{record['id']}", headers=red_admin, json={"priority_class": "urgent"})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "exceeds_team"
+            assert (await call("GET", f"/keys/{record['id']}")).json()["priority_class"] == "interactive"
+            r = await call("PATCH", "/teams/red", headers=red_admin, json={"max_priority_class": None})
+            assert r.status_code == 403  # only a full admin changes the team
+
+            async def sent_priority(extra: dict, body: dict | None = None) -> int:
+                r = await http.post(f"{gw.url}/v1/chat/completions", headers={
+                    "authorization": f"Bearer {secret}", **extra}, json={
+                    "model": "m", "messages": [{"role": "user", "content": "hi"}], **(body or {})})
+                assert r.status_code == 200, r.text
+                return backend.requests[-1]["body"]["priority"]
+
+            assert await sent_priority({"x-priority-class": "urgent"}) == 0  # clamped to interactive
+            assert await sent_priority({}, {"priority": -100}) == 0  # its own vLLM priority ahead of it: dropped
+            assert await sent_priority({"x-priority-class": "batch"}) == 10  # below the ceiling: as asked
+
+            r = await call("PATCH", "/teams/red", json={"max_priority_class": "batch"})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "team_below_keys"
+            assert record["id"] in r.json()["error"]["message"]
+            assert (await call("GET", "/teams/red")).json()["max_priority_class"] == "interactive"
+            r = await call("PATCH", f"/keys/{record['id']}", json={"priority_class": None})
+            assert r.status_code == 200, r.text
+            r = await call("PATCH", "/teams/red", json={"max_priority_class": "batch"})
+            assert r.status_code == 200 and r.json()["max_priority_class"] == "batch"
+            assert await sent_priority({"x-priority-class": "urgent"}) == 10
+
+            admin_token = ADMIN["authorization"].removeprefix("Bearer ")
+            cli = ["teams", "--url", gw.url, "--token", admin_token, "--json", "update", "red"]
+            assert await asyncio.to_thread(main, [*cli, "--max-priority-class", "interactive"]) == 0
+            assert (await call("GET", "/teams/red")).json()["max_priority_class"] == "interactive"
+            assert await sent_priority({"x-priority-class": "urgent"}) == 0
+            assert await asyncio.to_thread(main, [*cli, "--no-max-priority-class"]) == 0
+            assert (await call("GET", "/teams/red")).json()["max_priority_class"] is None
+            assert await sent_priority({"x-priority-class": "urgent"}) == -5  # no ceiling: as the client asks

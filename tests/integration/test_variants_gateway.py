@@ -127,38 +127,47 @@ def canary_policy(a: str, b: str, guard: dict) -> dict:
     return policy
 
 
-async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_window(monkeypatch, caplog):
-    viewer_headers = viewer(monkeypatch)
+TOOL_CALL = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 4, "tools": TOOLS}
+
+
+@contextlib.asynccontextmanager
+async def breaking_tool_calls():
+    """Baseline `a` at 80 and candidate `b` at 20, whose tool calls' arguments are not JSON 3 times in 10, behind
+    a ready gateway whose guard judges after 40 calls: (gateway, client)."""
     clean = SimConfig(model="served", step_base_ms=1, step_ms_per_seq=0, tool_calling=True)
-    broken = clean.model_copy(update={"corrupt_fraction": 0.3})  # 3 in 10 tool calls' arguments are not JSON
+    broken = clean.model_copy(update={"corrupt_fraction": 0.3})
     async with serve_app(create_app(clean)) as a, serve_app(create_app(broken)) as b:
         policy = canary_policy(a, b, {"min_samples": 40, "window_seconds": 600})
         async with running_gateway(policy) as gw, httpx.AsyncClient(timeout=30, headers=AUTH) as http:
             await wait_ready(http, gw.url)
-            body = {"model": "m", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 4,
-                    "tools": TOOLS}
-            gate = asyncio.Semaphore(4)
+            yield gw, http
 
-            async def one(i: int) -> tuple[str, bool]:
-                async with gate:
-                    r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "stream": i % 2 == 0})
-                    assert r.status_code == 200
-                    return r.headers["x-gateway-variant"], i
 
-            served = await asyncio.gather(*(one(i) for i in range(400)))
-            view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()["models"]["m"]
-            a_, b_ = view["variants"]
-            assert b_["weight"] == 0 and b_["guard"]["state"] == "rolled_back"
-            assert "structured-output validity" in b_["guard"]["reason"]
-            assert a_["weight"] == 80 and a_["guard"]["state"] == "baseline"
-            # pulled back within its window: once it had its 40 answers and the guard's next look
-            assert 40 <= b_["requests"] <= 60, b_["requests"]
-            assert abs(b_["structured_valid_rate"] - 0.7) <= 0.02 and a_["structured_valid_rate"] == 1.0
-            last_b = max(i for variant, i in served if variant == "b")
-            assert last_b < 400 - 50  # after the rollback, everything went to a
-            assert await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="rollback",
-                                   signal="structured_validity") == 1
-            assert await gw.metric("llm_gateway_variant_weight", variant="b") == 0
+async def test_a_candidate_that_breaks_tool_calls_is_rolled_back_within_the_window(monkeypatch, caplog):
+    viewer_headers = viewer(monkeypatch)
+    async with breaking_tool_calls() as (gw, http):
+        gate = asyncio.Semaphore(4)
+
+        async def one(i: int) -> tuple[str, bool]:
+            async with gate:
+                r = await http.post(f"{gw.url}/v1/chat/completions", json={**TOOL_CALL, "stream": i % 2 == 0})
+                assert r.status_code == 200
+                return r.headers["x-gateway-variant"], i
+
+        served = await asyncio.gather(*(one(i) for i in range(400)))
+        view = (await http.get(f"{gw.url}/admin/variants", headers=viewer_headers)).json()["models"]["m"]
+        a_, b_ = view["variants"]
+        assert b_["weight"] == 0 and b_["guard"]["state"] == "rolled_back"
+        assert "structured-output validity" in b_["guard"]["reason"]
+        assert a_["weight"] == 80 and a_["guard"]["state"] == "baseline"
+        # pulled back within its window: once it had its 40 answers and the guard's next look
+        assert 40 <= b_["requests"] <= 60, b_["requests"]
+        assert abs(b_["structured_valid_rate"] - 0.7) <= 0.02 and a_["structured_valid_rate"] == 1.0
+        last_b = max(i for variant, i in served if variant == "b")
+        assert last_b < 400 - 50  # after the rollback, everything went to a
+        assert await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="rollback",
+                               signal="structured_validity") == 1
+        assert await gw.metric("llm_gateway_variant_weight", variant="b") == 0
     assert any("rolled back (weight 20 -> 0): structured-output validity" in r.getMessage() for r in caplog.records)
 
 
@@ -343,6 +352,18 @@ async def both_gateways(redis_url: str, clean: SimConfig, broken: SimConfig, ope
             view = one.state.shared.variants
             await follows({"a": 80, "b": 10})
             assert view.guard.state("m", "b").state == "watching"
+
+            # in the one audit log: the guard's rollback and each adoption, as the gateway's own acts
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                page = (await http.get(f"{one.url}/admin/audit", params={"action": "variants.weights"},
+                                       headers=operator)).json()["events"]
+                whys = sorted(e["changes"].get("why", "") for e in page if e["actor"] == "gateway")
+                if len(whys) == 3 or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert [w.split(":")[0] for w in whys] == ["guard", "shared", "shared"], whys
+            assert whys[1].startswith("shared: admin API") and whys[2].startswith("shared: guard: "), whys
 
 
 def shadow_policy(live: str, shadow: str) -> dict:
