@@ -106,9 +106,10 @@ class PolicyReloader:
         """Keep the live policy, and say why: the metric, the log, and the audit log (the reason without any
         value it quotes from the file, policies/audit/log.py), as the admin of `by` or the system."""
         self.gateway.live_metrics.reloaded(INVALID)
+        reason = scrub_text(problem)  # the loader may quote a value of the file: a URL's password, a provider key
         log.error("policy reload (%s) refused, version %s keeps serving: %s", why, self.gateway.snapshot.version,
-                  problem)
-        changes = {"why": why, "reason": scrub_text(problem), "serving": self.gateway.snapshot.version}
+                  reason)
+        changes = {"why": why, "reason": reason, "serving": self.gateway.snapshot.version}
         if by is None:
             await self.gateway.audit.system("policy.reload_refused", self.path, changes)
         else:

@@ -66,7 +66,7 @@ async def test_a_guard_rollback_is_recorded_as_the_gateways_own_act(monkeypatch)
         assert [(e["actor"], e["role"]) for e in found] == [("ops", "operator"), ("gateway", "system")]
 
 
-async def test_a_refused_reload_is_recorded_without_what_the_file_quotes(tmp_path: Path, monkeypatch):
+async def test_a_refused_reload_is_recorded_without_what_the_file_quotes(tmp_path: Path, monkeypatch, caplog):
     headers = viewer(monkeypatch)
     path = tmp_path / "policy.yaml"
     good = {"store": {"kind": "sqlite", "path": str(tmp_path / "gateway.db")},
@@ -95,3 +95,5 @@ async def test_a_refused_reload_is_recorded_without_what_the_file_quotes(tmp_pat
         assert "api_key: [redacted]" in yaml_error["changes"]["reason"]
         page = (await http.get(f"{url}/admin/audit", headers=headers)).text
         assert password not in page and token not in page and "Tok3n" not in page
+        logged = "\n".join(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+        assert "keeps serving" in logged and password not in logged and "Tok3n" not in logged, logged
