@@ -27,8 +27,10 @@ since when (`judging_since`, `undecided_for_s`, the gauge llm_gateway_variant_gu
 the file).
 
 Where the two sides never met one load (a steady light canary on a busy model: the candidate near 8 in flight,
-the baseline near 32), only the bound of the candidate at a lighter load judges latency, and a slowdown smaller
-than the baseline's load penalty hides under it. With `even_load` (the default) the guard then evens the load
+the baseline near 32; no level with a quarter of `min_samples` calls on both sides), only the bound of the
+candidate at a lighter load judges latency, and a slowdown smaller than the baseline's load penalty hides under
+it. (Where the candidate runs heavier, it queues its own calls: that shows at the loads it reaches, and evening
+would hide it.) With `even_load` (the default) the guard then evens the load
 for a while (`Variants.even`): requests drawn for either side go to whichever has fewer in flight per replica,
 so both run at one load and the comparison at one level judges; the evening ends once a latency signal was
 judged at a load both met (or with the verdict), or after `even_load.calls` of the candidate's calls, and
@@ -98,9 +100,10 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
           timed: tuple[list[Sample], list[Sample]] | None = None) -> tuple[tuple[str, str] | None, list[str]]:
     """(breach, waiting): the first signal on which the candidate is worse, or None; and why each signal the
     candidate has samples of could not be judged yet (empty while every one was). `seen` (when given) gets
-    each latency signal's worst ratio at comparable load; `blind` the latency signals that both sides have
-    enough calls of at loads that never met (held only to the bound of the baseline at a heavier load, or not
-    comparable at all). `timed`: the calls whose latency is compared (default: all of `cand` and `base`)."""
+    each latency signal's worst ratio at comparable load; `blind` the latency signals held only to the bound
+    of the baseline at a heavier load (the candidate at lighter loads than any the baseline met). Not those
+    where the candidate ran heavier: a candidate that queues its own calls shows it at the loads it reaches, and
+    evening its load with the baseline's would hide that. `timed`: the calls whose latency is compared (default: all of `cand` and `base`)."""
     need = guard.min_samples
     waiting: list[str] = []
     if guard.max_validity_drop is not None:
@@ -136,13 +139,10 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
             return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
                              f" {limit:g}x; {where})")), waiting
         if worst is None and closest is not None:
-            if blind is not None and min(sum(getattr(s, field) is not None for s in side)
-                                         for side in (lat_cand, lat_base)) >= need:  # enough, at loads that never met
-                blind.append(signal)
             waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
                            f" baseline {closest[1]}/{need}")
         elif worst is not None and not matched:
-            if blind is not None:
+            if blind is not None and not levels_meet(lat_cand, lat_base, field, max(need // 4, 1)):
                 blind.append(signal)
             waiting.append(f"{signal.upper()}: no load level both sides met, nor one the baseline met on each side of"
                            f" the candidate's: held only to the baseline at heavier load ({worst[0]:.2f}x), which"
@@ -153,6 +153,17 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
             return ("agreement", (f"agreement with the live answer {sum(agreed) / len(agreed):.1%} (below"
                                   f" {guard.min_agreement:.0%}, {len(agreed)} compared)")), waiting
     return None, waiting
+
+
+def levels_meet(cand: list[Sample], base: list[Sample], field: str, least: int) -> bool:
+    """Whether some load level has `least` calls of `field` on both sides: the loads do meet, and the traffic
+    as it comes will fill that level (no evening needed, only patience)."""
+    counts: dict[str, list[int]] = {}
+    for side, samples in ((0, cand), (1, base)):
+        for s in samples:
+            if getattr(s, field) is not None:
+                counts.setdefault(s.load, [0, 0])[side] += 1
+    return any(c >= least and b >= least for c, b in counts.values())
 
 
 def judge_evened(guard: Guard, cand: list[Sample], base: list[Sample],
