@@ -251,6 +251,7 @@ def full_team(name: str = "billing", **changes) -> TeamRecord:
         "limits": KeyLimits(requests_per_minute=600, tokens_per_minute=900_000, max_concurrent=40),
         "budget": KeyBudget(max_rented_spend=125.25, max_tokens_per_period=10**9, period="day", when_spent="reject"),
         "created_at": 1712345678.123456,
+        "max_priority_class": "interactive",
     }
     return TeamRecord(**(fields | changes))
 
