@@ -93,8 +93,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.edge import uvicorn_options
+    from gateway.heap import keep_freed_heap
     from gateway.server import DrainingServer
 
+    keep_freed_heap()  # before the app's first bursts: each one reuses the heap the last one freed
     try:
         policy = load_policy(args.config)
         asyncio.run(check_backends(policy, source=args.config))
