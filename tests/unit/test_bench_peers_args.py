@@ -62,3 +62,14 @@ def test_a_baseline_tree_is_a_column_held_to_three_percent(tmp_path, capsys):
     printed, results = dry_run(tmp_path, capsys, "--baseline-tree", str(tmp_path))
     assert len(results["samples"][run.BASELINE]["rps"]) == 2
     assert "this tree within 3% of the baseline tree" in printed
+
+
+def test_the_streams_comparison_refuses_what_would_do_nothing_or_set_nothing(capsys):
+    from tests.benchmarks.peers import streams_ab
+
+    args = streams_ab.parse_args(["--baseline-tree", "/tmp/x", "--plain-first", "5", "--env-this", "A=1=2"])
+    assert (args.rounds, args.plain_first, args.env_this) == (6, 5.0, ["A=1=2"])
+    for argv in (["--rounds", "0"], ["--env-this", "NOVALUE"]):
+        with pytest.raises(SystemExit):
+            streams_ab.parse_args(["--baseline-tree", "/tmp/x", *argv])
+    assert "nothing to do" in capsys.readouterr().err
