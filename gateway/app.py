@@ -40,6 +40,7 @@ from gateway.admin_audit import AdminAudit
 from gateway.admin_auth import AdminAuth
 from gateway.admin_routes import admin_router
 from gateway.shadow import Shadow
+from gateway.shutdown import STEP_SECONDS, cancel_all, step
 from gateway.background import Background
 from gateway.system_audit import SystemAudit
 from gateway.batch_calls import BatchCalls
@@ -82,6 +83,7 @@ from policies.store import StoreError, StoreUnavailable
 from policies.variants import Variants
 
 log = logging.getLogger("gateway")
+BATCH_GRACE = 10.0  # seconds a batch line in flight at shutdown has to finish and be recorded
 
 
 class Gateway:
@@ -359,29 +361,25 @@ class Gateway:
             loops.append(asyncio.create_task(self.batch_runner.run_forever()))
         try:
             yield
-        finally:
+        finally:  # each step bounded (gateway/shutdown.py): one that hangs is logged and the rest still run
             self.discovery.stop()
-            for loop in loops:
-                loop.cancel()
-            for loop in loops:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loop
+            await cancel_all(loops)
             if self.batch_runner is not None:  # lines in flight stop; their claims expire and they run again
-                await self.batch_runner.stop()
+                await step("the batch runner's stop", self.batch_runner.stop(BATCH_GRACE), BATCH_GRACE + STEP_SECONDS)
             self.access_log.flush()
             self.background.run(self.record_usage.flush())
-            await self.admission.close()
+            await step("the admission queues' close", self.admission.close())
             self.background.run(self.record_ledger.flush())
             await self.background.drain(timeout=5)
-            await self.limiter.close()  # a rate-limit release still queued reaches Redis before the store closes
-            await client.aclose()
-            await self.ledger.close()
+            await step("the limiter's close", self.limiter.close())  # a release still queued reaches Redis first
+            await step("the upstream client's close", client.aclose())
+            await step("the ledger's close", self.ledger.close())
             if self.batch_store is not None:
-                await self.batch_store.close()
-            await self.audit.audit.store.close()
-            await self.admin_auth.close()
-            await asyncio.to_thread(self.tracing.close)  # exports what is queued, bounded by its export timeout
-            await self.store.close()
+                await step("the batch store's close", self.batch_store.close())
+            await step("the audit store's close", self.audit.audit.store.close())
+            await step("the admin sign-in's close", self.admin_auth.close())
+            await step("the trace exporter's close", asyncio.to_thread(self.tracing.close))  # bounded by its timeout
+            await step("the store's close", self.store.close())
 
 
 VALIDATION_FAILED = "Validation failed for "  # how Litestar begins a parameter's or a body's refusal
