@@ -128,21 +128,16 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
         else:
             waiting.append(f"errors: not enough calls: candidate {len(cand)}/{need}, baseline {len(base)}/{need}")
     lat_cand, lat_base = timed if timed is not None else (cand, base)
-    for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
-        if limit is None:
-            continue
-        worst, closest, matched = compare_latency(lat_cand, lat_base, field, need)
+    for signal, limit, (worst, closest, matched) in latency_looks(guard, lat_cand, lat_base):
         if worst is not None and seen is not None:
             seen[signal] = round(worst[0], 3)
         if worst is not None and worst[0] > limit:
-            ratio, where = worst
-            return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
-                             f" {limit:g}x; {where})")), waiting
+            return latency_breach(signal, limit, *worst), waiting
         if worst is None and closest is not None:
             waiting.append(f"{signal.upper()}: not enough samples at comparable load: candidate {closest[0]}/{need},"
                            f" baseline {closest[1]}/{need}")
         elif worst is not None and not matched:
-            if blind is not None and not levels_meet(lat_cand, lat_base, field, max(need // 4, 1)):
+            if blind is not None and not levels_meet(lat_cand, lat_base, signal, max(need // 4, 1)):
                 blind.append(signal)
             waiting.append(f"{signal.upper()}: no load level both sides met, nor one the baseline met on each side of"
                            f" the candidate's: held only to the baseline at heavier load ({worst[0]:.2f}x), which"
@@ -172,19 +167,26 @@ def judge_evened(guard: Guard, cand: list[Sample], base: list[Sample],
     the same times and loads): the first latency signal that breaches, or None; and the signals that were judged
     at a load both met."""
     judged: set[str] = set()
-    for signal, limit, field in (("itl", guard.max_itl_ratio, "itl"), ("ttft", guard.max_ttft_ratio, "ttft")):
-        if limit is None:
-            continue
-        worst, _, matched = compare_latency(cand, base, field, guard.min_samples)
+    for signal, limit, (worst, _, matched) in latency_looks(guard, cand, base):
         if worst is None or not matched:
             continue
         judged.add(signal)
         seen[signal] = round(worst[0], 3)
         if worst[0] > limit:
-            ratio, where = worst
-            return (signal, (f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit"
-                             f" {limit:g}x; while their load was evened, {where})")), judged
+            return latency_breach(signal, limit, worst[0], f"while their load was evened, {worst[1]}"), judged
     return None, judged
+
+
+def latency_looks(guard: Guard, cand: list[Sample], base: list[Sample]):
+    """(signal, limit, compare_latency's answer) for each latency signal the guard checks (a Sample's field of
+    the same name)."""
+    for signal, limit in (("itl", guard.max_itl_ratio), ("ttft", guard.max_ttft_ratio)):
+        if limit is not None:
+            yield signal, limit, compare_latency(cand, base, signal, guard.min_samples)
+
+
+def latency_breach(signal: str, limit: float, ratio: float, where: str) -> tuple[str, str]:
+    return signal, f"{signal.upper()} p50 {ratio:.2f}x the baseline's at comparable load (limit {limit:g}x; {where})"
 
 
 def latency_signals(guard: Guard, cand: list[Sample]) -> set[str]:

@@ -7,6 +7,7 @@ gateway. Requests are kept short (max_tokens 1-4) and their concurrency bounded,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import time
@@ -48,6 +49,13 @@ def canary_policy(model: dict) -> dict:
 
 def weights_of(weights: dict[str, float]) -> dict:
     return {"weights": [{"name": name, "weight": weight} for name, weight in weights.items()]}
+
+
+def canary_guard(gw, variant: str) -> dict:
+    """The guard's view of one variant of the model `canary`, as the admin API gives it to a viewer."""
+    view = httpx.get(f"{gw.url}/admin/models/canary/variants", timeout=10,
+                     headers={"authorization": f"Bearer {gw.admin_token('viewer')}"}).json()
+    return next(v for v in view["variants"] if v["name"] == variant)["guard"]
 
 
 def servers_of(vllm_servers) -> dict:
@@ -248,12 +256,8 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
         ],
     })
     with gateway_process(policy, tmp_path_factory.mktemp("default-guard-gateway")) as gw:
-        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
         operator = {"authorization": f"Bearer {gw.admin_token('operator')}"}
-
-        def guard_of(name: str) -> dict:
-            view = httpx.get(f"{gw.url}/admin/models/canary/variants", headers=viewer, timeout=10).json()
-            return next(v for v in view["variants"] if v["name"] == name)["guard"]
+        guard_of = functools.partial(canary_guard, gw)
 
         began = time.monotonic()
         same = guard_of("same")
@@ -298,11 +302,7 @@ def test_a_steady_light_canary_is_evened_judged_and_an_identical_one_held(vllm_s
         ],
     })
     with gateway_process(policy, tmp_path_factory.mktemp("evening-gateway")) as gw:
-        viewer = {"authorization": f"Bearer {gw.admin_token('viewer')}"}
-
-        def guard() -> dict:
-            view = httpx.get(f"{gw.url}/admin/models/canary/variants", headers=viewer, timeout=10).json()
-            return view["variants"][1]["guard"]
+        guard = functools.partial(canary_guard, gw, "same")
 
         began = time.monotonic()
         same = guard()
