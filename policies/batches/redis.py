@@ -4,6 +4,8 @@
     {P f:<owner>}files           zset    id -> _created
     {P f:<owner>}usage           hash    files, bytes: what the owner's files count against its bounds
     P files:expiring             zset    "<id> <owner>" -> expires_at
+    P file:<id>, P files:<owner>         a file as 9872d88 and before stored it, moved under its owner's hash
+                                         tag when first read, listed or deleted (`adopt`)
     P batch:<id>                 string  a batch's record (JSON)
     P batches:<owner>            zset    id -> _created
     P batches:open               zset    id -> _created: batches not in a final state
@@ -130,6 +132,7 @@ class RedisBatches:
                        max_bytes: int | None = None) -> str | None:
         file_id, owner = record["id"], record["_owner"]
         member = f"{file_id} {owner}"
+        await self.adopt_all(owner)  # what the key stored before counts against its bounds too
         async with self.store.guard("put_file"):
             if record.get("expires_at") is not None:
                 await self.store.client.zadd(self.expiring, {member: record["expires_at"]})
@@ -153,7 +156,33 @@ class RedisBatches:
     async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         async with self.store.guard("get_file"):
             raw = await self.store.client.get(self.owned(owner, f"file:{file_id}"))
-        return orjson.loads(raw) if raw else None
+        return orjson.loads(raw) if raw else await self.adopt(owner, file_id)
+
+    async def adopt(self, owner: str, file_id: str) -> dict[str, Any] | None:
+        """A file stored before files lived under their owner's hash tag (one key per file, one index per owner,
+        on other slots): written the new way (counted in the owner's usage, never refused: it was already
+        stored), then the old keys dropped, so a crash between leaves a copy, never nothing; two replicas
+        adopting at once write it twice, counted once. None if there is no such file of this owner. It has no
+        expiry: it was made under none."""
+        client = self.store.client
+        async with self.store.guard("adopt_file"):
+            raw = await client.get(f"{self.p}file:{file_id}")
+            record = orjson.loads(raw) if raw else None
+            if not isinstance(record, dict) or record.get("_owner") != owner:
+                return None
+            await self._put_file(keys=self.file_keys(owner, file_id), args=[
+                file_id, raw, repr(record.get("_created", 0)), int(record.get("bytes") or 0), -1, -1])
+            await client.delete(f"{self.p}file:{file_id}")
+            await client.zrem(f"{self.p}files:{owner}", file_id)
+        return record
+
+    async def adopt_all(self, owner: str) -> None:
+        async with self.store.guard("adopt_file"):
+            old = await self.store.client.zrange(f"{self.p}files:{owner}", 0, -1)
+        for file_id in old:
+            if await self.adopt(owner, file_id) is None:  # its record was gone: only the index entry was left
+                async with self.store.guard("adopt_file"):
+                    await self.store.client.zrem(f"{self.p}files:{owner}", file_id)
 
     async def _records(self, op: str, index: str, prefix: str) -> list[dict[str, Any]]:
         async with self.store.guard(op):
@@ -162,12 +191,16 @@ class RedisBatches:
         return [orjson.loads(r) for r in raws if r]
 
     async def list_files(self, owner: str) -> list[dict[str, Any]]:
+        await self.adopt_all(owner)
         return await self._records("list_files", self.owned(owner, "files"), self.owned(owner, "file:"))
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
         async with self.store.guard("delete_file"):
             deleted = await self._delete_file(keys=self.file_keys(owner, file_id), args=[file_id])
             await self.store.client.zrem(self.expiring, f"{file_id} {owner}")
+        if not deleted and await self.adopt(owner, file_id) is not None:
+            async with self.store.guard("delete_file"):
+                deleted = await self._delete_file(keys=self.file_keys(owner, file_id), args=[file_id])
         return bool(deleted)
 
     async def create_batch(self, record: dict[str, Any], lines: int) -> None:

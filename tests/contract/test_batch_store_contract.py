@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
 import pytest
 
 from policies.batches.redis import RedisBatches
@@ -150,3 +151,37 @@ async def test_expired_files_are_found_earliest_first(pair):
     assert await one.delete_file("k2", "file-b")
     assert await two.expired_files(now, 10) == [("k1", "file-a"), ("k1", "file-c")]
     assert await two.expired_files(now + 7200, 10) == [("k1", "file-a"), ("k1", "file-c"), ("k1", "file-later")]
+
+
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])  # SQLite kept its files in one table: nothing moved
+async def test_files_stored_the_old_way_are_found_counted_and_deleted_by_their_owner_alone(kind, request):
+    """Files as 9872d88 and before kept them in Redis (`P file:<id>`, `P files:<owner>`, on slots of their own)
+    are adopted under the owner's hash tag when first read, listed, counted or deleted: an upgrade loses none."""
+    server, prefix = request.getfixturevalue("redis_server"), request.getfixturevalue("redis_prefix")
+    stores = [open_store("redis", url=server.url, prefix=prefix) for _ in range(2)]
+    one, two = (RedisBatches(store) for store in stores)
+    try:
+        await old_files_adopted(one, two)
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def old_files_adopted(one: RedisBatches, two: RedisBatches) -> None:
+    client, p = one.store.client, one.p
+    for file_id, owner, size in (("file-old1", "k1", 10), ("file-old2", "k1", 20), ("file-old3", "k2", 40)):
+        record = {**a_file(file_id, owner, size), "expires_at": None}
+        del record["expires_at"]  # the old records had none
+        await client.set(f"{p}file:{file_id}", orjson.dumps(record).decode())
+        await client.zadd(f"{p}files:{owner}", {file_id: record["_created"]})
+    await client.zadd(f"{p}files:k1", {"file-gone": 1.0})  # an index entry whose record was already deleted
+    assert await two.get_file("k2", "file-old1") is None  # another key's file stays out of reach
+    assert (await two.get_file("k1", "file-old1"))["bytes"] == 10  # read: adopted
+    assert await client.get(f"{p}file:file-old1") is None
+    assert sorted(f["id"] for f in await one.list_files("k1")) == ["file-old1", "file-old2"]
+    assert await client.exists(f"{p}files:k1") == 0
+    assert await one.usage("k1") == (2, 30)
+    assert await one.put_file(a_file("file-new", "k2"), max_files=1, max_bytes=10**6) == "files"  # old3 counts
+    assert await two.delete_file("k2", "file-old3") and await one.get_file("k2", "file-old3") is None
+    assert await one.usage("k2") == (0, 0)
+    assert await client.get(f"{p}file:file-old3") is None
