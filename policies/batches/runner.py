@@ -285,6 +285,7 @@ class Runner:
         results = await self.store.results(batch_id)
         files = FileDir(settings.files_dir)
         counts = {"total": record["request_counts"]["total"], "completed": 0, "failed": 0}
+        keep = record.get("_keep_output") or settings.output_retention_seconds  # the batch's output_expires_after
         for ok, kind in ((True, "output"), (False, "error")):
             chosen = [result for _, good, result in results if good is ok]
             counts["completed" if ok else "failed"] = len(chosen)
@@ -296,7 +297,7 @@ class Runner:
             created = int(time.time())
             await self.store.put_file({"id": file_id, "object": "file", "bytes": len(data), "created_at": created,
                                        "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
-                                       "status": "processed", "expires_at": created + settings.output_retention_seconds,
+                                       "status": "processed", "expires_at": created + keep,
                                        "status_details": None, "_owner": record["_owner"],
                                        "_created": time.time()})  # no bound: results are never lost
             record[f"{kind}_file_id"] = file_id

@@ -41,19 +41,31 @@ def live(record: dict[str, Any] | None) -> dict[str, Any] | None:
     return record
 
 
-def expires_after(anchor: str | None, seconds: str | None) -> int | None:
+def expires_after(anchor: str | None, seconds: str | None, name: str = "expires_after") -> int | None:
     """An upload's `expires_after` (anchor, seconds as the form sent them): the seconds it asks for, or None when
     it asks for nothing. Anything but OpenAI's `created_at` anchor and 3600 to 2592000 seconds is a 400."""
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
-        raise BadRequest("expires_after[anchor] must be created_at", param="expires_after[anchor]",
-                         code="invalid_expires_after")
+        raise BadRequest(f"{name}[anchor] must be created_at", param=f"{name}[anchor]", code="invalid_expires_after")
     low, high = EXPIRES_AFTER
     if seconds is None or not seconds.isdigit() or not low <= int(seconds) <= high:
-        raise BadRequest(f"expires_after[seconds] must be an integer from {low} to {high}",
-                         param="expires_after[seconds]", code="invalid_expires_after")
+        raise BadRequest(f"{name}[seconds] must be an integer from {low} to {high}", param=f"{name}[seconds]",
+                         code="invalid_expires_after")
     return int(seconds)
+
+
+def output_expires_after(asked: Any) -> int | None:
+    """A batch's `output_expires_after` (JSON: {"anchor": "created_at", "seconds": N}): how long its output and
+    error files are kept from when they are written, or None (batch.output_retention_seconds); as an upload's."""
+    name = "output_expires_after"
+    if asked is None:
+        return None
+    if not isinstance(asked, dict):
+        raise BadRequest(f"{name} must be an object with anchor and seconds", param=name, code="invalid_expires_after")
+    seconds = asked.get("seconds")
+    whole = isinstance(seconds, int) and not isinstance(seconds, bool)
+    return expires_after(asked.get("anchor"), str(seconds) if whole else "not an integer", name)
 
 
 def page(records: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
@@ -152,6 +164,7 @@ class Batches:
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
                 for k, v in metadata.items())):
             raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA} string pairs", param="metadata")
+        keep_output = output_expires_after(body.get("output_expires_after"))
         source = live(await self.store.get_file(owner, file_id))
         if source is None or source["purpose"] != "batch":
             raise NotFound(f"No such File object: {file_id[:100]}", param="input_file_id", code="file_not_found")
@@ -172,7 +185,8 @@ class Batches:
                   "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                   "cancelling_at": None, "cancelled_at": None,
                   "request_counts": {"total": source["_lines"], "completed": 0, "failed": 0},
-                  "metadata": metadata, "_owner": owner, "_created": time.time(), "_client": client_host, "_model": source["_model"], "_v": 0}
+                  "metadata": metadata, "_owner": owner, "_created": time.time(), "_client": client_host, "_model": source["_model"], "_v": 0,
+                  "_keep_output": keep_output}
         await self.store.create_batch(record, source["_lines"])
         return shown(record)
 

@@ -1,7 +1,8 @@
 """The Batch API's files bounded per key and expiring, through the real openai SDK against one gateway over the
 vLLM simulator, on the embedded SQLite store and on a real redis-server: an upload past the key's file count or
 bytes is a 400 naming the bound with nothing left on the volume, another key's files never count against it, a
-batch's outputs are kept past the bound, `expires_after` sets `expires_at`, and the runner's sweep deletes an
+batch's outputs are kept past the bound, `expires_after` sets `expires_at` (a batch's `output_expires_after`
+its outputs'), and the runner's sweep deletes an
 expired file (record and bytes) but keeps the input of a batch still running until it ends. Time passing is
 stood in for by rewriting a file's `expires_at` in the store: OpenAI's shortest expiry is an hour."""
 
@@ -122,6 +123,32 @@ async def test_expires_after_sets_expires_at_and_anything_else_is_a_400_naming_i
                                        expires_after=asked)  # type: ignore[arg-type]
             assert refused.value.body["param"] == param and refused.value.body["code"] == "invalid_expires_after"
         assert sorted(on_disk(tmp_path)) == sorted([hour.id, plain.id])
+
+
+async def test_a_batchs_output_expires_after_sets_its_outputs_expiry_and_anything_else_is_a_400(tmp_path, store):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store)) as gw, \
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0, timeout=20) as sdk:
+        lines = [chat_line(n) for n in range(2)] + [chat_line(9, max_tokens=-1)]
+        uploaded = await sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        for asked, param in [({"anchor": "created_at", "seconds": 3599}, "output_expires_after[seconds]"),
+                             ({"anchor": "created_at", "seconds": "3600"}, "output_expires_after[seconds]"),
+                             ({"anchor": "created_at", "seconds": True}, "output_expires_after[seconds]"),
+                             ({"anchor": "input_file", "seconds": 3600}, "output_expires_after[anchor]"),
+                             ("an hour", "output_expires_after")]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h", output_expires_after=asked)  # type: ignore[arg-type]
+            assert refused.value.body["param"] == param and refused.value.body["code"] == "invalid_expires_after"
+        assert [b.id async for b in sdk.batches.list()] == []  # a refused batch is not made
+        batch = await sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h",
+                                         output_expires_after={"anchor": "created_at", "seconds": 7200})
+        done = await finished(sdk, batch.id)
+        assert done.status == "completed" and done.request_counts.failed == 1
+        for file_id in (done.output_file_id, done.error_file_id):
+            written = await sdk.files.retrieve(file_id)
+            assert written.expires_at == written.created_at + 7200  # not output_retention_seconds (30 days)
 
 
 async def test_the_sweep_deletes_an_expired_file_and_keeps_a_running_batchs_input(tmp_path, store):
