@@ -2,9 +2,9 @@
 vLLM simulator, on the embedded SQLite store and on a real redis-server: an upload past the key's file count or
 bytes is a 400 naming the bound with nothing left on the volume, another key's files never count against it, a
 batch's outputs are kept past the bound, `expires_after` sets `expires_at` (a batch's `output_expires_after`
-its outputs'), and the runner's sweep deletes an
-expired file (record and bytes) but keeps the input of a batch still running until it ends. Time passing is
-stood in for by rewriting a file's `expires_at` in the store: OpenAI's shortest expiry is an hour."""
+its outputs'), and the runner's sweep deletes an expired file (record and bytes) but keeps the input of a batch
+still running until it ends. Time passing is stood in for by rewriting a file's `expires_at` in the store:
+OpenAI's shortest expiry is an hour."""
 
 from __future__ import annotations
 
