@@ -71,17 +71,17 @@ class GuardState:
     judging_since: float | None = None  # unix seconds since when some signal has been waiting
     warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
     ratios: dict | None = None  # each latency signal's worst candidate/baseline ratio at the last look
-    evening_left: int = 0  # the candidate's calls the evening of the two sides' load may still last (0: none)
-    evened_at: float | None = None  # unix seconds the last evening began
+    evened_at: float | None = None  # unix seconds the last evening began (an evening on is Variants.evening's)
 
-    def view(self) -> dict:
+    def view(self, evening: int) -> dict:
+        """`evening`: the candidate's calls the evening of its load may still last (0: none on)."""
         waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
         return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step,
                 "undecided": self.undecided if self.state == WATCHING else None,
                 "judging_since": self.judging_since if self.state == WATCHING else None,
                 "undecided_for_s": waited if self.state == WATCHING else None,
                 "warning": self.state == WATCHING and waited is not None and waited > self.warn_after,
-                "ratios": self.ratios, "evening": self.evening_left or None, "evened_at": self.evened_at}
+                "ratios": self.ratios, "evening": evening or None, "evened_at": self.evened_at}
 
 
 def baseline_of(model: Model) -> str:
@@ -322,14 +322,15 @@ class VariantGuard:
             return {"state": BASELINE, "reason": None, "at": None, "step": -1, "undecided": None,
                     "judging_since": None, "undecided_for_s": None, "warning": False, "ratios": None,
                     "evening": None, "evened_at": None}
-        return self.state(model, variant).view()
+        return self.state(model, variant).view(self.evening_left(model, variant))
+
+    def evening_left(self, model: str, variant: str) -> int:
+        even = self.variants.evening_of(model, variant)
+        return even.left if even is not None else 0
 
     def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
-        """Weights changed: any evening of the model's load ends (the shares are new); a variant an operator (or
-        the file) gave a weight again is watched again."""
-        for (name, _), each in self.states.items():
-            if name == model:
-                each.evening_left = 0
+        """Weights changed (any evening of the model's load was ended with them: the shares are new): a variant an
+        operator (or the file) gave a weight again is watched again."""
         if why.startswith("guard"):
             return
         for variant, weight in weights.items():
@@ -356,14 +357,13 @@ class VariantGuard:
             return
         st.calls += 1
         st.held += 1
-        if st.evening_left:
-            if model not in self.variants.evening:  # ended by the clock (module doc)
-                st.evening_left = 0
-            elif st.evening_left == 1:
+        even = self.variants.evening_of(model, variant)  # None too once ended by the clock (module doc)
+        if even is not None:
+            if even.left <= 1:
                 self.stop_evening(model, variant, f"after {guard.even_load.calls if guard.even_load else 0} of its"
                                                   f" calls")
             else:
-                st.evening_left -= 1
+                even.left -= 1
         if st.calls % EVERY:
             return
         cand = self.variants.window(model, variant).recent(guard.window_seconds)
@@ -387,9 +387,10 @@ class VariantGuard:
             self.waiting(model, variant, st, guard, waiting)
             self.roll_back(model, variant, *breach)
             return
-        if st.evening_left and evened:
+        evening = self.evening_left(model, variant)
+        if evening and evened:
             self.stop_evening(model, variant, "judged at a load both met")
-        elif blind and not st.evening_left:
+        elif blind and not evening:
             self.start_evening(config, variant, base, st, blind[0])
         self.waiting(model, variant, st, guard, waiting)
         if guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
@@ -407,15 +408,14 @@ class VariantGuard:
                 or config.name in self.variants.evening or (config.sticky is not None and config.sticky.key) \
                 or not weights.get(variant) or not weights.get(base):
             return
-        st.evening_left, st.evened_at = even.calls, now
-        self.variants.even(config.name, variant, base, guard.window_seconds)
+        st.evened_at = now
+        self.variants.even(config.name, variant, base, guard.window_seconds, even.calls)
         log.info("variant guard: model %s: no load both %s and %s met; evening their load for up to %d of %s's"
                  " calls", config.name, variant, base, even.calls, variant)
         if self.metrics is not None:
             self.metrics.variant_guard_actions.labels(config.name, variant, "even_load", signal).inc()
 
     def stop_evening(self, model: str, variant: str, why: str) -> None:
-        self.state(model, variant).evening_left = 0
         self.variants.uneven(model)
         log.info("variant guard: model %s: the evening of %s's load ended (%s); the weights rule again", model,
                  variant, why)
@@ -424,8 +424,9 @@ class VariantGuard:
         """Keep why the guard could not judge yet, and since when (the admin view; the metric's seconds)."""
         now = time.time()
         st.warn_after = guard.window_seconds
-        if st.evening_left:
-            waiting = [*waiting, f"evening the two sides' load for up to {st.evening_left} more of its calls"]
+        evening = self.evening_left(model, variant)
+        if evening:
+            waiting = [*waiting, f"evening the two sides' load for up to {evening} more of its calls"]
         st.undecided = "; ".join(waiting) or None
         st.judging_since = (st.judging_since or now) if waiting else None
         if self.metrics is not None:
@@ -435,7 +436,6 @@ class VariantGuard:
         st = self.state(model, variant)
         before = self.variants.weights[model][variant]
         st.state, st.reason, st.at = ROLLED_BACK, reason, time.time()
-        st.evening_left = 0
         self.variants.set_weights(model, {variant: 0.0}, why=f"{GUARD}: {reason}")
         log.warning("variant guard: model %s variant %s rolled back (weight %g -> 0): %s", model, variant, before,
                     reason)

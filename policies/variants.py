@@ -30,7 +30,6 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 from backends.lora import AdapterTarget
 from backends.replicas import group_name
@@ -49,14 +48,17 @@ _SCALE = float(1 << 64)
 GOLDEN = (math.sqrt(5) - 1) / 2  # the step of the evenly spread sequence: it never falls into a short cycle
 
 
-class Evening(NamedTuple):
-    """A candidate and its baseline whose load the guard evens (policies/variant_guard.py), until a time."""
+@dataclass
+class Evening:
+    """A candidate and its baseline whose load the guard evens (policies/variant_guard.py), until a time or until
+    the candidate's `left` calls ran out, whichever comes first: the one record of an evening."""
 
     candidate: str
     candidate_group: str
     baseline: str
     baseline_group: str
     until: float  # monotonic
+    left: int  # the candidate's calls it may still last
 
 
 class UnknownVariant(LookupError):
@@ -142,6 +144,7 @@ class Variants:
             filed = {v.name: v.weight for v in model.variants}
             if self.filed.get(name) != filed or set(self.weights.get(name, ())) != set(filed):
                 self.weights[name] = dict(filed)
+                self.uneven(name)  # new shares: an evening of the old ones ends
                 self.guard.weights_set(name, filed, "policy file")
             self.filed[name] = filed
         for gone in [n for n in self.weights if n not in models]:
@@ -185,11 +188,22 @@ class Variants:
             observer(model, before, new, why)
         return new
 
-    def even(self, model: str, candidate: str, baseline: str, seconds: float) -> None:
-        """For `seconds` at most, until `uneven`: requests of `model` drawn for either variant go to the one with
-        fewer in flight per replica (the guard's evening, policies/variant_guard.py)."""
+    def even(self, model: str, candidate: str, baseline: str, seconds: float, calls: int) -> None:
+        """For `seconds` and the candidate's next `calls` at most, until `uneven`: requests of `model` drawn for
+        either variant go to the one with fewer in flight per replica (the guard's evening,
+        policies/variant_guard.py)."""
         self.evening[model] = Evening(candidate, group_name(model, candidate), baseline, group_name(model, baseline),
-                                      time.monotonic() + seconds)
+                                      time.monotonic() + seconds, calls)
+
+    def evening_of(self, model: str, candidate: str) -> Evening | None:
+        """The evening of `candidate`'s load, if one is on (one past its time is ended here)."""
+        even = self.evening.get(model)
+        if even is None or even.candidate != candidate:
+            return None
+        if time.monotonic() > even.until:  # a candidate that stopped getting calls (down) ends it by the clock
+            self.uneven(model)
+            return None
+        return even
 
     def uneven(self, model: str) -> None:
         self.evening.pop(model, None)

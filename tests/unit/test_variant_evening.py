@@ -165,7 +165,7 @@ def test_an_evening_is_bounded_by_the_candidates_calls_and_comes_once_per_window
     assert evened, "never evened"
     assert candidate_calls([sent[i] for i in evened]) <= 40 + 40  # its 40, and those sent before it ended
     assert sent[-1][1] == ""  # and it did not come back within the window
-    assert v.guard.state("m", "cand").evening_left == 0
+    assert "m" not in v.evening and v.guard.view("m", "cand")["evening"] is None
 
 
 def test_a_model_sticky_on_the_key_is_never_evened(clock):
@@ -176,11 +176,14 @@ def test_a_model_sticky_on_the_key_is_never_evened(clock):
 def test_a_weight_change_or_a_reload_ends_an_evening():
     v = Variants()
     v.configure(parse_policy(POLICY.replace("GUARD", "{}")))
-    v.even("m", "cand", "base", 60)
-    v.guard.state("m", "cand").evening_left = 10
+    v.even("m", "cand", "base", 60, 10)
+    assert v.guard.view("m", "cand")["evening"] == 10
     v.set_weights("m", {"cand": 30}, why="admin")
-    assert "m" not in v.evening and v.guard.state("m", "cand").evening_left == 0
-    v.even("m", "cand", "base", 60)
+    assert "m" not in v.evening and v.guard.view("m", "cand")["evening"] is None
+    v.even("m", "cand", "base", 60, 10)
+    v.configure(parse_policy(POLICY.replace("GUARD", "{}").replace("weight: 20", "weight: 25")))  # the file's shares
+    assert "m" not in v.evening
+    v.even("m", "cand", "base", 60, 10)
     v.configure(parse_policy(POLICY.replace("GUARD", "{}").replace("name: cand", "name: other")))
     assert "m" not in v.evening
 
@@ -194,7 +197,7 @@ def test_an_evening_moves_only_requests_drawn_for_its_pair_and_ends_by_the_clock
     v.configure(parse_policy(text))
     loads = {"m#base": 5.0, "m#cand": 1.0, "m#third": 0.0}
     step = AssignVariant(v, load=loads.__getitem__)
-    v.even("m", "cand", "base", 30)
+    v.even("m", "cand", "base", 30, 1_000)
 
     def pick() -> str:
         call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
