@@ -4,6 +4,7 @@ chart mounts a PVC there). Written to a temporary name and renamed, so a reader 
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import re
 from pathlib import Path
@@ -32,6 +33,18 @@ class FileDir:
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, target)
+
+    async def mapped(self, file_id: str) -> mmap.mmap | None:
+        """The file mapped read-only (pages read as they are touched, kept by the kernel's cache, not the heap);
+        None if it is gone. The map outlives a rename or delete of the file; close it when done."""
+        def open_map() -> mmap.mmap | None:
+            try:
+                with open(self._of(file_id), "rb") as f:
+                    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else None
+            except FileNotFoundError:
+                return None
+
+        return await asyncio.to_thread(open_map)
 
     async def read(self, file_id: str) -> bytes | None:
         try:

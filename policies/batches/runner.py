@@ -33,7 +33,7 @@ import orjson
 
 from policies.batch_settings import BatchSettings
 from policies.batches.files import FileDir
-from policies.batches.jsonl import lines_of
+from policies.batches.jsonl import Lines
 from policies.batches.store import OPEN, BatchStore
 from policies.store import StoreUnavailable
 
@@ -160,11 +160,11 @@ class Runner:
             record["status"], record["in_progress_at"] = "in_progress", int(time.time())
             await self.store.swap(record)  # or another process did it first: either way it is in progress
         settings = self.settings()
-        data = await FileDir(settings.files_dir).read(record["input_file_id"])
+        data = await FileDir(settings.files_dir).mapped(record["input_file_id"])
         if data is None:
             await self.fail(batch_id, "file_not_found", "the input file is gone")
             return
-        lines = lines_of(data)
+        lines = Lines(data)  # each line parsed when it is claimed: a batch holds no parsed file
         running: dict[int, asyncio.Task] = {}
         renewed = time.monotonic()
         try:
@@ -206,6 +206,7 @@ class Runner:
                     renewed = time.monotonic()
                     await self.store.renew(batch_id, self.name, list(running), time.time() + settings.claim_seconds)
         finally:
+            data.close()  # the lines in flight were parsed when claimed: none reads the map any more
             for task in running.values():
                 task.cancel()
             if running:  # given back, so they run again at once (else when their claims expire)
