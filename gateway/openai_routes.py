@@ -182,6 +182,7 @@ class OpenAIRoutes:
         client = scope.get("client")
         arrived = time.perf_counter()
         status = 200
+        stream: BodyStream | None = None
         try:
             network = self.gateway.client_network
             host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
@@ -194,12 +195,19 @@ class OpenAIRoutes:
             raw = b""
             if route.body != NONE:
                 policy = self.gateway.policy
-                raw = await read_body(receive, headers, route.max_body(policy) if route.max_body is not None
-                                      else policy.server.max_body_bytes)
-            asked = Asked(params, scope.get("query_string", b""), raw, headers, host)
+                limit = route.max_body(policy) if route.max_body is not None else policy.server.max_body_bytes
+                if route.body == MULTIPART:  # an upload: taken as it arrives, never held whole
+                    stream = BodyStream(receive, headers, limit, lambda: None)
+                else:
+                    raw = await read_body(receive, headers, limit)
+            asked = Asked(params, scope.get("query_string", b""), raw, headers, host, stream)
             body = await route.answer(self.gateway, key, asked)
         except ClientGone:
             return
+        except asyncio.CancelledError:
+            if stream is not None and stream.gone:
+                return  # the client hung up mid-upload: nothing to answer, nothing kept
+            raise
         except GatewayError as exc:
             status = exc.status
             await send_error(send, exc, request_id, render=route.errors)

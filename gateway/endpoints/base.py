@@ -10,7 +10,7 @@ proxy (gateway/proxy.py) runs it; neither knows any route by name.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -156,13 +156,15 @@ def chat_relay(call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay:
 @dataclass(frozen=True, slots=True)
 class Asked:
     """What a route the gateway answers itself is given: its path's parameters, the client's query string, body
-    (read whole, within the route's limit; b"" for a route without one), headers and address."""
+    (read whole, within the route's limit; b"" for a route without one, or a MULTIPART one, whose body comes as
+    `stream` instead, within the same limit), headers and address."""
 
     params: dict[str, str]
     query: bytes = b""
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     client_host: str = ""
+    stream: AsyncIterator[bytes] | None = None
 
 
 @dataclass(frozen=True, eq=False)

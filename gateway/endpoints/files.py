@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qsl
 
@@ -75,36 +75,48 @@ def limit_of(query: dict[str, str], default: int, most: int) -> int:
     return int(value)
 
 
-def form(body: bytes, content_type: str) -> tuple[dict[str, str], tuple[str, bytes] | None]:
-    """The text fields and the one file (its name and bytes) of a multipart body read whole."""
+async def read_form(stream: AsyncIterator[bytes], content_type: str,
+                    on_file: Callable[[dict[str, str], bytes], Awaitable[None]]) -> tuple[dict[str, str], str | None]:
+    """The text fields and the name of the one file of a multipart body as it arrives; the file's bytes go to
+    `on_file` (with the fields read so far) piece by piece, never held whole."""
     kind, options = parse_options_header(content_type or "")
     boundary = options.get("boundary", "")
     if kind != "multipart/form-data" or not 0 < len(boundary) <= 200:
         raise BadRequest("the request body must be multipart/form-data with a boundary", code="invalid_content_type")
     parser = PushMultipartParser(boundary.encode("latin-1"), max_header_count=16)
     fields: dict[str, str] = {}
-    upload: tuple[str, bytes] | None = None
+    filename: str | None = None
     segment: MultipartSegment | None = None
     parts: list[bytes] = []
+    into_file = False  # the segment being read is the file
     try:
-        for chunk in (body, b""):
+        async for chunk in chained(stream, b""):
             for event in parser.parse(chunk):
                 if isinstance(event, MultipartSegment):
                     segment, parts = event, []
+                    into_file = event.name == "file" and event.filename is not None and filename is None
+                    if into_file:
+                        filename = event.filename
                 elif event is None and segment is not None:
-                    if segment.name == "file" and segment.filename is not None and upload is None:
-                        upload = (segment.filename, b"".join(parts))
-                    elif segment.name in FIELDS and segment.filename is None:
+                    if not into_file and segment.name in FIELDS and segment.filename is None:
                         fields[segment.name] = b"".join(parts)[:64].decode("utf-8", "replace")
-                    segment = None
-                elif segment is not None and segment.name in FIELDS:
+                    segment, into_file = None, False
+                elif into_file:
+                    await on_file(fields, bytes(event))
+                elif segment is not None and segment.name in FIELDS and sum(map(len, parts)) < 64:
                     parts.append(bytes(event))
         if not parser.closed:
             raise BadRequest("the multipart body ended early", code="invalid_multipart")
     except MultipartError as exc:
         raise BadRequest(f"the request body is not valid multipart/form-data: {str(exc)[:200]}",
                          code="invalid_multipart") from None
-    return fields, upload
+    return fields, filename
+
+
+async def chained(stream: AsyncIterator[bytes], last: bytes) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        yield chunk
+    yield last
 
 
 def model_refusal(gateway: BatchGateway, key: KeyRecord) -> Callable[[str], str | None]:
@@ -121,16 +133,27 @@ def model_refusal(gateway: BatchGateway, key: KeyRecord) -> Callable[[str], str 
 
 
 async def create(gateway: BatchGateway, key: KeyRecord, asked: Asked) -> bytes:
+    """An upload streamed to the volume as it arrives, its lines checked on the way (at most one line and a
+    megabyte of it held in memory, whatever its size); kept once whole, checked and within the key's bounds."""
     batches = service(gateway)
-    fields, upload = form(asked.body, asked.headers.get("content-type", ""))
-    if "purpose" not in fields:
-        raise BadRequest("the form must have a 'purpose' field", param="purpose", code="missing_field")
-    if upload is None:
-        raise BadRequest("the form must have a 'file' part with a filename", param="file", code="missing_field")
-    filename, data = upload
-    keep = expires_after(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"))
-    record = await stored(batches.upload(key.id, filename, fields["purpose"], data, model_refusal(gateway, key),
-                                         keep))
+    check = batches.line_check(model_refusal(gateway, key))
+    if asked.stream is None:
+        raise BadRequest("the request body must be multipart/form-data", code="invalid_content_type")
+    async with batches.files.incoming() as incoming:
+        async def on_file(fields: dict[str, str], piece: bytes) -> None:
+            if not incoming.size and "purpose" in fields:  # sent before the file (the SDK does): refused at once
+                batches.check_purpose(fields["purpose"])
+            check.feed(piece)
+            await incoming.write(piece)
+
+        fields, filename = await read_form(asked.stream, asked.headers.get("content-type", ""), on_file)
+        if "purpose" not in fields:
+            raise BadRequest("the form must have a 'purpose' field", param="purpose", code="missing_field")
+        if filename is None:
+            raise BadRequest("the form must have a 'file' part with a filename", param="file", code="missing_field")
+        batches.check_purpose(fields["purpose"])
+        keep = expires_after(fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]"))
+        record = await stored(batches.upload(key.id, filename, fields["purpose"], incoming, check.end(), keep))
     return orjson.dumps(record)
 
 

@@ -31,25 +31,71 @@ def bad_line(number: int, message: str, code: str = "invalid_batch_line") -> Bad
 
 def read_lines(data: bytes, max_lines: int, max_line_bytes: int,
                model_refusal: Callable[[str], str | None]) -> Summary:
-    """Check a whole input file; `model_refusal(model)` says why the uploading key may not use a model (None: it
-    may). Raises BadRequest naming the first bad line."""
-    seen: set[str] = set()
-    url = model = ""
-    count = 0
-    for number, raw in enumerate(data.split(b"\n"), 1):
+    """Check a whole input file (LineCheck fed it at once)."""
+    check = LineCheck(max_lines, max_line_bytes, model_refusal)
+    check.feed(data)
+    return check.end()
+
+
+class LineCheck:
+    """Checks an input file as its bytes arrive (an upload streamed to the volume): `feed` each chunk, `end` once
+    they are all in for the Summary. `model_refusal(model)` says why the uploading key may not use a model (None:
+    it may). Raises BadRequest naming the first bad line as soon as it is whole, or as soon as a line grows past
+    `max_line_bytes`; what it holds is at most one unfinished line, kept in pieces (no piece is copied twice)."""
+
+    def __init__(self, max_lines: int, max_line_bytes: int, model_refusal: Callable[[str], str | None]) -> None:
+        self.max_lines, self.max_line_bytes, self.model_refusal = max_lines, max_line_bytes, model_refusal
+        self.seen: set[str] = set()
+        self.url = self.model = ""
+        self.count = 0  # lines that are not blank
+        self.number = 0  # lines ended so far, blank ones too: an error names the line as an editor counts it
+        self.pieces: list[bytes] = []  # the unfinished line
+        self.held = 0
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            piece = chunk[start:end]
+            if self.pieces:
+                self.pieces.append(piece)
+                piece, self.pieces, self.held = b"".join(self.pieces), [], 0
+            self._line(piece)
+            start = end + 1
+        if start < len(chunk):
+            self.pieces.append(chunk[start:])
+            self.held += len(chunk) - start
+            if self.held > self.max_line_bytes:
+                raise self._too_long(self.number + 1)
+
+    def end(self) -> Summary:
+        if self.pieces:
+            raw, self.pieces, self.held = b"".join(self.pieces), [], 0
+            self._line(raw)
+        if self.count == 0:
+            raise BadRequest("the file has no lines: a batch input file holds one JSON request per line",
+                             param="file", code="empty_file")
+        return Summary(self.count, self.url, self.model)
+
+    def _too_long(self, number: int) -> BadRequest:
+        return bad_line(number, f"the line is longer than the {self.max_line_bytes} bytes this gateway accepts")
+
+    def _line(self, raw: bytes) -> None:
+        self.number += 1
+        number = self.number
         if not raw.strip():
-            continue
-        count += 1
-        if count > max_lines:
-            raise bad_line(number, f"the file has more than the {max_lines} lines a batch may have",
+            return
+        self.count += 1
+        if self.count > self.max_lines:
+            raise bad_line(number, f"the file has more than the {self.max_lines} lines a batch may have",
                            "too_many_lines")
-        if len(raw) > max_line_bytes:
-            raise bad_line(number, f"the line is longer than the {max_line_bytes} bytes this gateway accepts")
+        if len(raw) > self.max_line_bytes:
+            raise self._too_long(number)
         line = parse(number, raw)
         custom_id = line["custom_id"]
-        if custom_id in seen:
+        if custom_id in self.seen:
             raise bad_line(number, f"custom_id {custom_id[:100]!r} is used by an earlier line", "duplicate_custom_id")
-        seen.add(custom_id)
+        self.seen.add(custom_id)
+        url, model = self.url, self.model
         if url and line["url"] != url:
             raise bad_line(number, f"url {line['url']} differs from the first line's {url}: a batch has one endpoint",
                            "mismatched_url")
@@ -58,14 +104,10 @@ def read_lines(data: bytes, max_lines: int, max_line_bytes: int,
             raise bad_line(number, f"model {line_model[:100]!r} differs from the first line's {model!r}: a batch has "
                            "one model", "mismatched_model")
         if not model:
-            refusal = model_refusal(line_model)
+            refusal = self.model_refusal(line_model)
             if refusal:
                 raise bad_line(number, refusal, "model_not_allowed")
-        url, model = line["url"], line_model
-    if count == 0:
-        raise BadRequest("the file has no lines: a batch input file holds one JSON request per line", param="file",
-                         code="empty_file")
-    return Summary(count, url, model)
+        self.url, self.model = line["url"], line_model
 
 
 def parse(number: int, raw: bytes) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from policies.batch_settings import BatchSettings
-from policies.batches.files import FileDir
-from policies.batches.jsonl import ENDPOINTS, read_lines
+from policies.batches.files import FileDir, Incoming
+from policies.batches.jsonl import ENDPOINTS, LineCheck, Summary
 from policies.batches.store import OPEN, BatchStore
 from policies.errors import BadRequest, NotFound
 
@@ -87,27 +87,37 @@ class Batches:
     def files(self) -> FileDir:
         return FileDir(self.settings().files_dir)
 
-    async def upload(self, owner: str, filename: str, purpose: str, data: bytes,
-                     refusal: Callable[[str], str | None], keep_seconds: int | None = None) -> dict[str, Any]:
-        """Check and keep an uploaded file for `keep_seconds` (None: batch.file_retention_seconds). Its record is
-        stored, counted against the key's bounds, before its bytes are written, so an upload past a bound leaves
-        nothing on the volume; if the write fails the record goes with it."""
+    @staticmethod
+    def check_purpose(purpose: str) -> None:
         if purpose not in PURPOSES:
             raise BadRequest(f"purpose must be one of: {', '.join(PURPOSES)}", param="purpose", code="invalid_purpose")
+
+    def line_check(self, refusal: Callable[[str], str | None]) -> LineCheck:
+        """What checks an upload's lines as they arrive (policies/batches/jsonl.py), by the live settings."""
         settings = self.settings()
-        summary = read_lines(data, settings.max_lines, settings.max_line_bytes, refusal)
+        return LineCheck(settings.max_lines, settings.max_line_bytes, refusal)
+
+    async def upload(self, owner: str, filename: str, purpose: str, incoming: Incoming, summary: Summary,
+                     keep_seconds: int | None = None) -> dict[str, Any]:
+        """Keep an upload whose bytes are in `incoming` (FileDir.incoming, on the volume but not yet a file) and
+        whose lines `summary` says were checked, for `keep_seconds` (None: batch.file_retention_seconds). Its
+        record is stored, counted against the key's bounds, before the bytes become a file: an upload past a
+        bound leaves nothing on the volume (`incoming` is removed on the way out); if that last step fails the
+        record goes with it."""
+        self.check_purpose(purpose)
+        settings = self.settings()
         file_id = f"file-{secrets.token_hex(12)}"
         now = int(time.time())
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": now,
+        record = {"id": file_id, "object": "file", "bytes": incoming.size, "created_at": now,
                   "filename": filename[:MAX_FILENAME], "purpose": purpose, "status": "processed",
                   "expires_at": now + (keep_seconds or settings.file_retention_seconds),
                   "status_details": None, "_owner": owner, "_created": time.time(), "_lines": summary.lines,
                   "_url": summary.url, "_model": summary.model}
         bound = await self.store.put_file(record, settings.max_files_per_key, settings.max_bytes_per_key)
         if bound is not None:
-            raise await self.past_bound(owner, bound, len(data))
+            raise await self.past_bound(owner, bound, incoming.size)
         try:
-            await self.files.write(file_id, data)
+            await incoming.keep(file_id)
         except Exception:
             await self.store.delete_file(owner, file_id)
             raise

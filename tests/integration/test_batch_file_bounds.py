@@ -3,16 +3,20 @@ vLLM simulator, on the embedded SQLite store and on a real redis-server: an uplo
 bytes is a 400 naming the bound with nothing left on the volume, another key's files never count against it, a
 batch's outputs are kept past the bound, `expires_after` sets `expires_at` (a batch's `output_expires_after`
 its outputs'), and the runner's sweep deletes an expired file (record and bytes) but keeps the input of a batch
-still running until it ends. Time passing is stood in for by rewriting a file's `expires_at` in the store:
-OpenAI's shortest expiry is an hour."""
+still running until it ends. An upload is taken as it arrives, never held whole, and one cut off, refused or
+past its size leaves nothing on the volume. Time passing is stood in for by rewriting a file's `expires_at` in
+the store: OpenAI's shortest expiry is an hour."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import time
+import tracemalloc
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -181,3 +185,73 @@ async def test_the_sweep_deletes_an_expired_file_and_keeps_a_running_batchs_inpu
         await gone(lambda: swept(used.id), "the input goes once its batch ended")
         assert await batches.usage(owner) == (1, (await sdk.files.retrieve(done.output_file_id)).bytes)
 
+
+
+BOUNDARY = "form-b0undary"
+
+
+async def streamed_form(lines: int, pad: int, hang_up_after: int | None = None) -> AsyncIterator[bytes]:
+    """A batch upload's multipart body, sent 64 kB at a time as a client streaming from disk would (no length
+    known up front); `hang_up_after`: raise after that many lines, so the client drops the connection."""
+    yield (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+           f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+           "Content-Type: application/jsonl\r\n\r\n").encode()
+    piece = []
+    for n in range(lines):
+        if hang_up_after is not None and n == hang_up_after:
+            raise ConnectionResetError("the client went away")
+        piece.append(jsonl([chat_line(n, messages=[{"role": "user", "content": "x" * pad}])]))
+        if sum(map(len, piece)) >= 64 * 1024:
+            yield b"".join(piece)
+            piece = []
+            await asyncio.sleep(0)
+    yield b"".join(piece) + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def upload_client(gw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=gw.url, timeout=60, headers={
+        "authorization": f"Bearer {TEST_KEY}", "content-type": f"multipart/form-data; boundary={BOUNDARY}"})
+
+
+async def test_an_upload_is_taken_as_it_arrives_never_held_whole(tmp_path, store):
+    """24 MB of lines streamed in: the process's Python allocations stay within a few MB of what they were
+    (read whole, the body, its copy in the form and the split lines were each the upload's size or more), and
+    the file kept is the bytes sent, lines counted."""
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store)) as gw, upload_client(gw) as http:
+        expected = b"".join([chunk async for chunk in streamed_form(12_000, 2_000)])
+        file_part = expected[expected.index(b"\r\n\r\n", expected.index(b'name="file"')) + 4:
+                             expected.rindex(f"\r\n--{BOUNDARY}--".encode())]
+        tracemalloc.start()
+        try:
+            r = await http.post("/v1/files", content=streamed_form(12_000, 2_000))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert r.status_code == 200, r.text
+        uploaded = r.json()
+        assert uploaded["bytes"] == len(file_part) > 24_000_000
+        assert peak < 8_000_000, peak
+        assert (tmp_path / "files" / uploaded["id"]).read_bytes() == file_part
+        assert on_disk(tmp_path) == [uploaded["id"]]  # no temporary file left beside it
+        record = await gw.state.batch_store.get_file(key_id_of(TEST_KEY), uploaded["id"])
+        assert record["_lines"] == 12_000
+
+
+async def test_an_upload_cut_off_refused_or_past_its_size_leaves_nothing_on_the_volume(tmp_path, store):
+    async with serve_app(create_app(FAST)) as backend, \
+            running_gateway(gateway_policy(backend, tmp_path, store, max_file_bytes=2_000_000)) as gw, \
+            upload_client(gw) as http:
+        with pytest.raises(ConnectionResetError):  # the client hangs up halfway through its file
+            await http.post("/v1/files", content=streamed_form(600, 2_000, hang_up_after=300))
+        too_big = await http.post("/v1/files", content=streamed_form(2_000, 2_000))  # no length: cut at the limit
+        assert too_big.status_code == 413 and too_big.json()["error"]["message"].startswith("the request body is")
+        bad = b"".join([chunk async for chunk in streamed_form(50, 10)]).replace(b'"req-40"', b'"req-4"')
+        duplicate = await http.post("/v1/files", content=bad)
+        assert duplicate.status_code == 400 and duplicate.json()["error"]["code"] == "duplicate_custom_id"
+        assert "line 41:" in duplicate.json()["error"]["message"]
+        wrong = await http.post("/v1/files", content=b"".join([c async for c in streamed_form(5, 10)]).replace(
+            b"\r\n\r\nbatch\r\n", b"\r\n\r\nfine-tune\r\n"))
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "purpose"
+        await gone(lambda: asyncio.sleep(0, result=not on_disk(tmp_path)), "the volume left empty")
+        assert await gw.state.batch_store.usage(key_id_of(TEST_KEY)) == (0, 0)

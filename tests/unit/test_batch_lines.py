@@ -1,6 +1,7 @@
-"""A batch's input lines as the runner reads them (policies/batches/jsonl.py `Lines` over
-policies/batches/files.py `FileDir.mapped`): the file's non-blank lines in order, each parsed when asked for, the
-bytes mapped from the volume; nothing of the file is held on the heap but where each line begins and ends."""
+"""A batch's input lines as an upload's are checked while they arrive (policies/batches/jsonl.py `LineCheck`: in
+any pieces, what the whole file says; a line past its bound refused before it ends) and as the runner reads them
+(`Lines` over policies/batches/files.py `FileDir.mapped`: the non-blank lines in order, each parsed when asked
+for, the bytes mapped from the volume; nothing of the file held on the heap but where each line begins and ends)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import orjson
 import pytest
 
 from policies.batches.files import FileDir
-from policies.batches.jsonl import Lines
+from policies.batches.jsonl import LineCheck, Lines, read_lines
+from policies.errors import BadRequest
 
 
 def line(n: int, pad: int = 0) -> bytes:
@@ -53,3 +55,33 @@ def test_an_empty_or_vanished_file_maps_to_none(tmp_path):
     files = FileDir(str(tmp_path))
     (tmp_path / "file-empty").write_bytes(b"")
     assert asyncio.run(files.mapped("file-empty")) is None and asyncio.run(files.mapped("file-none")) is None
+
+
+def check_in_pieces(data: bytes, size: int, max_line_bytes: int = 1 << 20):
+    check = LineCheck(1_000, max_line_bytes, lambda model: None)
+    for at in range(0, len(data), size):
+        check.feed(data[at:at + size])
+    return check.end()
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100_000])
+def test_lines_checked_as_they_arrive_in_any_pieces_say_what_the_whole_file_says(size):
+    data = b"\n".join([line(0), b"", line(1, pad=300) + b"\r", b"  ", line(2)])  # no final newline
+    assert check_in_pieces(data, size) == read_lines(data, 1_000, 1 << 20, lambda model: None)
+    assert check_in_pieces(data, size).lines == 3
+    broken = data.replace(b'"r-2"', b'"r-0"')
+    with pytest.raises(BadRequest) as whole:
+        read_lines(broken, 1_000, 1 << 20, lambda model: None)
+    with pytest.raises(BadRequest) as pieces:
+        check_in_pieces(broken, size)
+    assert pieces.value.message == whole.value.message and "line 5:" in pieces.value.message
+
+
+def test_a_line_past_its_bound_is_refused_before_it_ends_holding_no_more_than_the_bound():
+    check = LineCheck(1_000, 1_000, lambda model: None)
+    check.feed(line(0) + b"\n")
+    with pytest.raises(BadRequest) as refused:
+        for _ in range(1_000):  # a line that never ends
+            check.feed(b"x" * 300)
+    assert "line 2: the line is longer than the 1000 bytes" in refused.value.message
+    assert check.held <= 1_000 + 300
