@@ -9,11 +9,12 @@ cancels the work in flight so the upstream request is aborted at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 from gateway.endpoints import Registry
-from gateway.endpoints.base import MULTIPART, NONE, Asked, Route, openai_error_body
+from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import bearer_key, check_key_source
 from policies.errors import (
@@ -117,6 +118,16 @@ async def send_bytes(send, status: int, headers: dict[str, str], body: bytes) ->
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def send_download(send, headers: dict[str, str], download: Download) -> None:
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.append((b"content-length", str(download.size).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": raw})
+    async with contextlib.aclosing(download.pieces) as pieces:
+        async for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def send_error(send, error: GatewayError, request_id: str | None = None, extra: dict | None = None,
                      render=openai_error_body) -> None:
     headers = {"content-type": "application/json", **(extra or {}), **error.headers}
@@ -212,7 +223,11 @@ class OpenAIRoutes:
             status = exc.status
             await send_error(send, exc, request_id, render=route.errors)
         else:
-            await send_bytes(send, 200, {"content-type": route.answer_type, "x-request-id": request_id}, body)
+            headers = {"content-type": route.answer_type, "x-request-id": request_id}
+            if isinstance(body, Download):
+                await send_download(send, headers, body)
+            else:
+                await send_bytes(send, 200, headers, body)
         self.gateway.proxy.observers.finished(answered(request_id, route.name, status, arrived))
 
     async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,

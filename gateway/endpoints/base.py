@@ -10,7 +10,7 @@ proxy (gateway/proxy.py) runs it; neither knows any route by name.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -167,6 +167,15 @@ class Asked:
     stream: AsyncIterator[bytes] | None = None
 
 
+@dataclass(frozen=True)
+class Download:
+    """An answer the gateway sends in pieces as they are read (a stored file), never held whole: `size` bytes in
+    all, which `pieces` yields (and closes what it reads from when done or dropped)."""
+
+    size: int
+    pieces: AsyncGenerator[bytes, None]
+
+
 @dataclass(frozen=True, eq=False)
 class Route:
     name: str  # the endpoint's name in metrics, the access log and usage ("chat/completions", "responses")
@@ -184,7 +193,7 @@ class Route:
     rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
     errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
-    answer: Callable[[Any, Any, Asked], Awaitable[bytes]] | None = None  # answered by the gateway itself
+    answer: Callable[[Any, Any, Asked], Awaitable[bytes | Download]] | None = None  # answered by the gateway
     answer_type: str = "application/json"  # the content type of what `answer` returns
     max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)

@@ -61,12 +61,6 @@ class FileDir:
 
         return await asyncio.to_thread(open_map)
 
-    async def read(self, file_id: str) -> bytes | None:
-        try:
-            return await asyncio.to_thread(self._of(file_id).read_bytes)
-        except FileNotFoundError:
-            return None
-
     async def delete(self, file_id: str) -> None:
         try:
             await asyncio.to_thread(self._of(file_id).unlink)

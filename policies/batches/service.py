@@ -4,6 +4,7 @@ own `_` fields (policies/batches/store.py), which `shown` drops."""
 
 from __future__ import annotations
 
+import mmap
 import secrets
 import time
 from collections.abc import Callable
@@ -141,9 +142,10 @@ class Batches:
             raise no_file(file_id)
         return record
 
-    async def content(self, owner: str, file_id: str) -> bytes:
+    async def content(self, owner: str, file_id: str) -> mmap.mmap:
+        """The file's bytes mapped from the volume (close the map when done)."""
         await self.file(owner, file_id)
-        data = await self.files.read(file_id)
+        data = await self.files.mapped(file_id)
         if data is None:
             raise no_file(file_id)
         return data

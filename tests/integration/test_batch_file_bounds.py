@@ -10,6 +10,7 @@ the store: OpenAI's shortest expiry is an hour."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import time
 import tracemalloc
@@ -216,7 +217,7 @@ def upload_client(gw) -> httpx.AsyncClient:
 async def test_an_upload_is_taken_as_it_arrives_never_held_whole(tmp_path, store):
     """24 MB of lines streamed in: the process's Python allocations stay within a few MB of what they were
     (read whole, the body, its copy in the form and the split lines were each the upload's size or more), and
-    the file kept is the bytes sent, lines counted."""
+    the file kept is the bytes sent, lines counted; streamed out again, the same."""
     async with serve_app(create_app(FAST)) as backend, \
             running_gateway(gateway_policy(backend, tmp_path, store)) as gw, upload_client(gw) as http:
         expected = b"".join([chunk async for chunk in streamed_form(12_000, 2_000)])
@@ -236,6 +237,19 @@ async def test_an_upload_is_taken_as_it_arrives_never_held_whole(tmp_path, store
         assert on_disk(tmp_path) == [uploaded["id"]]  # no temporary file left beside it
         record = await gw.state.batch_store.get_file(key_id_of(TEST_KEY), uploaded["id"])
         assert record["_lines"] == 12_000
+        digest, size = hashlib.sha256(), 0
+        tracemalloc.start()
+        try:  # and its content goes back out a piece at a time (read whole, it was the file's size at least)
+            async with http.stream("GET", f"/v1/files/{uploaded['id']}/content") as r:
+                assert r.status_code == 200 and r.headers["content-length"] == str(len(file_part))
+                async for piece in r.aiter_raw():
+                    digest.update(piece)
+                    size += len(piece)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert size == len(file_part) and digest.digest() == hashlib.sha256(file_part).digest()
+        assert peak < 8_000_000, peak
 
 
 async def test_an_upload_cut_off_refused_or_past_its_size_leaves_nothing_on_the_volume(tmp_path, store):
