@@ -25,6 +25,20 @@ class FileDir:
             raise ValueError("not a file id")
         return self.path / file_id
 
+    async def drop_stale_temporaries(self, before: float) -> int:
+        """Delete temporary files (uploads and writes under way) last written before `before` (unix seconds): a
+        process that died mid-write leaves one; how many."""
+        def drop() -> int:
+            dropped = 0
+            for path in self.path.glob(".*.tmp") if self.path.is_dir() else ():
+                with contextlib.suppress(FileNotFoundError):  # another process's sweep took it first
+                    if path.stat().st_mtime < before:
+                        path.unlink()
+                        dropped += 1
+            return dropped
+
+        return await asyncio.to_thread(drop)
+
     @contextlib.asynccontextmanager
     async def incoming(self) -> AsyncIterator[Incoming]:
         """A temporary file on the volume for an upload's bytes as they arrive: `keep` makes it a file of its

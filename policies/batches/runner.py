@@ -39,6 +39,9 @@ from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.batches")
 SWEEP_FILES = 200  # expired files deleted per sweep: bounded work in the runner's loop
+# a temporary file (an upload or a write under way) untouched this long was left by a process that died: the edge's
+# body-rate bound ends any live upload that stalls for far less
+STALE_TEMPORARY = 6 * 3600.0
 
 
 class TryLater(Exception):
@@ -107,6 +110,7 @@ class Runner:
         bytes first, so a process dying between leaves a record the next sweep deletes, never orphaned bytes.
         Gateway processes sweeping at once delete a file once: both steps are no-ops the second time."""
         files = FileDir(self.settings().files_dir)
+        await files.drop_stale_temporaries(time.time() - STALE_TEMPORARY)
         deleted = 0
         for owner, file_id in await self.store.expired_files(time.time(), SWEEP_FILES + len(in_use)):
             if file_id in in_use:

@@ -1,9 +1,11 @@
 """The runner's sweep of expired batch files, on a real SQLite store and a real files directory: one sweep deletes
 at most SWEEP_FILES files (bytes and record), the earliest expired first, never an input of a batch not yet ended,
-even when those are the earliest; and an upload's `expires_after` is OpenAI's or a 400 naming it."""
+even when those are the earliest; temporary files a dead process left go too; and an upload's `expires_after` is
+OpenAI's or a 400 naming it."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 
 from policies.batch_settings import BatchSettings
 from policies.batches.files import FileDir
-from policies.batches.runner import SWEEP_FILES, Answer, Runner
+from policies.batches.runner import STALE_TEMPORARY, SWEEP_FILES, Answer, Runner
 from policies.batches.service import expires_after
 from policies.batches.sqlite import SQLiteBatches
 from policies.errors import BadRequest
@@ -74,3 +76,18 @@ def test_expires_after_outside_openais_range_is_a_400_naming_it(anchor, seconds,
 def test_expires_after_within_openais_range():
     assert expires_after(None, None) is None
     assert expires_after("created_at", "3600") == 3600 and expires_after("created_at", "2592000") == 2592000
+
+
+async def test_a_sweep_drops_temporary_files_a_dead_process_left_and_keeps_live_ones(runner, tmp_path):
+    folder = tmp_path / "files"
+    folder.mkdir()
+    dead = [folder / ".upload-0123456789abcdef.4242.tmp", folder / ".file-abc.4242.tmp"]
+    live = folder / ".upload-fedcba9876543210.99.tmp"
+    kept = folder / "file-kept"  # a file of its own: the sweep of temporaries never touches it
+    for path in [*dead, live, kept]:
+        path.write_bytes(b"{}")
+    old = time.time() - STALE_TEMPORARY - 60
+    for path in [*dead, kept]:
+        os.utime(path, (old, old))
+    await runner.sweep(set())
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, kept.name])
