@@ -50,19 +50,6 @@ class FileDir:
             if not upload.kept:
                 await asyncio.to_thread(upload.discard)
 
-    async def write(self, file_id: str, data: bytes) -> None:
-        await asyncio.to_thread(self._write, file_id, data)
-
-    def _write(self, file_id: str, data: bytes) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        target = self._of(file_id)
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, target)
-
     async def mapped(self, file_id: str) -> mmap.mmap | None:
         """The file mapped read-only (pages read as they are touched, kept by the kernel's cache, not the heap);
         None if it is gone. The map outlives a rename or delete of the file; close it when done."""

@@ -274,10 +274,16 @@ class RedisBatches:
             pending, claimed, counts = await pipe.execute()
         return Progress(int(pending), int(claimed), int(counts.get("ok", 0)), int(counts.get("failed", 0)))
 
-    async def results(self, batch_id: str) -> list[tuple[int, bool, bytes]]:
+    async def results(self, batch_id: str, first: int = 0, end: int | None = None) -> list[tuple[int, bool, bytes]]:
+        key = self.lines(batch_id, "results")
         async with self.store.guard("results"):
-            found = await self.store.client.hgetall(self.lines(batch_id, "results"))
-        return sorted((int(n), v[0] == "1", v[1:].encode()) for n, v in found.items())
+            if end is None:
+                found = await self.store.client.hgetall(key)
+            else:
+                numbers = range(first, end)
+                values = await self.store.client.hmget(key, [str(n) for n in numbers]) if numbers else []
+                found = {str(n): v for n, v in zip(numbers, values) if v is not None}
+        return sorted((int(n), v[0] == "1", v[1:].encode()) for n, v in found.items() if int(n) >= first)
 
     async def close(self) -> None:
         pass  # the pool belongs to the store

@@ -39,6 +39,7 @@ from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.batches")
 SWEEP_FILES = 200  # expired files deleted per sweep: bounded work in the runner's loop
+SETTLE_PAGE = 1_000  # results read from the store at a time while a batch's output files are written
 # a temporary file (an upload or a write under way) untouched this long was left by a process that died: the edge's
 # body-rate bound ends any live upload that stalls for far less
 STALE_TEMPORARY = 6 * 3600.0
@@ -287,25 +288,28 @@ class Runner:
         if not await self.store.swap(record):
             return
         record["_v"] += 1
-        results = await self.store.results(batch_id)
         files = FileDir(settings.files_dir)
-        counts = {"total": record["request_counts"]["total"], "completed": 0, "failed": 0}
+        total = record["request_counts"]["total"]
+        counts = {"total": total, "completed": 0, "failed": 0}
         keep = record.get("_keep_output") or settings.output_retention_seconds  # the batch's output_expires_after
-        for ok, kind in ((True, "output"), (False, "error")):
-            chosen = [result for _, good, result in results if good is ok]
-            counts["completed" if ok else "failed"] = len(chosen)
-            if not chosen:
-                continue
-            data = b"\n".join(chosen) + b"\n"
-            file_id = f"file-{kind}-{batch_id.removeprefix('batch_')}"
-            await files.write(file_id, data)
-            created = int(time.time())
-            await self.store.put_file({"id": file_id, "object": "file", "bytes": len(data), "created_at": created,
-                                       "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
-                                       "status": "processed", "expires_at": created + keep,
-                                       "status_details": None, "_owner": record["_owner"],
-                                       "_created": time.time()})  # no bound: results are never lost
-            record[f"{kind}_file_id"] = file_id
+        async with files.incoming() as outputs, files.incoming() as errors:  # a page of results at a time
+            for first in range(0, total, SETTLE_PAGE):
+                for _, ok, result in await self.store.results(batch_id, first, min(total, first + SETTLE_PAGE)):
+                    counts["completed" if ok else "failed"] += 1
+                    await (outputs if ok else errors).write(result + b"\n")
+            for kind, written in (("output", outputs), ("error", errors)):
+                if not written.size:
+                    continue
+                file_id = f"file-{kind}-{batch_id.removeprefix('batch_')}"
+                await written.keep(file_id)
+                created = int(time.time())
+                await self.store.put_file({"id": file_id, "object": "file", "bytes": written.size,
+                                           "created_at": created, "filename": f"{batch_id}_{kind}.jsonl",
+                                           "purpose": "batch_output", "status": "processed",
+                                           "expires_at": created + keep, "status_details": None,
+                                           "_owner": record["_owner"],
+                                           "_created": time.time()})  # no bound: results are never lost
+                record[f"{kind}_file_id"] = file_id
         record.update(status=final, request_counts=counts, _settling=None)
         record[f"{final}_at"] = int(time.time())
         if not await self.store.swap(record):

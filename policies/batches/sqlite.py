@@ -161,10 +161,10 @@ class SQLiteBatches(SQLiteThread):
         counts = dict(rows)
         return Progress(counts.get(PENDING, 0), counts.get(CLAIMED, 0), counts.get(OK, 0), counts.get(FAILED, 0))
 
-    async def results(self, batch_id: str) -> list[tuple[int, bool, bytes]]:
+    async def results(self, batch_id: str, first: int = 0, end: int | None = None) -> list[tuple[int, bool, bytes]]:
         rows = await self._run("results", lambda c: c.execute(
-            "SELECT line, state, result FROM batch_lines WHERE batch_id = ? AND state IN (2, 3) ORDER BY line",
-            (batch_id,)).fetchall())
+            "SELECT line, state, result FROM batch_lines WHERE batch_id = ? AND state IN (2, 3) AND line >= ? "
+            "AND line < ? ORDER BY line", (batch_id, first, 2**62 if end is None else end)).fetchall())
         return [(line, state == OK, bytes(result)) for line, state, result in rows]
 
 

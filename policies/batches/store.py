@@ -91,8 +91,9 @@ class BatchStore(Protocol):
     async def progress(self, batch_id: str) -> Progress:
         """How many lines are in each state."""
 
-    async def results(self, batch_id: str) -> list[tuple[int, bool, bytes]]:
-        """Every recorded result (line, ok, output or error line), in line order."""
+    async def results(self, batch_id: str, first: int = 0, end: int | None = None) -> list[tuple[int, bool, bytes]]:
+        """The recorded results (line, ok, output or error line) of lines `first` to `end` (exclusive; None: all
+        of them), in line order."""
 
     async def close(self) -> None:
         """Release what it holds of its own (a connection, a thread)."""

@@ -79,6 +79,8 @@ async def test_runners_claiming_at_once_share_every_line_exactly_once(pair):
     results = await two.results("batch_x")
     assert [n for n, _, _ in results] == list(range(300))
     assert results[10] == (10, False, b'{"line": 10}') and results[11] == (11, True, b'{"line": 11}')
+    assert await one.results("batch_x", 10, 13) == results[10:13]  # a page, as the output files are written
+    assert await two.results("batch_x", 298, 400) == results[298:] and await one.results("batch_x", 5, 5) == []
 
 
 async def test_a_result_counts_only_under_its_claim_and_an_expired_claim_moves(pair):

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from policies.batch_settings import BatchSettings
-from policies.batches.files import FileDir
 from policies.batches.runner import STALE_TEMPORARY, SWEEP_FILES, Answer, Runner
 from policies.batches.service import expires_after
 from policies.batches.sqlite import SQLiteBatches
@@ -34,10 +33,11 @@ async def runner(tmp_path: Path) -> AsyncIterator[Runner]:
 
 async def expired(runner: Runner, count: int, ago: float) -> list[str]:
     """`count` files of one key that expired `ago` seconds ago (and a second apart), their bytes on disk."""
-    files, ids = FileDir(runner.settings().files_dir), []
+    folder, ids = Path(runner.settings().files_dir), []
+    folder.mkdir(exist_ok=True)
     for n in range(count):
         file_id = f"file-{ago:.0f}-{n}"
-        await files.write(file_id, b"{}\n")
+        (folder / file_id).write_bytes(b"{}\n")
         await runner.store.put_file({"id": file_id, "object": "file", "bytes": 3, "_owner": "k1",
                                      "_created": time.time(), "expires_at": time.time() - ago - n})
         ids.append(file_id)

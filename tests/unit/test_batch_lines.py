@@ -35,7 +35,7 @@ def test_the_non_blank_lines_in_order_as_a_split_reads_them():
 def test_a_mapped_file_is_read_line_by_line_without_holding_it_or_its_lines(tmp_path):
     files = FileDir(str(tmp_path))
     data = b"\n".join(line(n, pad=2_000) for n in range(10_000)) + b"\n"  # 20 MB
-    asyncio.run(files.write("file-big", data))
+    (tmp_path / "file-big").write_bytes(data)
     tracemalloc.start()
     try:
         mapped = asyncio.run(files.mapped("file-big"))
