@@ -34,6 +34,7 @@ from policies.store.base import (
     usage_increments,
     with_last_used,
 )
+from policies.store.sqlite_thread import use_wal
 
 T = TypeVar("T")
 
@@ -81,7 +82,7 @@ class SQLiteStore:
         conn = sqlite3.connect(self.path, isolation_level=None)  # autocommit: each statement is its transaction
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            use_wal(conn, self._busy_timeout_ms / 1000)
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.executescript(SCHEMA)
         except BaseException:

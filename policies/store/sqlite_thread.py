@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -13,6 +14,23 @@ from typing import TypeVar
 from policies.store.base import StoreError, StoreUnavailable
 
 T = TypeVar("T")
+
+
+def use_wal(conn: sqlite3.Connection, seconds: float) -> None:
+    """Put the file in WAL mode (a property of the file: the first connection to ask sets it for all), waiting up
+    to `seconds` while another connection writes or does the same. SQLite answers a change of journal mode with
+    "database is locked" at once, whatever the busy timeout: two processes (or a store and its ledger) opening a
+    new file together would otherwise fail one of them."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 class SQLiteThread:
@@ -31,7 +49,7 @@ class SQLiteThread:
         if self.conn is None:
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
-            conn.execute("PRAGMA journal_mode = WAL")
+            use_wal(conn, self.busy_timeout_ms / 1000)
             conn.execute("PRAGMA synchronous = NORMAL")
             self.prepare(conn)
             self.conn = conn
