@@ -16,16 +16,18 @@ import logging
 
 import orjson
 
+from policies.variants import Variants
+
 log = logging.getLogger("gateway.variants")
 
 SHARED = "shared"  # the `why` of a change adopted from another replica (not written back)
 
 
 class SharedVariants:
-    def __init__(self, store, variants, background, interval: float = 0.5) -> None:
+    def __init__(self, store, variants: Variants, background, interval: float = 0.5) -> None:
         self.redis = store.client
         self.prefix = store.prefix
-        self.variants = variants  # policies.variants.Variants
+        self.variants = variants
         self.background = background
         self.interval = interval
         self.seen: dict[str, int] = {}  # model -> the last version adopted or written
