@@ -203,8 +203,11 @@ def test_cap_slots_given_back_during_the_outage_are_freed_once_the_new_primary_a
     The load pauses from the kill to the promotion: requests admitted in fail_open meanwhile would take over
     the stranded leases (a process's leases are not tied to one request) and hide them."""
     workers = 2 * CAP  # always someone waiting for a slot: the backend runs at its cap when it can
-    with cluster(tmp_path, replicas=2, slow=True, redis_setup=functools.partial(SentinelSet, down_after_ms=1000),
-                 backend={"cap": CAP}, rate_limits={"on_store_failure": {"concurrency": mode}}) as c:
+    # DOWN_AFTER_MS, not less: at 1 s the promoted replica, stalled by the other's resync on a loaded machine, was
+    # judged down in turn (two promotions in one run)
+    sentinels = functools.partial(SentinelSet, down_after_ms=DOWN_AFTER_MS)
+    with cluster(tmp_path, replicas=2, slow=True, redis_setup=sentinels, backend={"cap": CAP},
+                 rate_limits={"on_store_failure": {"concurrency": mode}}) as c:
         servers: SentinelSet = c.redis
         key = c.issue_key(name="load")
         for url in c.urls:
