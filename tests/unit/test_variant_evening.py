@@ -69,6 +69,7 @@ def closed_loop(clock: Clock, guard: str, clients: int, calls: int, speed: float
     rng = random.Random(seed)
     v = Variants()
     v.configure(parse_policy(POLICY.replace("GUARD", guard).replace("    guard:", sticky + "    guard:")))
+    v.plans["m"].point = rng.random()  # where the assignment sequence starts is part of the seed, not the process's
     in_flight = {"m#base": 0, "m#cand": 0}
     step = AssignVariant(v, load=lambda group: in_flight[group])
     sent: list[tuple[str, str]] = []
