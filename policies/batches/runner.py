@@ -189,8 +189,13 @@ class Runner:
                     await self.store.drop_pending(batch_id)
                 elif (room := min(settings.concurrency - len(running), settings.max_in_flight - self.in_flight)) > 0:
                     now = time.time()
-                    for n in await self.store.claim(batch_id, self.name, room, now + settings.claim_seconds, now):
-                        running[n] = asyncio.create_task(self.run_line(record, n, lines[n]))
+                    self.in_flight += room  # held while the claim is under way: another batch's driver, running
+                    try:  # meanwhile, must not count the same room
+                        claimed = await self.store.claim(batch_id, self.name, room, now + settings.claim_seconds, now)
+                    finally:
+                        self.in_flight -= room
+                    for n in claimed:
+                        running[n] = self.start_line(record, n, lines[n])
                 if not running and not ending and self.in_flight >= settings.max_in_flight:  # other batches hold it all
                     await asyncio.sleep(settings.poll_seconds)
                     continue
@@ -237,14 +242,17 @@ class Runner:
             return "expired"
         return None
 
-    async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
+    def start_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> asyncio.Task:
+        """The line's task, counted in `in_flight` from now until it ends, cancelled before it started too."""
         self.in_flight += 1
-        try:
-            await self._run_line(record, n, line)
-        finally:
-            self.in_flight -= 1
+        task = asyncio.create_task(self.run_line(record, n, line))
+        task.add_done_callback(self._line_ended)
+        return task
 
-    async def _run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
+    def _line_ended(self, task: asyncio.Task) -> None:
+        self.in_flight -= 1
+
+    async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
         batch_id = record["id"]
         try:
             answer = await self.execute(record, line)
