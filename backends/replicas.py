@@ -67,6 +67,7 @@ class Replica:
     adaptive: AdaptiveLimit | None = None  # when the limit follows the observed TTFT
     limit: float | None = None  # the current limit: cap, or the adaptive value between floor and cap
     in_flight: int = 0
+    ended: int = 0  # requests of this gateway's to it that have ended (`end`), since the gateway started
     state: str = UNKNOWN
     failures: int = 0
     probe_at: float = 0.0  # monotonic time of the next health probe while down
@@ -95,6 +96,11 @@ class Replica:
         if self.upstream is None or self.upstream.client is not client:
             self.upstream = Upstream(client, f"{self.url}/v1")
         return self.upstream
+
+    def end(self) -> None:
+        """One request of this gateway's to it is over: out of `in_flight`, counted in `ended`."""
+        self.in_flight -= 1
+        self.ended += 1
 
     @property
     def has_room(self) -> bool:

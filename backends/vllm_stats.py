@@ -46,6 +46,7 @@ class VLLMStats:
     num_blocks: int | None = None  # KV blocks the server has
     requests_finished: float | None = None  # vllm:request_success_total over every finished_reason
     scraped_at: float = 0.0  # time.monotonic() of the scrape
+    ended_before: int = 0  # the replica's `ended` when the scrape began: this gateway's requests over by then
 
     @property
     def load(self) -> float | None:
@@ -130,6 +131,7 @@ class Scraper:
         return None if stats is None else time.monotonic() - stats.scraped_at
 
     async def scrape(self, client: Client, replica: Replica) -> VLLMStats | None:
+        ended = replica.ended
         try:
             status, body = await client.get(f"{replica.url}/metrics", timeout=self.timeout, max_bytes=self.max_bytes,
                                             limit_name="routing.scrape.max_bytes")
@@ -139,6 +141,7 @@ class Scraper:
         except (UpstreamError, ValueError) as exc:
             self.on_scrape(replica, None, str(exc))
             return None
+        stats.ended_before = ended
         self.latest[replica.name] = stats
         self.on_scrape(replica, stats, None)
         return stats

@@ -335,7 +335,7 @@ class ModelQueue:
         self.free(replica)
 
     def free(self, replica: Replica, first: int | None = None) -> None:
-        replica.in_flight -= 1
+        replica.end()
         self.in_flight_gauge(replica.name).dec()
         self.held_gauge(replica.name).set(replica.in_flight)
         self.drain.tick(time.monotonic())

@@ -496,7 +496,7 @@ class FleetModelQueue(ModelQueue):
     def release(self, replica: Replica, call: Call | None = None) -> None:
         """(`call`: the per-process hold for a class's next request is not kept here: across processes the
         freed lease goes to the claim first in line: the due class's (min_share), else the best class's longest.)"""
-        replica.in_flight -= 1
+        replica.end()
         self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())
         held = self.held.get(replica)

@@ -32,13 +32,16 @@ class Stats:
         self.vllm = vllm or (lambda replica: None)
 
     def load(self, replica: Replica) -> float:
-        """Requests the replica holds: vLLM's running + waiting when fresh (load from every client), never less
-        than what this gateway has in flight to it right now (the scrape lags by up to its interval)."""
+        """Requests the replica holds: vLLM's running + waiting when fresh (load from every client), less this
+        gateway's requests to it that have ended since the scrape began, and never less than what this gateway has
+        in flight to it right now: the scrape lags by up to its interval, and a replica that just finished this
+        gateway's request must not look busy with it until the next one (a request that ended while the scrape
+        was under way may be taken off twice; the floor and the next scrape bound that)."""
         stats = self.vllm(replica)
         own = float(replica.in_flight)
         if stats is None or stats.load is None:
             return own
-        return max(own, stats.load)
+        return max(own, stats.load - max(0, replica.ended - stats.ended_before))
 
 
 class Note:

@@ -118,6 +118,12 @@ def events(gw, event: str, adapter: str | None = None) -> float:
     return gw.metric("llm_gateway_lora_events_total", **labels)
 
 
+def said(gw) -> str:
+    """What the gateway logged of its adapters and backends (loads, unloads, a backend judged down), for a failure."""
+    lines = gw.log.read_text(errors="replace").splitlines()
+    return "\n".join([line for line in lines if "adapter" in line or "backend" in line][-30:])
+
+
 def test_each_adapter_answers_as_vllm_does_loaded_on_demand_where_it_is_routed(lora_vllms, lora_gateway):
     gw, client = lora_gateway, sdk(lora_gateway)
     listed = {m.id: m for m in client.models.list().data}
@@ -142,7 +148,7 @@ def test_the_least_recently_used_adapter_is_unloaded_at_max_loras(lora_vllms, lo
     answer(client, "tiny-lora-a")  # tiny-lora-b is now the least recently used
     unloads = events(gw, "unload")
     third = answer(client, "tiny-lora-c")
-    assert events(gw, "unload", "tiny-lora-b") >= 1 and events(gw, "unload") == unloads + 1
+    assert events(gw, "unload", "tiny-lora-b") >= 1 and events(gw, "unload") == unloads + 1, said(gw)
     assert sorted(n for srv in lora_vllms.values() for n in held(srv)) == ["tiny-lora-a", "tiny-lora-c"]
     assert all(len(held(srv)) == 1 for srv in lora_vllms.values())  # max_loras 1 on each
     assert direct(holder(lora_vllms, "tiny-lora-c"), "tiny-lora-c") == third

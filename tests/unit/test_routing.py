@@ -3,7 +3,7 @@ import random
 import pytest
 
 from backends.replicas import DOWN, UP, Replica
-from backends.vllm_stats import VLLMStats
+from backends.vllm_stats import Scraper, VLLMStats
 from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import BUILTIN_PROFILES, RoutingProfile
 from policies.metrics import GatewayMetrics
@@ -92,6 +92,37 @@ def test_vllm_queue_counts_load_from_elsewhere():
     assert profile((VLLMQueue(), 1.0), stats=stats).pick(None, rs) is rs[1]
     assert profile((LeastInFlight(), 1.0), stats=stats).pick(None, rs) is rs[0]
     assert profile((VLLMQueue(), 1.0), stats=Stats()).pick(None, rs) is rs[0]  # no scrape: own counts stand in
+
+
+class ScrapedMetrics:
+    """vLLM's /metrics of each replica, as the scraper's client reads them: running requests by URL."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+
+    async def get(self, url: str, **_bounds) -> tuple[int, bytes]:
+        running = self.running.get(url.removesuffix("/metrics"), 0)
+        return 200, f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n".encode()
+
+
+async def test_a_request_that_ended_after_the_scrape_no_longer_counts_but_load_from_elsewhere_does():
+    rs = replicas(0, 0)
+    scraper, vllm = Scraper(lambda: rs, stale_after=3600), ScrapedMetrics()
+    stats = Stats(scraper.stats)
+    rs[1].in_flight += 1  # this gateway's request runs on r1; another client's runs on r0
+    vllm.running = {rs[0].url: 1, rs[1].url: 1}
+    await scraper.scrape_all(vllm)
+    assert (stats.load(rs[0]), stats.load(rs[1])) == (1, 1)
+    rs[1].end()  # over, before the next scrape: r1 is idle and must not look busy with it until then
+    vllm.running[rs[1].url] = 0
+    assert (stats.load(rs[0]), stats.load(rs[1])) == (1, 0)
+    assert profile((VLLMQueue(), 1.0), stats=stats).pick(None, rs) is rs[1]
+    rs[0].in_flight += 1  # this gateway's own request on r0 now: never counted less than what it has there
+    rs[1].in_flight += 1
+    assert (stats.load(rs[0]), stats.load(rs[1])) == (1, 1)
+    vllm.running[rs[0].url] = 2  # r0: its own request and the other client's; r1: not started yet
+    await scraper.scrape_all(vllm)
+    assert (stats.load(rs[0]), stats.load(rs[1])) == (2, 1)
 
 
 def test_kv_cache_scorer_and_headroom_filter():
