@@ -286,8 +286,9 @@ class AssignVariant:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
             even = self.variants.evening.get(call.model) if self.variants.evening else None
-            if even is not None and plan.names[i] in (even.candidate, even.baseline):  # the guard evens their load
-                i = self.lighter(plan, even, call.model)
+            if even is not None and plan.names[i] in (even.candidate, even.baseline) \
+                    and self.variants.evening_of(call.model, even.candidate) is not None:  # not past its time
+                i = self.lighter(plan, even)  # the guard evens their load
                 call.evened = True
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]
@@ -298,10 +299,8 @@ class AssignVariant:
         if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
             call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
-    def lighter(self, plan: Plan, even: Evening, model: str) -> int:
+    def lighter(self, plan: Plan, even: Evening) -> int:
         """The index of the pair's variant with fewer in flight per replica (ties: the baseline)."""
-        if time.monotonic() > even.until:  # a candidate that stopped getting calls (down) ends it by the clock
-            self.variants.uneven(model)
         lighter = self.load(even.candidate_group) < self.load(even.baseline_group)
         return plan.names.index(even.candidate if lighter else even.baseline)
 

@@ -5,6 +5,7 @@ for the whole file. The first problem is a 400 naming its line (counted from 1),
 from __future__ import annotations
 
 import mmap
+import re
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -138,6 +139,9 @@ def parse(number: int, raw: bytes) -> dict[str, Any]:
     return line
 
 
+_NOT_BLANK = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # a byte that bytes.strip() keeps
+
+
 class Lines(Sequence[dict[str, Any]]):
     """The lines of a file `read_lines` accepted (its non-blank ones, in order), each parsed when asked for: only
     where each begins and ends is kept (16 bytes a line), so a batch being run holds its file's bytes once, mapped
@@ -147,12 +151,11 @@ class Lines(Sequence[dict[str, Any]]):
     def __init__(self, data: bytes | mmap.mmap) -> None:
         self.data = data
         self.spans = array("q")  # start, end of each non-blank line
-        view = memoryview(data)
         at, size = 0, len(data)
         while at < size:
             end = data.find(b"\n", at)
             end = size if end < 0 else end
-            if bytes(view[at:end]).strip():
+            if _NOT_BLANK.search(data, at, end):  # (a line is not copied to be tested)
                 self.spans.extend((at, end))
             at = end + 1
 
