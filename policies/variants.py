@@ -195,15 +195,18 @@ class Variants:
         self.evening[model] = Evening(candidate, group_name(model, candidate), baseline, group_name(model, baseline),
                                       time.monotonic() + seconds, calls)
 
-    def evening_of(self, model: str, candidate: str) -> Evening | None:
-        """The evening of `candidate`'s load, if one is on (one past its time is ended here)."""
+    def evening_on(self, model: str) -> Evening | None:
+        """The model's evening, if one is on (one past its time is ended here)."""
         even = self.evening.get(model)
-        if even is None or even.candidate != candidate:
-            return None
-        if time.monotonic() > even.until:  # a candidate that stopped getting calls (down) ends it by the clock
-            self.uneven(model)
+        if even is not None and time.monotonic() > even.until:  # a candidate that stopped getting calls (down)
+            self.uneven(model)  # ends it by the clock
             return None
         return even
+
+    def evening_of(self, model: str, candidate: str) -> Evening | None:
+        """The evening of `candidate`'s load, if one is on."""
+        even = self.evening_on(model)
+        return even if even is not None and even.candidate == candidate else None
 
     def uneven(self, model: str) -> None:
         self.evening.pop(model, None)
@@ -285,10 +288,9 @@ class AssignVariant:
         else:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
-            even = self.variants.evening.get(call.model) if self.variants.evening else None
-            if even is not None and plan.names[i] in (even.candidate, even.baseline) \
-                    and self.variants.evening_of(call.model, even.candidate) is not None:  # not past its time
-                i = self.lighter(plan, even)  # the guard evens their load
+            even = self.variants.evening_on(call.model) if self.variants.evening else None
+            if even is not None and plan.names[i] in (even.candidate, even.baseline):  # the guard evens their load
+                i = self.lighter(plan, even)
                 call.evened = True
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]

@@ -24,7 +24,7 @@ class SlowClaims(SQLiteBatches):
         return await super().claim(batch_id, runner, count, until, now)
 
 
-class Lines:
+class LineRuns:
     """The lines' executor: counts how many run at once, and lets each finish after a few turns."""
 
     def __init__(self) -> None:
@@ -49,7 +49,7 @@ async def test_two_batches_claiming_on_a_slow_store_stay_within_max_in_flight(tm
     (tmp_path / "files" / "file-in").write_bytes(b"".join(
         orjson.dumps({"custom_id": f"r-{n}", "method": "POST", "url": "/v1/chat/completions", "body": {}}) + b"\n"
         for n in range(LINES)))
-    lines = Lines()
+    lines = LineRuns()
     runner = Runner(store, lambda: settings, lines.execute)
     try:
         ids = ["batch_one", "batch_two"]
