@@ -19,11 +19,12 @@ from backends.knee.report import build_report, format_table, write_json, write_p
 from backends.knee.run import run_sweep
 from backends.knee.sweep import Progress, SweepSpec
 from backends.simulator import SimConfig, create_app
-from tests.support.probes import metric_sum
+from tests.support.probes import LoopStalls, metric_sum
 from tests.support.servers import serve_app
 
 CAPPED = SimConfig(model="sim-8", max_num_seqs=8, step_base_ms=10, step_ms_per_seq=0.5)
 LEVELS = (1, 2, 4, 8, 16, 32)
+STALL_S = 0.2  # the event loop (client and simulator) late by this much: the machine stalled inside a 1 s window
 
 
 def spec(url: str, **overrides) -> SweepSpec:
@@ -41,12 +42,26 @@ def assert_png(path: Path) -> None:
     assert width > 800 and height > 600
 
 
+async def sweep_on_a_quiet_loop(attempts: int = 3):
+    """Sweep the capped simulator; a sweep during which this process stalled past STALL_S is run again (at most
+    `attempts` in all, the last one kept whatever happened): in CI a 0.7 s stall in the 1 s window at c=8 halved
+    that level's figure once. A stall-free sweep is judged as it is."""
+    for attempt in range(attempts):
+        async with serve_app(create_app(CAPPED)) as url:
+            live = io.StringIO()
+            async with LoopStalls() as stalls:
+                result = await run_sweep(spec(url), Progress(live, live=True))
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(f"{url}/metrics")).text
+        if stalls.worst < STALL_S:
+            break
+        print(f"sweep {attempt + 1}: the loop stalled {stalls.worst:.2f} s; levels "
+              f"{[(r.concurrency, round(r.output_tokens_per_s)) for r in result.levels]}")
+    return result, metrics, live
+
+
 async def test_sweep_finds_the_batch_cap_and_sees_the_queue(tmp_path):
-    async with serve_app(create_app(CAPPED)) as url:
-        live = io.StringIO()
-        result = await run_sweep(spec(url), Progress(live, live=True))
-        async with httpx.AsyncClient() as http:
-            metrics = (await http.get(f"{url}/metrics")).text
+    result, metrics, live = await sweep_on_a_quiet_loop()
     assert metric_sum(metrics, "vllm:prefix_cache_queries_total") > 0
     assert metric_sum(metrics, "vllm:prefix_cache_hits_total") == 0  # no prompt shares a prefix with another
 

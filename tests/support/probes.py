@@ -46,3 +46,30 @@ async def eventually(predicate, timeout: float = 20.0, every: float = 0.05) -> N
             return
         await asyncio.sleep(every)
     raise AssertionError(f"condition not reached within {timeout:g} s")
+
+
+class LoopStalls:
+    """Within `async with`, the longest time this event loop could not run a 10 ms timer on time (`worst`, in
+    seconds): a timed figure taken while the shared machine stalled the process (a GC pause, a stolen CPU) is
+    the machine's, not the code's."""
+
+    def __init__(self, every: float = 0.01):
+        self.every = every
+        self.worst = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(self.every)
+            self.worst = max(self.worst, loop.time() - start - self.every)
+
+    async def __aenter__(self) -> LoopStalls:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
