@@ -18,6 +18,8 @@ from policies.errors import BadRequest
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID = 512
 
+_NOT_BLANK = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # a byte that bytes.strip() keeps: a line without one is blank
+
 
 @dataclass(frozen=True)
 class Summary:
@@ -83,7 +85,7 @@ class LineCheck:
     def _line(self, raw: bytes) -> None:
         self.number += 1
         number = self.number
-        if not raw.strip():
+        if not _NOT_BLANK.search(raw):  # a blank line, as `Lines` skips it
             return
         self.count += 1
         if self.count > self.max_lines:
@@ -137,9 +139,6 @@ def parse(number: int, raw: bytes) -> dict[str, Any]:
     if body.get("stream") not in (None, False):
         raise bad_line(number, "'body.stream' cannot be used in a batch")
     return line
-
-
-_NOT_BLANK = re.compile(rb"[^ \t\n\r\x0b\x0c]")  # a byte that bytes.strip() keeps
 
 
 class Lines(Sequence[dict[str, Any]]):

@@ -33,6 +33,8 @@ def test_the_non_blank_lines_in_order_as_a_split_reads_them():
     blanks = b"\r\n\t\x0b\x0c \n \r"  # every byte bytes.strip() drops, alone or together
     assert len(Lines(blanks)) == 0 == len([raw for raw in blanks.split(b"\n") if raw.strip()])
     assert [x["custom_id"] for x in Lines(b" \t" + line(4) + b" \r\n\x0c")] == ["r-4"]
+    padded = blanks + b"\n" + line(5) + b"\n\x0b\x0c\n" + line(6) + b"\t\r\n"
+    assert read_lines(padded, 1_000, 1 << 20, lambda model: None).lines == len(Lines(padded)) == 2  # upload = run
 
 
 def test_a_mapped_file_is_read_line_by_line_without_holding_it_or_its_lines(tmp_path):
