@@ -27,6 +27,9 @@ class Recorder:
         if scope["path"] == "/health":
             await self._send(send, self.health, b"")
             return
+        if scope["path"] == "/metrics":  # the gateway's load scrape: a recorder has no vLLM metrics to give
+            await self._send(send, 404, b"")
+            return
         raw = await read_body(receive)
         body = orjson.loads(raw)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
