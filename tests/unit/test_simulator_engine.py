@@ -129,8 +129,10 @@ async def test_loop_sleeps_when_idle(make_engine):
 
 
 async def test_prefix_cache_skips_prefill(make_engine):
-    engine = make_engine(prefill_ms_per_token=0.05)
-    prompt = tokenize("x" * 4000)  # 1000 tokens: 50 ms of prefill when uncached
+    # 200 ms of prefill uncached against ~10 ms cached: the bound below then holds through a stall of ~50 ms
+    # (the test process losing the CPU) while the cached request runs, not only one of ~10 ms
+    engine = make_engine(prefill_ms_per_token=0.2)
+    prompt = tokenize("x" * 4000)  # 1000 tokens: 200 ms of prefill when uncached
     first = engine.submit(prompt, 1)
     await finish_all([first])
     second = engine.submit(prompt, 1)
@@ -154,6 +156,14 @@ async def run_closed_batch(engine: Engine, concurrency: int, tokens: int) -> tup
     return concurrency * tokens / elapsed, ttft, itl
 
 
+async def best_of(runs: int, engine: Engine, concurrency: int, tokens: int) -> tuple[float, float, float]:
+    """run_closed_batch `runs` times: the highest throughput and the lowest latencies seen. The engine's steps are
+    timed sleeps, so a run is only ever slowed by the machine (the process losing the CPU), never sped up: the
+    least disturbed run is the closest to the engine's own figures."""
+    results = [await run_closed_batch(engine, concurrency, tokens) for _ in range(runs)]
+    return max(r[0] for r in results), min(r[1] for r in results), min(r[2] for r in results)
+
+
 async def test_throughput_flattens_and_ttft_grows_past_the_cap(make_engine):
     # Step = 4 ms + 1 ms per running sequence, cap 4: ideal 200 tok/s at 1, 500 at 4, still 500 at 8,
     # where half the requests wait a whole generation for a slot.
@@ -161,7 +171,9 @@ async def test_throughput_flattens_and_ttft_grows_past_the_cap(make_engine):
     # 48 tokens (~0.25-0.5 s a batch): long enough that the test process losing the CPU for a few scheduler
     # slices on a busy machine moves a throughput by a few percent, not by the margins asserted below.
     thr1, _, _ = await run_closed_batch(engine, 1, 48)
-    thr4, ttft4, _ = await run_closed_batch(engine, 4, 48)
+    # a stall in the run at 4 would lower thr4 and raise ttft4, against every bound below (~100 ms in its ~0.4 s
+    # breaks the second): its best of two. A stall in the other runs only moves them away from their bounds.
+    thr4, ttft4, _ = await best_of(2, engine, 4, 48)
     thr8, ttft8, _ = await run_closed_batch(engine, 8, 48)
     assert thr4 > 1.8 * thr1, (thr1, thr4)
     assert thr8 < 1.25 * thr4, (thr4, thr8)
@@ -172,7 +184,9 @@ async def test_step_time_grows_with_the_batch(make_engine):
     # Below the cap a step costs 2 ms + 2 ms per sequence: 12 sequences get ~1.8x the throughput of one,
     # not 12x, and each of them sees its tokens ~6.5x further apart.
     engine = make_engine(max_num_seqs=64, step_base_ms=2.0, step_ms_per_seq=2.0)
-    thr1, _, itl1 = await run_closed_batch(engine, 1, 32)  # 32 tokens: see the test above
+    # 32 tokens: see the test above. A stall in the run of one (~0.13 s) would lower thr1 and raise itl1, against
+    # the upper bound and the ITL ratio: its best of two. One in the run of 12 (~0.8 s) only counts against 1.3x.
+    thr1, _, itl1 = await best_of(2, engine, 1, 32)
     thr12, _, itl12 = await run_closed_batch(engine, 12, 32)
     assert 1.3 * thr1 < thr12 < 6 * thr1, (thr1, thr12)
     assert itl12 > 3 * itl1, (itl1, itl12)

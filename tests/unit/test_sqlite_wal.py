@@ -28,8 +28,8 @@ def test_a_journal_mode_change_waits_for_a_writer_instead_of_failing(tmp_path):
     other.execute("PRAGMA busy_timeout = 5000")
     with pytest.raises(sqlite3.OperationalError, match="locked"):  # what SQLite does on its own
         other.execute("PRAGMA journal_mode = WAL")
+    began = time.monotonic()  # before the timer starts: however late this thread runs, the writer holds 0.3 s
     threading.Timer(0.3, lambda: writer.execute("COMMIT")).start()
-    began = time.monotonic()
     use_wal(other, 5.0)
     assert 0.2 < time.monotonic() - began < 4.0
     assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
