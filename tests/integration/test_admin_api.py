@@ -104,13 +104,14 @@ async def test_key_lifecycle(env):
 async def test_rotation_keeps_the_old_secret_for_the_grace_period(env):
     gw, http, call = env
     old = (await call("POST", "/keys", json={"name": "rotating"})).json()
-    r = await call("POST", f"/keys/{old['record']['id']}/rotate", json={"grace_seconds": 1.0})
+    # 2 s: both secrets are used within it even on a slow machine; then wait for its end as the record says
+    r = await call("POST", f"/keys/{old['record']['id']}/rotate", json={"grace_seconds": 2.0})
     assert r.status_code == 200
-    new = r.json()["key"]
+    new, until = r.json()["key"], r.json()["record"]["previous_valid_until"]
     assert new != old["key"] and r.json()["record"]["id"] == old["record"]["id"]
     for key in (old["key"], new):
         assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(max(0.0, until - time.time()) + 0.1)
     with pytest.raises(openai.AuthenticationError):
         await sdk(gw, old["key"]).chat.completions.create(model="m", messages=[])
     assert (await sdk(gw, new).chat.completions.create(model="m", messages=[])).choices
@@ -118,9 +119,11 @@ async def test_rotation_keeps_the_old_secret_for_the_grace_period(env):
 
 async def test_expiry(env):
     gw, http, call = env
-    key = (await call("POST", "/keys", json={"name": "short", "expires_in": 0.5})).json()["key"]
+    # 2 s: used within it even on a slow machine; then wait for its end as the record says
+    created = (await call("POST", "/keys", json={"name": "short", "expires_in": 2.0})).json()
+    key = created["key"]
     assert (await sdk(gw, key).chat.completions.create(model="m", messages=[])).choices
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(max(0.0, created["record"]["expires_at"] - time.time()) + 0.1)
     with pytest.raises(openai.AuthenticationError):
         await sdk(gw, key).chat.completions.create(model="m", messages=[])
 

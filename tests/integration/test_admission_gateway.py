@@ -4,6 +4,7 @@ clean 429, and a queued request whose client leaves never reaches the backend.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -49,11 +50,18 @@ async def test_backend_never_sees_more_than_its_cap():
 
 
 async def test_excess_beyond_the_queue_is_a_clean_429_for_the_sdk():
-    rec = Recorder()
-    rec.mode = "slow:0.5"
-    async with serve_app(rec) as up, running_gateway(capped(up, 1, max_depth=1, max_wait=5)) as gw:
+    backend = InFlight(Recorder())
+    backend.gate.clear()  # the first call holds the one slot until all three have arrived
+    async with serve_app(backend) as up, running_gateway(capped(up, 1, max_depth=1, max_wait=30)) as gw:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=TEST_KEY, max_retries=0)
         calls = [asyncio.create_task(client.chat.completions.create(model="m", messages=[])) for _ in range(3)]
+        deadline = time.monotonic() + 20
+        while not (backend.now == 1 and await gw.metric("llm_gateway_queue_depth", model="m") == 1
+                   and any(c.done() for c in calls)):  # bounded: 20 s; one at the backend, one queued, one refused
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        backend.gate.set()
         results = await asyncio.gather(*calls, return_exceptions=True)
         refused = [r for r in results if isinstance(r, openai.RateLimitError)]
         assert len(refused) == 1 and sum(not isinstance(r, Exception) for r in results) == 2
@@ -81,10 +89,9 @@ async def test_client_leaving_the_queue_never_reaches_the_backend():
         assert await gw.metric("llm_gateway_queue_depth", model="m") == 1
         queued.cancel()  # the client hangs up while waiting
         await asyncio.gather(queued, return_exceptions=True)
-        for _ in range(50):
-            if await gw.metric("llm_gateway_queue_depth", model="m") == 0:
-                break
-            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 10  # the gate holds the slot, so however long this takes it is not its turn
+        while await gw.metric("llm_gateway_queue_depth", model="m") != 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # bounded: 10 s
         assert await gw.metric("llm_gateway_queue_depth", model="m") == 0  # left at once, not at its turn
         backend.gate.set()
         assert (await asyncio.wait_for(first, 10)).status_code == 200

@@ -69,8 +69,14 @@ def test_rented_budget_spills_until_spent_then_stays_owned(three):
     assert status["rented_spend"] == pytest.approx(spent) and status["max_rented_spend"] == BUDGET
     assert status["resets_at"] > time.time() and status["when_spent"] == "owned_only"
 
-    # the ledger in Redis saw every replica's traffic
-    report = httpx.get(f"{c.urls[2]}/admin/report", params={"window": 600}, headers=admin, timeout=10).json()
+    # the ledger in Redis saw every replica's traffic; each replica writes its sums every ledger.flush_seconds (1 s)
+    # and the report writes only its own first: wait for the others' last write
+    deadline = time.monotonic() + 10
+    while True:  # bounded: 10 s
+        report = httpx.get(f"{c.urls[2]}/admin/report", params={"window": 600}, headers=admin, timeout=10).json()
+        if report["keys"].get(key_id, {}).get("rented_requests") == rented or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert report["keys"][key_id]["rented_requests"] == rented
     assert report["keys"][key_id]["rented_cost"] == pytest.approx(spent)
     assert report["models"]["m"]["rented"]["requests"] == rented

@@ -61,7 +61,13 @@ async def gateway_behind_proxy(monkeypatch, **watch):
                 async with serve_app(app) as url, httpx.AsyncClient(headers=viewer, timeout=30) as http:
                     gw = app.state
                     await until(lambda: replica_names(gw, "m") == [f"m@{A}:{PORT}"], 30)
+                    await until(lambda: watches_ok(gw), 30)  # the list is applied before its thread says synced
                     yield gw, url, http, proxy, slices
+
+
+def watches_ok(gw) -> bool:
+    """Every discovery watch has synced: its thread hands a list to the event loop, then marks itself synced."""
+    return all(watcher.state == "ok" for _, _, watcher in gw.discovery.watches())
 
 
 async def test_a_full_list_runs_every_relist_seconds_even_on_a_live_quiet_watch(monkeypatch):
@@ -133,6 +139,7 @@ async def test_an_api_server_outage_shows_in_metrics_and_admin_and_recovers_with
 
         await proxy.up()
         await until(lambda: replica_names(gw, "m") == [f"m@{A}:{PORT}", f"m@{B}:{PORT}"], 10)
+        await until(lambda: watches_ok(gw), 10)  # marked synced by its thread just after the list is applied
         assert await up() == 1
         assert watch_states((await http.get(f"{url}/admin/replicas")).json()) == ["ok"]
 
@@ -196,7 +203,9 @@ async def test_silence_after_a_bookmark_is_a_hang_and_says_so(caplog, tmp_path):
         source.start(emitted.append)
         [watcher] = source.watchers()
         try:
-            await until(lambda: any("recovered" in r.getMessage() for r in caplog.records), 15)
+            # the thread logs "recovered" after the relist, then opens the next watch: wait for both
+            await until(lambda: any("recovered" in r.getMessage() for r in caplog.records)
+                        and sum("watch=true" in p for p in served) >= 2, 15)
         finally:
             source.stop()
     assert emitted and emitted[0] == []
