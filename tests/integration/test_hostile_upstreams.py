@@ -82,30 +82,33 @@ async def stack(tmp_path):
         sim_port, port = free_port(), free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
                                        "--model", "good", "--log-level", "warning"]))
-        base = f"http://127.0.0.1:{hostile.port}"
-        policy = {
-            "store": {"kind": "sqlite", "path": str(tmp_path / "keys.db")},
-            "health": {"interval": 0.5, "backoff_initial": 30, "backoff_max": 30},
-            "timeouts": {"read": 60},
-            "upstream": {"header_seconds": 2},
-            "models": [{"name": "good", "backends": [{"url": f"http://127.0.0.1:{sim_port}", "cap": 8}]}]
-            + [{"name": mode, "backends": [{"url": f"{base}/{mode}", "cap": 4}]} for mode in MODES]
-            # the rented provider's answers go through the same bounds: its models' owned backend is down
-            + [{"name": f"rented_{mode}", "backends": [{"url": f"http://127.0.0.1:{free_port()}"}],
-                "overflow": {"provider": f"p_{mode}", "when_unavailable": True}} for mode in RENTED],
-            "providers": [{"name": f"p_{mode}", "base_url": f"{base}/{mode}/v1", "api_key_env": "HOSTILE_PROVIDER_KEY",
-                           "models": {f"rented_{mode}": "x"}, "allow_private_address": True} for mode in RENTED],
-        }
-        config = tmp_path / "policy.yaml"
-        config.write_text(yaml.safe_dump(policy))
-        log_path = tmp_path / "gateway.log"
-        with open(log_path, "wb") as log:
-            gateway = subprocess.Popen([CLI, "serve", "--config", str(config), "--port", str(port)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(gateway)
-        url = f"http://127.0.0.1:{port}"
         try:
+            # before the gateway starts: a first health check of `good` that fails (the simulator still starting)
+            # takes it out for the whole 30 s backoff, and the good client gets 503s
             await asyncio.to_thread(wait_http_ok, f"http://127.0.0.1:{sim_port}/health", procs[0], 60, "simulator")
+            base = f"http://127.0.0.1:{hostile.port}"
+            policy = {
+                "store": {"kind": "sqlite", "path": str(tmp_path / "keys.db")},
+                "health": {"interval": 0.5, "backoff_initial": 30, "backoff_max": 30},
+                "timeouts": {"read": 60},
+                "upstream": {"header_seconds": 2},
+                "models": [{"name": "good", "backends": [{"url": f"http://127.0.0.1:{sim_port}", "cap": 8}]}]
+                + [{"name": mode, "backends": [{"url": f"{base}/{mode}", "cap": 4}]} for mode in MODES]
+                # the rented provider's answers go through the same bounds: its models' owned backend is down
+                + [{"name": f"rented_{mode}", "backends": [{"url": f"http://127.0.0.1:{free_port()}"}],
+                    "overflow": {"provider": f"p_{mode}", "when_unavailable": True}} for mode in RENTED],
+                "providers": [{"name": f"p_{mode}", "base_url": f"{base}/{mode}/v1",
+                               "api_key_env": "HOSTILE_PROVIDER_KEY", "models": {f"rented_{mode}": "x"},
+                               "allow_private_address": True} for mode in RENTED],
+            }
+            config = tmp_path / "policy.yaml"
+            config.write_text(yaml.safe_dump(policy))
+            log_path = tmp_path / "gateway.log"
+            with open(log_path, "wb") as log:
+                gateway = subprocess.Popen([CLI, "serve", "--config", str(config), "--port", str(port)],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs.append(gateway)
+            url = f"http://127.0.0.1:{port}"
             # /health, not /ready: the rented models have no owned backend up, on purpose
             await asyncio.to_thread(wait_http_ok, f"{url}/health", gateway, 90, "the gateway")
             admin = {"authorization": f"Bearer {mint_token(Admin(), 600, secret=secret)}"}

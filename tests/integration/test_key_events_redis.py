@@ -21,6 +21,18 @@ async def until(predicate, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def until_subscribed(events, count: int, timeout: float = 20) -> None:
+    """Until Redis counts `count` subscribers on the key-change channel (PUBSUB NUMSUB): a listener is
+    `connected` once its SUBSCRIBE is sent, and a PUBLISH that Redis runs before that SUBSCRIBE reaches nobody."""
+    deadline = time.monotonic() + timeout
+    while True:  # bounded: the deadline
+        [(_, subscribed)] = await events.client.pubsub_numsub(events.changed)
+        if int(subscribed) >= count:
+            return
+        assert time.monotonic() < deadline, f"{subscribed} of {count} listeners subscribed in Redis"
+        await asyncio.sleep(0.05)
+
+
 async def test_announce_returns_after_every_listener_dropped_and_an_outage_drops_everything():
     with RedisServer() as redis:
         writer, other = open_store("redis", url=redis.url), open_store("redis", url=redis.url)
@@ -35,7 +47,7 @@ async def test_announce_returns_after_every_listener_dropped_and_an_outage_drops
         tasks = [listen(writer, "writer"), listen(other, "other")]
         try:
             await until(lambda: writer.key_events.connected and other.key_events.connected, 20)
-            await asyncio.sleep(0.2)  # SUBSCRIBE is answered before PUBLISH may count it
+            await until_subscribed(writer.key_events, 2)
             await writer.key_events.announce("k1")
             assert dropped == {"writer": ["k1"], "other": ["k1"]}  # both, before announce returned
 
@@ -43,7 +55,7 @@ async def test_announce_returns_after_every_listener_dropped_and_an_outage_drops
             redis.restart()
             await until(lambda: cleared["other"] > base["other"] and cleared["writer"] > base["writer"], 30)
             await until(lambda: other.key_events.connected, 20)
-            await asyncio.sleep(0.2)
+            await until_subscribed(writer.key_events, 2)  # the restarted Redis knows only the new connections
             await writer.key_events.announce("k2")
             assert dropped["other"][-1] == "k2"
         finally:
@@ -71,7 +83,7 @@ async def test_a_listener_whose_connection_froze_without_closing_reconnects_and_
             task = asyncio.create_task(listener.key_events.run(dropped.append, clear))
             try:
                 await until(lambda: listener.key_events.connected, 20)
-                await asyncio.sleep(0.2)  # SUBSCRIBE is answered before PUBLISH may count it
+                await until_subscribed(writer.key_events, 1)
                 await writer.key_events.announce("k1")
                 assert dropped == ["k1"]
 
@@ -85,7 +97,8 @@ async def test_a_listener_whose_connection_froze_without_closing_reconnects_and_
                 # FROZEN_AFTER of silence plus one read, and the reconnection; generous for a loaded machine
                 assert noticed < 3 * (FROZEN_AFTER + READ_WAIT), noticed
 
-                await asyncio.sleep(0.2)
+                # the frozen connection stays open (and subscribed) in Redis: the new one makes two
+                await until_subscribed(writer.key_events, 2)
                 await writer.key_events.announce("k3")
                 await until(lambda: "k3" in dropped, 10)
             finally:
