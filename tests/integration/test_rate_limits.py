@@ -62,20 +62,24 @@ async def test_token_limit_and_reconciliation_with_real_usage():
     rec = Recorder()  # reports 7 prompt + 3 completion tokens per request
     async with serve_app(rec) as up, running_gateway(one_model(up)) as gw, \
             httpx.AsyncClient(headers=AUTH, timeout=10) as http:
-        await with_limits(gw, tokens_per_minute=1000)
-        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 900}
+        # 100 a minute: the bucket refills 1.67 tokens a second, so the 10 each call used stay missing for 6 s
+        # (at 1000 a minute, 0.6 s: one stalled round trip on a slow machine refilled them before the last ask)
+        await with_limits(gw, tokens_per_minute=100)
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 85}
         r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
         assert r.status_code == 200
-        # 905 were reserved, 10 used: once settled (just after the response is out) the next request of the
-        # same size fits again. Without the refund it would not fit for ~48 s (the bucket refills 1000/min),
+        assert r.headers["x-ratelimit-remaining-tokens"] == "10"  # 90 reserved: 85 and the prompt's 5
+        # 90 were reserved, 10 used: once settled (just after the response is out) the next request of the
+        # same size fits again. Without the refund it would not fit for ~48 s (the bucket refills 100/min),
         # far past this bounded wait, so asking again until it fits proves the settlement.
-        for _ in range(100):
+        for _ in range(100):  # bounded: 5 s and more
             r = await http.post(f"{gw.url}/v1/chat/completions", json=body)
             if r.status_code != 429:
                 break
             await asyncio.sleep(0.05)
         assert r.status_code == 200, r.text
-        r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 995})
+        # the whole bucket (100) does not fit: the 20 tokens really used were charged, not refunded
+        r = await http.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 95})
         assert r.status_code == 429 and r.json()["error"]["param"] == "tokens"
 
 

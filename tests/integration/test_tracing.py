@@ -140,11 +140,12 @@ def test_spans_of_chat_stream_error_and_queued_call(tmp_path, simulator):
         assert failed[0].attributes["error.type"] and "llm_gateway.backend" not in failed[0].attributes
         assert not [s for s in receiver.spans if s.parent_span_id == failed[0].span_id]
 
-        # a queued call: the backend's cap is 1 and a long stream holds it
+        # a queued call: the backend's cap is 1 and a long stream holds it (300 tokens, ~3 s: the queued call must
+        # reach the gateway before it ends, and a stalled thread on a slow machine can take most of a second)
         first_chunk = threading.Event()
 
         def hold() -> None:
-            for _ in chat(client, max_tokens=80, stream=True, extra_body={"ignore_eos": True}):
+            for _ in chat(client, max_tokens=300, stream=True, extra_body={"ignore_eos": True}):
                 first_chunk.set()
 
         holder = threading.Thread(target=hold, daemon=True)
