@@ -98,11 +98,14 @@ def test_cancel_and_resume_after_a_restart_on_real_vllm(batch_policy):
         assert done.status == "cancelled" and 1 <= done.request_counts.completed < 30
 
         resumed = submitted(sdk, chat_lines(40, "r", max_tokens=24))
-        wait_for(sdk, resumed.id, lambda b: b.request_counts.completed >= 2, "some answers")
+        seen = wait_for(sdk, resumed.id, lambda b: b.request_counts.completed >= 2, "some answers")
+        assert seen.request_counts.completed < 40
     # the gateway stopped mid-batch (SIGTERM: lines in flight finished); one started again on the same store
     with gateway_process(policy, work) as again:
         sdk = openai.OpenAI(base_url=f"{again.url}/v1", api_key=key, max_retries=2, timeout=60)
-        assert sdk.batches.retrieve(resumed.id).request_counts.completed < 40
         done = wait_for(sdk, resumed.id, ended, "the resumed batch ends")
         assert done.status == "completed" and done.request_counts.completed == 40
         answered_once(sdk, done, [f"r-{n}" for n in range(40)])
+        # this gateway ran some of its lines (it resumes at once: by the time its key is issued and the first
+        # retrieve goes out, a fast vLLM may have finished the batch, so "not done yet" is no evidence)
+        assert again.metric("llm_gateway_requests_total", model="alpha", status="200") >= 1

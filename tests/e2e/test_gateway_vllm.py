@@ -123,7 +123,9 @@ def test_killed_replica_is_routed_around_and_rejoins_after_restart(client, gatew
         for _ in range(8):
             reply = client.chat.completions.create(model="duo", messages=HELLO, max_tokens=4)
             assert reply.choices[0].message.content is not None
-        assert gateway.metric("llm_gateway_backend_up", backend="duo-b") == 0
+        # taken down by a request that picked it (refused, retried on duo-a) or by its next health check (1 s):
+        # the 8 requests may all have gone to duo-a (a tie broken at random) within less than one check
+        wait_for(lambda: gateway.metric("llm_gateway_backend_up", backend="duo-b") == 0, 10, "duo-b to be down")
     finally:
         b.restart()
     wait_for(lambda: gateway.metric("llm_gateway_backend_up", backend="duo-b") == 1, 60, "duo-b to rejoin")

