@@ -71,6 +71,7 @@ class Replica:
     state: str = UNKNOWN
     failures: int = 0
     probe_at: float = 0.0  # monotonic time of the next health probe while down
+    failed_at: float = 0.0  # monotonic time of its latest failure (a request's or a probe's)
     source: str = "static"  # where the replica came from: static, kubernetes, kserve
     draining: bool = False  # removed from the set: no new requests, those in flight finish
     variant: str | None = None  # the model's variant it serves, when the model has variants
@@ -241,6 +242,7 @@ class ReplicaSet:
 
     def failed(self, replica: Replica, reason: str) -> None:
         replica.failures += 1
+        replica.failed_at = time.monotonic()
         if replica.failures < self.health.failure_threshold and replica.state != DOWN:
             return
         if replica.state != DOWN:
@@ -258,6 +260,9 @@ class ReplicaSet:
         return out
 
     async def check(self, client: Client, replica: Replica, timeout: float) -> bool:
+        """Probe its health path. A 200 to a probe sent before the replica's latest failure is stale: a request
+        that failed while the probe was out outranks it, so the replica stays down until a later probe."""
+        sent = time.monotonic()
         try:
             status, _ = await client.get(f"{replica.url}{replica.health_path}", timeout=timeout)
             ok = status == 200
@@ -265,7 +270,8 @@ class ReplicaSet:
         except UpstreamError as exc:
             ok, reason = False, f"health check failed: {exc}"
         if ok:
-            self.succeeded(replica)
+            if replica.failed_at < sent:
+                self.succeeded(replica)
         else:
             self.failed(replica, reason)
         return ok

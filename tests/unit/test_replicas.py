@@ -79,6 +79,34 @@ async def test_health_check_gets_the_replicas_health_path():
     assert client.asked == ["http://10.0.0.2/v1/models/m", "http://10.0.0.1/health"]
 
 
+async def test_a_probe_answered_after_a_request_failed_does_not_bring_the_replica_back():
+    """A probe sent before a request failed, answered 200 after: stale. The replica stays down until its backoff
+    ends and a later probe passes, or one health interval after every request failure it would be routed again."""
+    rs, _ = replica_set()
+    r = rs.by_model["m"][0]
+    rs.succeeded(r)
+
+    class Client:
+        def __init__(self) -> None:
+            self.asked, self.answer = asyncio.Event(), asyncio.Event()
+
+        async def get(self, url, timeout):
+            self.asked.set()
+            await self.answer.wait()
+            return 200, b""
+
+    client = Client()
+    probe = asyncio.create_task(rs.check(client, r, timeout=1))
+    await client.asked.wait()
+    rs.failed(r, "HTTP 503")  # a request fails while the probe is out
+    client.answer.set()
+    assert await probe  # the backend did answer 200...
+    assert r.state == DOWN and not r.routable  # ...to a probe older than the failure
+    later = Client()
+    later.answer.set()
+    assert await rs.check(later, r, timeout=1) and r.state == UP  # a probe sent after the failure counts
+
+
 def spec(name, url, cap=None, source="kubernetes"):
     return Replica(name=name, model="m", url=url, served_name="m", cap=cap, source=source)
 
