@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
+from tests.support.probes import eventually
 from tests.support.recorder import Recorder
 from tests.support.servers import free_port, serve_app
 
@@ -214,27 +215,26 @@ async def test_stream_broken_mid_way_ends_with_an_error_event(http):
 async def test_down_replica_returns_after_health_check_passes(http):
     rec = Recorder()
     async with serve_app(rec) as up, running_gateway(one_model(up)) as gw:
-        assert await ready_is(http, gw, True)
+        await ready_is(http, gw, True)
         rec.mode = "status:503"  # the replica's own 5xx reaches the client as a 502
         r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
         assert r.status_code == 502
         rec.health = 503  # its health check fails too: the gateway takes it out
-        assert await ready_is(http, gw, False)
+        await ready_is(http, gw, False)
         r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
         assert r.status_code == 503  # taken out: the only replica is down
         rec.mode, rec.health = "ok", 200
-        assert await ready_is(http, gw, True)
+        await ready_is(http, gw, True)
         r = await http.post(f"{gw.url}/v1/chat/completions", json={"model": "m"})
         assert r.status_code == 200
 
 
-async def ready_is(http, gw, up: bool) -> bool:
-    """Waits (bounded, 10 s) until /ready reports model m as `up`; the health checks run every 0.2 s."""
-    for _ in range(100):
-        if (await http.get(f"{gw.url}/ready")).json()["models"] == {"m": up}:
-            return True
-        await asyncio.sleep(0.1)
-    return False
+async def ready_is(http, gw, up: bool) -> None:
+    """Until (bounded, 10 s) /ready reports model m as `up`; the health checks run every 0.2 s."""
+    async def reported() -> bool:
+        return (await http.get(f"{gw.url}/ready")).json()["models"] == {"m": up}
+
+    await eventually(reported, timeout=10)
 
 
 
