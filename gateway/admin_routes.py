@@ -9,6 +9,7 @@ describes every answer, errors included (gateway/openapi.py).
 
 from __future__ import annotations
 
+import orjson
 from litestar import Request, Response, Router, get, patch, post, route
 from litestar.connection import ASGIConnection
 from litestar.enums import HttpMethod
@@ -26,11 +27,12 @@ from gateway.key_admin import (
     Usage,
 )
 from gateway.admin_scope import check_route, own_team, remember
+from gateway.endpoints.base import json_too_deep, too_deep
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.team_routes import team_handlers
 from gateway.variant_routes import variant_handlers
-from policies.errors import PermissionDenied
+from policies.errors import BadRequest, PermissionDenied
 from policies.keys import TEAM_NAME
 
 KeyId = Parameter(pattern=r"^[0-9a-f]{16}$", description="the key's public id")
@@ -102,8 +104,29 @@ def admin_router(gateway) -> Router:
         route_handlers=[*options_handlers(handlers), *handlers],  # OPTIONS first, or Litestar adds its own
         tags=["admin"],
         guards=[admin_token],
+        before_request=bounded_json,  # runs after the guard: nothing is read before the token is checked
         security=[{ADMIN_SECURITY: []}],
     )
+
+
+async def bounded_json(request: Request) -> None:
+    """Every admin route's before_request: a body that nests past MAX_JSON_DEPTH is a 400 naming the bound before
+    the handler's body is decoded (Litestar's decoder recurses, and a body 100k levels deep was a 500). orjson
+    reads it here without recursing in Python; a body that is not JSON is left to the route's own decoding."""
+    if request.method in READS:
+        return
+    raw = await request.body()  # within the app's body limit; Litestar keeps it for the handler
+    if not raw:
+        return
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        if exc.msg != "depth limit exceeded":  # orjson's own bound (1024 levels), well past ours
+            return
+    else:
+        if not too_deep(value):
+            return
+    raise BadRequest(json_too_deep("the request body"), code="json_too_deep")
 
 
 def options_handlers(handlers) -> list:

@@ -2,14 +2,15 @@
 
 A Kubernetes ConfigMap mount changes by swapping a symlink (`..data`) to a new directory, so the file's own
 path keeps its inode and mtime is unreliable through the link: the watch compares the resolved target, its
-mtime and size each `interval`, and the text's hash decides whether anything changed. A change is read only
-once it is stable, so a file written in pieces is never applied half-written: a new file (a rename, or a
-ConfigMap's symlink swap, both atomic) must keep its stamp for `QUIET_RENAMED`, a file rewritten in place
-(same inode) for `QUIET_IN_PLACE`, longer than the pauses of an editor or a script writing it piecewise; then
-the text is read twice `RECHECK` apart and must hash the same. A new text is validated
+mtime, size and inode each `interval`. A file is only ever applied once it has settled: it is read (its stamp
+and its bytes), then again `settle` seconds later, and both reads must find the same stamp and the same bytes.
+Nothing about how the file was written is trusted: renamed into place and a ConfigMap's symlink swap are atomic,
+but a file rewritten in place (truncated, then written in pieces) or written new (deleted, then created and
+written in pieces) is readable half-written, and a half file may well parse and validate (a list of models cut
+after the first). Any change while settling starts the wait again on the next poll. A settled text is validated
 completely (schema, then the egress rules) before anything changes; a file that fails is refused, the log names
-the field, and the policy that was serving stays. A good one becomes a new snapshot (policies/snapshot.py)
-and is swapped in at once; requests in flight finish under the one they started with.
+the field, and the policy that was serving stays. A good one becomes a new snapshot (policies/snapshot.py) and is
+swapped in at once; requests in flight finish under the one they started with.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 
 from litestar.connection import ASGIConnection
 
@@ -31,24 +31,27 @@ from policies.snapshot import apply_static_replicas, compile_snapshot, restart_n
 
 log = logging.getLogger("gateway.reload")
 
-OK, INVALID, UNCHANGED = "ok", "invalid", "unchanged"
+OK, INVALID, UNCHANGED, CHANGING = "ok", "invalid", "unchanged", "changing"
 
-QUIET_RENAMED = 0.2  # s a new inode must stay unchanged: a rename or symlink swap is atomic, this is a margin
-QUIET_IN_PLACE = 3.0  # s a file rewritten in place must stay unchanged before it is read
-RECHECK = 0.1  # s between the two reads whose hashes must agree
+# s a file must stay unchanged (stamp and bytes) before it is applied: longer than the pauses of an editor or a
+# script writing it piecewise, short enough that an update applies within about interval + settle.
+SETTLE = 1.0
+
+Stamp = tuple[str, int, int, int]
 
 
 class PolicyReloader:
-    def __init__(self, gateway, path: str, interval: float = 1.0) -> None:
+    def __init__(self, gateway, path: str, interval: float = 1.0, settle: float = SETTLE) -> None:
         self.gateway = gateway
         self.path = path
         self.interval = interval
-        self.seen: tuple | None = self.stamp()
+        self.settle = settle
+        self.seen: Stamp | None = self.stamp()
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
 
-    def stamp(self) -> tuple | None:
-        """What changes when the file does: its resolved path (a ConfigMap swaps a symlink), mtime and size."""
+    def stamp(self) -> Stamp | None:
+        """What changes when the file does: its resolved path (a ConfigMap swaps a symlink), mtime, size, inode."""
         try:
             target = os.path.realpath(self.path)
             st = os.stat(target)
@@ -56,23 +59,42 @@ class PolicyReloader:
             return None
         return target, st.st_mtime_ns, st.st_size, st.st_ino
 
+    def read(self) -> tuple[Stamp | None, bytes | str]:
+        """The file's stamp and bytes, or its stamp and why it cannot be read (a str)."""
+        stamp = self.stamp()
+        try:
+            with open(self.path, "rb") as f:
+                return stamp, f.read()
+        except OSError as exc:
+            return stamp, f"{self.path}: cannot read: {exc.strerror}"
+
+    async def settled(self) -> tuple[Stamp | None, bytes | str] | None:
+        """The file's stamp and bytes once it has been still for `settle`: two reads that far apart agree on both;
+        None while it is still changing."""
+        first = self.read()
+        await asyncio.sleep(self.settle)
+        return first if self.read() == first else None
+
     async def reload(self, why: str, by: ASGIConnection | None = None) -> str:
-        """Read, validate and, when the text changed and is valid, swap in the file's policy. The audit log
-        records it as the admin of `by` (the console's button), else as the system (the file changed, SIGHUP)."""
+        """Once the file has settled, validate it and, when its text changed and is valid, swap in its policy.
+        The audit log records it as the admin of `by` (the console's button), else as the system (the file
+        changed, SIGHUP)."""
         async with self.lock:
-            try:
-                text = Path(self.path).read_text(encoding="utf-8")
-                await asyncio.sleep(RECHECK)
-                again = Path(self.path).read_text(encoding="utf-8")
-            except OSError as exc:
-                return await self.refuse(why, f"{self.path}: cannot read: {exc.strerror}", by)
-            if again != text:  # still being written: the poll sees the next change and comes back
+            settled = await self.settled()
+            if settled is None:  # still being written: the poll sees the next change and comes back
                 log.info("policy reload (%s) deferred: %s is still being written", why, self.path)
-                return UNCHANGED
-            version = version_of(text)
+                return CHANGING
+            self.seen, content = settled
+            if isinstance(content, str):
+                return await self.refuse(why, content, by)
+            version = version_of(content)
             live = self.gateway.snapshot
             if version == live.version:
                 return UNCHANGED
+            try:
+                text = content.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return await self.refuse(why, f"{self.path}: not UTF-8 text (byte {exc.start})", by)
             try:
                 policy = parse_policy(text, self.path)
                 await check_backends(policy, self.gateway.resolver, unresolved_fatal=False, source=self.path)
@@ -95,13 +117,6 @@ class PolicyReloader:
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
             return OK
 
-    async def stable(self, stamp: tuple | None) -> bool:
-        """Whether the file keeps `stamp` for its quiet time: short for a new inode, long for an in-place write."""
-        seen = self.seen
-        in_place = stamp is not None and seen is not None and (stamp[0], stamp[3]) == (seen[0], seen[3])
-        await asyncio.sleep(QUIET_IN_PLACE if in_place else QUIET_RENAMED)
-        return self.stamp() == stamp
-
     async def refuse(self, why: str, problem: str, by: ASGIConnection | None) -> str:
         """Keep the live policy, and say why: the metric, the log, and the audit log (the reason without any
         value it quotes from the file, policies/audit/log.py), as the admin of `by` or the system."""
@@ -117,7 +132,7 @@ class PolicyReloader:
         return INVALID
 
     async def run(self) -> None:
-        """Poll the file and wait for SIGHUP; reload on either."""
+        """Poll the file and wait for SIGHUP; reload on either (each waits for the file to settle)."""
         loop = asyncio.get_running_loop()
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread: no signal
             loop.add_signal_handler(signal.SIGHUP, self.wake.set)
@@ -128,11 +143,7 @@ class PolicyReloader:
                         await self.wake.wait()
                 hup = self.wake.is_set()
                 self.wake.clear()
-                stamp = self.stamp()
-                if hup or stamp != self.seen:
-                    if not hup and not await self.stable(stamp):
-                        continue  # changed again while settling: the next poll waits for it anew
-                    self.seen = stamp
+                if hup or self.stamp() != self.seen:
                     await self.reload("SIGHUP" if hup else "file changed")
         finally:
             with contextlib.suppress(Exception):

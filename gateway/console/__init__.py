@@ -27,7 +27,7 @@ from gateway.console import (
     variants_page,
 )
 from gateway.console.render import NAV, STATIC, TEMPLATES, NavItem, on_error
-from gateway.console.session import PREFIX, SECURITY_HEADERS, console_guard
+from gateway.console.session import PREFIX, SECURITY_HEADERS, Sessions, console_guard
 from policies.errors import GatewayError
 from policies.store import StoreUnavailable
 
@@ -42,13 +42,14 @@ PAGES = (fleet_page.PAGE, keys_page.PAGE, usage_page.PAGE, report_page.PAGE, var
 def console_routes(gateway) -> list[Router]:
     """The console's router and its static files; each answers 404 unless the policy's console is enabled."""
     NAV[:] = [NavItem(f"{PREFIX}/{p.path}", p.title) for p in PAGES]
-    guard = console_guard(gateway)
+    sessions = Sessions()  # this process's console sessions (gateway/console/session.py)
+    guard = console_guard(gateway, sessions)
 
     @get("/", opt={"public": True}, sync_to_thread=False, include_in_schema=False)
     def home() -> Redirect:
         return Redirect(f"{PREFIX}/{PAGES[0].path}", status_code=303)
 
-    handlers = [home, *signin.handlers(gateway, f"{PREFIX}/{PAGES[0].path}")]
+    handlers = [home, *signin.handlers(gateway, sessions, f"{PREFIX}/{PAGES[0].path}")]
     for p in PAGES:
         handlers.extend(p.handlers(gateway))
     pages = Router(path=PREFIX, route_handlers=handlers, guards=[guard], include_in_schema=False,

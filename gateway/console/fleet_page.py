@@ -57,7 +57,8 @@ def handlers(gateway) -> list:
                            code="no_policy_file")
         outcome = await gateway.reloader.reload(f"console ({request.state.viewer.subject})", request)
         message = {"ok": "Reloaded: the new policy serves.", "unchanged": "The file has not changed.",
-                   "invalid": "The file was refused (the gateway's log says why); the policy in force stays."}
+                   "invalid": "The file was refused (the gateway's log says why); the policy in force stays.",
+                   "changing": "The file is still being written: it is applied once it has settled."}
         return page(request, "message.html", "Reload", message=message.get(outcome, outcome), ok=outcome != "invalid")
 
     return [fleet, fleet_live, reload]

@@ -1,11 +1,15 @@
 """Who is signed in to the console, and what a page may let them do.
 
-Signing in is pasting an admin JWT (gateway/admin_auth.py). The token goes into an HttpOnly, SameSite=Strict
-cookie scoped to /console and nowhere else: never into a page, a URL or a log. Every request checks it again with
-the admin API's own rules, so an expired token, a changed secret or a token of another role counts at once, and
-several gateway replicas need no shared session store.
+Signing in is pasting an admin JWT (gateway/admin_auth.py). The token never leaves the gateway: signing in makes
+a console session, a random id that is the only thing the HttpOnly, SameSite=Strict cookie scoped to /console
+holds, and the session (its token and its expiry, the earlier of `console.session_seconds` and the token's own)
+is kept server-side, in this process's memory (`Sessions`). Every request checks the session's token again with
+the admin API's own rules, so an expired token, a changed secret or a token of another role counts at once;
+signing out deletes the session, so a copy of the cookie stops working at once too. Sessions are this process's:
+with several gateway replicas, the console needs session affinity (or signs in again where it lands), and a
+restart signs everyone out.
 
-CSRF: every state-changing request carries a token derived from the session (HMAC of the session's secret, so it
+CSRF: every state-changing request carries a token derived from the session (HMAC of the session's id, so it
 is useless without the cookie and reveals nothing of it), in the X-CSRF-Token header htmx sends or a form field
 `csrf`. The sign-in form, before any session, uses a double-submit nonce (a cookie and a field that must match).
 The role rule is the admin API's: viewers read, operators change variant weights and reload the policy, admins
@@ -21,6 +25,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from litestar import Request
@@ -75,28 +80,82 @@ class Viewer:
         return RANK[self.role] >= RANK[role]
 
 
-def csrf_of(token: str) -> str:
-    return hmac.new(token.encode(), b"llm-gateway console csrf", hashlib.sha256).hexdigest()
+def csrf_of(session: str) -> str:
+    return hmac.new(session.encode(), b"llm-gateway console csrf", hashlib.sha256).hexdigest()
 
 
-async def viewer_of(gateway, connection: ASGIConnection) -> tuple[Viewer, dict] | None:
-    """The signed-in admin and their token's verified claims, or None: no session, or its token no longer passes
-    (expired, another secret, or a role the console does not take, as a team admin's: sign in again)."""
-    token = connection.cookies.get(SESSION)
-    if not token:
+MAX_SESSIONS = 10_000  # sessions kept at once: past it, signing in drops the expired ones, then the oldest
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    token: str  # the admin JWT it was opened with, checked again on every request; never sent back out
+    expires: float  # unix seconds
+
+
+class Sessions:
+    """The console's sessions in this process's memory, by the SHA-256 of their id (the cookie's value)."""
+
+    def __init__(self, limit: int = MAX_SESSIONS) -> None:
+        self.limit = limit
+        self.by_id: OrderedDict[bytes, Session] = OrderedDict()  # oldest first
+
+    @staticmethod
+    def _key(session_id: str) -> bytes:
+        return hashlib.sha256(session_id.encode()).digest()
+
+    def open(self, token: str, seconds: int) -> str:
+        """A new session for `token`, lasting `seconds`; its id (the cookie's value)."""
+        now = time.time()
+        if len(self.by_id) >= self.limit:
+            for key in [k for k, s in self.by_id.items() if s.expires <= now]:
+                del self.by_id[key]
+            while len(self.by_id) >= self.limit:
+                self.by_id.popitem(last=False)
+        session_id = secrets.token_urlsafe(32)
+        self.by_id[self._key(session_id)] = Session(token, now + seconds)
+        return session_id
+
+    def token(self, session_id: str) -> str | None:
+        """The token of a live session, or None: unknown, signed out or expired."""
+        key = self._key(session_id)
+        session = self.by_id.get(key)
+        if session is None:
+            return None
+        if session.expires <= time.time():
+            del self.by_id[key]
+            return None
+        return session.token
+
+    def close(self, session_id: str) -> None:
+        self.by_id.pop(self._key(session_id), None)
+
+
+async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> tuple[Viewer, dict] | None:
+    """The signed-in admin and their token's verified claims, or None: no session (never opened, signed out or
+    expired), or its token no longer passes (expired, another secret, or a role the console does not take, as a
+    team admin's: sign in again)."""
+    session_id = connection.cookies.get(SESSION)
+    if not session_id:
+        return None
+    token = sessions.token(session_id)
+    if token is None:
         return None
     try:
         claims = await gateway.admin_auth.check(f"Bearer {token}", write=False)
     except (AuthenticationFailed, PermissionDenied, StateUnavailable):
         return None
-    return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(token)), claims
+    return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(session_id)), claims
 
 
-def session_cookie(gateway, token: str, claims: dict) -> Cookie:
-    settings = gateway.policy.console
-    lasts = int(min(settings.session_seconds, max(1, claims["exp"] - time.time())))
-    return Cookie(key=SESSION, value=token, path=PREFIX, max_age=lasts, httponly=True, samesite="strict",
-                  secure=settings.secure_cookie)
+def session_lifetime(gateway, claims: dict) -> int:
+    """Seconds a session opened now lasts: `console.session_seconds`, never past the token's own expiry."""
+    return int(min(gateway.policy.console.session_seconds, max(1, claims["exp"] - time.time())))
+
+
+def session_cookie(gateway, session_id: str, seconds: int) -> Cookie:
+    return Cookie(key=SESSION, value=session_id, path=PREFIX, max_age=seconds, httponly=True, samesite="strict",
+                  secure=gateway.policy.console.secure_cookie)
 
 
 def signin_nonce(gateway) -> tuple[str, Cookie]:
@@ -110,7 +169,7 @@ def gone(gateway, key: str) -> Cookie:
                   secure=gateway.policy.console.secure_cookie)
 
 
-def console_guard(gateway):
+def console_guard(gateway, sessions: Sessions):
     """The console router's guard: off unless the policy enables it; a session for every page but sign-in; and
     for a change, the role the handler asks for (`opt={"role": ...}`, default admin) and the CSRF token."""
 
@@ -119,7 +178,7 @@ def console_guard(gateway):
             raise ConsoleOff("unknown path", code="unknown_url")
         if handler.opt.get("public"):
             return
-        session = await viewer_of(gateway, connection)
+        session = await viewer_of(gateway, sessions, connection)
         if session is None:
             raise SignInNeeded("sign in to the console", code="signin_needed")
         viewer, claims = session

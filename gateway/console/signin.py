@@ -1,4 +1,5 @@
-"""Signing in (pasting an admin JWT) and out. The token is checked exactly as the admin API checks it."""
+"""Signing in (pasting an admin JWT) and out. The token is checked exactly as the admin API checks it, and kept
+server-side in a console session (gateway/console/session.py); signing out deletes that session."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from gateway.console.session import (
     CSRF_FIELD,
     SESSION,
     SIGNIN,
+    Sessions,
     form_of,
     gone,
     session_cookie,
+    session_lifetime,
     signin_nonce,
 )
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
@@ -24,7 +27,7 @@ INVALID = "That token was not accepted: it is malformed, expired, or not an admi
 TEAM_ADMIN = "A team admin's token does not open the console yet: sign in with an admin, operator or viewer token."
 
 
-def handlers(gateway, landing: str) -> list:
+def handlers(gateway, sessions: Sessions, landing: str) -> list:
     def form(request: Request, error: str | None = None, status: int = 200) -> Template:
         nonce, cookie = signin_nonce(gateway)
         # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
@@ -53,12 +56,18 @@ def handlers(gateway, landing: str) -> list:
             return form(request, TEAM_ADMIN if exc.code == "team_admin_token" else str(exc), 403)
         except StateUnavailable as exc:
             return form(request, str(exc), 503)
+        previous = request.cookies.get(SESSION)
+        if previous:  # signing in again ends the session the browser had
+            sessions.close(previous)
+        seconds = session_lifetime(gateway, claims)
         response = Redirect(landing, status_code=303)
-        response.cookies.extend([session_cookie(gateway, token, claims), gone(gateway, SIGNIN)])
+        response.cookies.extend([session_cookie(gateway, sessions.open(token, seconds), seconds),
+                                 gone(gateway, SIGNIN)])
         return response
 
     @post("/signout", opt={"role": "viewer"}, status_code=303)
-    async def sign_out() -> Redirect:
+    async def sign_out(request: Request) -> Redirect:
+        sessions.close(request.cookies.get(SESSION, ""))  # every copy of the cookie stops working now
         response = Redirect(f"{landing.rsplit('/', 1)[0]}/signin", status_code=303)
         response.cookies.append(gone(gateway, SESSION))
         return response

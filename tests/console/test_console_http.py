@@ -53,7 +53,9 @@ async def test_signing_in_sets_a_strict_cookie_and_no_page_ever_holds_the_token(
         attributes = {a.strip().split("=")[0].lower() for a in cookie.split(";")[1:]}
         assert {"httponly", "secure", "path", "max-age", "samesite"} <= attributes
         assert "samesite=strict" in cookie.lower() and "path=/console" in cookie.lower()
-        http.cookies.set("console_session", admin)  # httpx keeps no Secure cookie over http://; a browser does
+        session = cookie.split(";")[0].split("=", 1)[1]  # a session id kept server-side, never the token
+        assert admin not in cookie and admin.split(".")[2] not in cookie
+        http.cookies.set("console_session", session)  # httpx keeps no Secure cookie over http://; a browser does
         key_id = TEST_KEY.split("-")[1]
         for path in (*PAGES, f"keys/{key_id}"):
             r = await http.get(f"/console/{path}")

@@ -32,8 +32,11 @@ async def test_the_keys_page_reads_the_store_once_and_answers_fast_with_thousand
                                              created_at=now + i, hash=hash_key(new_key(key_id))))
         statements: list[str] = []
         await store._run("trace", lambda conn: conn.set_trace_callback(statements.append))
-        cookie = {"console_session": mint_token(Admin(), 600, secret=SECRET)}
-        async with httpx.AsyncClient(base_url=gw.url, cookies=cookie, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+            nonce = re.search(r'name="csrf" value="([^"]+)"', (await http.get("/console/signin")).text).group(1)
+            r = await http.post("/console/signin", data={"csrf": nonce, "token": mint_token(Admin(), 600,
+                                                                                         secret=SECRET)})
+            assert r.status_code == 303 and http.cookies.get("console_session"), r.text[:300]
             await http.get("/console/keys")  # warm: templates compiled, caches filled
             for query, rows, first in (({"page": "30"}, PAGE_SIZE, "app-1549"),
                                        ({"q": "app-29"}, PAGE_SIZE, "app-2999"),
