@@ -27,7 +27,7 @@ from gateway.key_admin import (
     Usage,
 )
 from gateway.admin_scope import check_route, own_team, remember
-from gateway.endpoints.base import json_too_deep, too_deep
+from policies.json_depth import json_too_deep, too_deep
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.report_routes import report_handlers
 from gateway.team_routes import team_handlers

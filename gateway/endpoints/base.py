@@ -10,7 +10,6 @@ proxy (gateway/proxy.py) runs it; neither knows any route by name.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import orjson
 from backends.replicas import Replica
 from gateway.relay import EventRelay, SSERelay
 from policies.errors import BadRequest, GatewayError
+from policies.json_depth import json_too_deep, nests_past_bound
 from policies.pipeline import Call
 from policies.tokens import FREE, Estimate
 
@@ -91,79 +91,6 @@ def check_fields(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{name}' must be {what}", param=name, code="invalid_type")
 
 
-# Levels of nesting a JSON body may have (the top object is level 1). OpenAI and Anthropic bodies, tool schemas
-# included, nest some 20 deep; past this bound a body is refused (400) before any code walks or re-encodes it:
-# orjson reads up to 1024 levels but writes at most 254 (a deeper body could not be forwarded), and Python code
-# walking a deeper value (policies/tokens.py) would recurse.
-MAX_JSON_DEPTH = 128
-
-
-def _orjson_write_limit() -> int | None:
-    """The most levels orjson.dumps writes (254 in orjson 3), or None if it writes all that loads reads."""
-    def writes(levels: int) -> bool:
-        value: list[Any] = []
-        for _ in range(levels - 1):
-            value = [value]
-        try:
-            orjson.dumps(value)
-        except TypeError:
-            return False
-        return True
-
-    if writes(1025):
-        return None
-    low, high = MAX_JSON_DEPTH, 1025  # writes(low), not writes(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if writes(mid) else (low, mid)
-    return low
-
-
-_WRITE_LIMIT = _orjson_write_limit()
-_PADDING = threading.local()  # per thread: the nested lists a value is checked inside
-
-
-def _padding() -> tuple[list[Any], list[Any]]:
-    """(outer, inner): `_WRITE_LIMIT - MAX_JSON_DEPTH` nested lists, `inner` the deepest, empty between uses."""
-    found = getattr(_PADDING, "lists", None)
-    if found is None:
-        outer: list[Any] = []
-        inner = outer
-        for _ in range((_WRITE_LIMIT or 0) - MAX_JSON_DEPTH - 1):
-            inner.append([])
-            inner = inner[0]
-        found = _PADDING.lists = (outer, inner)
-    return found
-
-
-def too_deep(value: Any) -> bool:
-    """Whether a parsed JSON `value` nests past MAX_JSON_DEPTH, without recursing in Python. Put inside the
-    padding lists, it nests past orjson's write limit exactly when it nests past the bound, so orjson itself
-    checks it (about a quarter of the time orjson took to read it, measured on bodies of 0.4-47 KB). An orjson
-    that writes any depth would leave the walk, level by level over the containers, to do it."""
-    if _WRITE_LIMIT is None:
-        level = [value] if type(value) is dict or type(value) is list else []
-        for _ in range(MAX_JSON_DEPTH):
-            level = [c for v in level for c in (v.values() if type(v) is dict else v)
-                     if type(c) is dict or type(c) is list]
-            if not level:
-                return False
-        return True
-    outer, inner = _padding()
-    inner.append(value)
-    try:
-        orjson.dumps(outer)
-    except TypeError as exc:
-        return "recursion" in str(exc).lower()
-    finally:
-        inner.clear()
-    return False
-
-
-def json_too_deep(what: str) -> str:
-    return f"{what} nests deeper than the {MAX_JSON_DEPTH} levels of JSON this gateway accepts"
-
-
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
@@ -171,7 +98,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         if exc.msg == "depth limit exceeded":  # orjson's own bound (1024 levels), well past ours
             raise BadRequest(json_too_deep("the request body"), code="json_too_deep") from None
         raise BadRequest(f"the request body is not valid JSON: {exc.msg}", code="invalid_json") from None
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and too_deep(body):  # fewer brackets: not that deep
+    if nests_past_bound(raw, body):
         raise BadRequest(json_too_deep("the request body"), code="json_too_deep")
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", code="invalid_json")

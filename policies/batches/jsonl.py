@@ -14,6 +14,7 @@ from typing import Any, overload
 import orjson
 
 from policies.errors import BadRequest
+from policies.json_depth import json_too_deep, nests_past_bound
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID = 512
@@ -118,7 +119,11 @@ def parse(number: int, raw: bytes) -> dict[str, Any]:
     try:
         line = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if exc.msg == "depth limit exceeded":  # orjson's own bound (1024 levels), well past ours
+            raise bad_line(number, json_too_deep("it"), "json_too_deep") from None
         raise bad_line(number, f"not valid JSON ({exc.msg})", "invalid_json") from None
+    if nests_past_bound(raw, line):
+        raise bad_line(number, json_too_deep("it"), "json_too_deep")
     if not isinstance(line, dict):
         raise bad_line(number, "must be a JSON object", "invalid_json")
     for name in ("custom_id", "method", "url", "body"):

@@ -36,6 +36,13 @@ def chat_line(n: int, model: str = "m", **body) -> dict:
             "body": {"model": model, "messages": [{"role": "user", "content": f"say {n}"}], "max_tokens": 3, **body}}
 
 
+def nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
 def embed_line(n: int) -> dict:
     return {"custom_id": f"emb-{n}", "method": "POST", "url": "/v1/embeddings",
             "body": {"model": "m", "input": f"text {n}"}}
@@ -176,6 +183,8 @@ BAD_FILES = [  # (file, the line named, the error code)
     (jsonl([chat_line(1, model="nope")]), 1, "model_not_allowed"),
     (jsonl([chat_line(1, stream=True)]), 1, "invalid_batch_line"),
     (jsonl([chat_line(1), [1, 2]]), 2, "invalid_json"),
+    (jsonl([chat_line(1), chat_line(2, tools=nested(300))]), 2, "json_too_deep"),  # forwarded, a 500
+    (b'{"a": ' * 1100 + b"1" + b"}" * 1100 + b"\n", 1, "json_too_deep"),  # past orjson's own bound
 ]
 
 
