@@ -6,7 +6,11 @@ and a connection that sends nothing, half a request line, or a body at one byte 
 for ever. This subclass keeps httptools and adds, per connection:
 
 - `max_header_bytes`: the request line and headers are fed to the parser only up to the bound; past it the
-  client gets 431 and the rest is never parsed.
+  client gets 431 and the rest is never parsed. The same bound holds for the trailer fields after a chunked
+  body, and for any other run of bytes in a body that brings no progress (a chunk-size line, its extensions):
+  httptools buffers a field's pieces until the field ends, so what is counted is the bytes fed to the parser
+  since the body last moved (the head ended, a chunk began or ended, body bytes came out); past the bound,
+  431. Trailer fields never join the request's headers: the app sees only the head's.
 - `header_timeout`: from a new connection's accept, or a request's first byte, to the end of its headers
   (slowloris); then 408.
 - `body_timeout` and `body_min_rate`: the longest wait for the next body bytes, and the least average rate
@@ -14,16 +18,27 @@ for ever. This subclass keeps httptools and adds, per connection:
   behind) does not count against the client.
 - `keepalive_seconds` is uvicorn's own idle keep-alive (set in gateway/cli.py).
 - `max_connections`: at the bound, a new connection first takes the place of the longest-idle one (no request
-  in progress: a keep-alive connection, or one still sending its head); only when every connection is serving
-  a request does it get a fast 503 with `Retry-After`. The bound is also kept under the process's file limit,
-  so that accept() never fails (asyncio then stops accepting for a second: a hang for every client).
+  in progress: a keep-alive connection, or one still sending its head); else that of the slowest starving body:
+  a body under way for at least `BODY_GRACE` whose average rate is under `STARVING_FACTOR` x `body_min_rate`
+  (16 KiB/s by default: a 4 MiB body would take over four minutes), which gets 408. Such bodies pass the
+  `body_min_rate` floor, yet thousands of them would hold every connection for as long as they like. A body
+  the gateway itself stopped reading (the app is behind) is never starving. Only when every connection serves
+  a request at a better rate does the new one get a fast 503 with `Retry-After`. The bound is also kept under
+  the process's file limit, so that accept() never fails (asyncio then stops accepting for a second: a hang
+  for every client).
+- Body bytes the app has not asked for: uvicorn stops reading a connection once more than `HELD_MARK` bytes
+  wait for the app, and the gateway counts what such connections hold across the process; past
+  `max_held_bytes` (64 MiB) the connection that adds to it gets 503 (the gateway is behind on reading bodies) and its
+  bytes are let go. What an app answered without reading (a 401, a 404) is let go when the answer ends, not
+  when the connection does.
 
 A refused request is answered in its route's own error shape (Anthropic's on /v1/messages, OpenAI's elsewhere),
 then the connection is half-closed and what the client still sends is read and dropped for a moment, so that the
 answer is not lost to a reset. Nothing here logs a header or a body.
 
-Normal requests pay one length check per read: timers are armed only when a head or body is still incomplete
-after a read, which a client that sends a request in one piece never causes.
+Normal requests pay one length check per read: timers and the trailer count start only when a head or body is
+still incomplete after a read, and bodies are counted process-wide only past `HELD_MARK`, which a client that
+sends a small request in one piece never causes.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.endpoints.messages import anthropic_error
@@ -43,6 +59,8 @@ BODY_GRACE = 5.0  # seconds before `body_min_rate` applies: a short pause at the
 LINGER_SECONDS = 2.0  # after a refusal: how long what the client still sends is read and dropped
 LINGER_BYTES = 16 << 20  # ...and at most this much of it
 FILES_KEPT = 64  # file descriptors the process keeps for itself (logs, the store, the policy file)
+STARVING_FACTOR = 16  # a body under this many times `body_min_rate` gives up its connection when room is needed
+HELD_MARK = HIGH_WATER_LIMIT  # body bytes waiting for the app past which a connection is no longer read (64 KiB)
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,7 @@ class Bounds:
     body_timeout: float = 60.0
     body_min_rate: int = 1024
     max_connections: int = 4096
+    max_held_bytes: int = 64 << 20  # body bytes waiting for the app, over the connections past HELD_MARK
 
 
 def connection_bound(wanted: int) -> int:
@@ -73,6 +92,30 @@ class EdgeError(GatewayError):
         super().__init__(message, code=code)
 
 
+class HeldBodies:
+    """Body bytes that wait for the app past `HELD_MARK`, over every connection of the process."""
+
+    total = 0
+
+
+class ReleasingFlow(FlowControl):
+    """uvicorn's flow control, which resumes reading a connection when its app asks for the body: then the
+    bytes the connection held are the app's, no longer held (`release`)."""
+
+    def __init__(self, transport: asyncio.Transport, release) -> None:
+        super().__init__(transport)
+        self.release = release
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.release()
+            super().resume_reading()
+
+
+def _nothing_held() -> None:
+    pass
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     bounds = Bounds()  # replaced per server by `bounded_protocol`
 
@@ -85,6 +128,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._body_started = 0.0
         self._body_last = 0.0
         self._body_bytes = 0
+        self._unparsed = 0  # bytes fed to the parser in a body since it last moved (trailers, chunk-size lines)
+        self._held = 0  # this connection's part of HeldBodies.total
         self._lingering = -1  # bytes read and dropped since a refusal; -1: not refusing
         self._idle_since = time.monotonic()
         self.url = b""
@@ -92,7 +137,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     # -- connections ------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.bounds.max_connections and not self._evict_idle():
+        self.flow = self.releasing = ReleasingFlow(transport, self._release)
+        if len(self.connections) > self.bounds.max_connections and not self._evict_idle() \
+                and not self._evict_starving():
             self._refuse(EdgeError(503, f"the gateway is at server.max_connections "
                                         f"({self.bounds.max_connections} connections, each serving a request)",
                                    "too_many_connections", retry_after=1))
@@ -111,8 +158,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         oldest.transport.close()
         return True
 
+    def _evict_starving(self) -> bool:
+        """Refuse the slowest starving body (module docstring) to make room; False if there is none."""
+        floor = STARVING_FACTOR * self.bounds.body_min_rate
+        now = time.monotonic()
+        slowest, slowest_rate = None, float(floor)
+        for c in self.connections:
+            if (c is self or not isinstance(c, BoundedHttpToolsProtocol) or c._body_timer is None
+                    or c._lingering >= 0 or c.flow.read_paused or now - c._body_started < BODY_GRACE):
+                continue
+            rate = c._body_bytes / (now - c._body_started)
+            if rate < slowest_rate:
+                slowest, slowest_rate = c, rate
+        if slowest is None:
+            return False
+        slowest.connections.discard(slowest)
+        slowest._refuse_request(EdgeError(
+            408, f"the body arrived at {slowest_rate:.0f} bytes/s, under {STARVING_FACTOR} x server.body_min_rate, "
+                 f"while the gateway was at server.max_connections ({self.bounds.max_connections})",
+            "request_timeout"))
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        self._release()
+        self.releasing.release = _nothing_held  # no cycle between the connection and its flow
         super().connection_lost(exc)
 
     def _cancel_timers(self) -> None:
@@ -144,6 +214,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     return
             else:
                 self._head_seen += len(data)
+        else:  # a body: count what the parser takes without the body moving (trailer fields, chunk-size lines)
+            self._unparsed += len(data)
+            super().data_received(data)
+            if self._unparsed > self.bounds.max_header_bytes and self._lingering < 0 and self.cycle is not None \
+                    and not self.transport.is_closing():
+                self._refuse_request(EdgeError(431, f"the request's trailer fields (or a chunk-size line) exceed "
+                                                    f"server.max_header_bytes ({self.bounds.max_header_bytes} bytes)",
+                                               "request_header_fields_too_large"))
+                return
+            self._after_read(len(data))
+            return
         super().data_received(data)
         self._after_read(len(data))
 
@@ -162,13 +243,48 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self._body_bytes = len(cycle.body)
                 self._body_timer = self.loop.call_later(1.0, self._check_body)
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:  # after the head, a field is a trailer: it never joins the headers the app sees
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_seen = 0
+        self._unparsed = 0
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        """uvicorn's, with the body's progress noted and the bytes that wait for the app counted past HELD_MARK."""
+        self._unparsed = 0
+        cycle = self.cycle
+        if cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
+            return
+        cycle.body += body
+        if len(cycle.body) > HELD_MARK:
+            self._hold(len(cycle.body))
+        cycle.message_event.set()
+
+    def on_chunk_header(self) -> None:
+        self._unparsed = 0
+
+    def on_chunk_complete(self) -> None:
+        self._unparsed = 0
+
+    def _hold(self, held: int) -> None:
+        """Stop reading until the app asks for what this connection holds, and count it process-wide."""
+        self.flow.pause_reading()
+        HeldBodies.total += held - self._held
+        self._held = held
+        if HeldBodies.total > self.bounds.max_held_bytes and self._lingering < 0:
+            self._refuse_request(EdgeError(503, "the gateway holds too many request bodies it has not read yet",
+                                           "too_many_unread_bodies", retry_after=1))
+
+    def _release(self) -> None:
+        HeldBodies.total -= self._held
+        self._held = 0
 
     def on_message_complete(self) -> None:
         if self._body_timer is not None:
@@ -179,6 +295,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
+        if self.cycle.body and not self.pipeline:  # a body answered unread (a 401, a 404): let it go now
+            self.cycle.body = bytearray()
         super().on_response_complete()
 
     # -- timers -----------------------------------------------------------------------------------------------
@@ -199,24 +317,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.flow.read_paused:  # the gateway is behind, not the client
             self._body_last = now
         elif now - self._body_last > self.bounds.body_timeout:
-            self._refuse_body(f"no body bytes for server.body_timeout ({self.bounds.body_timeout:g} s)")
+            self._refuse_request(EdgeError(408, f"no body bytes for server.body_timeout "
+                                                f"({self.bounds.body_timeout:g} s)", "request_timeout"))
             return
         elif (now - self._body_started > BODY_GRACE
               and self._body_bytes / (now - self._body_started) < self.bounds.body_min_rate):
-            self._refuse_body(f"the body arrives slower than server.body_min_rate "
-                              f"({self.bounds.body_min_rate} bytes/s)")
+            self._refuse_request(EdgeError(408, f"the body arrives slower than server.body_min_rate "
+                                                f"({self.bounds.body_min_rate} bytes/s)", "request_timeout"))
             return
         self._body_timer = self.loop.call_later(1.0, self._check_body)
 
-    def _refuse_body(self, why: str) -> None:
+    def _refuse_request(self, error: EdgeError) -> None:
+        """Refuse a request whose head the app already has: its bytes are let go, its app sees a disconnect."""
         cycle = self.cycle
+        cycle.body = bytearray()
+        self._release()
         if cycle.response_started:  # the app already answers: nothing can be said any more
+            self._cancel_timers()
             self.transport.close()
             return
         cycle.response_complete = True  # whatever the app still sends is dropped (its receive sees a disconnect)
         cycle.disconnected = True
         cycle.message_event.set()
-        self._refuse(EdgeError(408, why, "request_timeout"))
+        if self.pipeline:  # an earlier request's answer is still on its way: a word now would break into it
+            self._cancel_timers()
+            self.transport.close()
+            return
+        self.flow.resume_reading()  # a connection held unread: what follows is read and dropped (_linger)
+        self._refuse(error)
 
     # -- refusing ---------------------------------------------------------------------------------------------
     def _refuse(self, error: EdgeError) -> None:
