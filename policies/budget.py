@@ -12,15 +12,22 @@ while both do (what one reserved is given back when the other refuses); the team
 `team:<name>`.
 
 Rented spend: a call may rent while spent + reserved is below the budget, so the spend ends within one
-request's cost of it (when the estimate is not below the real cost: max_tokens bounds the completion, the
-prompt is estimated at 4 characters a token); a call that may not rent waits for an owned replica. Past that the key's requests stay on owned backends (`when_spent: owned_only`, the
+request's cost of it: the reservation is an upper bound on the call's cost, not an estimate (the prompt at a
+token per UTF-8 byte, policies/tokens.py's `prompt_bound`, so a prompt crafted to make many tokens of few
+characters cannot rent at a fraction of its price; max_tokens bounds the completion); a call that may not rent
+waits for an owned replica. Past that the key's requests stay on owned backends (`when_spent: owned_only`, the
 default) or get 429 with the time of the reset (`reject`). Tokens: a request is admitted while spent +
 reserved + its estimate fits (exact, as the tokens-per-minute limit), else 429 with the reset time.
 
 Embedded store: the counters live in this process and start each period from the ledger, so a restart keeps
-what was spent. While Redis is unreachable nothing is rented for budgeted keys (money fails closed) and token
+what was spent. The ledger is written every flush interval, so a budgeted call also writes its reservation to
+the file before it leaves (one small WAL write: policies/store/sqlite_holds.py; keys without a budget never pay
+it); the ledger's write of the call's real figures deletes it. A process killed mid-interval leaves its calls'
+reservations there, and the next one settles them at their reserved bound (ledger rows marked estimated)
+before it counts any budget: a crash can only over-count a budget, never under-count it. While Redis is unreachable nothing is rented for budgeted keys (money fails closed) and token
 budgets admit (logged once). A replica that dies with reservations outstanding leaves them held until the
-period ends (they are at most its requests in flight).
+period ends (they are at most its requests in flight): each reservation is one atomic Lua call on the
+period's hash, which Redis keeps whatever becomes of the replica, so there too a crash only over-counts.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from policies.keys import KeyBudget
 from policies.teams import OWNER_PREFIX
 from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.pipeline import Call
-from policies.store import StoreUnavailable
+from policies.store import StoreError, StoreUnavailable
+from policies.store.sqlite_holds import HoldRow
 
 log = logging.getLogger("gateway.budget")
 
@@ -48,8 +56,9 @@ UTC = datetime.timezone.utc
 
 
 def estimate(call: Call, default_max_tokens: int) -> tuple[int, int, int]:
-    """(prompt, output, total) tokens the call may use, as its route prices it (policies/tokens.py)."""
-    prompt = call.tokens.prompt(call.body)
+    """(prompt, output, total) tokens the call may use at most, as its route bounds them (policies/tokens.py):
+    the prompt's upper bound, not the rate limits' estimate, since money must not be under-reserved."""
+    prompt = call.tokens.prompt_bound(call.body)
     output = call.tokens.output(call.body, default_max_tokens)
     return prompt, output, prompt + output
 
@@ -77,16 +86,40 @@ class Verdict:
 
 
 @dataclass(slots=True)
+class Pledge:
+    """A call's reservation as written to the store before the call leaves (where the store asks for it:
+    `Budgets.durable`): the call as the ledger would record it, at its reserved bound. One per call, whatever
+    number of budgets it counts against (the ledger's rows of a team's keys are the team's)."""
+
+    bucket: int
+    model: str
+    key_id: str
+    prompt: int
+    output: int
+    backend: str = ""
+    served: str = "owned"
+    cost: float = 0.0
+    id: int | None = None  # the store's, once written
+
+    def row(self) -> HoldRow:
+        return HoldRow(self.bucket, self.model, self.backend, self.key_id, self.served, self.prompt, self.output,
+                       self.cost)
+
+
+@dataclass(slots=True)
 class Hold:
     key_id: str  # the budget's owner: a key id, or a team's `team:<name>`
     start: int
     end: int
     cost: float
     tokens: int
+    pledge: Pledge | None = None  # the call's written reservation (the same for each of its holds)
 
 
 class Budgets(Protocol):
     """Per (key, period) spend and tokens: MemoryBudgets in this process, RedisBudgets shared by every replica."""
+
+    durable: bool  # counters a crash would lose: each call's reservation is written (`pledge`) before it leaves
 
     async def reserve(self, key_id: str, start: int, end: int, max_spend: float | None, cost: float,
                       max_tokens: int | None, want_tokens: int) -> Verdict: ...
@@ -98,6 +131,15 @@ class Budgets(Protocol):
 
     async def status(self, key_id: str, start: int, end: int) -> tuple[float, float]: ...
 
+    async def pledge(self, pledge: Pledge) -> None:
+        """Write (or raise) the call's reservation before it leaves; raises StoreError if it cannot."""
+
+    def release(self, pledge: Pledge) -> None:
+        """The call is settled and the ledger's sums have its figures: its next write drops the reservation."""
+
+    async def forget(self, pledge: Pledge) -> None:
+        """The call is settled with nothing the ledger records: drop the reservation now."""
+
 
 class MemoryBudgets:
     """Budgets in this process (embedded store): per (owner, period) [spent, reserved, tokens, reserved tokens].
@@ -107,10 +149,29 @@ class MemoryBudgets:
         self.ledger = ledger
         self.members = members  # async (team name) -> its key ids
         self.counts: dict[tuple[str, int], list[float]] = {}
+        self.holds = getattr(ledger, "holds", None)  # the file's written reservations (the SQLite ledger's)
+        self.durable = self.holds is not None
+        self.orphans_settled = not self.durable
+        self.settling: asyncio.Lock | None = None
+
+    async def settle_orphans(self) -> None:
+        """Before the first count: reservations an earlier process left unsettled go into the ledger at their
+        reserved bound."""
+        if self.settling is None:
+            self.settling = asyncio.Lock()
+        async with self.settling:
+            if not self.orphans_settled:
+                settled = await self.ledger.settle_orphans()
+                self.orphans_settled = True
+                if settled:
+                    log.warning("settled %d budget reservations that a stopped process left open, at their "
+                                "reserved bound (ledger rows marked estimated)", settled)
 
     async def counters(self, key_id: str, start: int) -> list[float]:
         counts = self.counts.get((key_id, start))
         if counts is None:
+            if not self.orphans_settled:
+                await self.settle_orphans()
             spent = used = 0.0
             team = key_id[len(OWNER_PREFIX):] if key_id.startswith(OWNER_PREFIX) else None
             keys = set(await self.members(team)) if team is not None and self.members is not None else {key_id}
@@ -159,6 +220,18 @@ class MemoryBudgets:
         c = await self.counters(key_id, start)
         return c[0], c[2]
 
+    async def pledge(self, pledge: Pledge) -> None:
+        if self.holds is not None:
+            pledge.id = await self.holds.hold(pledge.row(), pledge.id)
+
+    def release(self, pledge: Pledge) -> None:
+        if self.holds is not None and pledge.id is not None:
+            self.holds.release(pledge.id)
+
+    async def forget(self, pledge: Pledge) -> None:
+        if self.holds is not None and pledge.id is not None:
+            await self.holds.forget(pledge.id)
+
 
 # KEYS: the period's hash. ARGV: max spend (-1: none), cost to reserve, max tokens (-1: none), tokens to
 # reserve, expire at. Returns {tokens ok, rent ok, spent, tokens used}.
@@ -194,6 +267,8 @@ class RedisBudgets:
     """Budgets in Redis: one hash per key and period, {prefix}budget:{<key id>:<period start>} (its own hash
     slot, so each script touches one slot and runs unchanged on Redis Cluster)."""
 
+    durable = False  # each reservation is an atomic write to the period's hash in Redis already
+
     def __init__(self, store) -> None:
         self.store = store
         self._reserve = store.client.register_script(RESERVE)
@@ -222,6 +297,15 @@ class RedisBudgets:
             spent, used = await self.store.client.hmget(self.name(key_id, start), "s", "t")
         return float(spent or 0), float(used or 0)
 
+    async def pledge(self, pledge: Pledge) -> None:
+        """Nothing more to write: `reserve` was the write."""
+
+    def release(self, pledge: Pledge) -> None:
+        """Nothing written, nothing to drop."""
+
+    async def forget(self, pledge: Pledge) -> None:
+        """Nothing written, nothing to drop."""
+
 
 class Budget:
     """A pipeline step (it reserves on entry) and an observer of finished calls (it settles from the record, whose
@@ -238,6 +322,9 @@ class Budget:
         self.default_max_tokens = policy.rate_limits.default_max_tokens
         self.overflow = {m.name: m.overflow.provider for m in policy.models if m.overflow}
         self.outage_logged = False
+        self.durable = getattr(budgets, "durable", False)  # write each call's reservation before it leaves
+        self.bucket_seconds = policy.ledger.bucket_seconds
+        self.ledger_records = policy.ledger.enabled  # the ledger's observer records each sent call
 
     @staticmethod
     def owners(call: Call) -> list[tuple[str, KeyBudget, str]]:
@@ -267,6 +354,8 @@ class Budget:
             await asyncio.gather(*(self.budgets.settle(hold, 0.0, 0) for hold, _ in holds if hold.tokens))
             raise
         call.budget_hold = [hold for hold, _ in holds]
+        if self.durable and any(hold.tokens for hold, _ in holds):
+            await self.write_pledge(call, [hold for hold, _ in holds], None, 0.0)
         provider = self.overflow.get(call.model) if call.key is not None and call.key.data_policy == "allow_rented" \
             and call.rent_allowed \
             else None
@@ -327,6 +416,35 @@ class Budget:
                 return False
             hold.cost = cost
             taken.append(hold)
+        if self.durable and not await self.write_pledge(call, taken, provider, cost):
+            for hold in taken:  # not written: not rented, as while the store is down
+                await self.budgets.settle(Hold(hold.key_id, hold.start, hold.end, cost, 0), 0.0, 0)
+                hold.cost = 0.0
+            call.rent_allowed = False
+            return False
+        return True
+
+    async def write_pledge(self, call: Call, holds: list[Hold], provider: str | None, cost: float) -> bool:
+        """Write the call's reservation (raised to its rented cost when it is about to rent) before it leaves;
+        False if the store could not (logged once, as an outage)."""
+        pledge = next((hold.pledge for hold in holds if hold.pledge is not None), None)
+        if pledge is None:
+            key = call.key
+            assert key is not None
+            prompt, output, _ = estimate(call, self.default_max_tokens)
+            now = int(time.time())
+            pledge = Pledge(now - now % self.bucket_seconds, call.model, key.id, prompt, output)
+        if provider is not None:
+            pledge.backend, pledge.served, pledge.cost = f"rented:{provider}", RENTED, cost
+        try:
+            await self.budgets.pledge(pledge)
+        except StoreError:
+            if not self.outage_logged:
+                self.outage_logged = True
+                log.warning("budget store unavailable: budgeted keys stay on owned backends, token budgets admit")
+            return False
+        for hold in call.budget_hold or holds:
+            hold.pledge = pledge
         return True
 
     def refuse(self, message: str, code: str, end: int) -> None:
@@ -355,3 +473,9 @@ class Budget:
             # in this process: settled before the next request of the key reserves; in Redis: off the request path
             if not self.budgets.settle_now(hold, cost, used):
                 self.background(self.budgets.settle(hold, cost, used))
+        pledge = holds[0].pledge if holds else None
+        if pledge is not None and pledge.id is not None:
+            if self.ledger_records:  # the ledger's next write holds the call (if it was sent) and drops the pledge
+                self.budgets.release(pledge)
+            else:
+                self.background(self.budgets.forget(pledge))

@@ -112,7 +112,8 @@ def test_spent_budget_can_refuse_with_the_reset_time(three):
     removed = c.cli("keys", "--url", c.urls[0], "--json", "update", key_id, "--no-budget")
     assert removed.returncode == 0 and json.loads(removed.stdout)["budget"] is None, removed.stderr
 
-    tokens_key = c.issue_key(budget={"max_tokens_per_period": 100})  # each request reserves 20 + 10 tokens
+    # each request reserves at most 61 + 8 + 10 tokens (its prompt's UTF-8 bytes, the template's, max_tokens): 3 fit
+    tokens_key = c.issue_key(budget={"max_tokens_per_period": 240})
     replies = asyncio.run(burst(c.urls, tokens_key, 6))
     codes = [r.status_code for r in replies]
     assert codes.count(200) == 3 and codes.count(429) == 3
@@ -120,6 +121,6 @@ def test_spent_budget_can_refuse_with_the_reset_time(three):
     tokens_id = tokens_key.split("-")[1]
     deadline = time.monotonic() + 10
     while (shown := c.cli("keys", "--url", c.urls[1], "budget", tokens_id)).stdout.split("\n")[1].split()[3:6] \
-            != [str(used), "of", "100"]:  # what the three answers used, settled off the request path
+            != [str(used), "of", "240"]:  # what the three answers used, settled off the request path
         assert time.monotonic() < deadline, shown.stdout + shown.stderr
         time.sleep(0.1)
