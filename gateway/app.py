@@ -181,6 +181,7 @@ class Gateway:
         proxy.tracing = self.tracing  # read at start: a reload that changes `tracing` needs a restart
         proxy.shadow = next((o for o in snapshot.observers if isinstance(o, Shadow)), None)
         proxy.loras = self.loras
+        proxy.rent_check = self.authenticate.may_rent_now
         self.proxy = proxy
 
     def batch_runner_wake(self) -> None:

@@ -18,6 +18,7 @@ from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, open
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import bearer_key, check_key_source
 from policies.errors import (
+    AuthenticationFailed,
     BadRequest,
     GatewayError,
     InternalError,
@@ -84,14 +85,33 @@ def check_length(headers: dict[str, str], limit: int) -> None:
             raise too_large(limit)
 
 
+CREDENTIALS = ("authorization", "x-api-key")  # the headers a key may come in: each at most once
+
+
+class DuplicateCredential(AuthenticationFailed):
+    """A credential header sent twice: which one would be the caller? Neither is trusted."""
+
+    code = "duplicate_credential"
+
+
+def header_pairs(scope):
+    """(lower-case name, value) of each request header, as text."""
+    return ((key.decode("latin-1").lower(), value.decode("latin-1")) for key, value in scope["headers"])
+
+
 def header_map(scope) -> dict[str, str]:
+    """The request's headers by lower-case name; a repeated header keeps its first value, but for
+    X-Forwarded-For (one list, in order) and the credential headers: a second Authorization or X-Api-Key is a
+    DuplicateCredential (401 naming it), whatever the two say, so no front proxy and no gateway replica can
+    disagree with this one on who is calling."""
     headers: dict[str, str] = {}
-    for key, value in scope["headers"]:
-        name, text = key.decode("latin-1").lower(), value.decode("latin-1")
-        if name == "x-forwarded-for" and name in headers:  # a list header: repeated lines are one list, in order
+    for name, text in header_pairs(scope):
+        if name not in headers:
+            headers[name] = text
+        elif name == "x-forwarded-for":  # a list header: repeated lines are one list, in order
             headers[name] += ", " + text
-        else:
-            headers.setdefault(name, text)
+        elif name in CREDENTIALS:
+            raise DuplicateCredential(f"the {name} header was sent more than once; send one API key, once")
     return headers
 
 
@@ -161,13 +181,18 @@ class OpenAIRoutes:
         if found is None:
             if scope["type"] == "http" and path.startswith("/v1/"):
                 await send_error(send, NotFound(f"unknown path {path[:200]}", code="unknown_url"),
-                                 request_id_from(header_map(scope)))
+                                 request_id_from(dict(header_pairs(scope))))
             else:
                 await self.fallback(scope, receive, send)
             return
         methods, params = found
         method = scope["method"]
-        headers = header_map(scope)
+        try:
+            headers = header_map(scope)
+        except DuplicateCredential as exc:
+            any_route = next(iter(methods.values()))
+            await send_error(send, exc, request_id_from({}), render=any_route.errors)
+            return
         route = methods.get(method)
         if route is None:
             any_route = next(iter(methods.values()))  # RFC 9110: a 405 names the methods that work
@@ -194,6 +219,7 @@ class OpenAIRoutes:
         arrived = time.perf_counter()
         status = 200
         stream: BodyStream | None = None
+        limits: Call | None = None  # what the key's limits took, to give back
         try:
             network = self.gateway.client_network
             host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
@@ -201,6 +227,9 @@ class OpenAIRoutes:
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
             check_key_source(key, host)
             team = await self.gateway.authenticate.team_of(key)
+            if route.limited:
+                limits = Call(request_id, route.name, headers, host, arrived, key=key, team=team)
+                await self.count_against_limits(limits)
             if team is not None:  # the models it lists are the key's inside its team's
                 key = key.model_copy(update={"models": effective_models(key, team)})
             raw = b""
@@ -221,14 +250,25 @@ class OpenAIRoutes:
             raise
         except GatewayError as exc:
             status = exc.status
-            await send_error(send, exc, request_id, render=route.errors)
+            await send_error(send, exc, request_id, limits.response_headers if limits else None, render=route.errors)
         else:
-            headers = {"content-type": route.answer_type, "x-request-id": request_id}
+            headers = {"content-type": route.answer_type, "x-request-id": request_id,
+                       **(limits.response_headers if limits else {})}
             if isinstance(body, Download):
                 await send_download(send, headers, body)
             else:
                 await send_bytes(send, 200, headers, body)
+        finally:
+            if limits is not None and limits.ticket is not None:
+                await self.gateway.snapshot.rate_limit.leave(limits)  # the concurrency slot back
         self.gateway.proxy.observers.finished(answered(request_id, route.name, status, arrived))
+
+    async def count_against_limits(self, call: Call) -> None:
+        """A route the gateway answers itself (files, batches, the model list) counts against its key's (and
+        team's) requests per minute and concurrency like any other request: an upload or a listing is not free."""
+        rate_limit = self.gateway.snapshot.rate_limit
+        if rate_limit is not None:
+            await rate_limit.enter(call)
 
     async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
                     send) -> None:
@@ -248,6 +288,7 @@ class OpenAIRoutes:
         loop = self.loop or self._bind_loop()
         task = asyncio.current_task(loop)
         try:
+            call.key = await self.caller(call)  # from the head: no body byte is read for a caller without a key
             if route.body == MULTIPART:  # streamed through: the client's connection is watched once it is in
                 watch = Watch(loop, task, receive, armed=False)
                 raw = BodyStream(receive, headers, limit, watch.arm)
@@ -292,6 +333,14 @@ class OpenAIRoutes:
                 await reply.stream.aclose()  # its end-of-stream bookkeeping runs now, before the accounting
             if reply is not None and reply.close is not None:
                 await reply.close(error)
+
+    async def caller(self, call: Call):
+        """The call's key, verified from its request head before its body is read: an unauthenticated client
+        gets its 401 (or a refused network its 403) at once, and never has a body buffered for it. The pipeline's
+        network and key steps run again on the call as they always do (the key step keeps this record)."""
+        network = self.gateway.client_network
+        network.admit(network.client_address(call.client_host, call.headers.get("x-forwarded-for")))
+        return await self.gateway.authenticate.verify(call.headers.get("authorization"))
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         self.loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ from policies.errors import (
     BadRequest,
     GatewayError,
     NoBackendAvailable,
+    NotRentable,
     OverBudget,
     UpstreamFailed,
     UpstreamStatus,
@@ -50,6 +51,10 @@ from policies.pipeline import Call, Pipeline
 from policies.tokens import CHARS_PER_TOKEN
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+# what a secret looks like: an API key (ours `sk-<id>-<secret>`, a provider's sk-/rk-/pk- ones), a JWT, or a long run
+# of mixed-case letters and digits (a random token); a request id so shaped is replaced, never logged or echoed
+SECRET_SHAPE = re.compile(r"(?i:(?:^|[^a-z0-9])(?:sk|rk|pk)-[a-z0-9_-]{8,})|eyJ[A-Za-z0-9_-]{8,}"
+                          r"|(?=[A-Za-z0-9]{24})(?=[a-z0-9]*[A-Z])(?=[A-Z0-9]*[a-z])[A-Za-z]*[0-9]")
 WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange",
                TOO_LARGE: "answered past the gateway's limits"}
 MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
@@ -65,8 +70,10 @@ class Reply:
 
 
 def request_id_from(headers: Any) -> str:
+    """The client's X-Request-Id when it is a plain id; a new one when it is missing, malformed, or looks like a
+    secret (a key pasted in the wrong header must not reach the access log, traces or the backend)."""
     given = headers.get("x-request-id")
-    if given and REQUEST_ID.match(given):
+    if given and REQUEST_ID.match(given) and not SECRET_SHAPE.search(given):
         return given
     return unique_id()
 
@@ -96,6 +103,8 @@ class Proxy:
         self.tracing: Tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
         self.shadow: Shadow | None = None  # gateway/shadow.py: set by the app when a model has a shadow variant
         self.loras: LoraAdapters | None = None  # backends/lora.py: set by the app; loads adapters on demand
+        # asked right before every rent: does the key's current record still allow it? (policies/auth.py)
+        self.rent_check: Callable[[Call], Awaitable[bool]] | None = None
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -158,7 +167,7 @@ class Proxy:
             except WouldWait:
                 try:
                     return await self.rent(call, before)
-                except OverBudget:  # the key may not spend more on renting: wait for an owned replica after all
+                except (OverBudget, NotRentable):  # the key may not rent (any more): wait for an owned replica
                     overflow = None
                     continue
             except NoBackendAvailable:
@@ -229,8 +238,14 @@ class Proxy:
                 and call.model in self.overflow and call.route.rentable and call.pinned is None)
 
     async def rent(self, call: Call, since: float) -> Response:
-        """Serve from the model's rented provider: one attempt, no retries (it is the last resort)."""
+        """Serve from the model's rented provider: one attempt, no retries (it is the last resort). The key's
+        current record is asked first: the decision taken at admission may be stale by now."""
         target = self.rented.targets[call.model]
+        if self.rent_check is not None and not await self.rent_check(call):
+            call.rent_allowed = False
+            self.metrics.rent_refused.labels(call.model, "data_policy").inc()
+            raise NotRentable(f"no backend of model {call.model} is available, and this API key may no longer "
+                              "use a rented provider")
         if call.before_rent is not None and not await call.before_rent():
             raise OverBudget(f"no backend of model {call.model} has room and this key's rented budget is spent")
         if call.overhead == 0:

@@ -80,8 +80,8 @@ class Authenticate:
         self.touched: dict[str, float] = {}
 
     async def enter(self, call: Call) -> None:
-        if call.batch is None:  # a batch's line comes with its key's record, checked as it was read
-            call.key = await self.verify(call.headers.get("authorization"))
+        if call.key is None:  # a batch's line comes with its key's record, checked as it was read; a request
+            call.key = await self.verify(call.headers.get("authorization"))  # with its head's (gateway/)
         if call.key.team is not None:  # most keys have none: no coroutine made for them
             call.team = await self.team_of(call.key)
 
@@ -132,6 +132,30 @@ class Authenticate:
             self.touched[key_id] = mono
             self.background(self.store.touch_key(key_id, now))
         return record
+
+    async def may_rent_now(self, call: Call) -> bool:
+        """Whether the call's key, as the store holds it at this moment, still lets it reach a rented provider:
+        asked right before renting, however long ago the call was admitted (it may have queued while an admin
+        made its key or team `private_only`, or revoked it; a batch line carries the record its batch was read
+        with). Read from the store, not the cache: renting is rare, and a change announced late must not let
+        one private prompt out. The fresh records replace the cached ones. A store that cannot answer says no."""
+        key = call.key
+        if key is None:
+            return False
+        try:
+            record = await self.store.get_key(key.id)
+            team = await self.store.get_team(record.team) if record is not None and record.team else None
+        except StoreUnavailable:
+            return False
+        mono = time.monotonic()
+        if not isinstance(record, KeyRecord) or not record.usable(time.time()):
+            return False
+        self.cache.put(record, mono)
+        if team is not None:
+            self.cache.put(team, mono)
+        if record.data_policy != "allow_rented" or (record.models is not None and call.model not in record.models):
+            return False
+        return record.team is None or (isinstance(team, TeamRecord) and team.data_policy != "private_only")
 
     async def leave(self, call: Call) -> None:
         pass

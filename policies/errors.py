@@ -128,6 +128,14 @@ class OverBudget(NoBackendAvailable):
     code = "rented_budget_spent"
 
 
+class NotRentable(NoBackendAvailable):
+    """The call would have spilled to a rented provider, but its key's current record no longer allows it (made
+    `private_only`, revoked, its team made private since the call was admitted): it waits for an owned replica
+    instead, or, when none is up, gets this 503."""
+
+    code = "rented_not_allowed"
+
+
 class StateUnavailable(GatewayError):
     """The shared store is unreachable (an outage, or a failover until the new primary answers): retry soon."""
 

@@ -173,6 +173,11 @@ class GatewayMetrics:
             "llm_gateway_rented_cost", "Cost of rented tokens at the provider's configured price (currency units).",
             ["model", "provider"], registry=r,
         )
+        self.rent_refused = Counter(
+            "llm_gateway_rent_refused", "Calls that would have spilled to a rented provider but were kept on owned"
+            " backends at the moment of renting, by why (data_policy: the key's current record no longer allows it).",
+            ["model", "reason"], registry=r,
+        )
         self.retries = Counter(
             "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
             registry=r,

@@ -60,6 +60,7 @@ class Snapshot:
     client_network: ClientNetwork
     pipeline: Pipeline
     observers: Observers  # of every finished call (policies/finished.py)
+    rate_limit: RateLimit | None = None  # the pipeline's limits step, also for what the gateway answers itself
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
     client_network = ClientNetwork(policy.network)
     rented = rented_providers(policy)
     budget = [Budget(policy, shared.budgets, rented.cost, shared.background)] if shared.budgets is not None else []
+    rate_limit = RateLimit(policy, shared.limiter, shared.background, shared.metrics)
     pipeline = Pipeline([
         client_network,
         shared.authenticate,
@@ -122,7 +124,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         *([AssignVariant(shared.variants, shared.replicas.load_of)] if shared.variants.models else []),
         Authorize(),
         Classify(policy),
-        RateLimit(policy, shared.limiter, shared.background, shared.metrics),
+        rate_limit,
         *budget,
     ])
     observers = Observers([
@@ -133,7 +135,8 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
         shared.metrics,
         *shared.observers(policy, admission),
     ], shared.metrics.observer_failed)
-    return Snapshot(policy, version, time.time(), profiles, admission, rented, client_network, pipeline, observers)
+    return Snapshot(policy, version, time.time(), profiles, admission, rented, client_network, pipeline, observers,
+                    rate_limit)
 
 
 def apply_static_replicas(policy: Policy, replicas: ReplicaSet) -> None:

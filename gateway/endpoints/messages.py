@@ -12,6 +12,7 @@ import orjson
 
 from gateway.endpoints.base import Route, io_usage, no_usage
 from gateway.relay import EventRelay
+from policies.auth import INVALID
 from policies.errors import GatewayError
 from policies.pipeline import Call
 from policies.routing.prompt import messages_text
@@ -28,7 +29,7 @@ INVALID_KEY = ("Incorrect or missing API key. Pass one valid key as `x-api-key: 
 
 def anthropic_error(error: GatewayError) -> bytes:
     kind = TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    message = INVALID_KEY if error.status == 401 else error.message  # these clients send the key as x-api-key
+    message = INVALID_KEY if error.message == INVALID else error.message  # these clients send the key as x-api-key
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 

@@ -31,5 +31,7 @@ async def one(gateway: Models, key: KeyRecord, asked: Asked) -> bytes:
     return found
 
 
-LIST = Route("models", "/v1/models", methods=("GET",), body=NONE, answer=listing)
-RETRIEVE = Route("models/retrieve", "/v1/models/{model:path}", methods=("GET",), body=NONE, answer=one)
+LIST = Route("models", "/v1/models", methods=("GET",), body=NONE, answer=listing,
+             limited=False)  # what a client may ask: never refused for asking too often
+RETRIEVE = Route("models/retrieve", "/v1/models/{model:path}", methods=("GET",), body=NONE, answer=one,
+                 limited=False)

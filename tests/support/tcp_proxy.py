@@ -4,6 +4,7 @@ the network fails it.
 `freeze()`: every connection open now stops forwarding bytes both ways without closing (a dropped NAT entry, a
 dead node: the client's socket just reads nothing); connections opened later work. `down()`: the listener and
 every connection close (the server is gone: connections are refused); `up()` listens again on the same port.
+`refuse_new(keep)`: the listener closes, and every connection but those whose request starts with `keep`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ class TcpProxy:
             await self.server.wait_closed()
             self.server = None
         self.close_links()
+
+    def refuse_new(self, keep: bytes) -> None:
+        """Stop listening (new connections are refused) and close every open connection but those whose first
+        request line starts with `keep`: an exchange under way goes on, an idle pooled one cannot be reused."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for link in [link for link in self.links if not link.head.startswith(keep)]:
+            for writer in link.writers:
+                writer.close()
+            self.links.remove(link)
 
     def freeze(self) -> int:
         """Freeze every open connection; how many."""
