@@ -327,6 +327,8 @@ class Proxy:
         finally:
             response.close()
         received = time.perf_counter()
+        if call.replica.rented:  # a provider may quote its key back (an error, a field): it goes no further
+            raw = self.rented.scrub(raw)
         status = response.status
         if status >= 500:
             raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_text(raw)[1]}")
@@ -355,6 +357,9 @@ class Proxy:
         relay = call.route.relay(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
+        # a rented provider may quote its key back: scrubbed from whole events (a key cut between two chunks is
+        # whole again there), before the client, the tap (spans) or a variant's signals see them
+        scrub = self.rented.scrub if call.replica.rented else None
         first = True
         try:
             while not relay.ended and (chunk := await response.next_chunk()):
@@ -366,14 +371,22 @@ class Proxy:
                         self.admission.observe(call.replica, now - call.sent_at)
                     if call.shadow is not None and self.shadow is not None:
                         self.shadow.start(call)  # the live answer is under way: its copy may go now
-                if call.tap is not None:
+                if call.tap is not None and scrub is None:
                     call.tap.append(chunk)
                 out = relay.feed(chunk)
+                if scrub is not None and out:
+                    out = scrub(out)
+                    if call.tap is not None:
+                        call.tap.append(out)
                 if out:
                     if answer is not None:
                         answer.feed(out)
                     yield out
             tail = relay.flush()
+            if scrub is not None and tail:
+                tail = scrub(tail)
+                if call.tap is not None:
+                    call.tap.append(tail)
             if tail:
                 if answer is not None:
                     answer.feed(tail)
@@ -446,7 +459,7 @@ class Proxy:
                    "x-gateway-served-by": "rented" if call.replica.rented else "owned"}
         content_type = response.headers.get("content-type")
         if content_type:
-            headers["content-type"] = content_type
+            headers["content-type"] = self.rented.scrub_text(content_type) if call.replica.rented else content_type
         return headers
 
 

@@ -1,14 +1,22 @@
 """Relaying a backend's SSE stream to the client as it arrives, touching only what the gateway must.
 
-Bytes are passed on at event boundaries without re-encoding. Only the event that carries usage is parsed (as
-JSON: a provider's spacing, key order or extra fields never hide it), for token accounting, and dropped again
-when the client did not ask for usage. When the backend's served model name differs from the public one,
-`"model":"<served>"` is rewritten in place. `SSERelay` carries chat and completions streams (`data:` lines, a
-usage chunk, `[DONE]`); `EventRelay` the `event:` + `data:` frames of the Responses and Anthropic Messages APIs;
-`ReplayRelay` a stored response's events streamed again (a Responses retrieve), whose tokens were counted when
-it was made. One event is bounded (`max_event`, the policy's upstream.max_event_bytes): an upstream that sends
-more without an event boundary ends the stream with TooLarge, holding no more than that. CRLF line ends (which
-SSE allows) are passed on as LF, so that such a stream is cut into events and metered like any other.
+Bytes are passed on at event boundaries without re-encoding. Only events that carry usage are parsed, for token
+accounting, and the usage event proper is dropped again when the client did not ask for usage. When the
+backend's served model name differs from the public one, `"model":"<served>"` is rewritten in place.
+`SSERelay` carries chat and completions streams (`data:` lines, a usage chunk, `[DONE]`); `EventRelay` the
+`event:` + `data:` frames of the Responses and Anthropic Messages APIs; `ReplayRelay` a stored response's events
+streamed again (a Responses retrieve), whose tokens were counted when it was made. One event is bounded
+(`max_event`, the policy's upstream.max_event_bytes): an upstream that sends more without an event boundary ends
+the stream with TooLarge, holding no more than that.
+
+An event that carries usage is read as the SSE grammar reads it (WHATWG's event-stream), as the client's SDK
+will: CRLF, CR and LF all end a line (CR and CRLF are passed on as LF, so every stream is cut and metered
+alike), `id:`, `event:`, `retry:` and `:` comment lines may come before or between `data:` lines, and several
+`data:` lines are one payload joined with "\\n". Usage is merged across all the events of a stream, each count
+taken once at the largest value any event reported: a provider that sends the prompt's tokens and the output's
+in separate events is charged for both, one that repeats a running total on every chunk for the total only.
+The cost stays where it was for the plain stream (one `data:` line an event, most with no usage in them): a
+chunk is looked into only when it holds a `"usage"` key whose value is not `null`.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ import orjson
 from backends.http1 import Limits, TooLarge
 
 SEP = b"\n\n"
-CR = b"\r"
-USAGE_KEY = b'"usage"'  # cannot occur inside a JSON string (its quotes would be escaped): only as a key
-USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')  # ...whose value is an object (not null, as OpenAI sends on chunks)
+USAGE_KEY = b'"usage"'  # a key (or the whole string "usage": parsed, no harm); never inside a longer JSON string
+USAGE_NULL = re.compile(rb'"usage"[ \t]*:[ \t]*null')  # OpenAI's `"usage": null` on every chunk, any spacing
+BOM = b"\xef\xbb\xbf"  # a stream may start with one; the grammar drops it
+COUNTED = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class Frames:
@@ -35,12 +44,13 @@ class Frames:
     max_event = Limits().event_bytes
     replay = False  # True: the stream repeats stored events: no tokens, no first-token time, no verdict on the backend
     ended = False  # True: a frame that ends the stream has passed; whatever the upstream does next is not waited for
+    cr_ended = False  # True: `pending` is only a CR that ended an event (passed on as LF); a LF next is its pair
 
     def feed(self, chunk: bytes) -> bytes:
         """Take raw upstream bytes; return the complete events ready for the client (possibly b"")."""
         data = self.pending + chunk if self.pending else chunk
-        if 13 in data:  # a CR: CRLF framing (SSE allows it): events and usage must not depend on a provider's line ends
-            data = data.replace(b"\r\n", b"\n")  # a \r that ends a chunk waits in `pending` for its \n
+        if 13 in data:  # a CR: CRLF or CR line ends (SSE allows both); never on vLLM's streams
+            return self._feed_cr(data)
         cut = data.rfind(SEP)
         if cut < 0:
             self.pending = data
@@ -53,6 +63,34 @@ class Frames:
             self._bound()
         return self._process(ready)
 
+    def _feed_cr(self, data: bytes) -> bytes:
+        """`feed` for bytes with a CR in them: every line end becomes a LF, so the stream is cut and metered like
+        any other. A CR that ends the bytes may be the first half of a CRLF: it counts as a line end now (an event
+        it ends goes on at once), and waits in `pending` as a CR so that a LF right after it is not a second one."""
+        if self.cr_ended:  # `pending` was that lone CR, already passed on
+            self.cr_ended = False
+            data = data[2:] if data[1:2] == b"\n" else data[1:]
+        data = data.replace(b"\r\n", b"\n")
+        held = data[-1:] == b"\r"
+        if 13 in data:
+            data = data.replace(b"\r", b"\n")
+        cut = data.rfind(SEP)
+        if cut < 0:
+            self.pending = data[:-1] + b"\r" if held else data
+            self._bound()
+            return b""
+        end = cut + len(SEP)
+        ready, rest = data[:end], data[end:]
+        if held:
+            if rest:
+                rest = rest[:-1] + b"\r"
+            else:
+                rest, self.cr_ended = b"\r", True
+        self.pending = rest
+        if len(rest) > self.max_event:
+            self._bound()
+        return self._process(ready)
+
     def _bound(self) -> None:
         if len(self.pending) > self.max_event:
             self.pending = b""
@@ -61,18 +99,90 @@ class Frames:
     def flush(self) -> bytes:
         """Whatever is left when the upstream ends (a well-formed stream leaves nothing)."""
         rest, self.pending = self.pending, b""
+        if self.cr_ended:
+            self.cr_ended, rest = False, b""
+        elif 13 in rest:
+            rest = rest.replace(b"\r", b"\n")
         return self._process(rest) if rest else b""
 
     def _process(self, events: bytes) -> bytes:
         raise NotImplementedError
 
 
-def data_of(line: bytes) -> Any:
-    """The JSON of one `data:` line (with or without the space after the colon); None if it is not JSON."""
+def usage_in(events: bytes, mark: int) -> bool:
+    """Whether `events` hold a `"usage"` key whose value is anything but null (then they are parsed); `mark` is
+    where the last `"usage"` is (events.rfind(USAGE_KEY): from the end, where a stream's usage is, and faster
+    than `in` on JSON, full of quotes)."""
+    while mark >= 0:
+        if events.startswith(b":{", mark + 7):  # compact JSON, vLLM's: an object, no more to check
+            return True
+        if not events.startswith(b":null", mark + 7) and USAGE_NULL.match(events, mark) is None:
+            return True
+        mark = events.rfind(USAGE_KEY, 0, mark)
+    return False
+
+
+def event_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
+    """(the `event:` type or None, the data or None) of one event (LF line ends; its blank line may follow), as
+    the SSE grammar reads it: `data:` lines joined with "\\n", one space after a field's colon dropped, comment
+    lines (`:`) and other fields (`id:`, `retry:`, unknown ones) skipped."""
+    kind, data = None, []
+    for line in event.removeprefix(BOM).split(b"\n"):
+        if not line or line[0] == 58:  # a blank line, or ":" a comment
+            continue
+        name, colon, value = line.partition(b":")
+        if colon and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            kind = value
+    return kind, b"\n".join(data) if data else None
+
+
+def event_json(event: bytes) -> Any:
+    """The JSON of one event's data (its blank line may follow), or None where there is none or it is not JSON."""
+    line_end = event.find(b"\n")
+    if event.startswith(b"data:") and (line_end < 0 or line_end == len(event) - 2 and event[-1] == 10):
+        data: bytes | None = event[5:]  # one data line, as most are; JSON allows the space and newlines around it
+    else:
+        data = event_fields(event)[1]
+    return json_of(data) if data is not None else None
+
+
+def json_of(data: bytes) -> Any:
+    """`data` as JSON, or None where it is not JSON."""
     try:
-        return orjson.loads(line[5:])
+        return orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
+
+
+def counts(usage: dict[str, Any]) -> bool:
+    """Whether `usage` counts any token (`{}` and zeros count none)."""
+    for name in COUNTED:
+        value = usage.get(name)
+        if value.__class__ is int and value > 0:
+            return True
+    return False
+
+
+def merged_usage(seen: dict[str, Any] | None, usage: dict[str, Any]) -> dict[str, Any] | None:
+    """The stream's usage so far with one more event's: each count at the largest value reported (a running
+    total, or the same usage repeated, counts once; counts sent in separate events are all kept), the other
+    fields as last sent. A usage that counts nothing is no usage: such a stream is still estimated."""
+    if usage == seen:
+        return seen
+    if seen is None:
+        return usage if counts(usage) else None
+    merged = {**seen, **usage}
+    for name in COUNTED:
+        before = seen.get(name)
+        if before.__class__ is int:
+            now = usage.get(name)
+            if now.__class__ is not int or now < before:
+                merged[name] = before
+    return merged
 
 
 class SSERelay(Frames):
@@ -88,37 +198,39 @@ class SSERelay(Frames):
         return b"data: " + body + b"\n\n"
 
     def _process(self, events: bytes) -> bytes:
-        mark = events.rfind(USAGE_KEY)  # from the end: the usage event is the last but [DONE]
-        while mark >= 0 and not events.startswith(b":{", mark + 7):  # compact JSON (vLLM's) needs no more
-            if not events.startswith(b":null", mark + 7) and USAGE_OBJECT.match(events, mark) is not None:
-                break  # "usage": {  (json.dumps's spacing, or any other)
-            mark = events.rfind(USAGE_KEY, 0, mark)  # "usage":null, as OpenAI sends on every chunk
-        if mark >= 0:
-            events = self._take_usage(events, mark)
+        mark = events.rfind(USAGE_KEY)
+        while mark >= 0 and events.startswith(b":null", mark + 7):  # "usage":null, as OpenAI sends on chunks
+            mark = events.rfind(USAGE_KEY, 0, mark)
+        if mark >= 0 and (events.startswith(b":{", mark + 7) or usage_in(events, mark)):
+            events = self._take_usage(events)
         if self.usage is None:  # only needed while no usage came: then it stands in for the token count
             self.events += events.count(b"\n") >> 1  # "data: {...}\n\n": two newlines an event, JSON has none
         if self.rename is not None:
             events = events.replace(*self.rename)
         return events
 
-    def _take_usage(self, events: bytes, mark: int) -> bytes:
-        """Parse the event at `mark`, the last whose JSON has a `usage` object: its usage is the call's (with
-        continuous usage stats every chunk has a running total, and the final one is still the last). The
-        usage event proper (`choices: []`) is cut out when the client did not ask for usage; no other event is
-        touched."""
-        begin = events.rfind(SEP, 0, mark)
-        begin = 0 if begin < 0 else begin + len(SEP)
-        end = events.find(SEP, mark)
-        end = len(events) if end < 0 else end + len(SEP)
-        event = events[begin:end]
-        data = data_of(event) if event.startswith(b"data:") else None
+    def _take_usage(self, events: bytes) -> bytes:
+        """Merge the usage of every event in `events` that has one (with continuous usage stats every chunk has a
+        running total). A usage event proper (`choices: []`) is cut out when the client did not ask for usage;
+        no other event is touched."""
+        if events.find(b"\n") == len(events) - 2 and events[-1] == 10 and events.startswith(b"data:"):
+            try:  # one event of one data line, as most chunks are
+                data = orjson.loads(events[5:])  # JSON allows the space and the newlines around it
+            except orjson.JSONDecodeError:
+                return events
+            return b"" if self._merge(data) else events
+        parts = events.split(SEP)  # complete events end with SEP: the last part is b"" (or a tail at flush)
+        kept = [part for part in parts if USAGE_KEY not in part or not self._merge(event_json(part))]
+        return events if len(kept) == len(parts) else SEP.join(kept)
+
+    def _merge(self, data: Any) -> bool:
+        """Merge the usage of an event's JSON, if it has one; whether the event is to be cut out."""
         usage = data.get("usage") if isinstance(data, dict) else None
         if not isinstance(usage, dict):
-            return events
-        self.usage = usage
-        if self.strip_usage and data.get("choices") == []:
-            return events[:begin] + events[end:]
-        return events
+            return False
+        if usage != self.usage:  # (a usage repeated is the same usage)
+            self.usage = merged_usage(self.usage, usage)
+        return self.strip_usage and data.get("choices") == []
 
 
 def model_rename(served: str, public: str) -> tuple[bytes, bytes] | None:
@@ -134,9 +246,9 @@ class EventRelay(Frames):
     """Streams of `event: <type>` + `data: <json>` frames (the Responses API, Anthropic's Messages API), passed on
     at frame boundaries as they come. Only the frames whose type is in `usage_events` are parsed: each maps the
     frame's JSON to usage in the gateway's terms (prompt_tokens, completion_tokens), merged as they arrive
-    (Anthropic reports the prompt at the start and the output at the end). There is no `[DONE]`; `ends` names
-    the frames after which the stream is over even if the upstream keeps it open (vLLM does, on a background
-    response that failed)."""
+    (Anthropic reports the prompt at the start and the output at the end). A frame's type is its `event:` field
+    or, as the SDKs read it, its JSON's `type`. There is no `[DONE]`; `ends` names the frames after which the
+    stream is over even if the upstream keeps it open (vLLM does, on a background response that failed)."""
 
     def __init__(self, usage_events: dict[bytes, Callable[[dict[str, Any]], dict[str, Any] | None]],
                  rename: tuple[bytes, bytes] | None = None, ends: tuple[bytes, ...] = ()) -> None:
@@ -148,10 +260,9 @@ class EventRelay(Frames):
         self.events = 0
 
     def _process(self, frames: bytes) -> bytes:
-        for name, extract in self.usage_events.items():
-            at = self._frame_of(frames, name)
-            if at >= 0:
-                self._take_usage(frames, at, extract)
+        mark = frames.rfind(USAGE_KEY)
+        if mark >= 0 and usage_in(frames, mark):
+            self._take_usage(frames)
         self._note_end(frames)
         if self.usage is None:
             self.events += frames.count(SEP)
@@ -173,16 +284,20 @@ class EventRelay(Frames):
         at = at - 7 if frames[at - 1:at] == b" " else at - 6
         return at if frames[at:at + 6] == EVENT and (at == 0 or frames[at - 1:at] == b"\n") else -1
 
-    def _take_usage(self, frames: bytes, at: int, extract) -> None:
-        end = frames.find(SEP, at)
-        frame = frames[at:len(frames) if end < 0 else end]
-        for line in frame.split(b"\n"):
-            if line.startswith(b"data:"):
-                data = data_of(line)
-                found = extract(data) if isinstance(data, dict) else None
-                if found:
-                    self.usage = {**(self.usage or {}), **{k: v for k, v in found.items() if v}}
-                return
+    def _take_usage(self, frames: bytes) -> None:
+        for frame in frames.split(SEP):
+            if USAGE_KEY not in frame:
+                continue
+            kind, raw = event_fields(frame)
+            data = json_of(raw) if raw is not None else None
+            if not isinstance(data, dict):
+                continue
+            extract = self.usage_events.get(kind) if kind is not None else None
+            if extract is None and isinstance(data.get("type"), str):
+                extract = self.usage_events.get(data["type"].encode())
+            found = extract(data) if extract is not None else None
+            if found:
+                self.usage = merged_usage(self.usage, found)
 
     @staticmethod
     def error_frame(body: bytes) -> bytes:

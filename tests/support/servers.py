@@ -45,6 +45,30 @@ async def serve_app(app, port: int | None = None, host: str = "127.0.0.1", **uvi
         await task
 
 
+@contextlib.asynccontextmanager
+async def serve_raw(handle) -> AsyncIterator[int]:
+    """An asyncio server on a loopback port for `handle(reader, writer)`, a hand-written HTTP peer; yields the port."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 5)
+
+
+async def read_request(reader: asyncio.StreamReader, timeout: float = 30) -> tuple[bytes, dict[bytes, bytes], dict]:
+    """One request as a hand-written peer reads it: (path, headers by lower-case name, JSON body or {})."""
+    import orjson
+
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    path = head.split(b" ", 2)[1]
+    pairs = (line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    headers = {k.strip().lower(): v.strip() for k, v in pairs}
+    length = int(headers.get(b"content-length", b"0"))
+    return path, headers, orjson.loads(await reader.readexactly(length)) if length else {}
+
+
 def stop_processes(procs: Iterable[subprocess.Popen], grace: float = 10) -> None:
     """Terminate every process, then wait for each (killing one that outlives `grace` seconds)."""
     procs = list(procs)
