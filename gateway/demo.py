@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -16,10 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 
 from policies.config import Policy
+
+log = logging.getLogger("gateway.demo")
 
 DEMO_MODELS = [
     # public name, aliases, served name, replicas
@@ -48,19 +52,34 @@ def start_simulators() -> tuple[list[subprocess.Popen], list[dict]]:
     return procs, models
 
 
+@contextlib.contextmanager
+def quiet_httpx() -> Iterator[None]:
+    """httpx logs every request it sends at INFO; a start-up probe that passed is a DEBUG line (as the gateway's
+    own health checks log only a backend going down or coming back)."""
+    logger = logging.getLogger("httpx")
+    level = logger.level
+    logger.setLevel(max(logging.WARNING, logger.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     pending = set(urls)
-    while pending:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"simulated backends did not start: {sorted(pending)}")
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a simulated backend exited during start-up")
-        for url in list(pending):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    pending.discard(url)
-        time.sleep(0.1)
+    with quiet_httpx():
+        while pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simulated backends did not start: {sorted(pending)}")
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a simulated backend exited during start-up")
+            for url in list(pending):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        log.debug("simulated backend %s answered its health check", url)
+                        pending.discard(url)
+            time.sleep(0.1)
 
 
 DEMO_LIMITS = {"requests_per_minute": 600, "tokens_per_minute": 200_000, "max_concurrent": 16}

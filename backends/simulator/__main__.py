@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import uvicorn
 
@@ -39,8 +40,22 @@ def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Nam
     return SimConfig(**{**base, **overrides}), args
 
 
+QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds by each gateway: an access line each is noise
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access lines of health checks and metrics scrapes unless the log level is debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 else None
+        return not (isinstance(path, str) and path.split("?", 1)[0] in QUIET_PATHS)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg, args = build_config(argv)
+    if args.log_level.lower() not in ("debug", "trace"):
+        logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
 
 

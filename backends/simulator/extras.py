@@ -21,6 +21,7 @@ import orjson
 
 from .engine import GenRequest
 from .protocol import ApiError, check_lengths, tokenize
+from .vocab import detokenize, token_id
 
 STORED = 1000  # responses kept for retrieval, oldest dropped first
 
@@ -78,11 +79,6 @@ def _int(body: dict, name: str, default: int | None) -> int | None:
 
 
 class Extras:
-    # One vocabulary per process, shared by every simulated replica in it: replicas of one model share their
-    # tokenizer, so ids from one replica's /tokenize detokenize on another, as on vLLM.
-    vocab: dict[str, int] = {}
-    words: list[str] = []
-
     def __init__(self, app) -> None:
         self.app = app
         self.stored: OrderedDict[str, dict] = OrderedDict()
@@ -312,30 +308,22 @@ class Extras:
 
     # ---- tokenizer ---------------------------------------------------------------------------------------
 
-    def _ids(self, text: str) -> list[int]:
-        ids = []
-        for piece in tokenize(text):
-            if piece not in self.vocab:
-                self.vocab[piece] = len(self.words)
-                self.words.append(piece)
-            ids.append(self.vocab[piece])
-        return ids
-
     async def tokenize(self, http) -> None:
         body = await self.body(http)
         text = body.get("prompt") if "prompt" in body else _text(body.get("messages"))
         if not isinstance(text, str):
             raise ApiError(400, "prompt must be a string", param="prompt")
-        tokens = self._ids(text)
+        tokens = [token_id(piece) for piece in tokenize(text)]  # the same ids in every process (vocab.py)
         await http.json(200, {"count": len(tokens), "max_model_len": self.app.cfg.max_model_len, "tokens": tokens,
                               "token_strs": None})
 
     async def detokenize(self, http) -> None:
         body = await self.body(http)
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < len(self.words) for t in tokens):
+        text = detokenize(tokens) if isinstance(tokens, list) else None
+        if text is None:
             raise ApiError(400, "tokens must be ids this tokenizer made", param="tokens")
-        await http.json(200, {"prompt": "".join(self.words[t] for t in tokens)})
+        await http.json(200, {"prompt": text})
 
     # ---- pooling -----------------------------------------------------------------------------------------
 

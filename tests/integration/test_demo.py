@@ -5,8 +5,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -89,3 +91,44 @@ def test_sigterm_stops_the_demo_and_its_simulators():
         os.kill(pid, signal.SIGKILL)
     assert not left, "simulators left running under init"  # reaped by the demo instead
     assert proc.returncode == 0
+
+
+def test_demo_tokenize_round_trips_across_replicas_and_logs_no_probe_lines():
+    """/tokenize then /detokenize on the two-replica model land on either replica; each answers 200 with the text
+    back. Over several health-check rounds the demo prints no line for a probe that passed."""
+    port = free_port()
+    cli = Path(sys.executable).with_name("llm-gateway")
+    proc = subprocess.Popen([str(cli), "demo", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip().startswith("API key: "):
+                key = line.split("API key: ")[1].strip()
+                break
+        else:
+            raise AssertionError("the demo printed no API key:\n" + "".join(seen))
+        wait_http_ok(f"{base}/ready", proc, 30, "the demo")
+        started = time.monotonic()
+        auth = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=base, headers=auth, timeout=30) as http:
+            for i in range(20):
+                text = f"round trip number {i}: Grüße, мир"
+                made = http.post("/tokenize", json={"model": "qwen3-4b", "prompt": text})
+                assert made.status_code == 200, made.text
+                back = http.post("/detokenize", json={"model": "qwen3-4b", "tokens": made.json()["tokens"]})
+                assert back.status_code == 200, (i, back.text)
+                assert back.json()["prompt"] == text
+        # the demo checks its backends every 2 s: let at least three rounds run before looking at the output
+        time.sleep(max(0.0, 3 * 2 + 1 - (time.monotonic() - started)))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        output = proc.stdout.read()
+    assert proc.returncode == 0, output
+    output = "".join(seen) + output
+    probe_lines = [line for line in output.splitlines()  # (the banner names /metrics, never a GET of it)
+                   if "/health" in line or "GET /metrics" in line or "/metrics HTTP" in line]
+    assert not probe_lines, output
