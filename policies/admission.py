@@ -19,6 +19,12 @@ starting), a request waits in the queue as any other, class first and fair acros
 signal (policies/scaling.py) counts it, so the autoscaler starts a replica, and the first one to pass its
 health probe serves the queue. Still none past the bound: 503 `no_replica_started` with Retry-After
 COLD_RETRY_AFTER. A key that may rent the model's overflow rents at once instead, as before.
+
+Replicas going down: a waiter is there for a slot of a replica that can serve it. When the last routable
+replica it may use goes (its health check or a request's failure marks it down, discovery drains it), it leaves
+the line at once with the 503 a new request would get (NoBackendAvailable), so a key that may rent rents
+(`overflow.when_unavailable`) and the others learn at once instead of waiting out max_wait for a 429. Waiters
+that would wait for a replica to start (scale from zero, as above) keep waiting.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from policies.pipeline import Call
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT, COLD_START_TIMEOUT = "queue_full", "queue_timeout", "cold_start_timeout"
+REPLICAS_DOWN = "replicas_down"  # a waiter none of whose replicas is routable any more (ModelQueue.fail_stranded)
 COLD_RETRY_AFTER = 30  # seconds: a model that started no replica within its bound is worth asking again after
 
 
@@ -71,6 +78,7 @@ class Waiter:
     call: Call | None = None
     rank: int = 0  # its priority class's place in the policy's list: lower is served first
     started: float = 0.0  # monotonic
+    spill_after: float | None = None  # as acquire got it: set for a key that may rent the model's overflow
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -138,6 +146,10 @@ class WaitLine:
                 return self.by_owner[rank][self.turns[rank][0]][0]
         return None
 
+    def waiters(self) -> list[Waiter]:
+        """Every waiter, in no particular order."""
+        return [w for by_owner in self.by_owner for queue in by_owner.values() for w in queue]
+
     def remove(self, waiter: Waiter) -> bool:
         by_owner = self.by_owner[waiter.rank]
         queue = by_owner.get(waiter.owner)
@@ -170,6 +182,7 @@ class ModelQueue:
         self.line = WaitLine(len(self.classes))
         self.credits: dict[str, float] = {}  # by class name: freed slots owed to it by its min_share (share_due)
         self.holds: list[Hold] = []  # see release
+        self.stranding = False  # a fail_stranded is scheduled
         self.drain = DrainRate()
         self.last_cut: dict[Replica, float] = {}
         public = model_of_group(model)  # a variant's queue (`model#variant`): its backends are the model's
@@ -234,7 +247,7 @@ class ModelQueue:
                       call: Call | None = None) -> Replica:
         cold = not any(r.routable and r not in exclude for r in self.replicas)
         if cold and not self.waits_for_a_replica(exclude, spill_after):
-            raise NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
+            raise self.unreachable()
         rank, klass = self.class_of(call)
         if klass.rent_first and spill_after is not None:
             spill_after = 0.0  # this class leaves owned capacity to the others when it can rent
@@ -247,10 +260,12 @@ class ModelQueue:
             raise WouldWait
         if self.depth >= self.config.max_depth:
             self.refuse(QUEUE_FULL, f"model {self.model} is at capacity and its queue is full", rank)
+        if not self.may_wait(exclude, spill_after):  # its replicas went while take_now asked the fleet
+            raise self.unreachable()
         max_wait = klass.max_wait or self.config.max_wait
         if cold:
             max_wait = max(max_wait, self.autoscaling.cold_start_wait)
-        waiter = Waiter(owner, exclude, call, rank, time.monotonic())
+        waiter = Waiter(owner, exclude, call, rank, time.monotonic(), spill_after)
         self.push(waiter)
         try:
             async with asyncio.timeout(max_wait):
@@ -266,7 +281,7 @@ class ModelQueue:
                 self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", waiter.rank)
         except asyncio.CancelledError:  # the client went away while waiting
             self.remove(waiter)
-            if waiter.future.done() and not waiter.future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(waiter.future.result())
             waiter.future.cancel()
             raise
@@ -278,6 +293,40 @@ class ModelQueue:
         model with autoscaling, on a first attempt (not a retry after a replica failed), for a key that cannot
         rent the model's overflow."""
         return self.autoscaling is not None and not exclude and spill_after is None
+
+    def may_wait(self, exclude: Sequence[Replica], spill_after: float | None) -> bool:
+        """Can waiting here still serve a request that excludes `exclude`: a routable replica it may use is
+        there (its slot frees in time), or one is to start for it (waits_for_a_replica)?"""
+        return any(r.routable and r not in exclude for r in self.replicas) or \
+            self.waits_for_a_replica(exclude, spill_after)
+
+    def unreachable(self) -> NoBackendAvailable:
+        return NoBackendAvailable(f"no backend of model {self.model} is reachable; try again shortly")
+
+    def replicas_changed(self) -> None:
+        """A replica came back, went, or changed its limit: waiters get the room there is, and those that
+        waiting can no longer serve leave right after (fail_stranded: once the change is whole, so a replica
+        set that drains a replica and takes it back in one go strands nobody)."""
+        self.dispatch()
+        if self.depth and not self.stranding:
+            self.stranding = True
+            asyncio.get_running_loop().call_soon(self.fail_stranded)
+
+    def fail_stranded(self) -> None:
+        """Fail every waiter none of whose replicas is routable any more (all down, or all it excludes) with
+        the 503 a new request would get, unless it waits for one to start: the proxy rents it when its key
+        may, and a private one learns now rather than after its max_wait."""
+        self.stranding = False
+        for waiter in self.line.waiters():
+            if waiter.future.done() or self.may_wait(waiter.exclude, waiter.spill_after):
+                continue
+            self.remove(waiter)
+            self.turn_away(waiter)
+
+    def turn_away(self, waiter: Waiter) -> None:
+        """A waiter out of the line that no replica can serve any more: its acquire raises the 503."""
+        self.metrics.admission_rejected.labels(self.model, REPLICAS_DOWN).inc()
+        waiter.future.set_exception(self.unreachable())
 
     def none_started(self, waited: float) -> None:
         self.metrics.admission_rejected.labels(self.model, COLD_START_TIMEOUT).inc()
@@ -464,7 +513,7 @@ class Admission:
             queue.observe(replica, ttft)
 
     def replica_changed(self, replica: Replica) -> None:
-        """A replica came back (or went): waiters may now have somewhere to go."""
+        """A replica came back (or went): waiters may now have somewhere to go, or nowhere any more."""
         queue = self.queues.get(replica.group)
         if queue is not None:
-            queue.dispatch()
+            queue.replicas_changed()

@@ -584,8 +584,13 @@ class FleetModelQueue(ModelQueue):
                 except StateUnavailable:
                     replica = None
                 if replica is None:
-                    if not waiter.future.done():
+                    if waiter.future.done():
+                        pass
+                    elif self.may_wait(waiter.exclude, waiter.spill_after):
                         self.push(waiter, front=True)
+                    else:  # its last replica went while the fleet was asked (fail_stranded, for this one)
+                        self.turn_away(waiter)
+                        continue
                     if not self.pump_again:
                         break
                 elif waiter.future.done():  # it gave up while the slot was on its way
