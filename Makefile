@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
-.PHONY: run test unit chart lint e2e e2e-setup redis-setup oidc-setup browser-setup helm-setup container-setup image bench console bench-caps bench-overload bench-routing bench-lora venv clean
+.PHONY: run test check unit docs reference chart lint e2e e2e-setup redis-setup oidc-setup browser-setup helm-setup container-setup image bench console bench-caps bench-overload bench-routing bench-lora venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -50,8 +50,19 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint  # tests/image builds the image (or reuses it) and runs it
+test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
 	$(VENV)/bin/pytest -q --durations=30
+
+# the quick tier, before a push: lint and tests/unit, nothing installed beyond the venv and no service set up
+# (no Redis, OIDC provider or vLLM; the unit tests start only simulators and gateways of their own on loopback)
+check: lint
+	$(VENV)/bin/pytest -q tests/unit
+
+docs: venv  # the docs site (mkdocs, Material theme, offline) into build/site; a broken link or a page left out of the nav fails it
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+reference: venv  # docs/reference/*.md written again from the code: the policy schema, metrics, CLI, admin API
+	$(VENV)/bin/python -m gateway.reference_docs
 
 unit: venv redis-setup oidc-setup lint  # the fast part of the suite: no vLLM needed
 	$(VENV)/bin/pytest -q tests/unit tests/contract tests/integration

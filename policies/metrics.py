@@ -116,7 +116,9 @@ class GatewayMetrics:
             " each replica by this gateway (backends/lora.py).", ["model", "backend", "adapter", "event"], registry=r,
         )
         self.admission_rejected = Counter(
-            "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason.",
+            "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason:"
+            " queue_full, queue_timeout, cold_start_timeout, replicas_down (every replica that could serve it went"
+            " down while it waited).",
             ["model", "reason"], registry=r,
         )
         # each call of a variant moves these: tallied like the calls' own (policies/tally.py)
