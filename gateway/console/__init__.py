@@ -19,6 +19,8 @@ from litestar.types import ExceptionHandlersMap, Message, Scope
 from pydantic import ValidationError
 
 from gateway.console import (
+    audit_page,
+    batches_page,
     fleet_page,
     keys_page,
     report_page,
@@ -36,12 +38,13 @@ from policies.store import StoreUnavailable
 ERRORS: ExceptionHandlersMap = {cls: on_error for cls in (GatewayError, StoreUnavailable, ValidationError, HTTPException, Exception)}
 
 # The pages in the order of the navigation; the first is where signing in lands.
-PAGES = (fleet_page.PAGE, keys_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE)
+PAGES = (fleet_page.PAGE, keys_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE, batches_page.PAGE,
+         audit_page.PAGE)
 
 
 def console_routes(gateway) -> list[Router]:
     """The console's router and its static files; each answers 404 unless the policy's console is enabled."""
-    NAV[:] = [NavItem(f"{PREFIX}/{p.path}", p.title) for p in PAGES]
+    NAV[:] = [NavItem(f"{PREFIX}/{p.path}", p.title, p.team) for p in PAGES]
     sessions = Sessions()  # this process's console sessions (gateway/console/session.py)
     guard = console_guard(gateway, sessions)
 
@@ -49,7 +52,8 @@ def console_routes(gateway) -> list[Router]:
     def home() -> Redirect:
         return Redirect(f"{PREFIX}/{PAGES[0].path}", status_code=303)
 
-    handlers = [home, *signin.handlers(gateway, sessions, f"{PREFIX}/{PAGES[0].path}")]
+    team_landing = next(f"{PREFIX}/{p.path}" for p in PAGES if p.team)  # where a team admin lands
+    handlers = [home, *signin.handlers(gateway, sessions, f"{PREFIX}/{PAGES[0].path}", team_landing)]
     for p in PAGES:
         handlers.extend(p.handlers(gateway))
     pages = Router(path=PREFIX, route_handlers=handlers, guards=[guard], include_in_schema=False,

@@ -10,7 +10,8 @@ import time
 from litestar import Request, get, post
 from litestar.response import Template
 
-from gateway.admin_live import ReplicaView, replica_views
+from backends.replicas import split_group
+from gateway.admin_live import WATCHES, ReplicaView, replica_views
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.reload import loaded_at_iso
@@ -29,15 +30,16 @@ def handlers(gateway) -> list:
                     continue  # a discovery watch: listed below
                 replica = replicas.get(v.name)
                 stats = gateway.scraper.stats(replica) if replica is not None else None
-                rows.append({"view": v, "running": stats.running if stats else None,
+                rows.append({"view": v, "label": readable(v.name), "running": stats.running if stats else None,
                              "waiting": stats.waiting if stats else None, "kv": stats.kv_usage if stats else None})
             queue = queues.get(group)
-            models.append({"group": group, "replicas": rows, "queued": queue.depth if queue is not None else None,
+            models.append({"group": group, "title": group_title(group), "replicas": rows,
+                           "queued": queue.depth if queue is not None else None,
                            "up": sum(1 for v in views if isinstance(v, ReplicaView) and v.state == "up"
                                      and not v.draining),
                            "watches": [v for v in views if not isinstance(v, ReplicaView)]})
         outcomes = sorted(gateway.metrics.routing_decisions.counts.items())
-        return {"models": models, "outcomes": outcomes, "answered": answered(gateway.metrics),
+        return {"models": models, "outcomes": outcomes, "answered": answered(gateway.metrics), "readable": readable,
                 "at": time.strftime("%H:%M:%S", time.gmtime()),
                 "snapshot": gateway.snapshot, "loaded_at": loaded_at_iso(gateway.snapshot),
                 "refresh": gateway.policy.console.refresh_seconds, "reloadable": gateway.reloader is not None}
@@ -65,15 +67,36 @@ def handlers(gateway) -> list:
 
 
 def answered(metrics) -> list[tuple[tuple[str, str, str], int]]:
-    """Requests answered since start by model, where they went (a replica, a rented provider, or none) and
-    status: llm_gateway_requests_total summed over endpoints."""
+    """Requests answered since start by model, where they went (a replica, a rented provider, or nowhere) and
+    status: llm_gateway_requests_total summed over endpoints, in words (the metric's `unknown` model and `none`
+    backend are calls refused before a model or a backend was chosen)."""
     sums: dict[tuple[str, str, str], int] = {}
     for family in metrics.requests.collect():
         for sample in family.samples:
             if sample.name.endswith("_total"):
-                where = (sample.labels["model"], sample.labels["backend"], sample.labels["status"])
+                model, backend = sample.labels["model"], sample.labels["backend"]
+                where = (NO_MODEL if model == "unknown" else readable(model),
+                         NOT_SENT if backend == "none" else readable(backend), sample.labels["status"])
                 sums[where] = sums.get(where, 0) + int(sample.value)
     return sorted(sums.items())
+
+
+NO_MODEL = "no model (refused before one was read)"
+NOT_SENT = "not sent to a backend"
+
+
+def readable(name: str) -> str:
+    """A replica set's or replica's name as people read it: `support#base-0` is `support · base-0`."""
+    model, variant = split_group(name)
+    return f"{model} · {variant}" if variant else model
+
+
+def group_title(group: str) -> str:
+    """A replica set's caption: a model, or a model's variant (`support#base`: support, variant base)."""
+    if group == WATCHES:
+        return "Discovery watches"
+    model, variant = split_group(group)
+    return f"{model}, variant {variant}" if variant else model
 
 
 PAGE = Page("fleet", "Fleet", handlers)

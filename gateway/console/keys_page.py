@@ -1,9 +1,10 @@
 """The keys page: search and page through every key, issue one (its secret shown once), and on a key's own
 page its usage, budget, settings (limits, budget, data policy, models, networks, expiry), rotation and revocation.
 
-Everything goes through gateway/key_admin.py, as the admin API does. The key list is read once per page (the
-store's one listing query) and filtered in memory: a few thousand records take tens of milliseconds, and the
-page renders only `console.page_size` rows of them.
+Everything goes through gateway/key_admin.py, as the admin API does; a team admin sees and manages only its
+team's keys (the list holds no other, and another team's key answers 403 as on the admin API). The key list is
+read once per page (the store's one listing query) and filtered in memory: a few thousand records take tens of
+milliseconds, and the page renders only `console.page_size` rows of them.
 """
 
 from __future__ import annotations
@@ -25,47 +26,54 @@ from policies.keys import KeyRecord
 
 KEY_ID = Parameter(pattern=r"^[0-9a-f]{16}$")
 NO_STORE = {"cache-control": "no-store"}
+TEAM = {"team": True}  # a team admin may open it (its team's keys only)
 
 
 def handlers(gateway) -> list:
     keys = KeyAdmin(gateway)
 
-    @get("/keys")
-    async def listing(request: Request, q: str = Parameter(default="", max_length=200),
-                      page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
-        records = await gateway.store.list_keys()
+    async def table(q: str, page: int, team: str | None) -> dict:
+        """The keys table's context: the keys (of `team` when a team admin asks) matching `q`, one page of them."""
+        records = [r for r in await gateway.store.list_keys() if team is None or r.team == team]
         found = search(records, q)
         size = gateway.policy.console.page_size
         pages = max(1, math.ceil(len(found) / size))
         page_no = min(page, pages)
         shown = [KeyView.of(r) for r in found[(page_no - 1) * size: page_no * size]]
-        template = "keys_table.html" if request.headers.get("hx-target") == "keys-table" else "keys.html"
-        return render(request, template, "Keys", keys=shown, q=q, page_no=page_no, pages=pages, total=len(found),
-                    of=len(records), now=time.time())
+        return {"keys": shown, "q": q, "page_no": page_no, "pages": pages, "total": len(found), "of": len(records),
+                "now": time.time()}
 
-    @post("/keys", opt={"role": "admin"}, status_code=201)
+    @get("/keys", opt=TEAM)
+    async def listing(request: Request, q: str = Parameter(default="", max_length=200),
+                      page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
+        template = "keys_table.html" if request.headers.get("hx-target") == "keys-table" else "keys.html"
+        return render(request, template, "Keys", **await table(q, page, request.state.viewer.team))
+
+    @post("/keys", opt={"role": "admin", **TEAM}, status_code=201)
     async def create(request: Request) -> Template:
         fields = await form_of(request)
         issued = await keys.create(request, NewKey.model_validate({**settings_of(fields), **expiry_of(fields)}))
-        return render(request, "new_key.html", "New key", status=201, issued=issued, rotated=False)
+        # the list, refreshed beside the secret (htmx swaps it in out of band), so the new key shows at once
+        return render(request, "new_key.html", "New key", status=201, issued=issued, rotated=False,
+                      listing=await table("", 1, request.state.viewer.team))
 
-    @get("/keys/{key_id:str}")
+    @get("/keys/{key_id:str}", opt=TEAM)
     async def show(request: Request, key_id: str = KEY_ID) -> Template:
-        view = KeyView.of(await keys.load(key_id))
-        return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id),
+        view = KeyView.of(await keys.load(key_id, request))
+        return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id, request),
                     budget=await key_budget_status(gateway, key_id), now=time.time(), message=None)
 
-    @post("/keys/{key_id:str}", opt={"role": "admin"}, status_code=200)
+    @post("/keys/{key_id:str}", opt={"role": "admin", **TEAM}, status_code=200)
     async def update(request: Request, key_id: str = KEY_ID) -> Template:
         view = await keys.update(request, key_id, KeyChanges.model_validate(settings_of(await form_of(request))))
         return panel(request, view, "Saved.")
 
-    @post("/keys/{key_id:str}/revoke", opt={"role": "admin"}, status_code=200)
+    @post("/keys/{key_id:str}/revoke", opt={"role": "admin", **TEAM}, status_code=200)
     async def revoke(request: Request, key_id: str = KEY_ID) -> Template:
         return panel(request, await keys.revoke(request, key_id), "Revoked: every replica refuses it within"
                      f" {gateway.policy.auth.cache_seconds:g} s.")
 
-    @post("/keys/{key_id:str}/rotate", opt={"role": "admin"}, status_code=200)
+    @post("/keys/{key_id:str}/rotate", opt={"role": "admin", **TEAM}, status_code=200)
     async def rotate(request: Request, key_id: str = KEY_ID) -> Template:
         fields = await form_of(request)
         grace = fields.get("grace_seconds", "").strip()
@@ -120,4 +128,4 @@ def expiry_of(fields: dict[str, str]) -> dict:
         raise BadRequest("expires in: a number of days", param="expires_in_days") from None
 
 
-PAGE = Page("keys", "Keys", handlers)
+PAGE = Page("keys", "Keys", handlers, team=True)

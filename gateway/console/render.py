@@ -31,6 +31,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 class NavItem:
     path: str
     title: str
+    team: bool = False  # shown to a team admin
 
 
 NAV: list[NavItem] = []  # filled by gateway/console/__init__.py from its PAGES

@@ -1,5 +1,9 @@
 """Own or rent: the report's figures per model over a chosen window, and its charts, drawn in the browser
-(static/console.js with uPlot) from /console/report.json, the same JSON as GET /admin/report."""
+(static/console.js with uPlot) from /console/report.json, the same JSON as GET /admin/report.
+
+A LoRA adapter runs on its base model's replicas: it has no replicas (nor cost) of its own, so its card is priced
+as its base, whose verdict it shares, and shows the adapter's own calls and tokens beside; its base's charts
+(whose utilisation its calls are part of) stand for it."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def handlers(gateway) -> list:
         window = window_of(window)
         figures = Report.model_validate(await gateway.report(window))
         return page(request, "report.html", "Own or rent", window=window, windows=WINDOWS, report=figures,
+                    adapters=adapters_of(gateway, figures),
                     refresh=max(5.0, gateway.policy.console.refresh_seconds * 5))
 
     @get("/report.json")
@@ -26,6 +31,21 @@ def handlers(gateway) -> list:
         return Report.model_validate(await gateway.report(window_of(window)))
 
     return [report, report_json]
+
+
+def adapters_of(gateway, figures: Report) -> dict[str, str | None]:
+    """The report's LoRA adapters, each with its base model (None: an adapter the ledger names that no replica
+    holds now, whose base is no longer known)."""
+    models = gateway.policy.models
+    out: dict[str, str | None] = {}
+    for model in models:
+        if model.lora is None:
+            continue
+        out.update((a.name, model.name) for a in model.lora.adapters)
+        if model.lora.discover:
+            out.update((name, model.name) for name in gateway.loras.found(model.name))
+    names = {m.name for m in models}
+    return {name: out.get(name) for name in figures.models if name not in names}
 
 
 PAGE = Page("report", "Own or rent", handlers)

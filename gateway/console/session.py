@@ -13,8 +13,10 @@ CSRF: every state-changing request carries a token derived from the session (HMA
 is useless without the cookie and reveals nothing of it), in the X-CSRF-Token header htmx sends or a form field
 `csrf`. The sign-in form, before any session, uses a double-submit nonce (a cookie and a field that must match).
 The role rule is the admin API's: viewers read, operators change variant weights and reload the policy, admins
-manage keys; a page gives a role no form it may not use, and the server refuses it anyway (403). A team admin's
-token does not open the console (yet): the admin API's check refuses it where no route scopes it to a team.
+manage keys; a page gives a role no form it may not use, and the server refuses it anyway (403). A team admin
+(a `team_admin` token, bound to one team) opens only the pages marked for teams (`opt={"team": True}`: its
+team's keys, usage and budget) and every other page answers it 403; on those pages it reads and manages only its
+team's keys, through the same checks as the admin API's team routes (gateway/admin_scope.py).
 The guard leaves the token's verified claims in the scope (ADMIN_CLAIMS), so the audit log records each change
 made here as the signed-in admin's, as the admin API's guard does.
 """
@@ -47,7 +49,7 @@ SIGNIN = "console_signin"  # the sign-in form's double-submit nonce
 CSRF_HEADER = "x-csrf-token"
 CSRF_FIELD = "csrf"
 READS = ("GET", "HEAD", "OPTIONS")
-RANK = {"viewer": 0, "operator": 1, "admin": 2}
+RANK = {"viewer": 0, "operator": 1, "admin": 2, "team_admin": 2}  # a team admin: an admin of its team's keys
 MAX_FORM = 64 * 1024  # bytes of a console form: the largest (a key's settings) is well under 2 KiB
 
 SECURITY_HEADERS = (
@@ -70,11 +72,13 @@ class SignInNeeded(AuthenticationFailed):
 
 @dataclass(frozen=True, slots=True)
 class Viewer:
-    """The signed-in admin as pages see them: a name, a role and the session's CSRF token (never the JWT)."""
+    """The signed-in admin as pages see them: a name, a role, the session's CSRF token (never the JWT) and, for a
+    team admin, its team."""
 
     subject: str
     role: str
     csrf: str
+    team: str | None = None
 
     def may(self, role: str) -> bool:
         return RANK[self.role] >= RANK[role]
@@ -133,8 +137,8 @@ class Sessions:
 
 async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> tuple[Viewer, dict] | None:
     """The signed-in admin and their token's verified claims, or None: no session (never opened, signed out or
-    expired), or its token no longer passes (expired, another secret, or a role the console does not take, as a
-    team admin's: sign in again)."""
+    expired), or its token no longer passes (expired, another secret, or no role this gateway maps: sign in
+    again)."""
     session_id = connection.cookies.get(SESSION)
     if not session_id:
         return None
@@ -142,10 +146,11 @@ async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> 
     if token is None:
         return None
     try:
-        claims = await gateway.admin_auth.check(f"Bearer {token}", write=False)
+        claims = await gateway.admin_auth.check(f"Bearer {token}", write=False, team_admin=True)
     except (AuthenticationFailed, PermissionDenied, StateUnavailable):
         return None
-    return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(session_id)), claims
+    team = claims.get("team") if claims["role"] == "team_admin" else None
+    return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(session_id), team), claims
 
 
 def session_lifetime(gateway, claims: dict) -> int:
@@ -184,6 +189,9 @@ def console_guard(gateway, sessions: Sessions):
         viewer, claims = session
         connection.state.viewer = viewer
         connection.scope[ADMIN_CLAIMS] = claims  # type: ignore[literal-required]  # the audit log's actor
+        if viewer.team is not None and not handler.opt.get("team"):
+            raise PermissionDenied(f"a team admin (team {viewer.team}) sees its team's keys and usage only",
+                                   code="team_admin_scope")
         if connection.scope["method"] in READS:  # type: ignore[typeddict-item]  # HTTP only: no websockets here
             return
         role = handler.opt.get("role", "admin")

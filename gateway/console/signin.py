@@ -24,10 +24,10 @@ from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavail
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 INVALID = "That token was not accepted: it is malformed, expired, or not an admin token of this gateway."
-TEAM_ADMIN = "A team admin's token does not open the console yet: sign in with an admin, operator or viewer token."
 
 
-def handlers(gateway, sessions: Sessions, landing: str) -> list:
+def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> list:
+    """`landing`: where signing in leads; `team_landing`: where it leads a team admin (a page of its team's)."""
     def form(request: Request, error: str | None = None, status: int = 200) -> Template:
         nonce, cookie = signin_nonce(gateway)
         # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
@@ -49,23 +49,23 @@ def handlers(gateway, sessions: Sessions, landing: str) -> list:
             return form(request, "The sign-in form expired or came from another site: try again.", 403)
         token = fields.get("token", "").strip()
         try:
-            claims = await gateway.admin_auth.check(f"Bearer {token}", write=False)
+            claims = await gateway.admin_auth.check(f"Bearer {token}", write=False, team_admin=True)
         except AuthenticationFailed:
             return form(request, INVALID, 401)
-        except PermissionDenied as exc:  # a team admin (not an admin of the console yet), or no role mapped
-            return form(request, TEAM_ADMIN if exc.code == "team_admin_token" else str(exc), 403)
+        except PermissionDenied as exc:  # an OIDC token with no role mapped
+            return form(request, str(exc), 403)
         except StateUnavailable as exc:
             return form(request, str(exc), 503)
         previous = request.cookies.get(SESSION)
         if previous:  # signing in again ends the session the browser had
             sessions.close(previous)
         seconds = session_lifetime(gateway, claims)
-        response = Redirect(landing, status_code=303)
+        response = Redirect(team_landing if claims.get("role") == "team_admin" else landing, status_code=303)
         response.cookies.extend([session_cookie(gateway, sessions.open(token, seconds), seconds),
                                  gone(gateway, SIGNIN)])
         return response
 
-    @post("/signout", opt={"role": "viewer"}, status_code=303)
+    @post("/signout", opt={"role": "viewer", "team": True}, status_code=303)
     async def sign_out(request: Request) -> Redirect:
         sessions.close(request.cookies.get(SESSION, ""))  # every copy of the cookie stops working now
         response = Redirect(f"{landing.rsplit('/', 1)[0]}/signin", status_code=303)

@@ -1,5 +1,7 @@
 """Usage per key and per model over a window, from the own-or-rent report's figures (gateway.report, as
-GET /admin/report); a key's usage per model since it was issued is on its own page (keys_page)."""
+GET /admin/report); a key's usage per model since it was issued is on its own page (keys_page). A team admin
+sees its team's keys' calls only, and its team's budget this period (as GET /admin/teams/{name}/usage and
+/budget)."""
 
 from __future__ import annotations
 
@@ -10,24 +12,30 @@ from litestar.response import Template
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
+from gateway.report_routes import budget_status
 
 TOP = 100  # keys shown, by tokens
 
 
 def handlers(gateway) -> list:
-    @get("/usage")
+    @get("/usage", opt={"team": True})
     async def usage(request: Request, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
         window = window_of(window)
-        report = await gateway.report(window)
+        team = request.state.viewer.team
+        report = await gateway.report(window, team=team)
+        budget = None
+        if team is not None:
+            record = await gateway.store.get_team(team)
+            budget = await budget_status(gateway, record.id, team, record.budget) if record is not None else None
         ranked = sorted(report["keys"].items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))[:TOP]
         names = {}
         for key_id, _ in ranked:
             record = await gateway.store.get_key(key_id)
             names[key_id] = record.name if record is not None else None
         return page(request, "usage.html", "Usage", window=window, windows=WINDOWS, keys=ranked, names=names,
-                    models=report["models"], more=max(0, len(report["keys"]) - TOP))
+                    models=report["models"], more=max(0, len(report["keys"]) - TOP), team=team, budget=budget)
 
     return [usage]
 
 
-PAGE = Page("usage", "Usage", handlers)
+PAGE = Page("usage", "Usage", handlers, team=True)

@@ -204,7 +204,7 @@ def recommend(f: dict, tokens: float) -> dict:
     everything (`own_all_cost`, an estimate at the measured utilisation); the reason names the figures."""
     owned, paid, rent_all, own_all = f["owned_cost"], f["actual_cost"], f["rent_all_cost"], f["own_all_cost"]
     util, burst = f["utilisation"], f["burstiness"] or 0.0
-    fill = f", batches {f['batch_fill']:.0%} of the cap" if f["batch_fill"] is not None else ""
+    fill = f", on average {f['batch_fill']:.0%} of the cap in flight" if f["batch_fill"] is not None else ""
     overflow = f["rented"]["cost"]
     numbers = (f"utilisation {util:.1%}{fill}, peak/mean {burst:.1f}; paid {_money(paid)} (owned {_money(owned)}"
                f" + rented overflow {_money(overflow)}) vs renting everything {_money(rent_all)}"
@@ -237,9 +237,10 @@ def _rent(f: dict, util: float, burst: float, numbers: str) -> dict:
         above = ""
     elif break_even <= 1:
         above = f"; owning pays off above {break_even:.2%} utilisation"
-    else:  # more tokens per busy hour (fuller batches) or a cheaper GPU would have to change the sums
-        above = (f"; even always busy at this batch size, owning would not pay off ({break_even:.0%} "
-                 "utilisation needed): fuller batches or cheaper GPUs would")
+    else:  # more tokens per busy hour (more requests served at once) or a cheaper GPU would have to change the sums
+        above = (f"; even busy all the time with as many requests at once as now, owning would not pay off (it would"
+                 f" take {break_even:.0%} utilisation): it pays off only with more requests served at once per GPU"
+                 " or with cheaper GPUs")
     if burst >= BURSTY or util < HIGH_UTILISATION:
         return {"verdict": "rent", "reason": f"the GPUs were idle most of the time or the traffic came in bursts: "
                                              f"renting everything would have been cheapest; {numbers}{above}"}

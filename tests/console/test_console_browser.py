@@ -109,7 +109,8 @@ async def test_admin_issues_a_key_the_sdk_uses_changes_it_and_revokes_it():
         assert refused.status == 403
         assert (await admin_api(gw.url, "GET", f"/keys/{key_id}")).json()["revoked"] is False
 
-        await page.get_by_role("button", name="Revoke this key").click()
+        await page.get_by_text("Revoke this key…").click()  # a confirm step first
+        await page.get_by_role("button", name="Yes, revoke this key").click()
         await expect()(page.locator("#key-state")).to_have_text("revoked")
         await screenshot(page, "key-revoked")
         with pytest.raises(openai.AuthenticationError):

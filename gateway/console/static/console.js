@@ -72,6 +72,14 @@
     });
   }
 
+  // A form marked data-reset-on-success is cleared once the server took it (issuing a key: ready for the next).
+  document.addEventListener("htmx:afterRequest", function (e) {
+    const form = e.detail.elt;
+    if (e.detail.successful && form instanceof HTMLFormElement && form.hasAttribute("data-reset-on-success")) {
+      form.reset();
+    }
+  });
+
   document.addEventListener("DOMContentLoaded", function () { drawAll(document); selectOnFocus(document); });
   document.addEventListener("htmx:afterSettle", function (e) { drawAll(e.target); selectOnFocus(e.target); });
 })();
