@@ -20,6 +20,13 @@ signal (policies/scaling.py) counts it, so the autoscaler starts a replica, and 
 health probe serves the queue. Still none past the bound: 503 `no_replica_started` with Retry-After
 COLD_RETRY_AFTER. A key that may rent the model's overflow rents at once instead, as before.
 
+A reserve for interactive work: a request of the batch class (the class batch lines run in, `batch.priority_class`,
+or any class listed after it) takes a slot only while no better class waits and at least `queue.reserve` slots of
+the replica's limit stay free (default an eighth of its cap, at least 1, never all of it; 0: none). A batch
+line, once running, holds its slot to its end; without the reserve a batch alone fills the cap and an arriving
+interactive request waits for a line to end (seconds), with it the request finds a free slot at once. The batch
+class's own demand (in flight and queued here) is `batch_demand()`, which the scaling signal keeps apart.
+
 Replicas going down: a waiter is there for a slot of a replica that can serve it. When the last routable
 replica it may use goes (its health check or a request's failure marks it down, discovery drains it), it leaves
 the line at once with the 503 a new request would get (NoBackendAvailable), so a key that may rent rents
@@ -164,10 +171,16 @@ class WaitLine:
         return True
 
 
+def reserve_for(cap: int, asked: int | None) -> int:
+    """The slots of a replica of cap `cap` that the batch class leaves free (`asked`: queue.reserve)."""
+    return max(0, min(max(1, cap // 8) if asked is None else asked, cap - 1))
+
+
 class ModelQueue:
     """One model's replicas and queue, counting slots in this process (the embedded store's behaviour)."""
 
     autoscaling: Autoscaling | None = None  # the model's: with it, requests wait for a first replica (see above)
+    batch_class = "batch"  # the class batch lines run in (policy.batch.priority_class; Admission sets it)
 
     def __init__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile,
                  metrics: GatewayMetrics, priorities: Priorities | None = None) -> None:
@@ -180,6 +193,8 @@ class ModelQueue:
         self.classes = self.priorities.classes
         self.default = self.priorities.named(self.priorities.default)
         self.line = WaitLine(len(self.classes))
+        self.batch_rank = self.rank_of_batch()
+        self.batch_held: set[int] = set()  # id() of the batch-class calls holding a slot here
         self.credits: dict[str, float] = {}  # by class name: freed slots owed to it by its min_share (share_due)
         self.holds: list[Hold] = []  # see release
         self.stranding = False  # a fail_stranded is scheduled
@@ -209,6 +224,7 @@ class ModelQueue:
         names = {c.name for c in self.classes}
         self.credits = {name: credit for name, credit in self.credits.items() if name in names}
         self.line = WaitLine(len(self.classes))
+        self.batch_rank = self.rank_of_batch()
         self.depth_gauges = [self.metrics.queue_depth.labels(self.model, c.name) for c in self.classes]
         self.wait_histograms = [self.metrics.queue_wait.labels(self.model, c.name) for c in self.classes]
         for waiter in waiters:
@@ -218,6 +234,36 @@ class ModelQueue:
             hold.timer.cancel()
             self.end_hold(hold)
 
+    def set_batch_class(self, name: str) -> None:
+        self.batch_class = name
+        self.batch_rank = self.rank_of_batch()
+
+    def rank_of_batch(self) -> int:
+        """The rank from which classes are batch classes: the batch class's (the last class when the policy has
+        none of that name, as policies/priority.py places batch lines); none (past the last) when that is the
+        default class, whose requests the reserve is for."""
+        names = [c.name for c in self.classes]
+        rank = names.index(self.batch_class) if self.batch_class in names else len(names) - 1
+        return len(names) if names[rank] == self.default.name else rank
+
+    def reserve_of(self, replica: Replica) -> int:
+        """Slots of the replica the batch class leaves free: queue.reserve, else an eighth of its cap (at least
+        1: a quarter left a batch 67% of what a quarter-full cap leaves idle, against the 80% it should fill;
+        tests/benchmarks/batch_fill.py); never the whole cap, so batch work always has a slot of an idle replica."""
+        cap = replica.cap if replica.cap is not None else replica.limit
+        if cap is None:
+            return 0
+        return reserve_for(int(cap), self.config.reserve)
+
+    def limit_for(self, replica: Replica, rank: int) -> int:
+        """How many requests in flight to a capped replica leave room for one more of class `rank`."""
+        limit = int(replica.limit)  # callers pass capped replicas only
+        return limit - self.reserve_of(replica) if rank >= self.batch_rank else limit
+
+    def batch_demand(self) -> tuple[int, int]:
+        """Batch-class requests (in flight, queued) here: what the scaling signal keeps apart."""
+        return len(self.batch_held), sum(self.line.depths[self.batch_rank:])
+
     def class_of(self, call: Call | None) -> tuple[int, PriorityClass]:
         chosen = (call.priority if call is not None else None) or self.default
         for rank, klass in enumerate(self.classes):
@@ -225,8 +271,11 @@ class ModelQueue:
                 return rank, klass
         return self.classes.index(self.default), self.default
 
-    def free_replica(self, call: Call | None, exclude: Sequence[Replica]) -> Replica | None:
-        return self.profile.pick(call, [r for r in self.replicas if r.has_room], exclude=exclude)
+    def free_replica(self, call: Call | None, exclude: Sequence[Replica], rank: int = 0) -> Replica | None:
+        if rank < self.batch_rank:
+            return self.profile.pick(call, [r for r in self.replicas if r.has_room], exclude=exclude)
+        return self.profile.pick(call, [r for r in self.replicas if r.limit is None
+                                        or self.busy(r) < self.limit_for(r, rank)], exclude=exclude)
 
     def take(self, replica: Replica) -> Replica:
         replica.in_flight += 1
@@ -236,7 +285,7 @@ class ModelQueue:
 
     async def take_now(self, call: Call | None, exclude: Sequence[Replica], rank: int, will_wait: bool) -> Replica | None:
         """A slot at once, or None (then the caller waits); here without a suspension point."""
-        replica = self.free_replica(call, exclude)
+        replica = self.free_replica(call, exclude, rank)
         return None if replica is None else self.take(replica)
 
     def busy(self, replica: Replica) -> int:
@@ -255,6 +304,8 @@ class ModelQueue:
             replica = (self.holds and self.take_held(rank, exclude)) or \
                 await self.take_now(call, exclude, rank, will_wait=spill_after is None)
             if replica is not None:
+                if rank >= self.batch_rank and call is not None:
+                    self.batch_held.add(id(call))
                 return replica
         if spill_after is not None and (self.depth >= self.config.max_depth or self.retry_after(rank) > spill_after):
             raise WouldWait
@@ -286,6 +337,8 @@ class ModelQueue:
             waiter.future.cancel()
             raise
         self.wait_histograms[waiter.rank].observe(time.monotonic() - waiter.started)  # its rank after a reload
+        if waiter.rank >= self.batch_rank and call is not None:
+            self.batch_held.add(id(call))
         return replica
 
     def waits_for_a_replica(self, exclude: Sequence[Replica], spill_after: float | None) -> bool:
@@ -368,6 +421,8 @@ class ModelQueue:
         return due
 
     def release(self, replica: Replica, call: Call | None = None) -> None:
+        if self.batch_held and call is not None:
+            self.batch_held.discard(id(call))
         due = self.share_due() if self.depth else None
         if due is not None:
             self.free(replica, first=due)
@@ -410,9 +465,11 @@ class ModelQueue:
         while self.depth and any(r.routable and r.has_room for r in self.replicas):
             waiter = self.pop(first)
             first = None
-            replica = self.free_replica(waiter.call, waiter.exclude)
+            replica = self.free_replica(waiter.call, waiter.exclude, waiter.rank)
             if replica is None:
                 skipped.append(waiter)
+                if waiter.rank >= self.batch_rank and not waiter.exclude and not any(self.line.depths[:self.batch_rank]):
+                    break  # only batch-class waiters are left, and what room there is is the reserve
                 continue
             waiter.future.set_result(self.take(replica))
         for waiter in reversed(skipped):
@@ -487,6 +544,7 @@ class Admission:
         for m in policy.models:
             for group, _ in groups_of(m):
                 self.queues[group].autoscaling = m.autoscaling
+                self.queues[group].set_batch_class(policy.batch.priority_class)
         for replica in replicas:
             metrics.backend_limit.labels(replica.model, replica.name).set(replica.cap or -1)
 

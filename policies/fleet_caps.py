@@ -9,7 +9,8 @@ backend's hash tag so every script touches one Redis Cluster slot:
 
 Taking a slot is one script (one round trip): drop expired leases, count, and add a lease if the count plus
 the claims of processes waiting longer (by more than `caps.fair_within`, or in a better class) is under the
-limit. Priority classes hold across processes as they do in one (policies/admission.py): a process claims
+limit (for a batch-class request, the limit less the replica's `queue.reserve`: the fleet's count then keeps the
+reserve free for interactive work across every gateway replica). Priority classes hold across processes as they do in one (policies/admission.py): a process claims
 for every class it has waiters of, and a class with a `min_share` gains that share of every lease freed
 (given back or expired) while it waits anywhere in the fleet; once its credit is whole the next slot is its,
 ahead of better classes: the script refuses the others (one slot is reserved for it), tells them which class
@@ -408,7 +409,7 @@ class FleetModelQueue(ModelQueue):
     async def take_now(self, call: Call | None, exclude: Sequence[Replica], rank: int, will_wait: bool) -> Replica | None:
         # what this process last saw of the fleet spares a round trip to a backend known to be full; the
         # queue's poller asks Redis about every replica, so a stale view only delays, never blocks
-        candidates = [r for r in self.replicas if r.limit is None or self.fleet_count[r] < int(r.limit)]
+        candidates = [r for r in self.replicas if r.limit is None or self.fleet_count[r] < self.limit_for(r, rank)]
         return await self.take_among(call, exclude, candidates, rank, 0.0, will_wait)
 
     async def take_among(self, call: Call | None, exclude: Sequence[Replica], candidates: list[Replica], rank: int,
@@ -425,7 +426,7 @@ class FleetModelQueue(ModelQueue):
             returned, stranded = self.returning.take(replica), self.stranded.pop(replica, {})
             try:
                 got = await see_through(
-                    self.fleet.acquire(replica.name, int(replica.limit), rank, waited, register,
+                    self.fleet.acquire(replica.name, self.limit_for(replica, rank), rank, waited, register,
                                        [*returned, *stranded], asked, self.shares,
                                        self.others(rank) if register else ""),
                     partial(self.orphaned, replica))
@@ -496,6 +497,8 @@ class FleetModelQueue(ModelQueue):
     def release(self, replica: Replica, call: Call | None = None) -> None:
         """(`call`: the per-process hold for a class's next request is not kept here: across processes the
         freed lease goes to the claim first in line: the due class's (min_share), else the best class's longest.)"""
+        if self.batch_held and call is not None:
+            self.batch_held.discard(id(call))
         replica.end()
         self.in_flight_gauge(replica.name).dec()
         self.drain.tick(time.monotonic())

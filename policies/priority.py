@@ -8,6 +8,10 @@ that run vLLM's priority scheduling get the class's `vllm_priority` (policies/ad
 A batch's lines are always in the batch class (`batch.priority_class`), whatever their key's.
 A key of a team with `max_priority_class` is never served above it (policies/teams.py): the class is clamped
 down to the ceiling, and a client's own `priority` more urgent than the ceiling's `vllm_priority` is dropped.
+A client's own `priority` stays within its class's range: a class after the first is never served ahead of a
+better one, so a value at or below a better class's `vllm_priority` (lower is served first in vLLM; at a tie
+the earlier arrival is) becomes one past the largest of them: a batch line sent with `priority: -100` still
+runs behind interactive work.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class Classify:
         self.default = self.config.named(self.config.default)
         # a batch's lines: the batch class (the last, least urgent class when the policy has none of that name)
         self.batch = self.config.named(policy.batch.priority_class) or self.config.classes[-1]
+        # by class name: the least vLLM priority a client may send in it (None: the first class, unbounded)
+        self.floors = {c.name: (max(b.vllm_priority for b in self.config.classes[:i]) + 1 if i else None)
+                       for i, c in enumerate(self.config.classes)}
 
     def of(self, call: Call) -> PriorityClass:
         chosen = self.asked(call)
@@ -67,8 +74,17 @@ class Classify:
         call.priority = self.of(call)
         if call.key.client_priority and self.own_priority_fits(call):
             call.client_priority = "priority" in call.body
+            if call.client_priority:
+                self.clamp(call)
         else:
             call.body.pop("priority", None)
+
+    def clamp(self, call: Call) -> None:
+        """A client's own vLLM `priority` no more urgent than its class's range allows (see the docstring)."""
+        floor = self.floors.get(call.priority.name) if call.priority is not None else None
+        own = call.body["priority"]
+        if floor is not None and isinstance(own, int) and not isinstance(own, bool) and own < floor:
+            call.body["priority"] = floor
 
     def own_priority_fits(self, call: Call) -> bool:
         """Whether a client's own vLLM `priority` stays within its team's ceiling (lower is more urgent)."""

@@ -9,6 +9,12 @@ Per model (per variant of a model that has variants), once a second:
                constant `autoscaling.smoothing_seconds` (and 0 once under 0.05 of a request)
     needed   = ceil(smoothed * (1 + autoscaling.headroom) / cap), cap = one replica's cap (the knee)
 
+Batch-class requests (batch lines, and the batch class generally: policies/admission.py) are left out of
+`demand` unless `autoscaling.count_batches`: batch work fills the idle capacity of the replicas there are and can
+wait, so a batch alone does not start a replica. Their own figure, in flight plus queued over every gateway
+replica (not smoothed), is `llm_gateway_batch_demand{model}` and `batch_demand` in GET /scaling: an autoscaler
+that should start replicas for batch work too reads it (or the policy sets count_batches).
+
 It is `llm_gateway_replicas_needed{model}` on /metrics and `needed` in GET /scaling (KEDA's metrics-api
 scaler reads it with targetValue 1). A model with no `autoscaling` block gets the signal with the block's
 defaults when its cap is known; one without a known cap gets none.
@@ -50,12 +56,13 @@ class Figures:
     """One model's signal, as GET /scaling shows it."""
 
     needed: int  # replicas to serve the demand at the knee, with the headroom
-    demand: float  # in flight + queued, over every gateway replica, now
+    demand: float  # in flight + queued, over every gateway replica, now (batch-class work: with count_batches)
     smoothed: float  # what `needed` is computed from
     in_flight: int  # this process's share of `demand`
     queued: int
     cap: int  # one replica's cap
     replicas: int  # replicas that can take requests now (as this process sees them)
+    batch_demand: float = 0.0  # batch-class requests in flight + queued, over every gateway replica, now
 
 
 def smooth(previous: float, demand: float, elapsed: float, tau: float) -> float:
@@ -88,23 +95,31 @@ class ScalingSignal:
         self.demand_gauge = Gauge(
             "llm_gateway_scaling_demand", "A model's requests in flight plus queued across every gateway replica,"
             " smoothed as the replicas-needed signal uses it.", ["model"], registry=registry)
+        self.batch_gauge = Gauge(
+            "llm_gateway_batch_demand", "A model's batch-class requests in flight plus queued across every gateway"
+            " replica; counted in llm_gateway_replicas_needed only with autoscaling.count_batches.", ["model"],
+            registry=registry)
 
     def key(self, model: str) -> str:
         return f"{self.store.prefix}scaling:{{{model}}}"
 
-    async def fleet_demand(self, local: dict[str, tuple[int, int]]) -> dict[str, float]:
-        """Write this process's figures and sum every live process's, per model."""
+    async def fleet_demand(self, local: dict[str, tuple[int, int]],
+                           batch: dict[str, tuple[int, int]]) -> tuple[dict[str, float], dict[str, float]]:
+        """Write this process's figures and sum every live process's, per model: (all demand, batch demand).
+        A field is "<in flight> <queued> <time> <batch in flight> <batch queued>" (a process of the version
+        before writes the first three: no batch demand of its own)."""
         now = time.time()
         out: dict[str, float] = {}
+        batches: dict[str, float] = {}
         for model, (in_flight, queued) in local.items():
             key = self.key(model)
             async with self.store.guard("scaling_signal"):
                 pipe = self.store.client.pipeline(transaction=False)
-                pipe.hset(key, self.process, f"{in_flight} {queued} {now:.3f}")
+                pipe.hset(key, self.process, f"{in_flight} {queued} {now:.3f} {batch[model][0]} {batch[model][1]}")
                 pipe.expire(key, int(FORGET))
                 pipe.hgetall(key)
                 *_, fields = await pipe.execute()
-                total, dead = 0.0, []
+                total, batched, dead = 0.0, 0.0, []
                 for process, value in fields.items():
                     parts = (value.decode() if isinstance(value, bytes) else value).split()
                     age = now - float(parts[2])
@@ -112,10 +127,12 @@ class ScalingSignal:
                         dead.append(process)
                     if age <= STALE:
                         total += int(parts[0]) + int(parts[1])
+                        if len(parts) >= 5:
+                            batched += int(parts[3]) + int(parts[4])
                 if dead:
                     await self.store.client.hdel(key, *dead)
-            out[model] = total
-        return out
+            out[model], batches[model] = total, batched
+        return out, batches
 
     async def refresh(self, policy: Policy, queues: dict) -> None:
         """Recompute every model's figures from `queues` (the serving snapshot's admission queues, by model)."""
@@ -125,14 +142,16 @@ class ScalingSignal:
                 cap = replica_cap(m, variant)
                 if cap is not None and group in queues:
                     groups.append((group, cap, m.autoscaling or Autoscaling()))
-        local = {}
+        local, batch = {}, {}
         for group, _, _ in groups:
             queue = queues[group]
             local[group] = (sum(r.in_flight for r in queue.replicas), queue.depth)
+            batch[group] = queue.batch_demand()
         demand = {group: float(a + b) for group, (a, b) in local.items()}
+        batched = {group: float(a + b) for group, (a, b) in batch.items()}
         if self.store is not None and local:
             try:
-                demand = await self.fleet_demand(local)
+                demand, batched = await self.fleet_demand(local, batch)
                 if self.fleet_failing:
                     log.info("the scaling signal counts every gateway replica again")
                 self.fleet_failing = False
@@ -145,16 +164,18 @@ class ScalingSignal:
         figures = {}
         for group, cap, settings in groups:
             before, at = self.state.get(group, (0.0, now))
-            value = smooth(before, demand[group], now - at, settings.smoothing_seconds)
+            counted = demand[group] if settings.count_batches else max(0.0, demand[group] - batched[group])
+            value = smooth(before, counted, now - at, settings.smoothing_seconds)
             self.state[group] = (value, now)
             replicas = sum(1 for r in queues[group].replicas if r.routable)
-            figures[group] = Figures(needed(value, cap, settings.headroom), demand[group], round(value, 3),
-                                     *local[group], cap, replicas)
+            figures[group] = Figures(needed(value, cap, settings.headroom), counted, round(value, 3),
+                                     *local[group], cap, replicas, batched[group])
             self.needed_gauge.labels(group).set(figures[group].needed)
             self.demand_gauge.labels(group).set(value)
+            self.batch_gauge.labels(group).set(batched[group])
         for gone in set(self.figures) - set(figures):  # a model the policy no longer has
             self.state.pop(gone, None)
-            for gauge in (self.needed_gauge, self.demand_gauge):
+            for gauge in (self.needed_gauge, self.demand_gauge, self.batch_gauge):
                 gauge.remove(gone)
         self.figures = figures
 

@@ -109,6 +109,7 @@ def compile_snapshot(policy: Policy, previous: Snapshot | None, shared: Shared, 
                     queue.config, queue.profile = model.queue, profiles[model.name]
                     queue.autoscaling = model.autoscaling
                     queue.reprioritize(policy.priorities)
+                    queue.set_batch_class(policy.batch.priority_class)
                     queue.replicas = shared.replicas.by_model[group]
                     admission.queues[group] = queue
     shared.variants.configure(policy)

@@ -34,6 +34,7 @@ import orjson
 from policies.batch_settings import BatchSettings
 from policies.batches.files import FileDir
 from policies.batches.jsonl import Lines
+from policies.batches.service import add_usage, no_usage
 from policies.batches.store import OPEN, BatchStore
 from policies.store import StoreUnavailable
 
@@ -67,6 +68,16 @@ def output_line(line: dict[str, Any], answer: Answer) -> bytes:
 def failed_line(line: dict[str, Any], code: str, message: str) -> bytes:
     return orjson.dumps({"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": line["custom_id"],
                          "response": None, "error": {"code": code, "message": message}})
+
+
+def answered(result: bytes) -> Any:
+    """The answer's body in an output line (output_line), or None."""
+    try:
+        line = orjson.loads(result)
+    except orjson.JSONDecodeError:
+        return None
+    response = line.get("response") if isinstance(line, dict) else None
+    return response.get("body") if isinstance(response, dict) else None
 
 
 class Runner:
@@ -299,11 +310,14 @@ class Runner:
         files = FileDir(settings.files_dir)
         total = record["request_counts"]["total"]
         counts = {"total": total, "completed": 0, "failed": 0}
+        usage = no_usage()  # the answered lines' tokens, summed as the output file is written
         keep = record.get("_keep_output") or settings.output_retention_seconds  # the batch's output_expires_after
         async with files.incoming() as outputs, files.incoming() as errors:  # a page of results at a time
             for first in range(0, total, SETTLE_PAGE):
                 for _, ok, result in await self.store.results(batch_id, first, min(total, first + SETTLE_PAGE)):
                     counts["completed" if ok else "failed"] += 1
+                    if ok:
+                        add_usage(usage, answered(result))
                     await (outputs if ok else errors).write(result + b"\n")
             for kind, written in (("output", outputs), ("error", errors)):
                 if not written.size:
@@ -318,7 +332,7 @@ class Runner:
                                            "_owner": record["_owner"],
                                            "_created": time.time()})  # no bound: results are never lost
                 record[f"{kind}_file_id"] = file_id
-        record.update(status=final, request_counts=counts, _settling=None)
+        record.update(status=final, request_counts=counts, usage=usage, _settling=None)
         record[f"{final}_at"] = int(time.time())
         if not await self.store.swap(record):
             log.warning("batch %s changed while its files were written; it is settled again", batch_id)

@@ -24,7 +24,41 @@ EXPIRES_AFTER = (3600, 2_592_000)  # what an upload's `expires_after.seconds` ma
 
 
 def shown(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if not k.startswith("_")}
+    out = {k: v for k, v in record.items() if not k.startswith("_")}
+    if out.get("object") == "batch":  # (a batch stored before these were kept: its lines' model, no usage yet)
+        out.setdefault("model", record.get("_model"))
+        out.setdefault("usage", no_usage())
+    return out
+
+
+def no_usage() -> dict[str, Any]:
+    """A batch's `usage` before any line is counted: OpenAI's shape, all zeros."""
+    return {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+
+
+def add_usage(total: dict[str, Any], answer: Any) -> None:
+    """Add one answered line's token usage (a chat or completions `usage`, an embeddings one, or a Responses one)
+    to a batch's `usage`."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return
+
+    def count(*path: str) -> int:
+        value: Any = usage
+        for name in path:
+            value = value.get(name) if isinstance(value, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    given = count("prompt_tokens") or count("input_tokens")
+    made = count("completion_tokens") or count("output_tokens")
+    total["input_tokens"] += given
+    total["output_tokens"] += made
+    total["total_tokens"] += count("total_tokens") or given + made
+    total["input_tokens_details"]["cached_tokens"] += \
+        count("prompt_tokens_details", "cached_tokens") or count("input_tokens_details", "cached_tokens")
+    total["output_tokens_details"]["reasoning_tokens"] += \
+        count("completion_tokens_details", "reasoning_tokens") or count("output_tokens_details", "reasoning_tokens")
 
 
 def no_file(file_id: str) -> NotFound:
@@ -197,7 +231,7 @@ class Batches:
                   "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                   "cancelling_at": None, "cancelled_at": None,
                   "request_counts": {"total": source["_lines"], "completed": 0, "failed": 0},
-                  "metadata": metadata, "_owner": owner, "_created": time.time(), "_client": client_host, "_model": source["_model"], "_v": 0,
+                  "model": source["_model"], "usage": no_usage(), "metadata": metadata, "_owner": owner, "_created": time.time(), "_client": client_host, "_model": source["_model"], "_v": 0,
                   "_keep_output": keep_output}
         await self.store.create_batch(record, source["_lines"])
         return shown(record)

@@ -12,6 +12,10 @@ class Queue(Strict):
 
     max_depth: int = Field(256, ge=0, le=100_000)  # more waiting than this: 429 at once
     max_wait: Seconds = 30.0  # waited this long: 429 with a Retry-After from the observed drain rate
+    # slots of each replica's cap that batch-class requests (batch lines, and the batch class generally) leave
+    # free, so an arriving interactive request finds one at once instead of waiting for a batch line to end;
+    # None: an eighth of the cap, at least 1; 0: no reserve. Never the whole cap: batch work keeps one slot
+    reserve: int | None = Field(None, ge=0, le=100_000)
 
 
 class PriorityClass(Strict):

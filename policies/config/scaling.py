@@ -22,3 +22,7 @@ class Autoscaling(Strict):
     cold_start_wait: Seconds = 300.0
     # the cap of one replica the signal divides by; default: discovery.cap, else the mean of the backends' caps
     replica_cap: int | None = Field(None, ge=1, le=100_000)
+    # batch-class demand (batch lines, in flight and queued) raises the replica count too; off by default: batch
+    # work fills the idle capacity of the replicas there are and can wait, so it is its own gauge
+    # (llm_gateway_batch_demand) rather than a reason to start a replica
+    count_batches: bool = False
