@@ -13,6 +13,10 @@ each). One fetch runs at a time; callers that need it meanwhile wait for that on
 A key the provider removed stops verifying at the first refresh that no longer lists it: rotation at the
 provider is followed within refresh_seconds, or at once when a token signed with the new key arrives first.
 Parsing is PyJWT's (PyJWKSet); keys whose algorithm the policy does not allow are dropped.
+
+The console's sign-in at the provider (gateway/console/sso.py) takes the authorization and token endpoints from
+the same discovery document (`endpoint`) and exchanges its code at the token endpoint (`exchange`), within the
+same bounds of time and size.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -37,6 +42,14 @@ class KeysUnavailable(Exception):
     """The provider's keys could not be fetched; the message names the step, never a response body."""
 
 
+class CodeRefused(Exception):
+    """The token endpoint refused a code; the message is the provider's OAuth error code, never its body."""
+
+
+ENDPOINTS = ("authorization_endpoint", "token_endpoint")
+ERROR_CODE = re.compile(r"[a-z_]{1,64}")
+
+
 class IssuerKeys:
     def __init__(self, settings: AdminOidc, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
@@ -46,6 +59,8 @@ class IssuerKeys:
         self.tried_at: float | None = None  # the last fetch, failed or not
         self.error: str | None = None  # why the last fetch failed; None after a success
         self.jwks_uri: str | None = None
+        self.endpoints: dict[str, str] = {}  # the discovery document's ENDPOINTS that are secure URLs
+        self.auth_methods: list[str] = []  # its token_endpoint_auth_methods_supported
         self.lock = asyncio.Lock()
         self.refreshing: asyncio.Task | None = None
         self.fetches = 0  # fetches started, for the tests and the logs
@@ -113,6 +128,7 @@ class IssuerKeys:
                                                 + "/.well-known/openid-configuration", "discovery document")
                 if discovery.get("issuer") != self.settings.issuer:
                     raise KeysUnavailable("the discovery document names another issuer")
+                self.endpoints, self.auth_methods = endpoints(discovery)
                 uri = discovery.get("jwks_uri")
                 if not isinstance(uri, str):
                     raise KeysUnavailable("the discovery document has no jwks_uri")
@@ -133,10 +149,17 @@ class IssuerKeys:
         return {k.key_id: k for k in found if k.key_id and k.algorithm_name in allowed}
 
     async def document(self, client: httpx.AsyncClient, url: str, what: str) -> dict:
+        _, data = await self.read_json(client.stream("GET", url, headers={"accept": "application/json"}), what,
+                                            only_ok=True)
+        return data
+
+    async def read_json(self, request, what: str, only_ok: bool) -> tuple[int, dict]:
+        """The status and JSON object of a response, at most max_document_bytes read (`only_ok`: refuse any
+        status but 200 before reading)."""
         limit = self.settings.max_document_bytes
         try:
-            async with client.stream("GET", url, headers={"accept": "application/json"}) as response:
-                if response.status_code != 200:
+            async with request as response:
+                if only_ok and response.status_code != 200:
                     raise KeysUnavailable(f"the {what} answered HTTP {response.status_code}")
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
@@ -151,6 +174,44 @@ class IssuerKeys:
             raise KeysUnavailable(f"the {what} is not JSON") from None
         if not isinstance(data, dict):
             raise KeysUnavailable(f"the {what} is not a JSON object")
+        return response.status_code, data
+
+    async def endpoint(self, name: str) -> str:
+        """The provider's `name` (one of ENDPOINTS) from its discovery document, read again now (at most once per
+        unknown_kid_refetch_seconds) if the last reading had none; KeysUnavailable when there is none to use."""
+        if name not in self.endpoints:
+            if self.may_fetch(self.clock()):
+                self.jwks_uri = None  # so the fetch reads the discovery document again
+                await self.refresh()
+            elif self.lock.locked():
+                async with self.lock:
+                    pass
+        if name in self.endpoints:
+            return self.endpoints[name]
+        raise KeysUnavailable(self.error or f"the discovery document has no {name} (https, or http on loopback)")
+
+    async def exchange(self, form: dict[str, str], auth: tuple[str, str] | None) -> dict:
+        """The token endpoint's answer to `form` (an authorization code grant), with HTTP Basic client `auth` if
+        given (client_secret_basic, the default of OAuth; client_secret_post where the provider lists only that).
+        CodeRefused with the provider's error code, KeysUnavailable when it cannot be asked or answers no JSON."""
+        url = await self.endpoint("token_endpoint")
+        if auth is not None and "client_secret_basic" not in self.auth_methods and \
+                "client_secret_post" in self.auth_methods:
+            form, auth = {**form, "client_id": auth[0], "client_secret": auth[1]}, None
+        try:
+            async with asyncio.timeout(self.settings.fetch_timeout_seconds), \
+                    httpx.AsyncClient(verify=self.tls(), follow_redirects=False, trust_env=False,
+                                      timeout=self.settings.fetch_timeout_seconds + 1) as client:
+                basic = httpx.BasicAuth(*auth) if auth is not None else None
+                request = client.stream("POST", url, data=form, auth=basic, headers={"accept": "application/json"})
+                status, data = await self.read_json(request, "token endpoint", only_ok=False)
+        except TimeoutError:
+            raise KeysUnavailable(f"the token endpoint gave no answer in {self.settings.fetch_timeout_seconds:g} s") \
+                from None
+        if status != 200:
+            error = data.get("error")
+            raise CodeRefused(error if isinstance(error, str) and ERROR_CODE.fullmatch(error)
+                              else f"HTTP {status}")
         return data
 
     def tls(self) -> ssl.SSLContext | bool:
@@ -161,3 +222,16 @@ class IssuerKeys:
             self.refreshing.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.refreshing
+
+
+def endpoints(discovery: dict) -> tuple[dict[str, str], list[str]]:
+    """The console's endpoints from a discovery document (those not https, or http on loopback, left out: a
+    provider without them still serves its keys) and the token endpoint's client authentication methods."""
+    found = {}
+    for name in ENDPOINTS:
+        url = discovery.get(name)
+        if isinstance(url, str):
+            with contextlib.suppress(ValueError):
+                found[name] = secure_url(url, name)
+    methods = discovery.get("token_endpoint_auth_methods_supported")
+    return found, [m for m in methods if isinstance(m, str)] if isinstance(methods, list) else []

@@ -2,6 +2,7 @@
 
 The gateway reads the issuer's discovery document and its JWKS, verifies admin tokens with those keys, and maps
 one claim (groups or roles) to a gateway role. The verification itself is gateway/oidc.py; these are its settings.
+With `console`, the admin console signs people in at the provider too (gateway/console/sso.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,45 @@ def loopback(host: str) -> bool:
         return False
 
 
+class ConsoleSignIn(Strict):
+    """`admin.oidc.console`: the console's "Sign in with" button, the authorization code flow with PKCE as a
+    client of the provider. The ID token it brings back is verified as the admin API verifies the provider's
+    tokens, with `client_id` as its audience."""
+
+    client_id: str = Field(min_length=1, max_length=200, description="the console's client at the provider")
+    client_secret_env: str | None = Field(
+        None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the client's secret; unset: a public client (PKCE only)")
+    redirect_url: str | None = Field(
+        None, max_length=2000, description="the callback as registered at the provider"
+        " (https://HOST/console/oidc/callback); default: built from the request's scheme and host,"
+        " which is right unless a proxy in front changes them")
+    scopes: list[str] = Field(["openid", "profile"], min_length=1, max_length=20,
+                              description="scopes asked for; `openid` is required; add the one that puts `claim`"
+                                          " in the ID token if the provider needs it (often `groups`)")
+    button: str = Field("your identity provider", min_length=1, max_length=100,
+                        description="the provider's name on the sign-in button")
+    flow_seconds: int = Field(600, ge=30, le=3600, description="how long a sign-in at the provider may take")
+
+    @field_validator("scopes")
+    @classmethod
+    def with_openid(cls, scopes: list[str]) -> list[str]:
+        if "openid" not in scopes:
+            raise ValueError("the scopes must include openid")
+        if any(not s or any(c.isspace() or c == '"' or c == "\\" for c in s) for s in scopes):
+            raise ValueError("a scope is a non-empty word without spaces, quotes or backslashes")
+        return scopes
+
+    @field_validator("redirect_url")
+    @classmethod
+    def absolute(cls, url: str | None) -> str | None:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("https", "http") or not parts.hostname or parts.fragment:
+                raise ValueError("admin.oidc.console.redirect_url must be an absolute http(s) URL without a fragment")
+        return url
+
+
 class AdminOidc(Strict):
     issuer: str = Field(max_length=2000, description="the provider's issuer URL, exactly as its tokens' `iss`")
     audience: str = Field("llm-gateway-admin", min_length=1, max_length=2000)
@@ -68,6 +108,8 @@ class AdminOidc(Strict):
     refresh_seconds: float = Field(300.0, ge=1, le=86400)
     unknown_kid_refetch_seconds: float = Field(30.0, ge=0, le=3600)
     max_stale_seconds: float = Field(3600.0, ge=0, le=7 * 86400)
+    console: ConsoleSignIn | None = Field(None, description="the console's sign-in with this provider; unset: the"
+                                                              " console takes pasted tokens only")
 
     @field_validator("issuer")
     @classmethod

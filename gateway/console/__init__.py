@@ -25,6 +25,7 @@ from gateway.console import (
     keys_page,
     report_page,
     signin,
+    sso,
     usage_page,
     variants_page,
 )
@@ -53,7 +54,9 @@ def console_routes(gateway) -> list[Router]:
         return Redirect(f"{PREFIX}/{PAGES[0].path}", status_code=303)
 
     team_landing = next(f"{PREFIX}/{p.path}" for p in PAGES if p.team)  # where a team admin lands
-    handlers = [home, *signin.handlers(gateway, sessions, f"{PREFIX}/{PAGES[0].path}", team_landing)]
+    landing = f"{PREFIX}/{PAGES[0].path}"
+    handlers = [home, *signin.handlers(gateway, sessions, landing, team_landing),
+                *sso.handlers(gateway, sessions, landing, team_landing)]
     for p in PAGES:
         handlers.extend(p.handlers(gateway))
     pages = Router(path=PREFIX, route_handlers=handlers, guards=[guard], include_in_schema=False,

@@ -9,6 +9,11 @@ signing out deletes the session, so a copy of the cookie stops working at once t
 with several gateway replicas, the console needs session affinity (or signs in again where it lands), and a
 restart signs everyone out.
 
+Signing in at the admins' OpenID provider (gateway/console/sso.py, with `admin.oidc.console`) opens the same kind
+of session around the provider's ID token instead, checked again on every request as the admin API checks the
+provider's tokens (`id_token_claims`: issuer, signature by the provider's JWKS, expiry, the role mapping), with
+the console's client id as the audience an ID token carries.
+
 CSRF: every state-changing request carries a token derived from the session (HMAC of the session's id, so it
 is useless without the cookie and reveals nothing of it), in the X-CSRF-Token header htmx sends or a form field
 `csrf`. The sign-in form, before any session, uses a double-submit nonce (a cookie and a field that must match).
@@ -30,6 +35,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import jwt
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.datastructures import Cookie
@@ -95,6 +101,7 @@ MAX_SESSIONS = 10_000  # sessions kept at once: past it, signing in drops the ex
 class Session:
     token: str  # the admin JWT it was opened with, checked again on every request; never sent back out
     expires: float  # unix seconds
+    id_token: bool = False  # `token` is an ID token from signing in at the provider (id_token_claims checks it)
 
 
 class Sessions:
@@ -108,8 +115,9 @@ class Sessions:
     def _key(session_id: str) -> bytes:
         return hashlib.sha256(session_id.encode()).digest()
 
-    def open(self, token: str, seconds: int) -> str:
-        """A new session for `token`, lasting `seconds`; its id (the cookie's value)."""
+    def open(self, token: str, seconds: int, id_token: bool = False) -> str:
+        """A new session for `token` (an ID token of the provider: `id_token`), lasting `seconds`; its id (the
+        cookie's value)."""
         now = time.time()
         if len(self.by_id) >= self.limit:
             for key in [k for k, s in self.by_id.items() if s.expires <= now]:
@@ -117,11 +125,11 @@ class Sessions:
             while len(self.by_id) >= self.limit:
                 self.by_id.popitem(last=False)
         session_id = secrets.token_urlsafe(32)
-        self.by_id[self._key(session_id)] = Session(token, now + seconds)
+        self.by_id[self._key(session_id)] = Session(token, now + seconds, id_token)
         return session_id
 
-    def token(self, session_id: str) -> str | None:
-        """The token of a live session, or None: unknown, signed out or expired."""
+    def get(self, session_id: str) -> Session | None:
+        """A live session, or None: unknown, signed out or expired."""
         key = self._key(session_id)
         session = self.by_id.get(key)
         if session is None:
@@ -129,7 +137,7 @@ class Sessions:
         if session.expires <= time.time():
             del self.by_id[key]
             return None
-        return session.token
+        return session
 
     def close(self, session_id: str) -> None:
         self.by_id.pop(self._key(session_id), None)
@@ -142,15 +150,40 @@ async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> 
     session_id = connection.cookies.get(SESSION)
     if not session_id:
         return None
-    token = sessions.token(session_id)
-    if token is None:
+    session = sessions.get(session_id)
+    if session is None:
         return None
     try:
-        claims = await gateway.admin_auth.check(f"Bearer {token}", write=False, team_admin=True)
+        if session.id_token:
+            claims = await id_token_claims(gateway.admin_auth, session.token)
+        else:
+            claims = await gateway.admin_auth.check(f"Bearer {session.token}", write=False, team_admin=True)
     except (AuthenticationFailed, PermissionDenied, StateUnavailable):
         return None
     team = claims.get("team") if claims["role"] == "team_admin" else None
     return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(session_id), team), claims
+
+
+async def id_token_claims(admin_auth, token: str) -> dict:
+    """An ID token of the admins' provider, verified as the admin API verifies the provider's tokens
+    (AdminAuth.provider_claims: issuer, an allowed algorithm, the signature by the provider's JWKS, expiry, a
+    `sub`, the role from the mapped claim) with the console's client id as its audience; when it names several
+    audiences, its `azp` must be that client too (OpenID Connect Core 3.1.3.7). AuthenticationFailed or
+    PermissionDenied as the admin API's, never repeating the token."""
+    oidc = admin_auth.config.oidc
+    if oidc is None or oidc.console is None or admin_auth.oidc is None:
+        raise AuthenticationFailed("signing in at the identity provider is not configured (admin.oidc.console)",
+                                   code="invalid_admin_token")
+    client = oidc.console.client_id
+    try:
+        header = jwt.get_unverified_header(token)
+    except jwt.PyJWTError:
+        raise AuthenticationFailed("the ID token is not a well-formed JWT", code="invalid_admin_token") from None
+    claims = await admin_auth.provider_claims(token, header, oidc.model_copy(update={"audience": client}))
+    audience = claims.get("aud")
+    if isinstance(audience, list) and len(audience) > 1 and claims.get("azp") != client:
+        raise AuthenticationFailed("the ID token was issued to another client (azp)", code="invalid_admin_token")
+    return claims
 
 
 def session_lifetime(gateway, claims: dict) -> int:
@@ -160,6 +193,13 @@ def session_lifetime(gateway, claims: dict) -> int:
 
 def session_cookie(gateway, session_id: str, seconds: int) -> Cookie:
     return Cookie(key=SESSION, value=session_id, path=PREFIX, max_age=seconds, httponly=True, samesite="strict",
+                  secure=gateway.policy.console.secure_cookie)
+
+
+def lax_cookie(gateway, key: str, value: str, seconds: int) -> Cookie:
+    """A cookie the browser sends back when the provider redirects it here (a top-level navigation from another
+    site, which a SameSite=Strict cookie would miss); it binds a sign-in to the browser that started it."""
+    return Cookie(key=key, value=value, path=PREFIX, max_age=seconds, httponly=True, samesite="lax",
                   secure=gateway.policy.console.secure_cookie)
 
 

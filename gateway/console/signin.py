@@ -1,5 +1,6 @@
 """Signing in (pasting an admin JWT) and out. The token is checked exactly as the admin API checks it, and kept
-server-side in a console session (gateway/console/session.py); signing out deletes that session."""
+server-side in a console session (gateway/console/session.py); signing out deletes that session. With
+`admin.oidc.console` the page also offers signing in at the identity provider (gateway/console/sso.py)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,24 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 INVALID = "That token was not accepted: it is malformed, expired, or not an admin token of this gateway."
 
 
+def signin_page(gateway, request: Request, error: str | None = None, status: int = 200) -> Template:
+    """The sign-in page (with `error` said on it), its form's nonce in a fresh cookie."""
+    nonce, cookie = signin_nonce(gateway)
+    # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
+    plain = (request.url.scheme == "http" and gateway.policy.console.secure_cookie
+             and request.url.hostname not in LOOPBACK)
+    oidc = gateway.admin_auth.config.oidc
+    provider = oidc.console.button if oidc is not None and oidc.console is not None else None
+    response = page(request, "signin.html", "Sign in", status=status, nonce=nonce, error=error, plain=plain,
+                    provider=provider)
+    response.cookies.append(cookie)
+    return response
+
+
 def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> list:
     """`landing`: where signing in leads; `team_landing`: where it leads a team admin (a page of its team's)."""
     def form(request: Request, error: str | None = None, status: int = 200) -> Template:
-        nonce, cookie = signin_nonce(gateway)
-        # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
-        plain = (request.url.scheme == "http" and gateway.policy.console.secure_cookie
-                 and request.url.hostname not in LOOPBACK)
-        response = page(request, "signin.html", "Sign in", status=status, nonce=nonce, error=error, plain=plain)
-        response.cookies.append(cookie)
-        return response
+        return signin_page(gateway, request, error, status)
 
     @get("/signin", opt={"public": True}, sync_to_thread=False)
     def show(request: Request) -> Template:

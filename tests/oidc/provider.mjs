@@ -7,6 +7,9 @@
 // file) carry its `groups`. Rotation is a restart with another JWKS file. Resources pick the audience and
 // lifetime: urn:llm-gateway:admin (the gateway's audience, 10 min; the default), urn:llm-gateway:short
 // (the gateway's audience, 2 s), urn:elsewhere (another audience).
+// The console's sign-in (authorization code + PKCE) uses the clients `console` (a secret) and `console-public`
+// (none), native, so a redirect to any loopback port is accepted; people log in at the development interaction
+// (any password) under a name of USERS, whose groups their ID token carries.
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { pathToFileURL } from 'node:url';
@@ -21,6 +24,10 @@ const GROUPS = {
   'team-a': ['team-a-admins', 'gw-viewers'],
   outsiders: ['everyone'],
 };
+const USERS = { alice: ['gw-admins'], olivia: ['gw-operators'], vera: ['gw-viewers'], tina: ['team-a-admins'],
+  oscar: ['everyone'] };
+const CONSOLE = { application_type: 'native', redirect_uris: ['http://127.0.0.1/console/oidc/callback'],
+  grant_types: ['authorization_code'], response_types: ['code'] };
 const RESOURCES = {
   'urn:llm-gateway:admin': { audience: 'llm-gateway-admin', ttl: 600 },
   'urn:llm-gateway:short': { audience: 'llm-gateway-admin', ttl: 2 },
@@ -37,9 +44,16 @@ const provider = new Provider(issuer, {
     redirect_uris: [],
     response_types: [],
     token_endpoint_auth_method: 'client_secret_post',
-  })),
+  })).concat([
+    { ...CONSOLE, client_id: 'console', client_secret: 'console-secret' },
+    { ...CONSOLE, client_id: 'console-public', token_endpoint_auth_method: 'none' },
+  ]),
+  claims: { openid: ['sub'], groups: ['groups'] },
+  conformIdTokenClaims: false,
+  findAccount: async (_ctx, id) => (USERS[id] ? { accountId: id, claims: async () => ({ sub: id, groups: USERS[id] }) }
+                                                : undefined),
   features: {
-    devInteractions: { enabled: false },
+    devInteractions: { enabled: true },
     clientCredentials: { enabled: true },
     resourceIndicators: {
       enabled: true,
