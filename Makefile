@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/llm-gateway demo
+	$(VENV)/bin/llm-gateway demo $(ARGS)
 
 e2e-setup:
 	scripts/setup_e2e.sh

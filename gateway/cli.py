@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
+    demo.add_argument("--traffic", action="store_true", help="send a light, steady mix of calls for the console")
 
     from gateway import audit_cli, keys_cli, knee_cli, report_cli, teams_cli, variants_cli
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args)
     from gateway.demo import run_demo
 
-    return run_demo(args.host, args.port, args.log_level)
+    return run_demo(args.host, args.port, args.log_level, args.traffic)
 
 
 def run_check(path: str, resolve: bool = True) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
@@ -36,6 +37,8 @@ def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Nam
     args = parser.parse_args(argv)
     named = ("model", "enable_prefix_caching", "enable_lora", "lora_load_ms", *FIELD_FLAGS)
     overrides = {k: v for k in named if (v := getattr(args, k)) is not None}
+    if os.environ.get("VLLM_API_KEY"):  # as vLLM: read from the environment, so it is not on the command line
+        overrides["api_key"] = os.environ["VLLM_API_KEY"]
     base = PRESETS[args.preset]().model_dump()
     return SimConfig(**{**base, **overrides}), args
 

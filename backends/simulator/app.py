@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import hmac
 import math
 import random
 import secrets
@@ -117,6 +118,7 @@ class SimulatorApp:
         self.engine = Engine(cfg)
         self.registry = self.engine.metrics.registry
         self.created = int(time.time())
+        self.bearer = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
         self.fingerprint = f"vllm-{VERSION}-{hashlib.sha256(cfg.model.encode()).hexdigest()[:8]}"
         self.routes: dict[str, tuple[str, Callable[[Http], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self.chat),
@@ -144,7 +146,10 @@ class SimulatorApp:
             return
         http = Http(scope, receive, send)
         route = self.routes.get(http.path) or self._response_route(http.path)
-        if route is None:
+        if self.bearer is not None and http.path.startswith("/v1") and not hmac.compare_digest(
+                http.headers.get(b"authorization", b""), self.bearer):
+            await http.json(401, {"error": "Unauthorized"})  # vLLM's own answer to a missing or wrong key
+        elif route is None:
             await http.json(404, {"detail": "Not Found"})
         elif route[0] != http.method:
             await http.json(405, {"detail": "Method Not Allowed"})

@@ -45,6 +45,8 @@ class SimConfig(BaseModel):
     # vLLM's --enable-lora with run-time updating (backends/simulator/lora.py); a load takes lora_load_ms
     enable_lora: bool = False
     lora_load_ms: float = Field(0.0, ge=0)
+    # vLLM's --api-key (or VLLM_API_KEY): every /v1 call must carry it as a Bearer token, else 401; None: open
+    api_key: str | None = Field(None, min_length=1, repr=False)
 
     @model_validator(mode="after")
     def _cache_holds_one_request(self) -> SimConfig:
