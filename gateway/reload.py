@@ -49,6 +49,7 @@ class PolicyReloader:
         self.seen: Stamp | None = self.stamp()
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
+        self.asked = 0  # admins' reloads (the console's button) waiting or running: the watch leaves them the change
 
     def stamp(self) -> Stamp | None:
         """What changes when the file does: its resolved path (a ConfigMap swaps a symlink), mtime, size, inode."""
@@ -78,7 +79,18 @@ class PolicyReloader:
     async def reload(self, why: str, by: ASGIConnection | None = None) -> str:
         """Once the file has settled, validate it and, when its text changed and is valid, swap in its policy.
         The audit log records it as the admin of `by` (the console's button), else as the system (the file
-        changed, SIGHUP)."""
+        changed, SIGHUP). An admin's reload takes the change over from the watch: a watch that has settled and
+        validated a text while an admin asked for a reload leaves it to the admin's, which then says "reloaded"
+        and is audited as that admin's act (not "unchanged" because the watch applied it a moment before)."""
+        if by is None:
+            return await self._reload(why, by)
+        self.asked += 1
+        try:
+            return await self._reload(why, by)
+        finally:
+            self.asked -= 1
+
+    async def _reload(self, why: str, by: ASGIConnection | None) -> str:
         async with self.lock:
             settled = await self.settled()
             if settled is None:  # still being written: the poll sees the next change and comes back
@@ -100,6 +112,9 @@ class PolicyReloader:
                 await check_backends(policy, self.gateway.resolver, unresolved_fatal=False, source=self.path)
             except PolicyError as exc:
                 return await self.refuse(why, str(exc), by)
+            if by is None and self.asked:  # an admin asked meanwhile: theirs applies it (no await from here on)
+                self.seen = None  # looked at again on the next poll, should the admin's reload not apply it
+                return UNCHANGED
             later = restart_needed(live.policy, policy)
             if later:  # never "ok" with a setting silently ignored
                 return await self.refuse(why, f"{', '.join(later)} take effect only after a restart: restart the"
