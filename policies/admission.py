@@ -22,7 +22,8 @@ COLD_RETRY_AFTER. A key that may rent the model's overflow rents at once instead
 
 A reserve for interactive work: a request of the batch class (the class batch lines run in, `batch.priority_class`,
 or any class listed after it) takes a slot only while no better class waits and at least `queue.reserve` slots of
-the replica's limit stay free (default an eighth of its cap, at least 1, never all of it; 0: none). A batch
+the replica's limit stay free (default an eighth of its cap, at least 1, never all of it; 0: none); a slot a
+class's min_share is owed is its own, the reserve included. A batch
 line, once running, holds its slot to its end; without the reserve a batch alone fills the cap and an arriving
 interactive request waits for a line to end (seconds), with it the request finds a free slot at once. The batch
 class's own demand (in flight and queued here) is `batch_demand()`, which the scaling signal keeps apart.
@@ -464,8 +465,10 @@ class ModelQueue:
         skipped: list[Waiter] = []  # waiters whose only free replica is one they already failed on
         while self.depth and any(r.routable and r.has_room for r in self.replicas):
             waiter = self.pop(first)
+            # a slot its min_share is owed is the class's own, the reserve included (or the share is never paid)
+            rank = 0 if first is not None and waiter.rank == first else waiter.rank
             first = None
-            replica = self.free_replica(waiter.call, waiter.exclude, waiter.rank)
+            replica = self.free_replica(waiter.call, waiter.exclude, rank)
             if replica is None:
                 skipped.append(waiter)
                 if waiter.rank >= self.batch_rank and not waiter.exclude and not any(self.line.depths[:self.batch_rank]):

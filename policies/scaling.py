@@ -11,7 +11,8 @@ Per model (per variant of a model that has variants), once a second:
 
 Batch-class requests (batch lines, and the batch class generally: policies/admission.py) are left out of
 `demand` unless `autoscaling.count_batches`: batch work fills the idle capacity of the replicas there are and can
-wait, so a batch alone does not start a replica. Their own figure, in flight plus queued over every gateway
+wait, so a batch alone does not start a second replica (a model scaled to zero with batch work waiting needs one,
+or the batch never runs). Their own figure, in flight plus queued over every gateway
 replica (not smoothed), is `llm_gateway_batch_demand{model}` and `batch_demand` in GET /scaling: an autoscaler
 that should start replicas for batch work too reads it (or the policy sets count_batches).
 
@@ -168,7 +169,10 @@ class ScalingSignal:
             value = smooth(before, counted, now - at, settings.smoothing_seconds)
             self.state[group] = (value, now)
             replicas = sum(1 for r in queues[group].replicas if r.routable)
-            figures[group] = Figures(needed(value, cap, settings.headroom), counted, round(value, 3),
+            wanted = needed(value, cap, settings.headroom)
+            if batched[group] > 0 and wanted == 0:  # batch work and no replica wanted: one, or it never runs
+                wanted = 1
+            figures[group] = Figures(wanted, counted, round(value, 3),
                                      *local[group], cap, replicas, batched[group])
             self.needed_gauge.labels(group).set(figures[group].needed)
             self.demand_gauge.labels(group).set(value)

@@ -136,7 +136,8 @@ async def test_console_over_real_vllm_fleet_keys_and_viewer(console_gateway, vll
             assert reply.usage is not None and reply.usage.completion_tokens >= 1  # counted by vLLM
             await page.goto(f"{gw.url}/console/keys/{key_id}")
             await expect()(page.locator("#key-state")).to_have_text("active")
-            await page.get_by_role("button", name="Revoke this key").click()
+            await page.get_by_text("Revoke this key…").click()  # a confirm step first
+            await page.get_by_role("button", name="Yes, revoke this key").click()
             await expect()(page.locator("#key-state")).to_have_text("revoked")
             await screenshot(page, "vllm-key-revoked")
             with pytest.raises(openai.AuthenticationError) as refused:

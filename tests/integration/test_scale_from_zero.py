@@ -66,12 +66,14 @@ async def test_requests_wait_for_the_first_replica_and_are_all_served_better_cla
                 return (await http.get(f"{url}/scaling", params={"model": "m"})).json()
 
             deadline = time.monotonic() + 10
-            while (view := await scaling())["needed"] != 3:  # 6 waiting at a cap of 2
+            # 3 interactive waiting at a cap of 2: 2 replicas; the 3 batch lines are batch demand, apart
+            while (view := await scaling())["needed"] != 2 or view["batch_demand"] != 3:
                 assert time.monotonic() < deadline, view
                 await asyncio.sleep(0.1)
             assert view["replicas"] == 0 and view["queued"] == 6 and not any(c.done() for c in calls)
             metrics = (await http.get(f"{url}/metrics")).text
-            assert 'llm_gateway_replicas_needed{model="m"} 3.0' in metrics
+            assert 'llm_gateway_replicas_needed{model="m"} 2.0' in metrics
+            assert 'llm_gateway_batch_demand{model="m"} 3.0' in metrics
 
             await call(slices.patch_namespaced_endpoint_slice, "vllm-abc", NS, {"endpoints": endpoints([host])})
             results = await asyncio.wait_for(asyncio.gather(*calls), 60)

@@ -120,6 +120,12 @@ async def test_batch_demand_is_its_own_gauge_and_raises_replicas_needed_only_whe
     assert b'llm_gateway_replicas_needed{model="m"} 1.0' in text
     await signal.refresh(policy(headroom=0.0, smoothing_seconds=0, count_batches=True), {"m": q})
     assert (signal.view("m")["demand"], signal.view("m")["needed"]) == (9, 3)
+    alone, _ = make(cap=4, metrics=metrics)  # batch work alone: one replica, or it never runs (scaled to zero)
+    batch_only = [asyncio.create_task(alone.acquire("k", (), call=classed("batch"))) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    await signal.refresh(policy(headroom=0.0, smoothing_seconds=0), {"m": alone})
+    assert (signal.view("m")["demand"], signal.view("m")["batch_demand"], signal.view("m")["needed"]) == (0, 2, 1)
+    await asyncio.gather(*batch_only)
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
