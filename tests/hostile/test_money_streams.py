@@ -141,31 +141,23 @@ class Provider:
         self.port = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            path, headers, body = await read_request(reader)
-            if path.endswith(b"/health"):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
-            elif not path.endswith((b"/chat/completions", b"/responses")):
-                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-            else:
-                self.served.append(headers.get(b"x-request-id", b"").decode())
-                words = body["input"] if path.endswith(b"/responses") else body["messages"][0]["content"]
-                shape, line_end = words.split()[:2]
-                raw = stream_of(shape, body["model"], LINE_ENDS[line_end])
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
-                for i in range(0, len(raw), 23):
-                    piece = raw[i:i + 23]
-                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                    await writer.drain()
-                writer.write(b"0\r\n\r\n")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        path, headers, body = await read_request(reader)
+        if path.endswith(b"/health"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+        elif not path.endswith((b"/chat/completions", b"/responses")):
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        else:
+            self.served.append(headers.get(b"x-request-id", b"").decode())
+            words = body["input"] if path.endswith(b"/responses") else body["messages"][0]["content"]
+            shape, line_end = words.split()[:2]
+            raw = stream_of(shape, body["model"], LINE_ENDS[line_end])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+            for i in range(0, len(raw), 23):
+                piece = raw[i:i + 23]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
 
 
 @contextlib.asynccontextmanager

@@ -76,19 +76,11 @@ class QuotingProvider:
         self.seen_authorization: list[str] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            path, headers, body = await read_request(reader)
-            auth = headers.get(b"authorization", b"").decode()
-            self.seen_authorization.append(auth)
-            mode = body["input"] if path.endswith(b"/responses") else body["messages"][0]["content"]
-            await self.answer(mode, auth, writer)
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        path, headers, body = await read_request(reader)
+        auth = headers.get(b"authorization", b"").decode()
+        self.seen_authorization.append(auth)
+        mode = body["input"] if path.endswith(b"/responses") else body["messages"][0]["content"]
+        await self.answer(mode, auth, writer)
 
     async def answer(self, mode: str, auth: str, w: asyncio.StreamWriter) -> None:
         key = auth.removeprefix("Bearer ")

@@ -47,8 +47,21 @@ async def serve_app(app, port: int | None = None, host: str = "127.0.0.1", **uvi
 
 @contextlib.asynccontextmanager
 async def serve_raw(handle) -> AsyncIterator[int]:
-    """An asyncio server on a loopback port for `handle(reader, writer)`, a hand-written HTTP peer; yields the port."""
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    """An asyncio server on a loopback port for `handle(reader, writer)`, a hand-written HTTP peer that answers
+    one exchange per connection; yields the port. The connection is closed after `handle` (what it wrote
+    drained), and a client that goes away mid-exchange is no error."""
+    async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handle(reader, writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(exchange, "127.0.0.1", 0)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
