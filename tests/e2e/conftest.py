@@ -80,24 +80,32 @@ def vllm_servers(tmp_path_factory, request):
     stop_all(servers.values())
 
 
-@pytest.fixture(scope="module")
-def capped_vllm(tmp_path_factory):
-    """A vLLM of the module's own with `--max-num-seqs 8` (a knee within a CPU's reach), on core 0 alone: the
-    shared servers, should any run, are paused while it does. For `sweep` tests, which load it to saturation."""
+@contextlib.contextmanager
+def alone_on_core0(tmp_path_factory, name: str, extra_args: tuple[str, ...]) -> Iterator[VLLMServer]:
+    """A vLLM of the test module's own (the tiny model served as `name` with `extra_args`) on core 0 alone: the
+    shared servers, should any run, are paused while it does, and resumed however it ends."""
     venv, model = default_vllm_venv(), default_model_dir()
     if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
         pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
     others = running_servers()
     for other in others:
         other.pause()
-    server = VLLMServer(model, "tiny-knee", core=0, extra_args=("--max-num-seqs", "8"),
-                        log_dir=tmp_path_factory.mktemp("vllm-knee-logs"), log_requests=False)
+    server = VLLMServer(model, name, core=0, extra_args=extra_args,
+                        log_dir=tmp_path_factory.mktemp(f"vllm-{name}-logs"), log_requests=False)
     try:
         with started(server):
             yield server
     finally:
         for other in others:
             other.resume()
+
+
+@pytest.fixture(scope="module")
+def capped_vllm(tmp_path_factory):
+    """`--max-num-seqs 8` (a knee within a CPU's reach), alone on core 0. For `sweep` tests, which load it to
+    saturation."""
+    with alone_on_core0(tmp_path_factory, "tiny-knee", ("--max-num-seqs", "8")) as server:
+        yield server
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process
-from tests.e2e.vllm_procs import VLLMServer, default_model_dir, default_vllm_venv, free_port, running_servers
+from tests.e2e.conftest import alone_on_core0, gateway_process
+from tests.e2e.vllm_procs import VLLMServer, free_port
 
 DEADLINE = 240  # seconds: a few hundred tokens, one request at a time, on a loaded CPU core
 LONG = 450  # tokens of each interactive request queued before the batch line (the model's length is 512)
@@ -24,26 +24,10 @@ LONG = 450  # tokens of each interactive request queued before the batch line (t
 
 @pytest.fixture(scope="module")
 def priority_vllm(tmp_path_factory):
-    """A vLLM of the module's own that schedules by priority, one sequence at a time, on core 0; the shared
-    servers, should any run, are paused while it does."""
-    venv, model = default_vllm_venv(), default_model_dir()
-    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
-    others = running_servers()
-    for other in others:
-        other.pause()
-    server = VLLMServer(model, "tiny-prio", core=0, log_dir=tmp_path_factory.mktemp("vllm-prio-logs"),
-                        extra_args=("--scheduling-policy", "priority", "--max-num-seqs", "1"), log_requests=False)
-    try:
-        server.start()
-        try:
-            server.wait_ready(240)
-            yield server
-        finally:
-            server.stop()
-    finally:
-        for other in others:
-            other.resume()
+    """A vLLM that schedules by priority, one sequence at a time, alone on core 0."""
+    with alone_on_core0(tmp_path_factory, "tiny-prio", ("--scheduling-policy", "priority", "--max-num-seqs", "1")) \
+            as server:
+        yield server
 
 
 def waiting(server: VLLMServer) -> float:
