@@ -259,8 +259,7 @@ class SSERelay(Frames):
         usage = data.get("usage") if isinstance(data, dict) else None
         if not isinstance(usage, dict):
             return False
-        if usage != self.usage:  # (a usage repeated is the same usage)
-            self.usage = merged_usage(self.usage, usage)
+        self.usage = merged_usage(self.usage, usage)  # (a usage repeated is the same usage: merged_usage says so)
         return self.strip_usage and data.get("choices") == []
 
 
