@@ -2,7 +2,7 @@
 
 Server-rendered Jinja templates with htmx for the parts that change (search, paging, forms, the live fleet) and
 uPlot for the charts, both vendored under static/ (no CDN: it works air-gapped). Each page is a module with a
-`PAGE` (its path, title and handlers) and one line in PAGES below; a new page (teams, say) is one more module.
+`PAGE` (its path, title and handlers) and one line in PAGES below; a new page is one more module.
 The pages call the functions the admin API calls (gateway/key_admin.py, report_routes, variant_routes,
 admin_live), so the console and the API cannot disagree. gateway/console/session.py says who may do what.
 """
@@ -26,6 +26,7 @@ from gateway.console import (
     report_page,
     signin,
     sso,
+    teams_page,
     usage_page,
     variants_page,
 )
@@ -39,7 +40,7 @@ from policies.store import StoreUnavailable
 ERRORS: ExceptionHandlersMap = {cls: on_error for cls in (GatewayError, StoreUnavailable, ValidationError, HTTPException, Exception)}
 
 # The pages in the order of the navigation; the first is where signing in lands.
-PAGES = (fleet_page.PAGE, keys_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE, batches_page.PAGE,
+PAGES = (fleet_page.PAGE, keys_page.PAGE, teams_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE, batches_page.PAGE,
          audit_page.PAGE)
 
 

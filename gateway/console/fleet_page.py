@@ -1,7 +1,8 @@
 """The fleet, live: every model's replicas with their health, cap and load (the gateway's in-flight count and
 vLLM's own running, waiting and KV cache use from the scraper), each queue's depth, the routing decisions so far
 and the live policy; it refreshes itself without reloading the page (htmx polling the `live` fragment). An
-operator may reload the policy file here, as SIGHUP would."""
+operator may reload the policy file here, as SIGHUP would. The page opens with a summary of the fleet (replicas
+up, in flight, queued, answered), refreshed with the rest."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def handlers(gateway) -> list:
                                      and not v.draining),
                            "watches": [v for v in views if not isinstance(v, ReplicaView)]})
         outcomes = sorted(gateway.metrics.routing_decisions.counts.items())
-        return {"models": models, "outcomes": outcomes, "answered": answered(gateway.metrics), "readable": readable,
+        served = answered(gateway.metrics)
+        return {"summary": summary_of(models, served), "models": models, "outcomes": outcomes, "answered": served, "readable": readable,
                 "at": time.strftime("%H:%M:%S", time.gmtime()),
                 "snapshot": gateway.snapshot, "loaded_at": loaded_at_iso(gateway.snapshot),
                 "refresh": gateway.policy.console.refresh_seconds, "reloadable": gateway.reloader is not None}
@@ -64,6 +66,17 @@ def handlers(gateway) -> list:
         return page(request, "message.html", "Reload", message=message.get(outcome, outcome), ok=outcome != "invalid")
 
     return [fleet, fleet_live, reload]
+
+
+def summary_of(models: list[dict], served: list[tuple[tuple[str, str, str], int]]) -> dict:
+    """The fleet's headline figures: replica sets, replicas up of all, requests in flight and queued, and the
+    requests answered since start (of them, those that failed with a 5xx)."""
+    replicas = [r for m in models for r in m["replicas"]]
+    return {"sets": len(models), "up": sum(m["up"] for m in models), "replicas": len(replicas),
+            "in_flight": sum(r["view"].in_flight for r in replicas),
+            "queued": sum(m["queued"] or 0 for m in models),
+            "answered": sum(n for _where, n in served),
+            "failed": sum(n for (_m, _b, status), n in served if status.startswith("5"))}
 
 
 def answered(metrics) -> list[tuple[tuple[str, str, str], int]]:

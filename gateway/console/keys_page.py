@@ -1,5 +1,6 @@
 """The keys page: search and page through every key, issue one (its secret shown once), and on a key's own
 page its usage, budget, settings (limits, budget, data policy, models, networks, expiry), rotation and revocation.
+The list opens with a summary: how many keys are active, expired, revoked and in a team.
 
 Everything goes through gateway/key_admin.py, as the admin API does; a team admin sees and manages only its
 team's keys (the list holds no other, and another team's key answers 403 as on the admin API). The key list is
@@ -40,8 +41,9 @@ def handlers(gateway) -> list:
         pages = max(1, math.ceil(len(found) / size))
         page_no = min(page, pages)
         shown = [KeyView.of(r) for r in found[(page_no - 1) * size: page_no * size]]
+        now = time.time()
         return {"keys": shown, "q": q, "page_no": page_no, "pages": pages, "total": len(found), "of": len(records),
-                "now": time.time()}
+                "now": now, "summary": summary_of(records, now)}
 
     @get("/keys", opt=TEAM)
     async def listing(request: Request, q: str = Parameter(default="", max_length=200),
@@ -86,6 +88,14 @@ def handlers(gateway) -> list:
     return [listing, create, show, update, revoke, rotate]
 
 
+def summary_of(records: list[KeyRecord], now: float) -> dict:
+    """The keys page's headline figures: how many keys, active, expired, revoked, and in a team."""
+    revoked = sum(1 for r in records if r.revoked)
+    expired = sum(1 for r in records if not r.revoked and r.expires_at is not None and r.expires_at < now)
+    return {"total": len(records), "active": len(records) - revoked - expired, "expired": expired,
+            "revoked": revoked, "in_teams": sum(1 for r in records if r.team)}
+
+
 def search(records: list[KeyRecord], q: str) -> list[KeyRecord]:
     """Keys whose id, name or owner holds `q` (any case), newest first."""
     q = q.strip().casefold()
@@ -105,14 +115,21 @@ def listed(value: str | None) -> list[str] | None:
     return items or None
 
 
-def settings_of(fields: dict[str, str]) -> dict:
-    """A key's settings form as the admin API's body: an empty field is the default (null)."""
+def limits_and_budget(fields: dict[str, str]) -> tuple[dict, dict | None]:
+    """The limits and budget fields of a key's or a team's settings form, as the admin API takes them: an empty
+    field is null (no limit); no budget unless a spend or token bound is given."""
     limits = {k: blank(fields.get(k)) for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent")}
     spend, tokens = blank(fields.get("max_rented_spend")), blank(fields.get("max_tokens_per_period"))
     budget = None
     if spend is not None or tokens is not None:
         budget = {"max_rented_spend": spend, "max_tokens_per_period": tokens,
                   "period": fields.get("period") or "month", "when_spent": fields.get("when_spent") or "owned_only"}
+    return limits, budget
+
+
+def settings_of(fields: dict[str, str]) -> dict:
+    """A key's settings form as the admin API's body: an empty field is the default (null)."""
+    limits, budget = limits_and_budget(fields)
     return {"name": fields.get("name", "").strip(), "owner": blank(fields.get("owner")),
             "models": listed(fields.get("models")), "data_policy": fields.get("data_policy") or None,
             "allowed_cidrs": listed(fields.get("allowed_cidrs")), "limits": limits, "budget": budget}

@@ -3,7 +3,11 @@
 
 A LoRA adapter runs on its base model's replicas: it has no replicas (nor cost) of its own, so its card is priced
 as its base, whose verdict it shares, and shows the adapter's own calls and tokens beside; its base's charts
-(whose utilisation its calls are part of) stand for it."""
+(whose utilisation its calls are part of) stand for it.
+
+A team admin sees its own team's calls only (as GET /admin/report?team= answers it): the requests, tokens and
+rented cost of its team's keys, per model and per key; the replicas' utilisation and owned cost stay the fleet's,
+as the API's say. The page opens with a summary of the window's headline figures."""
 
 from __future__ import annotations
 
@@ -16,21 +20,38 @@ from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
 from gateway.report_routes import Report
 
+TEAM = {"team": True}  # a team admin may open it: its own team's calls only
+
 
 def handlers(gateway) -> list:
-    @get("/report")
+    @get("/report", opt=TEAM)
     async def report(request: Request, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
         window = window_of(window)
-        figures = Report.model_validate(await gateway.report(window))
+        team = request.state.viewer.team
+        figures = Report.model_validate(await gateway.report(window, team=team))
         return page(request, "report.html", "Own or rent", window=window, windows=WINDOWS, report=figures,
-                    adapters=adapters_of(gateway, figures),
+                    adapters=adapters_of(gateway, figures), team=team, summary=summary_of(figures),
                     refresh=max(5.0, gateway.policy.console.refresh_seconds * 5))
 
-    @get("/report.json")
-    async def report_json(window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Report:
-        return Report.model_validate(await gateway.report(window_of(window)))
+    @get("/report.json", opt=TEAM)
+    async def report_json(request: Request,
+                          window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Report:
+        return Report.model_validate(await gateway.report(window_of(window), team=request.state.viewer.team))
 
     return [report, report_json]
+
+
+def summary_of(figures: Report) -> dict:
+    """The window's headline figures: calls and tokens of the keys counted (a team admin's: its team's keys'),
+    their rented cost, and how many models the report advises to own, rent or keep as they are."""
+    keys = figures.keys.values()
+    verdicts: dict[str, int] = {}
+    for m in figures.models.values():
+        verdicts[m.recommendation.verdict] = verdicts.get(m.recommendation.verdict, 0) + 1
+    return {"requests": sum(k.requests for k in keys), "tokens": sum(k.tokens for k in keys),
+            "rented_requests": sum(k.rented_requests for k in keys), "rented_cost": sum(k.rented_cost for k in keys),
+            "owned_cost": sum(m.owned_cost or 0.0 for m in figures.models.values()), "models": len(figures.models),
+            "verdicts": [(f"Advised: {v}", n) for v, n in sorted(verdicts.items())]}
 
 
 def adapters_of(gateway, figures: Report) -> dict[str, str | None]:
@@ -48,4 +69,4 @@ def adapters_of(gateway, figures: Report) -> dict[str, str | None]:
     return {name: out.get(name) for name in figures.models if name not in names}
 
 
-PAGE = Page("report", "Own or rent", handlers)
+PAGE = Page("report", "Own or rent", handlers, team=True)

@@ -20,8 +20,9 @@ is useless without the cookie and reveals nothing of it), in the X-CSRF-Token he
 The role rule is the admin API's: viewers read, operators change variant weights and reload the policy, admins
 manage keys; a page gives a role no form it may not use, and the server refuses it anyway (403). A team admin
 (a `team_admin` token, bound to one team) opens only the pages marked for teams (`opt={"team": True}`: its
-team's keys, usage and budget) and every other page answers it 403; on those pages it reads and manages only its
-team's keys, through the same checks as the admin API's team routes (gateway/admin_scope.py).
+team's keys, usage and budget, its team's page and its team's own-or-rent figures) and every other page answers it
+403; on those pages it reads and manages only its team's keys, through the same checks as the admin API's team
+routes (gateway/admin_scope.py).
 The guard leaves the token's verified claims in the scope (ADMIN_CLAIMS), so the audit log records each change
 made here as the signed-in admin's, as the admin API's guard does.
 """

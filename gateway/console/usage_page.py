@@ -1,7 +1,7 @@
 """Usage per key and per model over a window, from the own-or-rent report's figures (gateway.report, as
 GET /admin/report); a key's usage per model since it was issued is on its own page (keys_page). A team admin
 sees its team's keys' calls only, and its team's budget this period (as GET /admin/teams/{name}/usage and
-/budget)."""
+/budget). The page opens with a summary: the window's totals over every key counted."""
 
 from __future__ import annotations
 
@@ -33,9 +33,18 @@ def handlers(gateway) -> list:
             record = await gateway.store.get_key(key_id)
             names[key_id] = record.name if record is not None else None
         return page(request, "usage.html", "Usage", window=window, windows=WINDOWS, keys=ranked, names=names,
-                    models=report["models"], more=max(0, len(report["keys"]) - TOP), team=team, budget=budget)
+                    models=report["models"], more=max(0, len(report["keys"]) - TOP), team=team, budget=budget,
+                    summary=summary_of(report["keys"]))
 
     return [usage]
+
+
+def summary_of(keys: dict[str, dict]) -> dict:
+    """The window's totals over the keys counted: calls, tokens, rented calls and cost, keys that called."""
+    return {"keys": len(keys), "requests": sum(k["requests"] for k in keys.values()),
+            "tokens": sum(k["tokens"] for k in keys.values()),
+            "rented_requests": sum(k["rented_requests"] for k in keys.values()),
+            "rented_cost": sum(k["rented_cost"] for k in keys.values())}
 
 
 PAGE = Page("usage", "Usage", handlers, team=True)

@@ -62,7 +62,7 @@ async def test_a_team_admin_sees_and_manages_only_its_own_teams_keys_usage_and_b
         csrf = re.search(r'"X-CSRF-Token": "([0-9a-f]+)"', keys.text).group(1)
         assert red_id in keys.text and blue_id not in keys.text and untouched not in keys.text
         nav = re.findall(r'<li><a href="/console/([a-z]+)"', keys.text)
-        assert nav == ["keys", "usage"]
+        assert nav == ["keys", "teams", "usage", "report"]
         assert (await http.get("/console/keys", params={"q": "blue"})).text.count(blue_id) == 0
 
         # another team's key (or a key of no team) by URL: refused, and nothing of it shown
@@ -92,8 +92,12 @@ async def test_a_team_admin_sees_and_manages_only_its_own_teams_keys_usage_and_b
         assert red_id in usage.text and blue_id not in usage.text and "blue-app" not in usage.text
         assert re.search(r'id="team-budget">Rented spend [0-9.]+; tokens \d+ of 100000', usage.text), usage.text
 
-        # every page and JSON that is not about its team's keys: refused, whatever the URL
-        for path in ("fleet", "fleet/live", "report", "report.json", "variants", "batches", "audit"):
+        # its own-or-rent view counts its team's calls only (tests/console/test_console_teams.py)
+        report = await http.get("/console/report.json")
+        assert report.status_code == 200 and set(report.json()["keys"]) == {red_id}
+
+        # every page and JSON that is not about its team: refused, whatever the URL
+        for path in ("fleet", "fleet/live", "variants", "batches", "audit", "teams/blue"):
             r = await http.get(f"/console/{path}")
             assert r.status_code == 403, (path, r.status_code)
             assert blue_id not in r.text and "blue-app" not in r.text, path
