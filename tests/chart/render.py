@@ -6,8 +6,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.support.needs import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "llm-gateway"
@@ -22,7 +23,7 @@ class RenderError(Exception):
 
 def helm(*args: str, chart: Path = CHART) -> str:
     if not HELM.exists():
-        pytest.fail(f"{HELM} is missing: run scripts/setup_helm.sh (make test does)")
+        missing(f"helm ({HELM})", "helm-setup")
     proc = subprocess.run([str(HELM), *args, str(chart)], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise RenderError(proc.stderr.strip())

@@ -3,8 +3,9 @@
   alpha -> vLLM A (served as tiny-a)        beta -> vLLM B (served as tiny-b)
   duo   -> both A and B: two replicas of one public model (each backend names its own served model)
 
-Needs `scripts/setup_e2e.sh` (run by `make test`). Without the vLLM venv or the model the tests fail loudly:
-a skipped end-to-end test is not a passing one.
+Needs `scripts/setup_e2e.sh` (`make e2e-setup`; `make test` runs it). Without the vLLM venv or the model a bare
+`pytest` skips these tests, naming that target, and `make test` fails them: a skipped end-to-end test is not a
+passing one (tests/support/needs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.needs import missing
 from tests.support.probes import metric_sum, wait_http_ok
 from tests.e2e.vllm_procs import (
     VLLMServer,
@@ -53,11 +55,23 @@ def pytest_collection_modifyitems(items):
         items[:] = rest[:first_e2e] + sweeps + rest[first_e2e:]
 
 
+def need_vllm(also: Path | None = None) -> None:
+    """The vLLM CPU venv and the tiny model (and `also`, a marker file of more that setup_e2e.sh makes)."""
+    venv, model = default_vllm_venv(), default_model_dir()
+    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists() or (also and not also.exists()):
+        missing(f"the vLLM CPU venv ({venv}) and the tiny model ({model})", "e2e-setup")
+
+
+@pytest.fixture(autouse=True)
+def _vllm_installed() -> None:
+    """Every test here needs the vLLM CPU venv and the tiny model, whichever servers it starts."""
+    need_vllm()
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory, request):
-    venv, model = default_vllm_venv(), default_model_dir()
-    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    need_vllm()
+    model = default_model_dir()
     logs = tmp_path_factory.mktemp("vllm-logs")
     ports = (free_port(), free_port())
     servers = {
@@ -84,9 +98,8 @@ def vllm_servers(tmp_path_factory, request):
 def alone_on_core0(tmp_path_factory, name: str, extra_args: tuple[str, ...]) -> Iterator[VLLMServer]:
     """A vLLM of the test module's own (the tiny model served as `name` with `extra_args`) on core 0 alone: the
     shared servers, should any run, are paused while it does, and resumed however it ends."""
-    venv, model = default_vllm_venv(), default_model_dir()
-    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    need_vllm()
+    model = default_model_dir()
     others = running_servers()
     for other in others:
         other.pause()
@@ -212,9 +225,7 @@ def gateway(vllm_servers, tmp_path_factory):
 def pooling(tmp_path_factory, request):
     """The tiny model served as a pooling model (embeddings, /pooling, /score, /rerank) and a gateway in front
     (model `pool`): one more server, once per session, usually started already (start_pooling_server)."""
-    venv, model = default_vllm_venv(), default_model_dir()
-    if not (venv / "bin" / "vllm").exists() or not (model / "config.json").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the tiny model ({model}) is missing: run scripts/setup_e2e.sh")
+    need_vllm()
     server = start_pooling_server(request.config, tmp_path_factory)
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():

@@ -20,11 +20,10 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process
+from tests.e2e.conftest import gateway_process, need_vllm
 from tests.e2e.vllm_procs import (
     VLLMServer,
     default_model_dir,
-    default_vllm_venv,
     free_port,
     running_servers,
     start_many,
@@ -42,9 +41,8 @@ def adapters_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def lora_vllms(tmp_path_factory):
-    venv, loras = default_vllm_venv(), adapters_dir()
-    if not (venv / "bin" / "vllm").exists() or not (loras / ".lora-adapters-complete").exists():
-        pytest.fail(f"the vLLM venv ({venv}) or the LoRA adapters ({loras}) are missing: run scripts/setup_e2e.sh")
+    loras = adapters_dir()
+    need_vllm(also=loras / ".lora-adapters-complete")
     others = running_servers()
     for other in others:
         other.pause()

@@ -9,13 +9,13 @@ slow as usual only takes longer. Screenshots go to build/artifacts/console/ (CI 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
+
+from tests.support.needs import missing
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "artifacts" / "console"
@@ -25,9 +25,7 @@ TIMEOUT_MS = 30_000  # any one wait; a page answers in well under a second on an
 
 def need_chromium() -> None:
     if shutil.which(CHROMIUM) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (scripts/setup_browser.sh)")
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/setup_browser.sh (make test does)")
+        missing(f"Debian's chromium ({CHROMIUM})", "browser-setup")
 
 
 @contextlib.asynccontextmanager

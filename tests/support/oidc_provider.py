@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import jwt
-import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from tests.support.needs import missing
 from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port
 
@@ -36,7 +36,7 @@ def signing_key(kid: str) -> tuple[rsa.RSAPrivateKey, dict]:
 class OidcProvider:
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         if shutil.which("node") is None or not (MODULES / "oidc-provider").is_dir():
-            pytest.fail("node-oidc-provider is not installed: run scripts/setup_oidc.sh (make test does)")
+            missing("node and node-oidc-provider (.cache/oidc)", "oidc-setup")
         self.workdir = workdir
         self.port = port or free_port()
         self.issuer = f"http://127.0.0.1:{self.port}"

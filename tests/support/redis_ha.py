@@ -25,7 +25,8 @@ from typing import Self
 import redis
 from redis.crc import key_slot
 
-from tests.support.redis_server import SETUP_HINT, RedisServer, RedisServerNotInstalled
+from tests.support.needs import missing
+from tests.support.redis_server import RedisServer
 
 MASTER = "mymaster"
 DOWN_AFTER_MS = 1000
@@ -68,7 +69,7 @@ class SentinelProcess(RedisServer):
     def __init__(self, master_port: int, down_after_ms: int = DOWN_AFTER_MS, **kwargs) -> None:
         found = shutil.which("redis-sentinel")
         if not found:
-            raise RedisServerNotInstalled(f"redis-sentinel is not on PATH: {SETUP_HINT}")
+            missing("redis-sentinel", "redis-setup")
         super().__init__(executable=found, **kwargs)
         self.master_port = master_port
         self.down_after_ms = down_after_ms
@@ -227,7 +228,7 @@ class ClusterSet(ServerSet):
     def start(self) -> None:
         cli = shutil.which("redis-cli")
         if not cli:
-            raise RedisServerNotInstalled(f"redis-cli is not on PATH: {SETUP_HINT}")
+            missing("redis-cli", "redis-setup")
         for _ in range(self.count):
             server = RedisServer(port=cluster_port(), extra_args=[
                 *FAST_SYNC, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",

@@ -17,13 +17,8 @@ import time
 from pathlib import Path
 from typing import Self
 
+from tests.support.needs import missing
 from tests.support.servers import free_port
-
-SETUP_HINT = "run scripts/setup_redis.sh (installs Debian's redis-server package)"
-
-
-class RedisServerNotInstalled(RuntimeError):
-    pass
 
 
 class RedisServer:
@@ -41,7 +36,7 @@ class RedisServer:
     ) -> None:
         found = executable or shutil.which("redis-server")
         if not found:
-            raise RedisServerNotInstalled(f"redis-server is not on PATH: {SETUP_HINT}")
+            missing("Debian's redis-server", "redis-setup")
         self.executable = found
         self._fixed_port = port is not None
         self.port = port or free_port()
