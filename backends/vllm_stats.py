@@ -29,8 +29,14 @@ PREFIX_HITS, PREFIX_QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queri
 CACHE_CONFIG = "vllm:cache_config_info"
 SUCCESS = "vllm:request_success"
 FAMILIES = (RUNNING, WAITING, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, CACHE_CONFIG, SUCCESS)
-_PREFIXES = tuple(f"{name}{end}" for name in FAMILIES for end in ("{", " ", "_total{", "_total "))
-_META = tuple(f"# {kind} {name}{end}" for kind in ("HELP", "TYPE") for name in FAMILIES for end in (" ", "_total "))
+# histograms read only as their _sum and _count (seconds in all, requests): vLLM's own queue and prefill time
+QUEUE_TIME, PREFILL_TIME, TTFT = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                                  "vllm:time_to_first_token_seconds")
+HISTOGRAMS = (QUEUE_TIME, PREFILL_TIME, TTFT)
+_PREFIXES = (tuple(f"{name}{end}" for name in FAMILIES for end in ("{", " ", "_total{", "_total "))
+             + tuple(f"{name}{end}" for name in HISTOGRAMS for end in ("_sum{", "_sum ", "_count{", "_count ")))
+_META = tuple(f"# {kind} {name}{end}" for kind in ("HELP", "TYPE") for name in FAMILIES + HISTOGRAMS
+              for end in (" ", "_total "))
 
 
 @dataclass(slots=True)
@@ -45,6 +51,14 @@ class VLLMStats:
     block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None  # KV blocks the server has
     requests_finished: float | None = None  # vllm:request_success_total over every finished_reason
+    # since the server started, over the requests it finished: seconds waiting to be scheduled, in prefill, to
+    # the first token (each histogram's _sum), and how many requests they count (its _count)
+    queue_seconds: float | None = None
+    queue_requests: float | None = None
+    prefill_seconds: float | None = None
+    prefill_requests: float | None = None
+    ttft_seconds: float | None = None
+    ttft_requests: float | None = None
     scraped_at: float = 0.0  # time.monotonic() of the scrape
     ended_before: int = 0  # the replica's `ended` when the scrape began: this gateway's requests over by then
 
@@ -86,11 +100,14 @@ def parse_metrics(text: str, scraped_at: float | None = None) -> VLLMStats:
                 blocks = _int(sample.labels.get("num_gpu_blocks"), None)
                 if blocks is not None:
                     stats.num_blocks = (stats.num_blocks or 0) + blocks
-            elif name in FAMILIES:
+            elif name in FAMILIES or name.endswith(("_sum", "_count")):
                 sums[name] = sums.get(name, 0.0) + sample.value
     stats.running, stats.waiting, stats.kv_usage = sums.get(RUNNING), sums.get(WAITING), sums.get(KV_USAGE)
     stats.prefix_hits, stats.prefix_queries = sums.get(PREFIX_HITS), sums.get(PREFIX_QUERIES)
     stats.requests_finished = sums.get(SUCCESS)
+    stats.queue_seconds, stats.queue_requests = sums.get(QUEUE_TIME + "_sum"), sums.get(QUEUE_TIME + "_count")
+    stats.prefill_seconds, stats.prefill_requests = sums.get(PREFILL_TIME + "_sum"), sums.get(PREFILL_TIME + "_count")
+    stats.ttft_seconds, stats.ttft_requests = sums.get(TTFT + "_sum"), sums.get(TTFT + "_count")
     if stats.kv_usage is not None:  # summed over engines; a fraction either way
         stats.kv_usage = min(1.0, max(0.0, stats.kv_usage))
     return stats

@@ -10,10 +10,12 @@ from policies.routing.lora_affinity import LoraAffinity
 from policies.routing.pickers import MaxScore, Random
 from policies.routing.precise_prefix import PrecisePrefix
 from policies.routing.prefix_affinity import PrefixAffinity
+from policies.routing.prefix_cost import PrefixCost
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
 
 FILTERS: dict[str, Plugin[Filter]] = {f.name: f for f in (KVHeadroom,)}
 SCORERS: dict[str, Plugin[Scorer]] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity,
-                                                          SessionAffinity, PrecisePrefix, LoraAffinity)}
+                                                          SessionAffinity, PrecisePrefix, LoraAffinity,
+                                                          PrefixCost)}
 PICKERS: dict[str, PickerClass] = {p.name: p for p in (MaxScore, Random)}

@@ -13,7 +13,9 @@ either: vLLM's own router (PyPI vllm-router, the production-stack/SGLang lineage
 policy, a prefix tree per worker with a load-balance threshold) in front of the same servers, as it ships
 (--router-cmd says how to run it). "unguarded" is the default profile with
 prefix-affinity's load guard off (BENCH_PROFILES); "precise-prefix" is the default profile with the precise-prefix
-scorer, fed by the servers' KV cache events, in prefix-affinity's place (PRECISE).
+scorer, fed by the servers' KV cache events, in prefix-affinity's place (PRECISE); "cost" is the default profile
+with prefix-cost in prefix-affinity's place (a conversation stays unless vLLM's queue time there costs more than
+recomputing its prefix elsewhere at vLLM's prefill rate: policies/routing/prefix_cost.py).
 
 The workloads (--workloads), each the same request sequence under every profile (seeded):
 - distinct: N conversations, each a distinct long system prompt (--system-tokens) and T turns; turn t resends the system
@@ -22,6 +24,9 @@ The workloads (--workloads), each the same request sequence under every profile 
   random-weight model said; the model is asked for --max-tokens tokens with ignore_eos, streamed.
 - hot: the same, but every conversation's system prompt starts with one shared prompt (a hot prefix, the mean
   of --system-tokens long), followed by --own-tokens of its own.
+- pressure: as distinct, with as many active conversations as make their working set --pressure (1.05) times
+  all the servers' caches together, by vLLM's own figures (cache_config_info, /tokenize), and twice as many
+  conversations in all; alone, --print-kv-bytes sizes the caches so that --active conversations are that.
 - A closed loop of --active conversations at a time: a worker takes the next conversation when its current one
   ends. Between two turns of a conversation the worker waits its tool time (seeded, uniform in --tool-time).
   Without that pause least-in-flight is accidentally affine (the slot that just freed is on the server that
@@ -37,6 +42,10 @@ x-session-id (the conversation; session-affinity hashes it) and x-request-id, wh
 vLLM logs, so the benchmark can tell which server served which turn ("same server" below: the share of turns
 served where the conversation's previous turn was).
 
+Per run, where the time to first token went: the client's TTFT p50 and mean; vLLM's own time to first token,
+queue time and prefill time (mean from each histogram's _sum/_count, p50 from its buckets), preemptions and prefix
+hit rate, from both servers' /metrics before and after the run; the gateway's queue wait and its TTFT less that
+wait (its /metrics). --repeat N runs every profile N times, interleaved (PROFILE#2, ...).
 Per profile: TTFT p50/p99 (client side, through the gateway), TTFT p50 of later turns, output tok/s over the
 profile's wall time, each server's and the overall prefix-cache hit rate, and the workload's ceiling (every
 turn hits all of the previous turn's prompt). Checks per workload (exit status 1 when one fails): the default
@@ -99,6 +108,11 @@ BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight"
 # prefix-affinity; its tokenizer is the model's directory, known only at run time (start_gateway)
 PRECISE = {"scorers": [{"name": "precise-prefix", "weight": 4}, {"name": "vllm-queue", "weight": 2},
                        {"name": "least-in-flight", "weight": 1}]}
+# "cost": the default's scorers with prefix-cost (stay unless vLLM's queue there costs more than the recompute
+# elsewhere, in vLLM's own seconds) in prefix-affinity's place; a candidate for the default (issue: routing where
+# the caches are full)
+BENCH_PROFILES["cost"] = {"scorers": [{"name": "lora-affinity", "weight": 8}, {"name": "prefix-cost", "weight": 4},
+                                      {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight", "weight": 1}]}
 MODEL = "bench"  # the served model name of the servers started here (--served-model for external ones)
 CHARS_PER_TOKEN = 4.0  # for sizing only; measured ~4.2 for this text and the models' tokenizer (see /tokenize check)
 WORDS = """the a of to and in is for that with as on by this be are from or it an at not if which can when
@@ -141,17 +155,20 @@ def prose(rng: random.Random, tokens: int) -> str:
     return " ".join(out)
 
 
-WORKLOADS = ("distinct", "hot")  # each conversation its own system prompt; one system prompt shared by all
+# each conversation its own system prompt; one system prompt shared by all; `distinct` with enough active
+# conversations that their working set is --pressure (1.05) times all the servers' caches together
+WORKLOADS = ("distinct", "hot", "pressure")
 
 
-def workload(args, kind: str = "distinct") -> list[Conversation]:
+def workload(args, kind: str = "distinct", count: int | None = None) -> list[Conversation]:
     """`distinct`: each conversation its own system prompt (--system-tokens). `hot`: one system prompt of the
-    same mean length shared by every conversation (a hot prefix), then --own-tokens of the conversation's own."""
+    same mean length shared by every conversation (a hot prefix), then --own-tokens of the conversation's own.
+    `pressure`: as distinct (`count` conversations, default --conversations; the same seed)."""
     rng = random.Random(args.seed)
     lo, hi = args.system_tokens
     shared = "You are one of many agents. " + prose(random.Random(args.seed + 1), (lo + hi) // 2)
     convs = []
-    for i in range(args.conversations):
+    for i in range(count or args.conversations):
         cid = f"conv-{args.seed}-{kind}-{i:04d}"
         if kind == "hot":
             system = shared + f" You are agent {cid}. " + prose(rng, args.own_tokens)
@@ -224,7 +241,16 @@ def cache_config(server: VLLMServer) -> dict[str, int]:
     return {k: int(labels[k]) for k in ("block_size", "num_gpu_blocks") if labels.get(k, "").isdigit()}
 
 
-def counters(server: VLLMServer) -> dict[str, float]:
+# vLLM's own histograms read before and after each run (seconds): time to first token, waiting to be scheduled,
+# in prefill
+VLLM_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                   "prefill": "vllm:request_prefill_time_seconds"}
+# the gateway's (read once at the end of a run: each run has a fresh gateway)
+GATEWAY_HISTOGRAMS = {"ttft": "llm_gateway_time_to_first_token_seconds", "queue": "llm_gateway_queue_wait_seconds",
+                      "overhead": "llm_gateway_overhead_seconds"}
+
+
+def counters(server: VLLMServer) -> dict:
     m = server.metrics()
     return {
         "hits": metric_value(m, "vllm:prefix_cache_hits_total"),
@@ -232,7 +258,64 @@ def counters(server: VLLMServer) -> dict[str, float]:
         "prompt_tokens": metric_value(m, "vllm:prompt_tokens_total"),
         "generation_tokens": metric_value(m, "vllm:generation_tokens_total"),
         "requests": metric_value(m, "vllm:request_success_total"),
+        "preemptions": metric_value(m, "vllm:num_preemptions_total"),
+        **{key: histogram(m, name) for key, name in VLLM_HISTOGRAMS.items()},
     }
+
+
+def histogram(m: dict, name: str) -> dict:
+    """A Prometheus histogram of parse_metrics' samples (prometheus_client's parser), summed over label sets:
+    {"sum", "count", "buckets": [[upper edge, cumulative count], ...]}; all 0 when the server has none."""
+    buckets: dict[float, float] = {}
+    for (sample, labels), value in m.items():
+        if sample == name + "_bucket":
+            le = float(dict(labels).get("le", "inf"))
+            buckets[le] = buckets.get(le, 0.0) + value
+    return {"sum": metric_value(m, name + "_sum"), "count": metric_value(m, name + "_count"),
+            "buckets": sorted(buckets.items())}
+
+
+def histogram_delta(before: list[dict], after: list[dict]) -> dict:
+    """after - before, summed over servers (the same bucket edges: one model, one vLLM)."""
+    out: dict = {"sum": 0.0, "count": 0.0, "buckets": {}}
+    for b, a in zip(before, after):
+        out["sum"] += a["sum"] - b["sum"]
+        out["count"] += a["count"] - b["count"]
+        was = dict(b["buckets"])
+        for le, n in a["buckets"]:
+            out["buckets"][le] = out["buckets"].get(le, 0.0) + n - was.get(le, 0.0)
+    out["buckets"] = sorted(out["buckets"].items())
+    return out
+
+
+def histogram_figures(h: dict) -> dict[str, float | None]:
+    """{"mean_ms", "p50_ms", "count"}: the mean from _sum/_count, the median from the buckets as Prometheus'
+    histogram_quantile reads them (linear within the bucket it falls in; the last finite edge for +Inf)."""
+    count = h["count"]
+    if count <= 0:
+        return {"mean_ms": None, "p50_ms": None, "count": 0}
+    p50, lower, below = None, 0.0, 0.0
+    for le, cum in h["buckets"]:
+        if cum >= count / 2:
+            if le == float("inf"):
+                p50 = lower
+            else:
+                p50 = lower + (le - lower) * ((count / 2 - below) / (cum - below) if cum > below else 1.0)
+            break
+        lower, below = le, cum
+    return {"mean_ms": round(h["sum"] / count * 1000, 1), "p50_ms": None if p50 is None else round(p50 * 1000, 1),
+            "count": count}
+
+
+def gateway_figures(gateway_url: str) -> dict[str, dict]:
+    """The gateway's own time to first token (arrival to the first chunk), queue wait and overhead, and its
+    upstream time to first token (that TTFT less its queue wait: the backend's part plus the gateway's path)."""
+    text = httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text
+    m = parse_metrics(text)
+    out = {key: histogram_figures(histogram(m, name)) for key, name in GATEWAY_HISTOGRAMS.items()}
+    ttft, queue = out["ttft"]["mean_ms"], out["queue"]["mean_ms"]
+    out["upstream"] = {"mean_ms": None if ttft is None else round(ttft - (queue or 0.0), 1)}
+    return out
 
 
 def reset_prefix_cache(server: VLLMServer, timeout: float = 30.0) -> None:
@@ -483,6 +566,8 @@ class Result:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     ttft_later_p50_ms: float | None = None  # turns after the first (the ones a cache can help)
+    ttft_mean_ms: float | None = None
+    active: int = 0  # conversations in flight at once
     output_tok_s: float = 0.0
     req_s: float = 0.0
     hit_rate: float | None = None  # vLLM's own counters, both servers
@@ -496,6 +581,10 @@ class Result:
     error_samples: list[str] = field(default_factory=list)
     client_path: dict[str, float | None] = field(default_factory=dict)  # where the client's time went (p50/p90)
     tcp: dict[str, int] = field(default_factory=dict)  # the kernel's TCP counters over the profile (/proc/net)
+    # vLLM's own figures over the run, both servers (its /metrics before and after): {"ttft"|"queue"|"prefill":
+    # {"mean_ms", "p50_ms", "count"}, "preemptions": n}
+    vllm: dict = field(default_factory=dict)
+    gateway: dict = field(default_factory=dict)  # the gateway's own (its /metrics at the end): gateway_figures
     detail: list[list] = field(default_factory=list)  # per request: conversation, turn, TTFT ms, server, prompt tokens
 
 
@@ -508,6 +597,11 @@ def summarize(profile: str, records: list[Record], wall: float, before: dict, af
     ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
     res.ttft_p50_ms, res.ttft_p99_ms = ms(pct(ttft, 50)), ms(pct(ttft, 99))
     res.ttft_later_p50_ms = ms(pct([r.ttft for r in ok if r.turn > 0], 50))
+    res.ttft_mean_ms = ms(sum(ttft) / len(ttft)) if ttft else None
+    names = list(after)
+    res.vllm = {key: histogram_figures(histogram_delta([before[n][key] for n in names], [after[n][key] for n in names]))
+                for key in VLLM_HISTOGRAMS}
+    res.vllm["preemptions"] = sum(after[n]["preemptions"] - before[n]["preemptions"] for n in names)
     res.output_tok_s = round(sum(r.output_tokens for r in ok) / wall, 1) if wall else 0.0
     res.req_s = round(len(ok) / wall, 2) if wall else 0.0
     hits = queries = 0.0
@@ -563,6 +657,31 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def figures_table(results: list[Result]) -> str:
+    """Where each front's time to first token went: the client's, vLLM's own (its histograms over the run, both
+    servers), the gateway's (none for the fronts without one)."""
+    def f(v, fmt="{:,.0f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [["workload", "profile", "active", "client TTFT p50 / mean ms", "vLLM TTFT p50 / mean ms",
+             "vLLM queue p50 / mean ms", "vLLM prefill p50 / mean ms", "vLLM preemptions", "vLLM hit rate",
+             "gateway queue p50 / mean ms", "gateway TTFT less queue, mean ms"]]
+    for r in results:
+        v, g = r.vllm, r.gateway
+
+        def pm(d):
+            return f"{f((d or {}).get('p50_ms'))} / {f((d or {}).get('mean_ms'))}"
+
+        rows.append([r.workload, r.profile, str(r.active), f"{f(r.ttft_p50_ms)} / {f(r.ttft_mean_ms)}",
+                     pm(v.get("ttft")), pm(v.get("queue")), pm(v.get("prefill")), f(v.get("preemptions")),
+                     f(r.hit_rate, "{:.3f}"), pm(g.get("queue")) if g else "-",
+                     f(g.get("upstream", {}).get("mean_ms")) if g else "-"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
 def verdict(results: list[Result]) -> list[tuple[str, bool]]:
     """Per workload, the default profile against the ceiling (a client that sends each conversation to one
     server): hit rate >= 0.97x, TTFT p50 <= 1.15x, req/s >= 0.97x; on the hot prefix also no server over 60%
@@ -591,6 +710,24 @@ def verdict(results: list[Result]) -> list[tuple[str, bool]]:
                                f"{lif.ttft_p99_ms:,.0f} ms", d.ttft_p99_ms <= lif.ttft_p99_ms))
     checks.append(("no request failed", all(r.errors == 0 for r in results)))
     return checks
+
+
+def comparisons(results: list[Result]) -> list[str]:
+    """Every other front's TTFT p50 and mean as a ratio of the ceiling's, per workload (several runs of one
+    profile: each), for the report; not checks."""
+    lines = []
+    for kind in dict.fromkeys(r.workload for r in results):
+        runs = [r for r in results if r.workload == kind]
+        ceilings = [r for r in runs if r.profile.split("#")[0] == "ceiling" and r.ttft_p50_ms and r.ttft_mean_ms]
+        if not ceilings:
+            continue
+        c50 = sorted(r.ttft_p50_ms for r in ceilings)[len(ceilings) // 2]
+        cmean = sorted(r.ttft_mean_ms for r in ceilings)[len(ceilings) // 2]
+        for r in runs:
+            if r.ttft_p50_ms and r.ttft_mean_ms and r not in ceilings:
+                lines.append(f"{kind}: {r.profile} TTFT p50 {r.ttft_p50_ms / c50:.2f}x, mean {r.ttft_mean_ms / cmean:.2f}x"
+                             f" the ceiling's (median of its {len(ceilings)} run(s): {c50:,.0f} / {cmean:,.0f} ms)")
+    return lines
 
 
 # -- main ----------------------------------------------------------------------------------------------------
@@ -626,6 +763,12 @@ def parse_args(argv=None):
     p.add_argument("--tool-time", type=floats, default=(0.5, 3.0), help="min,max seconds between two turns")
     p.add_argument("--overflow", type=float, default=1.6,
                    help="working set of the active conversations / one server's KV cache (default: %(default)s)")
+    p.add_argument("--pressure", type=float, default=1.05, help="the pressure workload: working set of its active "
+                   "conversations / all servers' KV caches together, by vLLM's own figures (its cache size and "
+                   "/tokenize); it runs that many active conversations (the cache is sized for it when it is the "
+                   "only workload, else by --active and --overflow) (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every profile per workload, interleaved; the "
+                   "later ones labelled PROFILE#2, ... (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--profile-timeout", type=float, default=300, help="seconds; the rest of a profile is cut")
@@ -649,6 +792,8 @@ def parse_args(argv=None):
     ext.add_argument("--print-kv-bytes", action="store_true", help="print the --kv-cache-memory-bytes per server "
                      "that makes the workload's working set --overflow times one server's cache (the model's "
                      "shape from --model-dir), and exit")
+    ext.add_argument("--print-kv-tokens", action="store_true", help="print the KV cache per server in tokens, as "
+                     "--print-kv-bytes sizes it (no model needed: e.g. for simulated servers), and exit")
     args = p.parse_args(argv)
     args.profiles = [x for x in args.profiles.split(",") if x]
     try:
@@ -665,6 +810,8 @@ def parse_args(argv=None):
         p.error(f"--workloads: one or more of {', '.join(WORKLOADS)}; --profiles: at least one")
     if not 1 <= args.active <= args.conversations:
         p.error("--active must be between 1 and --conversations")
+    if not 1 <= args.repeat <= 10 or not 0.1 <= args.pressure <= 10:
+        p.error("--repeat: 1 to 10; --pressure: 0.1 to 10")
     args.servers = [u.strip() for u in (args.servers or "").split(",") if u.strip()]
     logs = [Path(x.strip()) for x in (args.server_logs or "").split(",") if x.strip()]
     if args.servers:
@@ -684,14 +831,30 @@ def parse_args(argv=None):
     return args
 
 
+SERVERS = 2  # the servers this benchmark starts, and the ones step5.sh runs: what --print-kv-bytes sizes for
+
+
 def planned_kv_bytes(args, working_set: float, model_dir: Path) -> tuple[int, int, int]:
-    """(bytes, tokens, bytes a token) of the KV cache per server that makes the working set --overflow times it."""
+    """(bytes, tokens, bytes a token) of the KV cache per server that makes the working set --overflow times it,
+    or, when `pressure` is the only workload, --pressure times both servers' caches together."""
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"no model in {model_dir}: run .venv-vllm/bin/python scripts/build_tiny_model.py --size bench")
     per_token = kv_bytes_per_token(model_dir)
-    # vLLM refuses a cache that cannot hold one request of --max-model-len; blocks are 128 tokens on CPU (16 on GPU)
-    cache_tokens = max(int(working_set / args.overflow), args.max_model_len + 128) // 128 * 128
+    cache_tokens = planned_cache_tokens(args, working_set)
     return cache_tokens * per_token, cache_tokens, per_token
+
+
+def planned_cache_tokens(args, working_set: float) -> int:
+    """Tokens of KV cache per server for the working set: --overflow times one server's cache, or --pressure times
+    both servers' caches together when `pressure` is the only workload."""
+    overflow = args.pressure * SERVERS if args.workloads == ["pressure"] else args.overflow
+    # vLLM refuses a cache that cannot hold one request of --max-model-len; blocks are 128 tokens on CPU (16 on GPU)
+    return max(int(working_set / overflow), args.max_model_len + 128) // 128 * 128
+
+
+def pressure_active(args, cache_tokens: int, conversation_tokens: float) -> int:
+    """Active conversations whose working set is --pressure times all the servers' caches (`cache_tokens`)."""
+    return max(1, round(args.pressure * cache_tokens / conversation_tokens))
 
 
 def main(argv=None) -> int:
@@ -702,6 +865,9 @@ def main(argv=None) -> int:
     working_set = args.active * est_tokens
     if args.print_kv_bytes:
         print(planned_kv_bytes(args, working_set, model_dir)[0])
+        return 0
+    if args.print_kv_tokens:
+        print(planned_cache_tokens(args, working_set))
         return 0
     out = args.out or REPO / ".cache" / "bench" / f"routing-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -745,21 +911,35 @@ def main(argv=None) -> int:
                   f"conversations end at {min(tokens):,}-{max(tokens):,} tokens (mean {sum(tokens) / len(tokens):,.0f});"
                   f" working set {real_ws:,.0f} tokens = {real_ws / min(real_cache):.2f}x one server's cache, "
                   f"{real_ws / sum(real_cache):.2f}x all", flush=True)
-            if not min(real_cache) < real_ws < sum(real_cache):
+            if set(args.workloads) - {"pressure"} and not min(real_cache) < real_ws < sum(real_cache):
                 print("WARNING: the working set should overflow one server's cache and fit in all of them, or the "
                       "profiles cannot be told apart", flush=True)
             warm_up(servers, args)
             results = []
             for kind in args.workloads:
-                kind_convs = convs if kind == "distinct" else workload(args, kind)
+                kind_args, kind_convs = args, convs if kind == "distinct" else workload(args, kind)
+                if kind == "pressure":  # more active conversations (and twice as many in all) on the same servers
+                    active = pressure_active(args, sum(real_cache), sum(tokens) / len(tokens))
+                    kind_args = argparse.Namespace(**{**vars(args), "active": active,
+                                                      "conversations": max(args.conversations, 2 * active)})
+                    kind_convs = workload(kind_args, kind)
+                    print(f"pressure: {active} active conversations of {len(kind_convs)}: working set "
+                          f"{active * sum(tokens) / len(tokens):,.0f} tokens = "
+                          f"{active * sum(tokens) / len(tokens) / sum(real_cache):.2f}x all servers' caches",
+                          flush=True)
                 for procs in args.client_procs:
-                    for profile in args.profiles:
-                        results.append(run_profile(profile, servers, kind_convs, args, work, block, kind, procs))
-                        if procs != args.client_procs[0]:
-                            results[-1].profile += f"/c{procs}"
-                        print(table(results[-1:]), flush=True)
-                        print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
-                        print(f"  client path: {results[-1].client_path}; TCP: {results[-1].tcp}", flush=True)
+                    for run in range(args.repeat):
+                        for profile in args.profiles:
+                            results.append(run_profile(profile, servers, kind_convs, kind_args, work, block, kind,
+                                                       procs))
+                            if procs != args.client_procs[0]:
+                                results[-1].profile += f"/c{procs}"
+                            if run:
+                                results[-1].profile += f"#{run + 1}"
+                            print(table(results[-1:]), flush=True)
+                            print(figures_table(results[-1:]), flush=True)
+                            print(f"  gateway routing decisions: {results[-1].routing_decisions}", flush=True)
+                            print(f"  client path: {results[-1].client_path}; TCP: {results[-1].tcp}", flush=True)
             sizing = {"block_size": block, "kv_cache_tokens": real_cache, "kv_cache_memory_bytes": kv_bytes,
                       "conversation_tokens_mean": round(sum(tokens) / len(tokens)),
                       "working_set_tokens": round(real_ws)}
@@ -770,13 +950,20 @@ def main(argv=None) -> int:
     print(f"\n{workload_text}, model {model_name}, {args.max_tokens} output tokens;"
           f" load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
     print(table(results) + "\n")
+    print("Where the time to first token went (vLLM's own figures from its /metrics before and after each run; "
+          "the gateway's from its /metrics):\n")
+    print(figures_table(results) + "\n")
+    compared = comparisons(results)
+    for line in compared:
+        print(line)
     checks = verdict(results)
     for text, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     out.write_text(json.dumps({
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": model_name, "sizing": sizing, "loadavg_before": load_before, "loadavg_after": load_after,
-        "results": [asdict(r) for r in results], "checks": checks}, indent=2, default=str))
+        "results": [asdict(r) for r in results], "comparisons": compared, "checks": checks}, indent=2,
+        default=str))
     print(f"\nresults: {out}")
     return 0 if all(ok for _, ok in checks) else 1
 
@@ -837,6 +1024,7 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
     load_start = os.getloadavg()[0]
     tag = f"{kind}-{profile}-{secrets.token_hex(3)}"
     decisions: dict[str, float] = {}
+    gateway: dict[str, dict] = {}
     try:
         before = {s.label: counters(s) for s in servers}
         print(f"\n{kind} / {profile}: {len(convs)} conversations ...", flush=True)
@@ -844,6 +1032,7 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
         after = {s.label: counters(s) for s in servers}
         if proc is not None and name != "vllm-router":
             decisions = routing_decisions(url)
+            gateway = gateway_figures(url)
     finally:
         if proc is not None:
             proc.terminate()
@@ -851,6 +1040,8 @@ def run_profile(profile: str, servers: list[VLLMServer], convs: list[Conversatio
     result = summarize(profile, records, wall, before, after, served_by(servers, tag), tag, block)
     result.workload = kind
     result.routing_decisions = decisions
+    result.gateway = gateway
+    result.active = args.active
     result.tcp = {k: v - tcp_before.get(k, 0) for k, v in tcp_counters().items() if v - tcp_before.get(k, 0)}
     result.loadavg = [round(load_start, 2), round(os.getloadavg()[0], 2)]
     return result

@@ -10,9 +10,12 @@
 #                                      for the GPU ones and the workload is tiny: checks the command line and
 #                                      every profile and workload path of routing.py, in ~1-2 minutes)
 # Knobs (environment): STEP5_BUDGET (560 s in all), PROFILES (default: ceiling, default, least-in-flight,
-# session-affinity; the last is dropped when the servers came up too late for 8 runs of 35 s), WORKLOADS
-# (distinct,hot), CONVS / ACTIVE / TURNS / TOOL (320 / 160 / 5 / 0.5,3), EAGER=1 (--enforce-eager: up ~1 min
-# sooner, but no CUDA graphs, so decode steps are slower and TTFT includes more queueing: not comparable with a
+# session-affinity; the last is dropped when the servers came up too late for 8 runs of 35 s; `cost` is the
+# default with prefix-cost in prefix-affinity's place), WORKLOADS (distinct,hot; `pressure`: distinct with the
+# active conversations' working set 1.05x both caches together: alone, the caches are sized so that ACTIVE
+# conversations are that; with others, routing.py runs as many as make it on their caches), REPEAT (1: runs of
+# every profile, interleaved), CONVS / ACTIVE / TURNS / TOOL (320 / 160 / 5 / 0.5,3), EAGER=1 (--enforce-eager:
+# up ~1 min sooner, but no CUDA graphs, so decode steps are slower and TTFT includes more queueing: not comparable with a
 # CUDA-graph run), KV_EVENTS=1 (the servers publish their KV cache events to 127.0.0.1:5557/5558 and the
 # precise-prefix profile runs too, whatever PROFILES says; the site needs msgpack, build_site.sh ships it; in
 # the dry run the simulators publish none, so it checks only the profile's command line and policy: load decides).
@@ -25,7 +28,7 @@ if [ -n "$DRY" ]; then CONVS=${CONVS:-6}; ACTIVE=${ACTIVE:-3}; TURNS=${TURNS:-2}
 # The workloads (seeded; the same under every profile): ~2.3k-token prompts on average, 5 turns, 32 output tokens.
 W="--conversations ${CONVS:-320} --active ${ACTIVE:-160} --turns ${TURNS:-5} --system-tokens 1800,2400 --user-tokens 100
    --own-tokens 100 --max-tokens 32 --tool-time ${TOOL:-0.5,3} --max-model-len 4096 --overflow 1.6
-   --workloads ${WORKLOADS:-distinct,hot} --client-procs ${CLIENT_PROCS:-8}"
+   --workloads ${WORKLOADS:-distinct,hot} --client-procs ${CLIENT_PROCS:-8} --repeat ${REPEAT:-1}"
 PROFILES_GIVEN=${PROFILES:-}
 PROFILES=${PROFILES:-ceiling,default,${ROUTER_CMD:+vllm-router,}least-in-flight,session-affinity}
 with_events() { case ",$1," in *,precise-prefix,*) echo $1 ;; *) echo $1${KV_EVENTS:+,precise-prefix} ;; esac; }
@@ -37,10 +40,10 @@ PY=${PYTHON:-python3}
 run_routing() {
   local rem=$1 servers=$2 model=$3 logs=$4 gw=$5 events=$6 nw np pt
   nw=$(echo "${WORKLOADS:-distinct,hot}" | tr ',' '\n' | grep -c .)
-  np=$(echo $PROFILES | tr ',' '\n' | grep -c .); np=$(( np * $(echo ${CLIENT_PROCS:-1} | tr "," "\n" | grep -c .) ))
+  np=$(echo $PROFILES | tr ',' '\n' | grep -c .); np=$(( np * $(echo ${CLIENT_PROCS:-1} | tr "," "\n" | grep -c .) * ${REPEAT:-1} ))
   pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
   if [ $pt -lt 35 ] && [ -z "$PROFILES_GIVEN" ]; then  # the comparison profile goes first when time is short
-    PROFILES=$(with_events ceiling,default,least-in-flight); np=$(echo $PROFILES | tr ',' '\n' | grep -c .); pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
+    PROFILES=$(with_events ceiling,default,least-in-flight); np=$(( $(echo $PROFILES | tr ',' '\n' | grep -c .) * ${REPEAT:-1} )); pt=$(( (rem - 30 - 12 * nw * np) / (nw * np) ))
   fi
   [ $pt -gt 150 ] && pt=150
   [ $pt -ge 25 ] || { echo "only ${rem}s left: no time for $np profiles x $nw workloads"; return 7; }
@@ -56,8 +59,10 @@ if [ -n "$DRY" ]; then
   free_port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
   P0=$(free_port)
   P1=$(free_port)
+  # sized as the GPU servers are (--print-kv-bytes), in tokens: the pressure workload's active count follows it
+  KVT=$($PY -m tests.benchmarks.routing --print-kv-tokens $W) || exit 4
   for p in $P0 $P1; do
-    $PY -m backends.simulator --port $p --model qwen3-4b --max-model-len 8192 --kv-cache-tokens 300000 \
+    $PY -m backends.simulator --port $p --model qwen3-4b --max-model-len 4096 --kv-cache-tokens $KVT \
       --log-level warning > $OUT/sim-$p.log 2>&1 & echo $! > $OUT/sim-$p.pid
   done
   trap 'for p in $P0 $P1; do kill $(cat $OUT/sim-$p.pid) 2>/dev/null; done' EXIT
@@ -79,7 +84,7 @@ bash $D/stop.sh
 export PYTHONPATH=$PWD:$SCRATCH/gw:$SCRATCH/site PYTHONUNBUFFERED=1
 # Qwen3-4B: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 147,456 bytes a token; ~290k tokens (~40 GiB) each.
 KV=$(python3 -m tests.benchmarks.routing --model-dir $SCRATCH/q4b --print-kv-bytes $W) || exit 4
-echo "KV cache per server: $KV bytes ($(( KV / 147456 )) tokens)"
+echo "KV cache per server: $KV bytes ($(( KV / 147456 )) tokens) for ${WORKLOADS:-distinct,hot}"
 export VLLM_SERVER_DEV_MODE=1  # POST /reset_prefix_cache between profiles
 # Both at once: the explicit KV size spares the second its memory profile of the first. The same flags give the
 # same torch.compile cache key, so :8001 compiles into a cache root of its own rather than race :8000 writing the
