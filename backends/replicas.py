@@ -79,6 +79,7 @@ class Replica:
     kv_events: Any = None  # a KVEventSource when vLLM publishes its KV cache events to this gateway
     kv_index: Any = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
     lora: Any = None  # the LoRA adapters it holds (backends/lora.py Held); kept across reloads
+    outlier: Any = None  # what outlier ejection knows of it (policies/ejection.py Outlier); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
     upstream: Upstream | None = field(default=None, init=False, repr=False)
 

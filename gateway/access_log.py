@@ -1,5 +1,5 @@
-"""The access log: one line per request (id, endpoint, model, backend, status, stream, duration, and the variant
-for a model with variants), never headers.
+"""The access log: one line per request (id, endpoint, model, backend, status, stream, duration, the variant
+for a model with variants, and the attempts of one retried on another replica), never headers.
 
 Through the `logging` module a line costs a LogRecord, a format and a write syscall on the request path; on
 the benchmark that was ~7% of the gateway's CPU per request. So a process started by the CLI (which owns
@@ -22,6 +22,7 @@ from typing import TextIO
 
 import orjson
 
+from gateway.attempts import ATTEMPTS_HEADER
 from gateway.trace_context import trace_id_of
 from policies.finished import Finished
 from policies.pipeline import Call
@@ -61,6 +62,8 @@ class AccessLog:
                    f" stream={stream} duration_ms={elapsed * 1000:.1f}")
         if call is not None and call.variant is not None:
             message += f" variant={call.variant}"
+        if call is not None and ATTEMPTS_HEADER in call.response_headers:  # retried on another replica
+            message += f" attempts={call.response_headers[ATTEMPTS_HEADER]}"
         if self.stream is None:
             log.info("%s", message)
             return
@@ -77,6 +80,8 @@ class AccessLog:
                   "backend": backend, "status": status, "stream": stream, "duration_ms": round(elapsed * 1000, 1)}
         if call is not None and call.variant is not None:
             record["variant"] = call.variant
+        if call is not None and ATTEMPTS_HEADER in call.response_headers:
+            record["attempts"] = int(call.response_headers[ATTEMPTS_HEADER])
         line = orjson.dumps(record).decode()
         if self.stream is None:
             log.info("%s", line)

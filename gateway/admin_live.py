@@ -29,6 +29,12 @@ class ReplicaView(BaseModel):
     in_flight: int
     limit: int | None = Field(description="most requests in flight to it; null: unlimited")
     reason: str | None = Field(default=None, description="why a refused endpoint is not routed to")
+    ejected_by: str | None = Field(default=None, description="while outlier ejection keeps it out of routing: the"
+                                   " rule that did (consecutive_failures, ttft); null while it is routed to")
+    ejected_until: float | None = Field(default=None, description="unix seconds its ejection ends; null while not"
+                                                                  " ejected")
+    ejections: int = Field(default=0, description="ejections in a row: the backoff doubles with each, and starts"
+                                                  " again once it has served well")
 
 
 class WatchView(BaseModel):
@@ -67,9 +73,14 @@ def live_handlers(gateway) -> list:
 
 
 def view(replica) -> ReplicaView:
+    outlier = replica.outlier  # policies/ejection.py Outlier, once it failed or streamed
+    ejected = outlier is not None and outlier.ejected
     return ReplicaView(name=replica.name, url=replica.url, source=replica.source, state=replica.state,
                        draining=replica.draining, in_flight=replica.in_flight,
-                       limit=None if replica.limit is None else int(replica.limit))
+                       limit=None if replica.limit is None else int(replica.limit),
+                       ejected_by=outlier.rule if ejected else None,
+                       ejected_until=outlier.until_unix if ejected else None,
+                       ejections=outlier.ejections if outlier is not None else 0)
 
 
 def watch_view(model: str, source: str, watcher) -> WatchView:

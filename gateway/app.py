@@ -48,6 +48,7 @@ from gateway.console import console_routes, security_headers
 from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
+from gateway.attempts import Attempts
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
@@ -182,6 +183,8 @@ class Gateway:
         proxy.shadow = next((o for o in snapshot.observers if isinstance(o, Shadow)), None)
         proxy.loras = self.loras
         proxy.rent_check = self.authenticate.may_rent_now
+        previous = self.proxy.attempts if self.proxy is not None else None  # retry budgets outlive a reload
+        proxy.attempts = Attempts(self.replicas, self.metrics, policy.models, previous)
         self.proxy = proxy
 
     def batch_runner_wake(self) -> None:

@@ -21,11 +21,12 @@ from typing import Any
 
 import orjson
 
-from backends.http1 import Client, Response
+from backends.http1 import Client, ConnectFailed, ReadTimedOut, Response, TooLarge, WriteTimedOut
 from backends.lora import LoadFailed, LoraAdapters
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
-from backends.upstream import BROKEN, CONNECT, TIMEOUT, TOO_LARGE, UpstreamError
+from backends.upstream import UpstreamError
+from gateway.attempts import Attempts, failure_of, status_failure
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
 from gateway.form_upload import FormUpload
 from gateway.relay import model_rename
@@ -55,9 +56,7 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # of mixed-case letters and digits (a random token); a request id so shaped is replaced, never logged or echoed
 SECRET_SHAPE = re.compile(r"(?i:(?:^|[^a-z0-9])(?:sk|rk|pk)-[a-z0-9_-]{8,})|eyJ[A-Za-z0-9_-]{8,}"
                           r"|(?=[A-Za-z0-9]{24})(?=[a-z0-9]*[A-Z])(?=[A-Z0-9]*[a-z])[A-Za-z]*[0-9]")
-WHAT_FAILED = {CONNECT: "could not be reached", TIMEOUT: "timed out", BROKEN: "broke off the exchange",
-               TOO_LARGE: "answered past the gateway's limits"}
-MAX_ATTEMPTS = 2  # the first replica, then one other when the connection could not be made
+TIMED_OUT = (ReadTimedOut, WriteTimedOut)
 
 
 @dataclass(slots=True)
@@ -105,6 +104,8 @@ class Proxy:
         self.loras: LoraAdapters | None = None  # backends/lora.py: set by the app; loads adapters on demand
         # asked right before every rent: does the key's current record still allow it? (policies/auth.py)
         self.rent_check: Callable[[Call], Awaitable[bool]] | None = None
+        # retries on another replica and outlier ejection (gateway/attempts.py): set by the app from the policy
+        self.attempts = Attempts(replicas, metrics)
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -128,6 +129,9 @@ class Proxy:
                 raise BadRequest(f"that response was made by model {call.pinned.model}, not {call.model}",
                                  param="previous_response_id", code="model_mismatch")
             call.stream = route.streams(call.body)
+            if call.stream and route.stream_usage:  # read before a send asks for the usage chunk (any retry's too)
+                options = call.body.get("stream_options")
+                call.wants_usage = isinstance(options, dict) and options.get("include_usage") is True
             response = await self.forward(call)
             if route.stream_by_answer:  # a form's stream field may follow its file, a retrieve's is in its query
                 call.stream = is_event_stream(response)
@@ -148,16 +152,21 @@ class Proxy:
         return reply
 
     async def forward(self, call: Call) -> Response:
-        """Send to the best owned replica with room (waiting for one if needed); when the connection cannot be
-        made, once more to another one. A key allowed to rent may spill to the model's rented provider instead
-        of waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
+        """Send to the best owned replica with room (waiting for one if needed); when the attempt fails before its
+        answer's head is relayed (a connect failure, a reset, no head in time, a 5xx or 429), to another one, as
+        gateway/attempts.py allows. A key allowed to rent may spill to the model's rented provider instead of
+        waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
         tried: list[Replica] = []
         others: list[Replica] = []  # a pinned call can be served by its replica alone
         if call.pinned is not None:
             others = [r for r in self.replicas.by_model[call.pinned.group] if r is not call.pinned]
         owner = call.key.id if call.key is not None else call.client_host
         overflow = self.overflow.get(call.model) if self.may_rent(call) else None
-        for _ in range(MAX_ATTEMPTS):
+        attempts = self.attempts
+        attempts.started(call.model, call.arrived)
+        # bounded: each pass sends to a replica not tried before, at most 1 + retries.attempts of them (Attempts.retry);
+        # a pass that sends nothing either returns, raises, or drops the overflow (at most once)
+        while True:
             before = time.perf_counter()
             try:
                 replica = await self.admission.acquire(
@@ -190,17 +199,26 @@ class Proxy:
                 if response.status == 404 and call.adapter is not None and self.loras and "model" in call.body:
                     response = await self.reload_adapter(call, replica, response)
             except UpstreamError as exc:
-                kind = exc.kind
-                self.upstream_failed(replica, kind, str(exc))
+                self.upstream_failed(replica, exc, str(exc))
                 self.release(call)
-                if kind == CONNECT:
-                    self.metrics.retries.labels(call.model).inc()
+                reason = failure_of(exc)
+                if reason is not None and attempts.retry(call, reason, tried, tried + others):
                     continue
-                raise upstream_error(kind, f"the backend for model {call.model}", exc) from None
-            if response.status >= 500:
-                self.upstream_failed(replica, "status_5xx", f"HTTP {response.status}")
-            else:
+                if isinstance(exc, ConnectFailed):
+                    break  # it reached no backend: the overflow, or "not reachable"
+                raise upstream_error(exc, f"the backend for model {call.model}") from None
+            status = response.status
+            if status < 500 and status != 429:
                 self.replicas.succeeded(replica)
+                if replica.outlier is not None:
+                    attempts.ejections.succeeded(replica)
+                return response
+            if status >= 500:
+                self.upstream_failed(replica, None, f"HTTP {status}")
+            if attempts.retry(call, status_failure(status), tried, tried + others):
+                response.close()
+                self.release(call)
+                continue
             return response
         if overflow is not None:
             return await self.rent(call, time.perf_counter())
@@ -254,7 +272,7 @@ class Proxy:
             response = await self.send(call, target, holds=False)
         except UpstreamError as exc:
             self.metrics.upstream_errors.labels(call.model, target.name, exc.kind).inc()
-            raise upstream_error(exc.kind, f"the rented provider for model {call.model}", exc) from None
+            raise upstream_error(exc, f"the rented provider for model {call.model}") from None
         if response.status in (401, 403):  # its message may quote the provider key: never relay it
             response.close()
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
@@ -310,7 +328,6 @@ class Proxy:
         if call.stream and route.stream_usage:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
-            call.wants_usage = options.get("include_usage") is True
             options["include_usage"] = True
             body["stream_options"] = options
         if route.prepare is not None:
@@ -321,9 +338,9 @@ class Proxy:
         try:
             raw = await response.read(self.client.limits.body_bytes)
         except UpstreamError as exc:
-            self.upstream_failed(call.replica, exc.kind, str(exc))
-            raise upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
-                                 "broke off the response") from None
+            self.upstream_failed(call.replica, exc, str(exc))
+            raise upstream_error(exc, f"the {_side(call)} for model {call.model}", "broke off the response") \
+                from None
         finally:
             response.close()
         received = time.perf_counter()
@@ -369,6 +386,7 @@ class Proxy:
                     if not relay.replay:  # stored events come at once: no measure of the backend's pace
                         self.metrics.first_token(call.model, now - call.arrived)
                         self.admission.observe(call.replica, now - call.sent_at)
+                        self.attempts.ejections.ttft(call.replica, now - call.sent_at)
                     if call.shadow is not None and self.shadow is not None:
                         self.shadow.start(call)  # the live answer is under way: its copy may go now
                 if call.tap is not None and scrub is None:
@@ -396,9 +414,8 @@ class Proxy:
                 call.error = UpstreamFailed(f"the backend for model {call.model} ended the stream early (only a "
                                             "response made with background and stream set has events to stream)")
             else:
-                self.upstream_failed(call.replica, exc.kind, str(exc))
-                call.error = upstream_error(exc.kind, f"the {_side(call)} for model {call.model}", exc,
-                                            "broke off the stream")
+                self.upstream_failed(call.replica, exc, str(exc))
+                call.error = upstream_error(exc, f"the {_side(call)} for model {call.model}", "broke off the stream")
             yield relay.error_frame(call.route.errors(call.error))
         finally:
             call.usage = relay.usage
@@ -425,15 +442,19 @@ class Proxy:
                 self.loras.done(call.replica, call.adapter.lora_name)
             self.admission.release(call.replica, call)
 
-    def upstream_failed(self, replica: Replica | None, kind: str, reason: str) -> None:
-        """Count a failed exchange, and mark the replica down for those that say it is unwell: a refused
-        connection, a broken exchange (invalid HTTP, a close mid-answer), a head past its bound. Not a
-        timeout (a long generation is no illness) nor a body or event past its bound: its size follows the
-        request (a huge prompt echoed, many logprobs), so the client's own request must not take a replica out."""
+    def upstream_failed(self, replica: Replica | None, error: UpstreamError | None, reason: str) -> None:
+        """Count a failed exchange (`error`, or None for a 5xx answer), and mark the replica down for those that say
+        it is unwell: a refused connection, a broken exchange (invalid HTTP, a close mid-answer), a head past its
+        bound, a 5xx. Not a timeout (a long generation is no illness) nor a body or event past its bound: its
+        size follows the request (a huge prompt echoed, many logprobs), so the client's own request must not take
+        a replica out. A 5xx or a timeout counts toward outlier ejection (policies/ejection.py)."""
         if replica is None or replica.rented:
             return
-        self.metrics.upstream_errors.labels(replica.model, replica.name, kind).inc()
-        if kind not in (TIMEOUT, TOO_LARGE):
+        self.metrics.upstream_errors.labels(replica.model, replica.name,
+                                            "status_5xx" if error is None else error.kind).inc()
+        if error is None or isinstance(error, ReadTimedOut):
+            self.attempts.ejections.failed(replica)
+        if not isinstance(error, (*TIMED_OUT, TooLarge)):
             self.replicas.failed(replica, reason)
 
     async def finish(self, call: Call, error: BaseException | None) -> None:
@@ -467,14 +488,24 @@ def is_event_stream(response: Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def upstream_error(kind: str, who: str, exc: UpstreamError, failed: str | None = None) -> GatewayError:
+def upstream_error(exc: UpstreamError, who: str, failed: str | None = None) -> GatewayError:
     """A failed exchange with an upstream, as the client sees it: 504 for a timeout, else 502. `who` names the
     upstream; a bound crossed is told as it is (the message names the setting), anything else only by what
-    `failed` (default: by its kind)."""
+    `failed` (default: by its class)."""
+    error = UpstreamTimeout if isinstance(exc, TIMED_OUT) else UpstreamFailed
     if exc.bound:
-        return (UpstreamTimeout if kind == TIMEOUT else UpstreamFailed)(f"{who} {exc}")
-    message = f"{who} {failed or WHAT_FAILED[kind]}"
-    return UpstreamTimeout(message) if kind == TIMEOUT else UpstreamFailed(message)
+        return error(f"{who} {exc}")
+    return error(f"{who} {failed or what_failed(exc)}")
+
+
+def what_failed(exc: UpstreamError) -> str:
+    if isinstance(exc, ConnectFailed):
+        return "could not be reached"
+    if isinstance(exc, TIMED_OUT):
+        return "timed out"
+    if isinstance(exc, TooLarge):
+        return "answered past the gateway's limits"
+    return "broke off the exchange"
 
 
 def estimated_usage(call: Call, completion: int) -> dict[str, Any]:

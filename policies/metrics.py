@@ -181,8 +181,18 @@ class GatewayMetrics:
             ["model", "reason"], registry=r,
         )
         self.retries = Counter(
-            "llm_gateway_retries", "Requests retried on another replica after a connect failure.", ["model"],
+            "llm_gateway_retries", "Requests sent again to another replica before anything reached the client, by"
+            " why the attempt before failed (connect, reset, timeout: no response head in time, status_5xx,"
+            " status_429).", ["model", "reason"], registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "llm_gateway_retry_budget_exhausted", "Retries refused because the model's retry budget"
+            " (retries.budget over retries.window) was spent: the failure went to the client.", ["model"],
             registry=r,
+        )
+        self.replica_ejections = Counter(
+            "llm_gateway_replica_ejections", "Replicas taken out of routing by outlier ejection, by rule"
+            " (consecutive_failures, ttft).", ["model", "backend", "rule"], registry=r,
         )
         self.egress_refused = Counter(
             "llm_gateway_egress_refused", "Connections to a backend refused because its name resolved to a public"

@@ -5,7 +5,7 @@ that silently does nothing. `load_policy` turns every problem into one `PolicyEr
 offending field (`models[0].backends[1].url: ...`).
 
 The schema lives in one module per concern (server, routing, store, access, providers, backend, admission,
-scaling, discovery, variants, model, observability, policy); secrets from the environment or files in
+scaling, discovery, variants, reliability, model, observability, policy); secrets from the environment or files in
 env_secrets, the built-in routing profiles in profiles, the YAML loader in loader. Every name is importable
 from here, as before the split.
 """
@@ -31,6 +31,7 @@ from policies.config.observability import AccessLogSettings, Ledger, Tracing
 from policies.config.policy import Policy, profile_of
 from policies.config.profiles import BUILTIN_PROFILES
 from policies.config.providers import Overflow, Price, Provider
+from policies.config.reliability import Ejection, Retries
 from policies.config.routing import Routing, Scrape
 from policies.config.routing_profile import PluginRef, RoutingProfile
 from policies.config.scaling import Autoscaling
@@ -49,6 +50,7 @@ __all__ = [
     "Caps",
     "DNS_NAME",
     "Discovery",
+    "Ejection",
     "EnvName",
     "FailureMode",
     "Guard",
@@ -78,6 +80,7 @@ __all__ = [
     "RateLimits",
     "RedisClusterNodes",
     "RedisSentinel",
+    "Retries",
     "Routing",
     "RoutingProfile",
     "Scrape",

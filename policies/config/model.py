@@ -13,6 +13,7 @@ from policies.config.backend import Backend
 from policies.config.base import NAME, Strict
 from policies.config.discovery import Discovery
 from policies.config.providers import Overflow
+from policies.config.reliability import Ejection, Retries
 from policies.config.scaling import Autoscaling
 from policies.config.variants import Guard, Sticky, Variant
 from policies.lora_settings import Lora
@@ -36,6 +37,8 @@ class Model(Strict):
     guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
     autoscaling: Autoscaling | None = None  # the replica-count signal's settings and scale from zero
     lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/lora_settings.py)
+    retries: Retries = Retries()  # another replica when one fails before the first byte, within a budget
+    ejection: Ejection = Ejection()  # replicas that keep failing or answer far slower than their peers sit out
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:

@@ -33,3 +33,21 @@ class KVHeadroom:
             if s is None or s.kv_usage is None or s.kv_usage < self.max_usage:
                 kept.append(replica)
         return kept or list(candidates)
+
+
+class NotEjected:
+    """Skip replicas that outlier ejection took out for now (policies/ejection.py). Every profile runs it first
+    (profile.py); while none is ejected it costs one attribute test per candidate and makes no list."""
+
+    name = "not-ejected"
+    Params = BaseParams
+
+    def __init__(self, params: BaseParams | None = None, metrics: Any = None) -> None:
+        pass
+
+    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+        for replica in candidates:
+            outlier = replica.outlier
+            if outlier is not None and outlier.ejected:
+                return [r for r in candidates if r.outlier is None or not r.outlier.ejected] or list(candidates)
+        return candidates if isinstance(candidates, list) else list(candidates)

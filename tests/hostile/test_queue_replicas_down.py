@@ -176,7 +176,9 @@ async def test_one_of_two_replicas_going_down_keeps_the_waiters_for_the_other(st
         served = await asyncio.wait_for(asyncio.gather(*waiting), MAX_WAIT)
         assert [r.status_code for r in served] == [200, 200]
         assert all(r.headers["x-gateway-served-by"] == "owned" for r in served)  # by the other replica
-        assert (await medium).status_code == 200 and (await long).status_code >= 500
+        assert (await medium).status_code == 200
+        retried = await long  # its replica went down before its answer's head: tried again on the other one
+        assert retried.status_code == 200 and retried.headers["x-gateway-attempts"] == "2"
         assert not first.routable and other.routable and other.in_flight == 0
         assert read_log(log) == []
 
