@@ -50,17 +50,20 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# make test: every test, in two parts. First everything but the real-vLLM tests, TEST_WORKERS files at a time
-# (pytest-xdist: most of these tests wait on sockets, subprocesses and timers, not on the cores); then tests/e2e
-# alone, in one process, since its vLLM servers start once and want both cores. Both parts always run; the
-# status is the first failure's. GATEWAY_TESTS_ALL=1: a test that needs a missing part fails (tests/support/needs.py).
+# make test: every test, in three parts. First everything but the real-vLLM tests, TEST_WORKERS files at a time
+# (pytest-xdist: most of these tests wait on sockets, subprocesses and timers, not on the cores); then the few
+# that judge an in-process simulator's speed (marked `serial`), alone; then tests/e2e, in one process, since its
+# vLLM servers start once and want both cores. Every part runs; the status is the first failure's. GATEWAY_TESTS_ALL=1: a test that needs a missing part fails (tests/support/needs.py).
 TEST_WORKERS ?= 3
 test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
-	first=0; second=0; \
-	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e || first=$$?; \
-	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q tests/e2e --durations-merge --junitxml=build/junit-e2e.xml || second=$$?; \
+	first=0; second=0; third=0; \
+	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e -m "not serial" \
+		|| first=$$?; \
+	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q --ignore=tests/e2e -m serial --durations-merge \
+		--junitxml=build/junit-serial.xml || second=$$?; \
+	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q tests/e2e --durations-merge --junitxml=build/junit-e2e.xml || third=$$?; \
 	echo "the 30 slowest tests (build/durations.txt):"; head -30 build/durations.txt; \
-	[ $$first -eq 0 ] && exit $$second; exit $$first
+	for status in $$first $$second $$third; do [ $$status -eq 0 ] || exit $$status; done
 
 # the quick tier, before a push: lint and tests/unit, nothing installed beyond the venv and no service set up
 # (no Redis, OIDC provider or vLLM; the unit tests start only simulators and gateways of their own on loopback)

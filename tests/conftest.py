@@ -4,6 +4,10 @@ any run, and which tier they belong to, can be read back after it. `--durations-
 run before (make test's second part adds its tests to its first part's). Under pytest-xdist only the controller
 writes it, from the reports its workers send.
 
+Test files run slowest first: those tests/slow_files.txt names (scripts/slowest_tests.py writes it from a full
+run's durations), then by tier, the unit tests last; under pytest-xdist (`make test`), so the longest files
+start at once and the many short ones fill the workers' gaps at the end. A file's tests stay together, in order.
+
 A bare `pytest` skips what needs a part this machine lacks (tests/support/needs.py); the run ends by saying how
 many tests each missing part held back and which `make` target installs it."""
 
@@ -21,6 +25,29 @@ _seconds: defaultdict[str, float] = defaultdict(float)
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--durations-merge", action="store_true",
                      help="add this run's times to build/durations.txt instead of replacing it")
+
+
+TIERS = ("tests/image/", "tests/integration/", "tests/console/", "tests/hostile/", "tests/contract/",
+         "tests/chart/", "tests/unit/")
+
+
+def slow_first(root) -> dict[str, int]:
+    """A rank for each test file: its place in tests/slow_files.txt, then its tier's."""
+    hint = root / "tests" / "slow_files.txt"
+    named = [line.split()[0] for line in hint.read_text().splitlines() if line and not line.startswith("#")] \
+        if hint.exists() else []
+    return {file: rank for rank, file in enumerate(named)}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    ranks = slow_first(config.rootpath)
+
+    def rank(item) -> tuple[int, int]:
+        file = item.nodeid.split("::", 1)[0]
+        tier = next((i for i, prefix in enumerate(TIERS) if file.startswith(prefix)), len(TIERS))
+        return ranks.get(file, len(ranks)), tier
+
+    items.sort(key=rank)  # stable: a file's tests keep their order, and so do tests/e2e's (its conftest orders them)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import matplotlib.image
+import pytest
 
 from backends.knee.report import build_report, format_table, write_json, write_png
 from backends.knee.run import run_sweep
@@ -21,6 +22,8 @@ from backends.knee.sweep import Progress, SweepSpec
 from backends.simulator import SimConfig, create_app
 from tests.support.probes import LoopStalls, metric_sum
 from tests.support.servers import serve_app
+
+pytestmark = pytest.mark.serial  # each sweep judges a simulator's speed on the machine's cores: make test runs them alone
 
 CAPPED = SimConfig(model="sim-8", max_num_seqs=8, step_base_ms=10, step_ms_per_seq=0.5)
 LEVELS = (1, 2, 4, 8, 16, 32)

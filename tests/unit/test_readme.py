@@ -31,3 +31,15 @@ def test_readme_is_short_and_links_only_to_files_that_exist():
     assert "docs/getting-started.md" in local and "docs/reference/policy.md" in local
     missing = [link for link in local if not (ROOT / link).is_file()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_readme_names_the_ten_slowest_tests_and_each_still_exists():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import slowest_tests
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    named = slowest_tests.named(README)
+    assert len(named) == slowest_tests.COUNT, named
+    gone = [nodeid for nodeid in named if not slowest_tests.exists(nodeid)]
+    assert not gone, f"the README's slowest tests name tests that no longer exist: {gone} (scripts/slowest_tests.py)"

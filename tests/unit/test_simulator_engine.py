@@ -164,6 +164,7 @@ async def best_of(runs: int, engine: Engine, concurrency: int, tokens: int) -> t
     return max(r[0] for r in results), min(r[1] for r in results), min(r[2] for r in results)
 
 
+@pytest.mark.serial  # judges the engine's throughput on the machine's cores: make test runs it alone
 async def test_throughput_flattens_and_ttft_grows_past_the_cap(make_engine):
     # Step = 4 ms + 1 ms per running sequence, cap 4: ideal 200 tok/s at 1, 500 at 4, still 500 at 8,
     # where half the requests wait a whole generation for a slot.
