@@ -59,7 +59,7 @@ class Call:
     adapter: Any = None  # the LoRA adapter that serves it, when its model is one (backends/lora.py AdapterTarget)
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
-    evened: bool = False  # assigned its variant while the variant guard evened the load (policies/variant_guard.py)
+    load_matched: bool = False  # assigned its variant while the variant guard matched the load (policies/variant_guard.py)
     shadow: tuple[str, str] | None = None  # (variant, replica set) of a shadow variant it is copied to once under way
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream

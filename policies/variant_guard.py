@@ -29,14 +29,15 @@ the file).
 Where the two sides never met one load (a steady light canary on a busy model: the candidate near 8 in flight,
 the baseline near 32; no level with a quarter of `min_samples` calls on both sides), only the bound of the
 candidate at a lighter load judges latency, and a slowdown smaller than the baseline's load penalty hides under
-it. (Where the candidate runs heavier, it queues its own calls: that shows at the loads it reaches, and evening
-would hide it.) With `even_load` (the default) the guard then evens the load
-for a while (`Variants.even`): requests drawn for either side go to whichever has fewer in flight per replica,
-so both run at one load and the comparison at one level judges; the evening ends once a latency signal was
-judged at a load both met (or with the verdict), or after `even_load.calls` of the candidate's calls, and
+it. (Where the candidate runs heavier, it queues its own calls: that shows at the loads it reaches, and matching
+the loads would hide it.) With `match_load` (the default) the guard then matches the two sides' load
+for a while (load matching, `Variants.match_load`): requests drawn for either side go to whichever has fewer in flight per replica,
+so both run at one load and the comparison at one level judges; the load matching ends once a latency signal was
+judged at a load both met (or with the verdict), or after `match_load.calls` of the candidate's calls, and
 comes at most once per `window_seconds`: then the weights rule again. While it lasts the candidate takes up to
-half the pair's traffic; the admin view says so (`evening`), and each evening is counted
-(llm_gateway_variant_guard_actions_total{action="even_load"}). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
+half the pair's traffic; the admin view says so (`load_matching`), and each load matching is counted
+(llm_gateway_variant_guard_actions_total{action="even_load"}: the label value keeps the setting's former name,
+as dashboards may query it). With `promotion`, a candidate that has held for `after_requests` calls at one step moves to the
 next share of traffic (the baseline takes the rest).
 """
 
@@ -71,17 +72,17 @@ class GuardState:
     judging_since: float | None = None  # unix seconds since when some signal has been waiting
     warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
     ratios: dict | None = None  # each latency signal's worst candidate/baseline ratio at the last look
-    evened_at: float | None = None  # unix seconds the last evening began (an evening on is Variants.evening's)
+    load_matched_at: float | None = None  # unix seconds the last load matching began (one on is in Variants.load_matches)
 
-    def view(self, evening: int) -> dict:
-        """`evening`: the candidate's calls the evening of its load may still last (0: none on)."""
+    def view(self, matching_left: int) -> dict:
+        """`matching_left`: the candidate's calls the matching of its load may still last (0: none on)."""
         waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
         return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step,
                 "undecided": self.undecided if self.state == WATCHING else None,
                 "judging_since": self.judging_since if self.state == WATCHING else None,
                 "undecided_for_s": waited if self.state == WATCHING else None,
                 "warning": self.state == WATCHING and waited is not None and waited > self.warn_after,
-                "ratios": self.ratios, "evening": evening or None, "evened_at": self.evened_at}
+                "ratios": self.ratios, "load_matching": matching_left or None, "load_matched_at": self.load_matched_at}
 
 
 def baseline_of(model: Model) -> str:
@@ -103,7 +104,7 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
     each latency signal's worst ratio at comparable load; `blind` the latency signals held only to the bound
     of the baseline at a heavier load (the candidate at lighter loads than any the baseline met). Not those
     where the candidate ran heavier: a candidate that queues its own calls shows it at the loads it reaches, and
-    evening its load with the baseline's would hide that. `timed`: the calls whose latency is compared (default: all of `cand` and `base`)."""
+    matching its load with the baseline's would hide that. `timed`: the calls whose latency is compared (default: all of `cand` and `base`)."""
     need = guard.min_samples
     waiting: list[str] = []
     if guard.max_validity_drop is not None:
@@ -152,7 +153,7 @@ def judge(guard: Guard, cand: list[Sample], base: list[Sample], seen: dict[str, 
 
 def levels_meet(cand: list[Sample], base: list[Sample], field: str, least: int) -> bool:
     """Whether some load level has `least` calls of `field` on both sides: the loads do meet, and the traffic
-    as it comes will fill that level (no evening needed, only patience)."""
+    as it comes will fill that level (no load matching needed, only patience)."""
     counts: dict[str, list[int]] = {}
     for side, samples in ((0, cand), (1, base)):
         for s in samples:
@@ -161,9 +162,9 @@ def levels_meet(cand: list[Sample], base: list[Sample], field: str, least: int) 
     return any(c >= least and b >= least for c, b in counts.values())
 
 
-def judge_evened(guard: Guard, cand: list[Sample], base: list[Sample],
+def judge_load_matched(guard: Guard, cand: list[Sample], base: list[Sample],
                  seen: dict[str, float]) -> tuple[tuple[str, str] | None, set[str]]:
-    """(breach, judged): latency as the calls sent while the two sides' load was evened say it (both sides at
+    """(breach, judged): latency as the calls sent while the two sides' load was matched say it (both sides at
     the same times and loads): the first latency signal that breaches, or None; and the signals that were judged
     at a load both met."""
     judged: set[str] = set()
@@ -173,7 +174,7 @@ def judge_evened(guard: Guard, cand: list[Sample], base: list[Sample],
         judged.add(signal)
         seen[signal] = round(worst[0], 3)
         if worst[0] > limit:
-            return latency_breach(signal, limit, worst[0], f"while their load was evened, {worst[1]}"), judged
+            return latency_breach(signal, limit, worst[0], f"while their load was matched, {worst[1]}"), judged
     return None, judged
 
 
@@ -321,15 +322,15 @@ class VariantGuard:
         if variant == baseline_of(config):
             return {"state": BASELINE, "reason": None, "at": None, "step": -1, "undecided": None,
                     "judging_since": None, "undecided_for_s": None, "warning": False, "ratios": None,
-                    "evening": None, "evened_at": None}
-        return self.state(model, variant).view(self.evening_left(model, variant))
+                    "load_matching": None, "load_matched_at": None}
+        return self.state(model, variant).view(self.load_matching_left(model, variant))
 
-    def evening_left(self, model: str, variant: str) -> int:
-        even = self.variants.evening_of(model, variant)
-        return even.left if even is not None else 0
+    def load_matching_left(self, model: str, variant: str) -> int:
+        match = self.variants.load_match_of(model, variant)
+        return match.left if match is not None else 0
 
     def weights_set(self, model: str, weights: dict[str, float], why: str) -> None:
-        """Weights changed (any evening of the model's load was ended with them: the shares are new): a variant an
+        """Weights changed (any load matching of the model was ended with them: the shares are new): a variant an
         operator (or the file) gave a weight again is watched again."""
         if why.startswith("guard"):
             return
@@ -357,76 +358,76 @@ class VariantGuard:
             return
         st.calls += 1
         st.held += 1
-        even = self.variants.evening_of(model, variant)  # None too once ended by the clock (module doc)
-        if even is not None:
-            if even.left <= 1:
-                self.stop_evening(model, variant, f"after {guard.even_load.calls if guard.even_load else 0} of its"
+        match = self.variants.load_match_of(model, variant)  # None too once ended by the clock (module doc)
+        if match is not None:
+            if match.left <= 1:
+                self.stop_load_matching(model, variant, f"after {guard.match_load.calls if guard.match_load else 0} of its"
                                                   f" calls")
             else:
-                even.left -= 1
+                match.left -= 1
         if st.calls % EVERY:
             return
         cand = self.variants.window(model, variant).recent(guard.window_seconds)
         baseline = self.variants.window(model, base).recent(guard.window_seconds)
         st.ratios = {}
         blind: list[str] = []
-        # latency from the calls sent while the load was evened is compared only with each other (same times, same
-        # loads), the rest with the rest: a candidate's calls crowded into one evening are never held against a
+        # latency from the calls sent while the load was matched is compared only with each other (same times, same
+        # loads), the rest with the rest: a candidate's calls crowded into one load matching are never held against a
         # baseline's spread over the window, whose machine may have been less busy
-        plain = ([s for s in cand if not s.evened], [s for s in baseline if not s.evened]) \
-            if st.evened_at is not None else None
+        plain = ([s for s in cand if not s.load_matched], [s for s in baseline if not s.load_matched]) \
+            if st.load_matched_at is not None else None
         breach, waiting = judge(guard, cand, baseline, st.ratios, blind, plain)
-        evened = False  # every latency signal the last evening's calls have was judged on them
-        if breach is None and st.evened_at is not None:  # what the calls sent while the load was evened say
-            evened_cand = [s for s in cand if s.evened]
-            breach, judged = judge_evened(guard, evened_cand, [s for s in baseline if s.evened], st.ratios)
+        all_judged = False  # every latency signal the last load matching's calls have was judged on them
+        if breach is None and st.load_matched_at is not None:  # what the calls sent while the load was matched say
+            matched_cand = [s for s in cand if s.load_matched]
+            breach, judged = judge_load_matched(guard, matched_cand, [s for s in baseline if s.load_matched], st.ratios)
             blind = [signal for signal in blind if signal not in judged]
             waiting = [w for w in waiting if not w.startswith(tuple(f"{signal.upper()}:" for signal in judged))]
-            evened = bool(judged) and judged >= latency_signals(guard, evened_cand)
+            all_judged = bool(judged) and judged >= latency_signals(guard, matched_cand)
         if breach is not None:
             self.waiting(model, variant, st, guard, waiting)
             self.roll_back(model, variant, *breach)
             return
-        evening = self.evening_left(model, variant)
-        if evening and evened:
-            self.stop_evening(model, variant, "judged at a load both met")
-        elif blind and not evening:
-            self.start_evening(config, variant, base, st, blind[0])
+        matching = self.load_matching_left(model, variant)
+        if matching and all_judged:
+            self.stop_load_matching(model, variant, "judged at a load both met")
+        elif blind and not matching:
+            self.start_load_matching(config, variant, base, st, blind[0])
         self.waiting(model, variant, st, guard, waiting)
         if guard.promotion is not None and st.state == WATCHING and st.held >= guard.promotion.after_requests \
                 and len(cand) >= guard.min_samples:
             self.promote(config, variant, base, st)
 
-    def start_evening(self, config: Model, variant: str, base: str, st: GuardState, signal: str) -> None:
-        """Even the two sides' load for a while (module doc), unless it is off, came within the window already,
-        another candidate's evening is on, or requests cannot be moved (stickiness on the key, no live weight)."""
+    def start_load_matching(self, config: Model, variant: str, base: str, st: GuardState, signal: str) -> None:
+        """Match the two sides' load for a while (module doc), unless it is off, came within the window already,
+        another candidate's load matching is on, or requests cannot be moved (stickiness on the key, no live weight)."""
         guard = config.guard
-        even = guard.even_load if guard is not None else None
+        match = guard.match_load if guard is not None else None
         now = time.time()
         weights = self.variants.weights.get(config.name, {})
-        if even is None or guard is None or (st.evened_at is not None and now - st.evened_at < guard.window_seconds) \
-                or config.name in self.variants.evening or (config.sticky is not None and config.sticky.key) \
+        if match is None or guard is None or (st.load_matched_at is not None and now - st.load_matched_at < guard.window_seconds) \
+                or config.name in self.variants.load_matches or (config.sticky is not None and config.sticky.key) \
                 or not weights.get(variant) or not weights.get(base):
             return
-        st.evened_at = now
-        self.variants.even(config.name, variant, base, guard.window_seconds, even.calls)
-        log.info("variant guard: model %s: no load both %s and %s met; evening their load for up to %d of %s's"
-                 " calls", config.name, variant, base, even.calls, variant)
+        st.load_matched_at = now
+        self.variants.match_load(config.name, variant, base, guard.window_seconds, match.calls)
+        log.info("variant guard: model %s: no load both %s and %s met; matching their load for up to %d of %s's"
+                 " calls", config.name, variant, base, match.calls, variant)
         if self.metrics is not None:
             self.metrics.variant_guard_actions.labels(config.name, variant, "even_load", signal).inc()
 
-    def stop_evening(self, model: str, variant: str, why: str) -> None:
-        self.variants.uneven(model)
-        log.info("variant guard: model %s: the evening of %s's load ended (%s); the weights rule again", model,
+    def stop_load_matching(self, model: str, variant: str, why: str) -> None:
+        self.variants.end_load_match(model)
+        log.info("variant guard: model %s: the load matching of %s ended (%s); the weights rule again", model,
                  variant, why)
 
     def waiting(self, model: str, variant: str, st: GuardState, guard: Guard, waiting: list[str]) -> None:
         """Keep why the guard could not judge yet, and since when (the admin view; the metric's seconds)."""
         now = time.time()
         st.warn_after = guard.window_seconds
-        evening = self.evening_left(model, variant)
-        if evening:
-            waiting = [*waiting, f"evening the two sides' load for up to {evening} more of its calls"]
+        matching = self.load_matching_left(model, variant)
+        if matching:
+            waiting = [*waiting, f"matching the two sides' load for up to {matching} more of its calls"]
         st.undecided = "; ".join(waiting) or None
         st.judging_since = (st.judging_since or now) if waiting else None
         if self.metrics is not None:

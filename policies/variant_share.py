@@ -42,7 +42,7 @@ class SharedVariants:
 
     async def write(self, model: str, weights: dict[str, float], why: str) -> None:
         guard = self.variants.guard
-        states = {v: guard.state(model, v).view(guard.evening_left(model, v)) for v in weights
+        states = {v: guard.state(model, v).view(guard.load_matching_left(model, v)) for v in weights
                   if (model, v) in guard.states}
         doc = {"weights": weights, "filed": self.variants.filed.get(model), "why": why, "guard": states}
         async with self.redis.pipeline(transaction=True) as pipe:

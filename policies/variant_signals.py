@@ -69,7 +69,7 @@ class Sample:
     length: bool = False
     agreed: bool | None = None  # a shadow's answer at temperature 0: the live one's, exactly or as JSON
     exact: bool | None = None  # ... exactly (text and tool calls)
-    evened: bool = False  # sent while the guard evened its variant's load with the baseline's
+    load_matched: bool = False  # sent while the guard matched its variant's load with the baseline's
 
 
 def _validator(schema_json: bytes):
@@ -262,7 +262,7 @@ def compared(body: Any) -> bool:
 def sample_of(call: Any, now: float) -> Sample:
     """`now`: perf_counter() as the call finished."""
     status = call.status
-    sample = Sample(time.monotonic(), error_kind(status), load_level(call.load), evened=call.evened)
+    sample = Sample(time.monotonic(), error_kind(status), load_level(call.load), load_matched=call.load_matched)
     if status >= 400:
         return sample
     usage = call.usage if isinstance(call.usage, dict) else {}

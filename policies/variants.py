@@ -49,9 +49,9 @@ GOLDEN = (math.sqrt(5) - 1) / 2  # the step of the evenly spread sequence: it ne
 
 
 @dataclass
-class Evening:
-    """A candidate and its baseline whose load the guard evens (policies/variant_guard.py), until a time or until
-    the candidate's `left` calls ran out, whichever comes first: the one record of an evening."""
+class LoadMatch:
+    """A candidate and its baseline whose load the guard matches (policies/variant_guard.py), until a time or until
+    the candidate's `left` calls ran out, whichever comes first: the one record of a load matching."""
 
     candidate: str
     candidate_group: str
@@ -132,7 +132,7 @@ class Variants:
         self.models: dict[str, Model] = {}
         self.windows: dict[tuple[str, str], Window] = {}  # (model, variant) -> its last calls' signals
         self.guard = VariantGuard(self, metrics)
-        self.evening: dict[str, Evening] = {}  # model -> the pair whose load the guard evens now
+        self.load_matches: dict[str, LoadMatch] = {}  # model -> the pair whose load the guard matches now
         # observers of every weight change, each called as (model, before, after, why): the shared state
         # (policies/variant_share.py), the audit log of the gateway's own acts (gateway/system_audit.py)
         self.on_change: list[WeightsChanged] = []
@@ -144,7 +144,7 @@ class Variants:
             filed = {v.name: v.weight for v in model.variants}
             if self.filed.get(name) != filed or set(self.weights.get(name, ())) != set(filed):
                 self.weights[name] = dict(filed)
-                self.uneven(name)  # new shares: an evening of the old ones ends
+                self.end_load_match(name)  # new shares: a load matching of the old ones ends
                 self.guard.weights_set(name, filed, "policy file")
             self.filed[name] = filed
         for gone in [n for n in self.weights if n not in models]:
@@ -152,9 +152,9 @@ class Variants:
             self.filed.pop(gone, None)
         self.models = models
         self.plans = {name: plan_of(model, self.weights[name]) for name, model in models.items()}
-        for name, even in list(self.evening.items()):
-            if name not in self.plans or not {even.candidate, even.baseline} <= set(self.plans[name].names):
-                self.uneven(name)
+        for name, match in list(self.load_matches.items()):
+            if name not in self.plans or not {match.candidate, match.baseline} <= set(self.plans[name].names):
+                self.end_load_match(name)
         for name in models:
             self.publish(name)
 
@@ -180,7 +180,7 @@ class Variants:
             raise NoLiveWeight(f"model {model}: at least one variant that is not a shadow needs a weight above 0")
         plan = plan_of(config, new)
         self.weights[model], self.plans[model] = new, plan  # one swap each: a request sees the old or the new
-        self.uneven(model)
+        self.end_load_match(model)
         log.info("model %s: variant weights %s (%s)", model, ", ".join(f"{k}={v:g}" for k, v in new.items()), why)
         self.publish(model)
         self.guard.weights_set(model, weights, why)
@@ -188,28 +188,28 @@ class Variants:
             observer(model, before, new, why)
         return new
 
-    def even(self, model: str, candidate: str, baseline: str, seconds: float, calls: int) -> None:
-        """For `seconds` and the candidate's next `calls` at most, until `uneven`: requests of `model` drawn for
-        either variant go to the one with fewer in flight per replica (the guard's evening,
+    def match_load(self, model: str, candidate: str, baseline: str, seconds: float, calls: int) -> None:
+        """For `seconds` and the candidate's next `calls` at most, until `end_load_match`: requests of `model` drawn for
+        either variant go to the one with fewer in flight per replica (the guard's load matching,
         policies/variant_guard.py)."""
-        self.evening[model] = Evening(candidate, group_name(model, candidate), baseline, group_name(model, baseline),
+        self.load_matches[model] = LoadMatch(candidate, group_name(model, candidate), baseline, group_name(model, baseline),
                                       time.monotonic() + seconds, calls)
 
-    def evening_on(self, model: str) -> Evening | None:
-        """The model's evening, if one is on (one past its time is ended here)."""
-        even = self.evening.get(model)
-        if even is not None and time.monotonic() > even.until:  # a candidate that stopped getting calls (down)
-            self.uneven(model)  # ends it by the clock
+    def load_match_on(self, model: str) -> LoadMatch | None:
+        """The model's load matching, if one is on (one past its time is ended here)."""
+        match = self.load_matches.get(model)
+        if match is not None and time.monotonic() > match.until:  # a candidate that stopped getting calls (down)
+            self.end_load_match(model)  # ends it by the clock
             return None
-        return even
+        return match
 
-    def evening_of(self, model: str, candidate: str) -> Evening | None:
-        """The evening of `candidate`'s load, if one is on."""
-        even = self.evening_on(model)
-        return even if even is not None and even.candidate == candidate else None
+    def load_match_of(self, model: str, candidate: str) -> LoadMatch | None:
+        """The matching of `candidate`'s load, if one is on."""
+        match = self.load_match_on(model)
+        return match if match is not None and match.candidate == candidate else None
 
-    def uneven(self, model: str) -> None:
-        self.evening.pop(model, None)
+    def end_load_match(self, model: str) -> None:
+        self.load_matches.pop(model, None)
 
     def record(self, model: str, variant: str, sample: Sample, status: int) -> None:
         """One finished call of a variant (live or shadow): its metrics, its window, then its guard's look."""
@@ -288,10 +288,10 @@ class AssignVariant:
         else:
             plan.point = point = (plan.point + GOLDEN) % 1.0
             i = plan.index(point)
-            even = self.variants.evening_on(call.model) if self.variants.evening else None
-            if even is not None and plan.names[i] in (even.candidate, even.baseline):  # the guard evens their load
-                i = self.lighter(plan, even)
-                call.evened = True
+            match = self.variants.load_match_on(call.model) if self.variants.load_matches else None
+            if match is not None and plan.names[i] in (match.candidate, match.baseline):  # the guard matches their load
+                i = self.lighter(plan, match)
+                call.load_matched = True
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]
         if plan.adapters:
@@ -301,10 +301,10 @@ class AssignVariant:
         if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
             call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
 
-    def lighter(self, plan: Plan, even: Evening) -> int:
+    def lighter(self, plan: Plan, match: LoadMatch) -> int:
         """The index of the pair's variant with fewer in flight per replica (ties: the baseline)."""
-        lighter = self.load(even.candidate_group) < self.load(even.baseline_group)
-        return plan.names.index(even.candidate if lighter else even.baseline)
+        lighter = self.load(match.candidate_group) < self.load(match.baseline_group)
+        return plan.names.index(match.candidate if lighter else match.baseline)
 
     async def leave(self, call: Call) -> None:
         pass  # nothing taken; the finished call's signals are VariantSignals' to record

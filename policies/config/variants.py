@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from policies.config.backend import Backend
 from policies.config.base import NAME, Seconds, Strict
@@ -49,13 +49,13 @@ class Promotion(Strict):
         return steps
 
 
-class EvenLoad(Strict):
+class MatchLoad(Strict):
     """When the candidate and the baseline never meet one load (a light canary on a busy model under steady
-    traffic), the guard evens it for a while: the model's requests drawn for either of the two go to whichever
+    traffic), the guard matches their load for a while (load matching): the model's requests drawn for either of the two go to whichever
     has fewer in flight per replica, until the candidate has been judged at a load both met, or for at most
     `calls` of the candidate's calls; then the weights rule again. At most once per `window_seconds`."""
 
-    calls: int = Field(150, ge=1, le=1_000_000)  # the candidate's calls one evening lasts at most
+    calls: int = Field(150, ge=1, le=1_000_000)  # the candidate's calls one load matching lasts at most
 
 
 class Guard(Strict):
@@ -71,7 +71,9 @@ class Guard(Strict):
     max_ttft_ratio: float | None = Field(1.5, gt=1, le=100)  # time to first token p50 at comparable load
     min_agreement: float | None = Field(0.9, ge=0, le=1)  # shadow answers equal to the live one (temperature 0)
     promotion: Promotion | None = None
-    even_load: EvenLoad | None = Field(default_factory=EvenLoad)  # null: never even the load, stay undecided
+    # null: never match the load, stay undecided; `even_load`, its former name, is still accepted
+    match_load: MatchLoad | None = Field(default_factory=MatchLoad,
+                                         validation_alias=AliasChoices("match_load", "even_load"))
 
 
 class Sticky(Strict):

@@ -287,10 +287,10 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
         assert guard_of("same")["state"] == "watching"
 
 
-def test_a_steady_light_canary_is_evened_judged_and_an_identical_one_held(vllm_servers, tmp_path_factory):
+def test_a_steady_light_canary_is_load_matched_judged_and_an_identical_one_held(vllm_servers, tmp_path_factory):
     """`guard: {}` on real vLLM under a steady 16 clients at 80/20: the candidate (the baseline's own server
     under another variant's name, identical by construction) runs near 3 in flight, the baseline near 13. Where
-    their loads never meet (a quick machine), the guard evens them for a while and judges the calls sent
+    their loads never meet (a quick machine), the guard matches their load for a while and judges the calls sent
     meanwhile; where they do meet often enough (a slow one: the baseline's calls pile up less evenly), it judges
     them at the levels both met. Either way it is judged and held."""
     a = vllm_servers["a"]
@@ -301,20 +301,20 @@ def test_a_steady_light_canary_is_evened_judged_and_an_identical_one_held(vllm_s
             {"name": "same", "weight": 20, "served_name": "tiny-a", "backends": [{"url": a.base_url}]},
         ],
     })
-    with gateway_process(policy, tmp_path_factory.mktemp("evening-gateway")) as gw:
+    with gateway_process(policy, tmp_path_factory.mktemp("load-matching-gateway")) as gw:
         guard = functools.partial(canary_guard, gw, "same")
 
         began = time.monotonic()
         same = guard()
-        for _ in range(8):  # bounded: 1,600 requests at most; until an evening began and ended judged
+        for _ in range(8):  # bounded: 1,600 requests at most; until a load matching began and ended judged
             asyncio.run(stream_load(gw, 200, concurrency=16))
             same = guard()
-            if same["state"] != "watching" or (not same["evening"] and not same["undecided"] and same["ratios"]):
+            if same["state"] != "watching" or (not same["load_matching"] and not same["undecided"] and same["ratios"]):
                 break
         print("steady light canary on real vLLM:", same, round(time.monotonic() - began, 1), "s")
         assert same["state"] == "watching", same
-        assert same["evening"] is None and same["undecided"] is None, same  # judged, evened or not
+        assert same["load_matching"] is None and same["undecided"] is None, same  # judged, load-matched or not
         assert same["ratios"]["itl"] <= 1.2 and same["ratios"]["ttft"] <= 1.5, same
-        if same["evened_at"] is not None:
+        if same["load_matched_at"] is not None:
             log = gw.log.read_text()
-            assert "evening their load" in log and "ended (judged at a load both met)" in log, log[-2000:]
+            assert "matching their load" in log and "ended (judged at a load both met)" in log, log[-2000:]

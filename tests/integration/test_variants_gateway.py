@@ -206,54 +206,55 @@ async def test_a_light_canary_on_a_busy_model_is_judged_and_a_slower_one_rolled_
                                    signal="itl") == 1
 
 
-@pytest.mark.parametrize("even_load", [False, True])
+@pytest.mark.parametrize("match_load", [False, True])
 async def test_a_candidate_slower_by_less_than_the_baselines_load_penalty_is_pulled_back_under_steady_load(
-        monkeypatch, even_load):
+        monkeypatch, match_load):
     """80/20 under a steady 40 clients, each token 20 ms + 0.8 ms per running sequence: the baseline near 32 in
     flight costs 1.7x what it costs near 8, more than the candidate's 1.4x, and their loads never meet. Without
-    `even_load` the guard says it cannot see such a slowdown; with it (the default) it evens the two sides' load
+    `match_load` the guard says it cannot see such a slowdown; with it (the default) it matches the two sides' load
     for a while and pulls the candidate back, compared at a load both met."""
     viewer_headers = viewer(monkeypatch)
     base = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0.8)
     # 1.4x, not 1.3x: the event loop's own time per token adds to both sides' ITL, and on a machine twice as slow
-    # the evened comparison of 1.3x came out at 1.22-1.30x against the guard's 1.2 (1.4x: 1.39-1.43x)
+    # the load-matched comparison of 1.3x came out at 1.22-1.30x against the guard's 1.2 (1.4x: 1.39-1.43x)
     slower = base.model_copy(update={"step_base_ms": 28, "step_ms_per_seq": 1.12})
-    guard = {} if even_load else {"even_load": None}
+    guard = {} if match_load else {"match_load": None}
     async with serve_app(create_app(base)) as a, serve_app(create_app(slower)) as b:
         async with running_gateway(canary_policy(a, b, guard)) as gw, \
                 httpx.AsyncClient(timeout=60, headers=AUTH) as http:
             await wait_ready(http, gw.url)
             state = gw.state.shared.variants.guard.state("m", "b")
-            for _ in range(6 if even_load else 2):  # bounded: 1,200 requests at most, 240 the candidate's at 20%
+            for _ in range(6 if match_load else 2):  # bounded: 1,200 requests at most, 240 the candidate's at 20%
                 await streams(http, gw.url, 40, 200)
                 if state.state == "rolled_back":
                     break
             view = (await http.get(f"{gw.url}/admin/models/m/variants", headers=viewer_headers)).json()
             cand = view["variants"][1]
             calls = len(gw.state.shared.variants.window("m", "b").recent())
-            print("even_load", even_load, "candidate calls:", calls, cand["guard"])
-            evenings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="even_load")
-            if not even_load:
+            print("match_load", match_load, "candidate calls:", calls, cand["guard"])
+            # the action keeps the setting's former name, even_load: dashboards may query it
+            matchings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b", action="even_load")
+            if not match_load:
                 assert cand["guard"]["state"] == "watching" and cand["weight"] == 20, cand
                 assert "ITL: no load level both sides met" in cand["guard"]["undecided"], cand["guard"]
                 assert cand["guard"]["ratios"]["itl"] < 1.2, cand["guard"]  # held only to the bound, it passes
-                assert not evenings and cand["guard"]["evening"] is None
+                assert not matchings and cand["guard"]["load_matching"] is None
                 return
             assert cand["guard"]["state"] == "rolled_back" and cand["weight"] == 0, cand
             reason = cand["guard"]["reason"]
-            assert reason.startswith("ITL p50") and ("while their load was evened" in reason or "heavier" not in reason)
-            assert evenings == 1 and "m" not in gw.state.shared.variants.evening
-            # its first 50 calls, one evening (150 of its calls at most), the next look, those under way
+            assert reason.startswith("ITL p50") and ("while their load was matched" in reason or "heavier" not in reason)
+            assert matchings == 1 and "m" not in gw.state.shared.variants.load_matches
+            # its first 50 calls, one load matching (150 of its calls at most), the next look, those under way
             assert calls <= 50 + 150 + 10 + 40, calls
 
 
-async def test_an_identical_candidate_under_steady_load_is_evened_judged_and_held(caplog):
+async def test_an_identical_candidate_under_steady_load_is_load_matched_judged_and_held(caplog):
     """The same 80/20 under a steady 40 clients with an identical candidate and an 8-second window: its load is
-    evened again as each evening's calls leave the window, it is judged on them, and it is never pulled back."""
+    matched again as each load matching's calls leave the window, it is judged on them, and it is never pulled back."""
     same = SimConfig(model="served", step_base_ms=20, step_ms_per_seq=0.8)
     async with serve_app(create_app(same)) as a, serve_app(create_app(same)) as b:
         # 8 s, not 4: the guard looks only once the window holds 50 of the candidate's calls, 20% of ~60 a second
-        # here and fewer on a slow machine, where 4 s held 43-48 and no evening came again in 1,200 requests
+        # here and fewer on a slow machine, where 4 s held 43-48 and no load matching came again in 1,200 requests
         async with running_gateway(canary_policy(a, b, {"window_seconds": 8})) as gw, \
                 httpx.AsyncClient(timeout=60, headers=AUTH) as http:
             await wait_ready(http, gw.url)
@@ -263,16 +264,16 @@ async def test_an_identical_candidate_under_steady_load_is_evened_judged_and_hel
                 return [r.getMessage() for r in caplog.records if "judged at a load both met" in r.getMessage()]
 
             with caplog.at_level(logging.INFO, logger="gateway.variants"):
-                # evenings come a window apart in time, not in calls: load until the second came
+                # load matchings come a window apart in time, not in calls: load until the second came
                 for _ in range(12):  # bounded: 2,400 requests (about 1,000 here)
                     await streams(http, gw.url, 40, 200)
-                    evenings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b",
+                    matchings = await gw.metric("llm_gateway_variant_guard_actions_total", variant="b",
                                                action="even_load")
-                    if (evenings >= 2 and judged()) or state.guard.state("m", "b").state != "watching":
+                    if (matchings >= 2 and judged()) or state.guard.state("m", "b").state != "watching":
                         break
             assert state.guard.state("m", "b").state == "watching" and state.weights["m"] == {"a": 80, "b": 20}
-            print("evenings:", evenings, "judged:", len(judged()), state.guard.state("m", "b").ratios)
-            assert evenings >= 2 and judged(), (evenings, judged())
+            print("load matchings:", matchings, "judged:", len(judged()), state.guard.state("m", "b").ratios)
+            assert matchings >= 2 and judged(), (matchings, judged())
 
 
 async def test_a_candidate_slow_only_to_its_first_token_is_rolled_back_by_a_default_guard():
