@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tables and checks from what the GPU run brought back (results/): the knee sweeps and the overload runs.
+"""Tables and checks from what the GPU run brought back (results/gpu/ at the repository's root): the knee sweeps and
+the overload runs.
 
     python tests/benchmarks/gpu/summarize.py [RESULTS_DIR]
 
@@ -85,7 +86,7 @@ def checks(knees, runs, cap):
 
 
 def main() -> int:
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "..", "..", "results", "gpu")
     knees = {os.path.basename(os.path.dirname(p)).removeprefix("knee-"): load(p)
              for p in sorted(glob.glob(os.path.join(root, "knee-*", "knee-*.json")))
              if "compare" not in os.path.basename(p)}
