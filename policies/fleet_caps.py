@@ -421,7 +421,7 @@ class FleetModelQueue(ModelQueue):
             if replica.limit is None:
                 return self.take(replica)  # no cap: nothing to share
             if self.fleet.down:
-                return self.take_locally(call, exclude, candidates)
+                return self.take_locally(call, exclude, candidates, rank)
             asked = self.fleet.new_member()
             returned, stranded = self.returning.take(replica), self.stranded.pop(replica, {})
             try:
@@ -433,7 +433,7 @@ class FleetModelQueue(ModelQueue):
             except StoreUnavailable:  # the old primary may have granted `asked` before it went
                 self.stranded.setdefault(replica, {}).update(stranded)
                 self.strand(replica, [asked, *returned])
-                return self.take_locally(call, exclude, candidates)
+                return self.take_locally(call, exclude, candidates, rank)
             self.outage_logged = False
             self.seen(replica, got.held)
             self.note_due(replica, got)
@@ -478,8 +478,10 @@ class FleetModelQueue(ModelQueue):
         finally:
             self.listeners.pop(replica, None)
 
-    def take_locally(self, call: Call | None, exclude: Sequence[Replica], candidates: list[Replica]) -> Replica | None:
-        """The shared store is unreachable: follow on_store_failure, loudly."""
+    def take_locally(self, call: Call | None, exclude: Sequence[Replica], candidates: list[Replica],
+                     rank: int) -> Replica | None:
+        """The shared store is unreachable: follow on_store_failure, loudly (fail_open: the cap counted in this
+        process alone, less the reserve for a batch-class request, as in one process)."""
         self.metrics.cap_store_failures.labels(self.model, self.mode).inc()
         if not self.outage_logged:
             self.outage_logged = True
@@ -491,7 +493,8 @@ class FleetModelQueue(ModelQueue):
                             self.model)
         if self.mode != "fail_open":
             raise StateUnavailable("the backend slot store is unavailable; try again shortly")
-        replica = self.profile.pick(call, [r for r in candidates if r.has_room], exclude=exclude)
+        room = [r for r in candidates if r.limit is None or r.in_flight < self.limit_for(r, rank)]
+        replica = self.profile.pick(call, room, exclude=exclude)
         return None if replica is None else self.take(replica)
 
     def release(self, replica: Replica, call: Call | None = None) -> None:

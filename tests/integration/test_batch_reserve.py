@@ -2,7 +2,8 @@
 gateways sharing a real redis-server), a batch whose runner would send 8 lines at once to a backend with a cap of
 4 and `queue.reserve: 1` never holds more than 3 slots, uses those 3 when nobody else calls, and an interactive
 call arriving mid-batch is admitted at once (its queue wait ~0) instead of waiting for a batch line to end. The
-batch object it ends as is OpenAI's, checked through the openai SDK's own type: the lines' model, their token
+reserve holds too while that Redis is down and the caps fail open (counted in each process alone). The batch
+object it ends as is OpenAI's, checked through the openai SDK's own type: the lines' model, their token
 usage summed, request counts and every timestamp of its way."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import time
 from collections import Counter
 
+import httpx
 import openai
 import pytest
 from openai.types import Batch
@@ -20,8 +22,11 @@ from openai.types import Batch
 from backends.simulator import SimConfig, create_app
 from gateway.app import create_app as gateway_app
 from policies.config import Policy
+from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import TEST_KEY, default_key_record, running_gateway
 from tests.support.redis_fixtures import redis_prefix, redis_server, redis_standalone  # noqa: F401
+from tests.support.probes import metric_sum
+from tests.support.redis_server import RedisServer
 from tests.support.servers import serve_app
 
 # a batch line answers in about 30 steps of 40 ms (1.2 s): a call that had to wait for one to end would wait
@@ -152,6 +157,42 @@ async def test_on_a_shared_redis_the_reserve_holds_across_gateway_replicas(tmp_p
     assert backend.peak["batch"] == 3, backend.peak
     assert backend.peak["all"] <= 4
     assert max(waits) < AT_ONCE, waits
+
+
+async def test_while_redis_is_down_caps_fail_open_and_still_keep_the_reserve(tmp_path):
+    """A key of the batch class sends 6 calls at once to a backend of cap 4 with `queue.reserve: 1` while the
+    shared store is unreachable (`on_store_failure.concurrency: fail_open`): the local count admits 3 of them,
+    not 4, and an interactive call arriving beside them is admitted at once. (Redis of the test's own: it stops.)"""
+    backend = Counting(create_app(SIM))
+    batch_key = new_key(new_key_id())
+    with RedisServer() as redis:
+        async with serve_app(backend) as url:
+            app = gateway_app(Policy.model_validate(policy(
+                url, tmp_path, store={"kind": "redis", "url": redis.url, "prefix": "reserve-down:"},
+                auth={"cache_seconds": 120}, rate_limits={"on_store_failure": {"concurrency": "fail_open"}})))
+            await app.state.store.create_key(default_key_record())
+            await app.state.store.create_key(KeyRecord(id=key_id_of(batch_key), name="bulk", created_at=time.time(),
+                                                       hash=hash_key(batch_key), priority_class="batch"))
+            async with serve_app(app) as gw, \
+                    openai.AsyncOpenAI(base_url=f"{gw}/v1", api_key=TEST_KEY, max_retries=0, timeout=60) as sdk, \
+                    openai.AsyncOpenAI(base_url=f"{gw}/v1", api_key=batch_key, max_retries=0, timeout=60) as bulk:
+                for client in (sdk, bulk):  # both keys verified (and cached) while the store is up
+                    await client.chat.completions.create(model="m", max_tokens=1,
+                                                         messages=[{"role": "user", "content": "hello"}])
+                redis.stop()
+                calls = [asyncio.create_task(bulk.chat.completions.create(
+                    model="m", max_tokens=LINE_TOKENS, messages=[{"role": "user", "content": f"batch line {n}"}]))
+                    for n in range(6)]
+                waits = await interactive_waits([sdk], backend, 3)
+                answers = await asyncio.gather(*calls)
+                async with httpx.AsyncClient(timeout=30) as http:
+                    metrics = (await http.get(f"{gw}/metrics")).text
+    assert all(a.usage is not None and a.usage.completion_tokens == LINE_TOKENS for a in answers)
+    assert backend.peak["batch"] == 3, backend.peak  # without the reserve the local count lets a 4th in
+    assert backend.peak["all"] <= 4
+    assert max(waits) < AT_ONCE, waits
+    # every one of them was admitted by the local count (the store's failure counted, the mode named)
+    assert metric_sum(metrics, "llm_gateway_cap_store_failures_total", mode="fail_open") >= 6 + 3
 
 
 @pytest.mark.parametrize("ending", ["completed", "cancelled"])
