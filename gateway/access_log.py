@@ -1,5 +1,6 @@
 """The access log: one line per request (id, endpoint, model, backend, status, stream, duration, the variant
-for a model with variants, and the attempts of one retried on another replica), never headers.
+for a model with variants, the attempts of one retried on another replica, and the migrations of a stream that
+went on from another replica), never headers.
 
 Through the `logging` module a line costs a LogRecord, a format and a write syscall on the request path; on
 the benchmark that was ~7% of the gateway's CPU per request. So a process started by the CLI (which owns
@@ -23,6 +24,7 @@ from typing import TextIO
 import orjson
 
 from gateway.attempts import ATTEMPTS_HEADER
+from gateway.migration import MIGRATIONS_HEADER
 from gateway.trace_context import trace_id_of
 from policies.finished import Finished
 from policies.pipeline import Call
@@ -64,6 +66,8 @@ class AccessLog:
             message += f" variant={call.variant}"
         if call is not None and ATTEMPTS_HEADER in call.response_headers:  # retried on another replica
             message += f" attempts={call.response_headers[ATTEMPTS_HEADER]}"
+        if call is not None and MIGRATIONS_HEADER in call.response_headers:  # went on from another replica
+            message += f" migrations={call.response_headers[MIGRATIONS_HEADER]}"
         if self.stream is None:
             log.info("%s", message)
             return
@@ -82,6 +86,8 @@ class AccessLog:
             record["variant"] = call.variant
         if call is not None and ATTEMPTS_HEADER in call.response_headers:
             record["attempts"] = int(call.response_headers[ATTEMPTS_HEADER])
+        if call is not None and MIGRATIONS_HEADER in call.response_headers:
+            record["migrations"] = int(call.response_headers[MIGRATIONS_HEADER])
         line = orjson.dumps(record).decode()
         if self.stream is None:
             log.info("%s", line)

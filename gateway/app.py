@@ -49,6 +49,7 @@ from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
 from gateway.attempts import Attempts
+from gateway.fallbacks import Fallbacks
 from gateway.proxy import Proxy
 from gateway.reload import PolicyReloader
 from gateway.tracing import tracing_for
@@ -185,6 +186,7 @@ class Gateway:
         proxy.rent_check = self.authenticate.may_rent_now
         previous = self.proxy.attempts if self.proxy is not None else None  # retry budgets outlive a reload
         proxy.attempts = Attempts(self.replicas, self.metrics, policy.models, previous)
+        proxy.fallbacks = Fallbacks(policy.models, policy.providers, snapshot.rented, self.metrics, self.client)
         self.proxy = proxy
 
     def batch_runner_wake(self) -> None:

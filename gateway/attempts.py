@@ -91,5 +91,9 @@ class Attempts:
         call.response_headers[ATTEMPTS_HEADER] = str(len(tried) + 1)
         return True
 
+    def migrations(self, model: str) -> int:
+        """How many times a stream of `model` may go on from another replica (gateway/migration.py)."""
+        return self.settings.get(model, DEFAULT).migrations
+
     def _ejected(self, replica: Replica, rule: str) -> None:
         self.metrics.replica_ejections.labels(replica.model, replica.name, rule).inc()

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway import otlp_wire as wire
+from gateway.fallbacks import FALLBACK_FROM, SERVED_MODEL
 from policies.variant_signals import FINISH_REASON, sse_events
 
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
@@ -66,6 +67,11 @@ class SpanWriter:
         variant = getattr(call, "variant", None)  # the model's variant that served it (policies/variants.py)
         if variant is not None:
             parts.append(wire.string_attribute("llm_gateway.variant", variant))
+        said = getattr(call, "response_headers", None) or {}
+        fell_back = said.get(FALLBACK_FROM)  # a fallback chain's step served it (gateway/fallbacks.py)
+        if fell_back is not None:
+            parts.append(wire.string_attribute("llm_gateway.fallback_from", fell_back))
+            parts.append(wire.string_attribute("llm_gateway.served_model", said[SERVED_MODEL]))
         adapter = getattr(call, "adapter", None)  # the LoRA adapter vLLM served it with (backends/lora.py)
         if adapter is not None:
             parts.append(wire.string_attribute("llm_gateway.lora_adapter", adapter.lora_name))

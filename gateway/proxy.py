@@ -26,10 +26,12 @@ from backends.lora import LoadFailed, LoraAdapters
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import UpstreamError
+from gateway import migration
 from gateway.attempts import Attempts, failure_of, status_failure
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
+from gateway.fallbacks import Fallbacks
 from gateway.form_upload import FormUpload
-from gateway.relay import model_rename
+from gateway.relay import EventRelay, SSERelay, model_rename
 from gateway.shadow import Shadow
 from gateway.tracing import Off, Tracing
 from policies.admission import Admission, WouldWait
@@ -106,6 +108,8 @@ class Proxy:
         self.rent_check: Callable[[Call], Awaitable[bool]] | None = None
         # retries on another replica and outlier ejection (gateway/attempts.py): set by the app from the policy
         self.attempts = Attempts(replicas, metrics)
+        # fallback chains (gateway/fallbacks.py): set by the app from the policy
+        self.fallbacks: Fallbacks | None = None
 
     async def handle(self, call: Call, raw_body: bytes | AsyncIterator[bytes], raw_query: bytes = b"") -> Reply:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
@@ -152,16 +156,32 @@ class Proxy:
         return reply
 
     async def forward(self, call: Call) -> Response:
+        """`forward_model`; when it fails (every replica down, the attempts failed, the model full) and the model
+        has a fallback chain, the chain's steps in order (gateway/fallbacks.py)."""
+        fallbacks = self.fallbacks
+        try:
+            response = await self.forward_model(call)
+        except GatewayError as exc:
+            if fallbacks is None or call.model not in fallbacks.chains:
+                raise
+            return await fallbacks.after(self, call, exc)
+        if (response.status >= 500 or response.status == 429) and fallbacks is not None \
+                and call.model in fallbacks.chains:
+            return await fallbacks.after(self, call, response)
+        return response
+
+    async def forward_model(self, call: Call, rent: bool = True) -> Response:
         """Send to the best owned replica with room (waiting for one if needed); when the attempt fails before its
         answer's head is relayed (a connect failure, a reset, no head in time, a 5xx or 429), to another one, as
         gateway/attempts.py allows. A key allowed to rent may spill to the model's rented provider instead of
-        waiting long, when no owned replica is up, or when the owned attempts failed to connect."""
+        waiting long, when no owned replica is up, or when the owned attempts failed to connect (unless `rent` is
+        false: a fallback step's model serves from its replicas alone)."""
         tried: list[Replica] = []
         others: list[Replica] = []  # a pinned call can be served by its replica alone
         if call.pinned is not None:
             others = [r for r in self.replicas.by_model[call.pinned.group] if r is not call.pinned]
         owner = call.key.id if call.key is not None else call.client_host
-        overflow = self.overflow.get(call.model) if self.may_rent(call) else None
+        overflow = self.overflow.get(call.model) if rent and self.may_rent(call) else None
         attempts = self.attempts
         attempts.started(call.model, call.arrived)
         # bounded: each pass sends to a replica not tried before, at most 1 + retries.attempts of them (Attempts.retry);
@@ -188,7 +208,7 @@ class Proxy:
             waited = time.perf_counter() - before
             call.queue_wait += waited
             call.response_headers["x-gateway-queue-ms"] = f"{waited * 1000:.1f}"
-            if not tried:  # the gateway's own time before the first send, not counting the queue
+            if not tried and not call.sent_at:  # the gateway's own time before the first send, not the queue
                 call.overhead += before - call.arrived
             tried.append(replica)
             call.load = replica.in_flight
@@ -255,10 +275,11 @@ class Proxy:
         return (call.key is not None and call.key.data_policy == "allow_rented" and call.rent_allowed
                 and call.model in self.overflow and call.route.rentable and call.pinned is None)
 
-    async def rent(self, call: Call, since: float) -> Response:
-        """Serve from the model's rented provider: one attempt, no retries (it is the last resort). The key's
-        current record is asked first: the decision taken at admission may be stale by now."""
-        target = self.rented.targets[call.model]
+    async def rent(self, call: Call, since: float, target: Replica | None = None) -> Response:
+        """Serve from the model's rented provider (or `target`, a fallback chain's rented step): one attempt, no
+        retries (it is the last resort). The key's current record is asked first: the decision taken at admission
+        may be stale by now."""
+        target = target or self.rented.targets[call.model]
         if self.rent_check is not None and not await self.rent_check(call):
             call.rent_allowed = False
             self.metrics.rent_refused.labels(call.model, "data_policy").inc()
@@ -370,45 +391,77 @@ class Proxy:
         return Reply(status, self.reply_headers(call, response), body=raw)
 
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
-        """The upstream's SSE bytes as they come; a backend failure mid-stream becomes a final error event."""
+        """The upstream's SSE bytes as they come; a backend failure mid-stream goes on from another replica where
+        the model and the request allow it (gateway/migration.py), else becomes a final error event."""
         relay = call.route.relay(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
         # a rented provider may quote its key back: scrubbed from whole events (a key cut between two chunks is
         # whole again there), before the client, the tap (spans) or a variant's signals see them
         scrub = self.rented.scrub if call.replica.rented else None
+        # what went to the client, kept only where the stream may move (None: the hot path as it was)
+        moving = None if scrub is not None or relay.replay else \
+            migration.watch(call.route, call.body, self.attempts.migrations(call.model))
         first = True
         try:
-            while not relay.ended and (chunk := await response.next_chunk()):
-                if first:
-                    first = False
-                    now = call.first_token_at = time.perf_counter()
-                    if not relay.replay:  # stored events come at once: no measure of the backend's pace
-                        self.metrics.first_token(call.model, now - call.arrived)
-                        self.admission.observe(call.replica, now - call.sent_at)
-                        self.attempts.ejections.ttft(call.replica, now - call.sent_at)
-                    if call.shadow is not None and self.shadow is not None:
-                        self.shadow.start(call)  # the live answer is under way: its copy may go now
-                if call.tap is not None and scrub is None:
-                    call.tap.append(chunk)
-                out = relay.feed(chunk)
-                if scrub is not None and out:
-                    out = scrub(out)
-                    if call.tap is not None:
-                        call.tap.append(out)
-                if out:
-                    if answer is not None:
-                        answer.feed(out)
-                    yield out
-            tail = relay.flush()
-            if scrub is not None and tail:
-                tail = scrub(tail)
-                if call.tap is not None:
-                    call.tap.append(tail)
-            if tail:
-                if answer is not None:
-                    answer.feed(tail)
-                yield tail
+            while True:  # bounded: a pass per attempt, each a move that Migration.left allows (at most 5)
+                try:
+                    while not relay.ended and (chunk := await response.next_chunk()):
+                        if first:
+                            first = False
+                            now = call.first_token_at = time.perf_counter()
+                            if not relay.replay:  # stored events come at once: no measure of the backend's pace
+                                self.metrics.first_token(call.model, now - call.arrived)
+                                self.admission.observe(call.replica, now - call.sent_at)
+                                self.attempts.ejections.ttft(call.replica, now - call.sent_at)
+                            if call.shadow is not None and self.shadow is not None:
+                                self.shadow.start(call)  # the live answer is under way: its copy may go now
+                        if call.tap is not None and scrub is None:
+                            call.tap.append(chunk)
+                        out = relay.feed(chunk)
+                        if scrub is not None and out:
+                            out = scrub(out)
+                            if call.tap is not None:
+                                call.tap.append(out)
+                        if moving is not None and out:
+                            out = moving.feed(out)
+                        if out:
+                            if answer is not None:
+                                answer.feed(out)
+                            yield out
+                    tail = relay.flush()
+                    if scrub is not None and tail:
+                        tail = scrub(tail)
+                        if call.tap is not None:
+                            call.tap.append(tail)
+                    if moving is not None and tail:
+                        tail = moving.feed(tail)
+                    if tail:
+                        if answer is not None:
+                            answer.feed(tail)
+                        yield tail
+                    break
+                except UpstreamError as exc:
+                    if moving is None or not migration.movable(exc):
+                        raise
+                    event = exc if isinstance(exc, migration.ErrorEvent) else None
+                    if event is not None and event.passed:
+                        if answer is not None:
+                            answer.feed(event.passed)
+                        yield event.passed
+                    failed = call.replica
+                    moved = await self.move_stream(call, moving, relay)
+                    if moved is None:
+                        if event is None:
+                            raise
+                        moving.stop()  # the error event goes on as it came, and the stream ends as it does
+                        if answer is not None:
+                            answer.feed(event.rest)
+                        yield event.rest
+                        continue
+                    self.upstream_failed(failed, None if event is not None else exc, str(exc))
+                    response.close()  # a stalled replica stops generating for nobody
+                    response, relay = moved
         except UpstreamError as exc:
             if relay.replay:  # vLLM ends a replay of a response that has no stored events so: no sign of ill health
                 call.error = UpstreamFailed(f"the backend for model {call.model} ended the stream early (only a "
@@ -418,10 +471,51 @@ class Proxy:
                 call.error = upstream_error(exc, f"the {_side(call)} for model {call.model}", "broke off the stream")
             yield relay.error_frame(call.route.errors(call.error))
         finally:
-            call.usage = relay.usage
+            call.usage = relay.usage if moving is None or relay.usage is None else moving.summed(relay.usage)
             call.streamed_events = relay.events
             if relay.usage is None and call.replica.rented and not relay.replay:
                 call.usage = estimated_usage(call, relay.events)
+            response.close()  # a continuation's (the first attempt's is closed by close_stream as well)
+
+    async def move_stream(self, call: Call, moving: migration.Migration,
+                          relay: SSERelay | EventRelay) -> tuple[Response, SSERelay | EventRelay] | None:
+        """The stream's replica failed mid-body: send the continuation to another replica (gateway/migration.py).
+        Returns its answer and relay, or None where the stream cannot move (each outcome counted)."""
+        body = moving.continuation(call.body) if moving.may_move() else None
+        if body is None:  # refused (the request, what was relayed, nothing left to generate), or no moves left
+            outcome = migration.EXHAUSTED if moving.refused is None and moving.left <= 0 else migration.UNFAITHFUL
+            self.metrics.stream_migrations.labels(call.model, outcome).inc()
+            return None
+        failed = call.replica
+        assert failed is not None  # a stream under way was sent
+        self.release(call)
+        owner = call.key.id if call.key is not None else call.client_host
+        response = None
+        original = call.body
+        try:
+            replica = await self.admission.acquire(call.group or call.model, owner, exclude=[failed], call=call)
+            if call.adapter is not None and self.loras is not None:
+                await self.load_adapter(call, replica)  # the LoRA adapter, on the replica that goes on
+            call.body = body
+            response = await self.send(call, replica, holds=True)
+        except (GatewayError, UpstreamError) as exc:
+            if isinstance(exc, UpstreamError):
+                self.upstream_failed(call.replica, exc, str(exc))
+        finally:
+            call.body = original
+        if response is None or response.status != 200:
+            if response is not None:
+                response.close()
+            self.release(call)
+            call.replica = failed  # the record names the replica that failed the stream
+            self.metrics.stream_migrations.labels(call.model, migration.FAILED).inc()
+            return None
+        moving.moved(relay.usage)
+        call.response_headers[migration.MIGRATIONS_HEADER] = str(moving.moves)
+        self.metrics.stream_migrations.labels(call.model, migration.CONTINUED).inc()
+        moved = call.route.relay(call, self.rename(call))
+        moved.max_event = self.client.limits.event_bytes
+        return response, moved
 
     async def close_stream(self, call: Call, response: Response, error: BaseException | None) -> None:
         response.close()  # an unfinished stream drops the connection, and vLLM aborts the request

@@ -156,7 +156,7 @@ class GatewayMetrics:
         )
         self.variant_guard_actions = Counter(
             "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
-            " worse than the baseline's), promote, or even_load (with the signal it could not judge otherwise).", ["model", "variant", "action", "signal"], registry=r,
+            " worse than the baseline's), promote, or even_load (a load matching began, with the signal it could not judge otherwise).", ["model", "variant", "action", "signal"], registry=r,
         )
         self.variant_guard_undecided = Gauge(
             "llm_gateway_variant_guard_undecided_seconds", "How long a candidate's guard has been unable to judge"
@@ -189,6 +189,18 @@ class GatewayMetrics:
             "llm_gateway_retry_budget_exhausted", "Retries refused because the model's retry budget"
             " (retries.budget over retries.window) was spent: the failure went to the client.", ["model"],
             registry=r,
+        )
+        self.fallbacks = Counter(
+            "llm_gateway_fallbacks", "Calls sent down their model's fallback chain, by the step taken (`to`: a"
+            " model, or `rented:` and the provider's name) and why the step before could not serve (unavailable:"
+            " no replica up or reachable; failed: its attempts failed; full: past its queue bound or a 429).",
+            ["model", "to", "reason"], registry=r,
+        )
+        self.stream_migrations = Counter(
+            "llm_gateway_stream_migrations", "Streams whose replica failed mid-body, by outcome: continued (it went"
+            " on from another replica), unfaithful (it could not be continued as the same stream: n > 1, logprobs,"
+            " tools...), exhausted (retries.migrations used up), failed (no other replica took it).",
+            ["model", "outcome"], registry=r,
         )
         self.replica_ejections = Counter(
             "llm_gateway_replica_ejections", "Replicas taken out of routing by outlier ejection, by rule"

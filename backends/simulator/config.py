@@ -44,6 +44,10 @@ class SimConfig(BaseModel):
     fail_background_after: int | None = Field(None, ge=0)
     # vLLM's --enable-lora with run-time updating (backends/simulator/lora.py); a load takes lora_load_ms
     enable_lora: bool = False
+    # each generated word a function of the whole text before it (prompt and output so far), as a model at
+    # temperature 0: a request whose prompt ends with part of an answer continues that answer word for word
+    # (a stream that goes on from another replica). Off: the words follow one seed per prompt
+    context_seeded: bool = False
     lora_load_ms: float = Field(0.0, ge=0)
     # vLLM's --api-key (or VLLM_API_KEY): every /v1 call must carry it as a Bearer token, else 401; None: open
     api_key: str | None = Field(None, min_length=1, repr=False)

@@ -80,6 +80,9 @@ class GenRequest:
         self._block_hashes = self._hash_blocks(prompt, cfg.block_size)
         digest = hashlib.sha256(f"{cfg.seed}|{seed}|{prompt!r}".encode()).digest()
         self._rng = random.Random(int.from_bytes(digest[:8], "big"))
+        # context_seeded: the prompt's text, from which (with the output so far) each word is drawn
+        self._context = "".join(p for p in prompt if isinstance(p, str)) if cfg.context_seeded else None
+        self._seed = f"{cfg.seed}|{seed}|"
         self._sentence_start = True
         self._pending: list[str] = []
         self._new = asyncio.Event()
@@ -124,11 +127,24 @@ class GenRequest:
                 yield piece
 
     def _next_piece(self) -> str:
+        if self._context is not None:
+            return self._piece_of_context(self._context + self.text)
         word = self._rng.choice(WORDS)
         if self._sentence_start:
             word = word.capitalize()
         self._sentence_start = self._rng.random() < 0.12
         return ("" if self.output_tokens == 1 else " ") + word + ("." if self._sentence_start else "")
+
+    def _piece_of_context(self, before: str) -> str:
+        """The next word as a function of the text before it alone: capitalised at a line's or a sentence's
+        start, a space before it unless it starts a line."""
+        digest = hashlib.sha256(f"{self._seed}{before}".encode()).digest()
+        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        word = rng.choice(WORDS)
+        line_start = not before or before.endswith("\n")
+        if line_start or before.endswith("."):
+            word = word.capitalize()
+        return ("" if line_start else " ") + word + ("." if rng.random() < 0.12 else "")
 
     def _produce(self) -> str | None:
         """Account one generated token, extend the text; return the finish reason if it ends here."""

@@ -67,6 +67,7 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -125,8 +126,13 @@ def _text_of(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def render_chat(req: ChatRequest) -> str:
-    """The prompt text a ChatML-style template would produce."""
+    """The prompt text a ChatML-style template would produce; with `continue_final_message` (vLLM's) the last
+    message is left open, to be continued."""
     text = "".join(f"<|im_start|>{m.role}\n{_text_of(m.content)}<|im_end|>\n" for m in req.messages)
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return text[:-len("<|im_end|>\n")]
     return text + ("<|im_start|>assistant\n" if req.add_generation_prompt else "")
 
 

@@ -1,6 +1,7 @@
 """The fleet, live: every model's replicas with their health, cap and load (the gateway's in-flight count and
 vLLM's own running, waiting and KV cache use from the scraper), each queue's depth, the routing decisions so far
-and the live policy; it refreshes itself without reloading the page (htmx polling the `live` fragment). An
+and the live policy; it refreshes itself without reloading the page (htmx polling the `live` fragment). A replica
+that outlier ejection keeps out of routing says by which rule and until when (the data /admin/replicas gives). An
 operator may reload the policy file here, as SIGHUP would. The page opens with a summary of the fleet (replicas
 up, in flight, queued, answered), refreshed with the rest."""
 
@@ -32,7 +33,8 @@ def handlers(gateway) -> list:
                 replica = replicas.get(v.name)
                 stats = gateway.scraper.stats(replica) if replica is not None else None
                 rows.append({"view": v, "label": readable(v.name), "running": stats.running if stats else None,
-                             "waiting": stats.waiting if stats else None, "kv": stats.kv_usage if stats else None})
+                             "waiting": stats.waiting if stats else None, "kv": stats.kv_usage if stats else None,
+                             "ejected": ejection_of(v)})
             queue = queues.get(group)
             models.append({"group": group, "title": group_title(group), "replicas": rows,
                            "queued": queue.depth if queue is not None else None,
@@ -66,6 +68,16 @@ def handlers(gateway) -> list:
         return page(request, "message.html", "Reload", message=message.get(outcome, outcome), ok=outcome != "invalid")
 
     return [fleet, fleet_live, reload]
+
+
+def ejection_of(view: ReplicaView) -> dict | None:
+    """While outlier ejection keeps a replica out of routing: the rule that did (`ejected_by`, as
+    /admin/replicas says it) and when it comes back (`ejected_until`, unix seconds, and as UTC time of day)."""
+    if view.ejected_by is None:
+        return None
+    until = view.ejected_until
+    return {"rule": view.ejected_by, "until": until,
+            "until_text": time.strftime("%H:%M:%S", time.gmtime(until)) if until is not None else None}
 
 
 def summary_of(models: list[dict], served: list[tuple[tuple[str, str, str], int]]) -> dict:

@@ -5,9 +5,9 @@ that silently does nothing. `load_policy` turns every problem into one `PolicyEr
 offending field (`models[0].backends[1].url: ...`).
 
 The schema lives in one module per concern (server, routing, store, access, providers, backend, admission,
-scaling, discovery, variants, reliability, model, observability, policy); secrets from the environment or files in
-env_secrets, the built-in routing profiles in profiles, the YAML loader in loader. Every name is importable
-from here, as before the split.
+scaling, discovery, variants, reliability, fallbacks, model, observability, policy); secrets from the environment
+or files in env_secrets, the built-in routing profiles in profiles, the YAML loader in loader. Every name is
+importable from here, as before the split.
 """
 
 from policies.config.access import (
@@ -25,6 +25,7 @@ from policies.config.backend import ZMQ_TCP, Adaptive, Backend, KVEvents, OwnedC
 from policies.config.base import NAME, EnvName, HostPort, PolicyError, Seconds, Strict, http_url
 from policies.config.discovery import DNS_NAME, Discovery, KubernetesAccess
 from policies.config.env_secrets import secret
+from policies.config.fallbacks import Fallback, RentedStep
 from policies.config.loader import format_errors, load_policy, parse_policy
 from policies.config.model import Model, backend_name, groups_of, replica_cap
 from policies.config.observability import AccessLogSettings, Ledger, Tracing
@@ -52,6 +53,7 @@ __all__ = [
     "Discovery",
     "Ejection",
     "EnvName",
+    "Fallback",
     "FailureMode",
     "Guard",
     "Health",
@@ -80,6 +82,7 @@ __all__ = [
     "RateLimits",
     "RedisClusterNodes",
     "RedisSentinel",
+    "RentedStep",
     "Retries",
     "Routing",
     "RoutingProfile",

@@ -12,6 +12,7 @@ from policies.config.admission import Queue
 from policies.config.backend import Backend
 from policies.config.base import NAME, Strict
 from policies.config.discovery import Discovery
+from policies.config.fallbacks import Fallback
 from policies.config.providers import Overflow
 from policies.config.reliability import Ejection, Retries
 from policies.config.scaling import Autoscaling
@@ -39,6 +40,9 @@ class Model(Strict):
     lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/lora_settings.py)
     retries: Retries = Retries()  # another replica when one fails before the first byte, within a budget
     ejection: Ejection = Ejection()  # replicas that keep failing or answer far slower than their peers sit out
+    # where its calls go when no replica of its own can serve them: other owned models, then rented providers
+    # (policies/config/fallbacks.py), tried in order
+    fallbacks: list[Fallback] = Field([], max_length=16)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Model:

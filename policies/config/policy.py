@@ -9,6 +9,7 @@ from policies.console_settings import Console
 from policies.config.access import Admin, Auth, Network, RateLimits
 from policies.config.admission import Caps, Priorities
 from policies.config.discovery import KubernetesAccess
+from policies.config.fallbacks import check_fallbacks
 from policies.config.base import Strict
 from policies.config.model import Model, backend_name
 from policies.config.observability import AccessLogSettings, Ledger, Tracing
@@ -48,6 +49,11 @@ class Policy(Strict):
         unknown = set(self.tracing.content_models) - {m.name for m in self.models}
         if unknown:
             raise ValueError(f"tracing.content_models names models that are not defined: {', '.join(sorted(unknown))}")
+        return self
+
+    @model_validator(mode="after")
+    def fallbacks_resolve(self) -> Policy:
+        check_fallbacks(self.models, self.providers)
         return self
 
     @model_validator(mode="after")

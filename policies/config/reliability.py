@@ -1,4 +1,5 @@
-"""What a model does when a replica fails it: retries before the first byte, and outlier ejection."""
+"""What a model does when a replica fails it: retries before the first byte, streams that go on from another
+replica when theirs fails mid-body, and outlier ejection."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ class Retries(Strict):
     """Retries of a request on another replica, before anything was sent to the client: after a connect
     failure, a reset, a 5xx, a 429, or no response head within `timeouts.read`. Never the same replica twice,
     and within a budget: over a sliding `window`, retries add at most `budget` times the model's request rate
-    (plus `min_retries`), so a model whose replicas all fail is not sent more than ~1.2x its traffic."""
+    (plus `min_retries`), so a model whose replicas all fail is not sent more than ~1.2x its traffic. A stream
+    whose replica fails after its first byte goes on from another replica up to `migrations` times."""
 
     attempts: int = Field(2, ge=0, le=10)  # retries per request after the first attempt; 0: never retry
     budget: float = Field(0.2, ge=0, le=10)  # retries as a share of the model's requests over the window
     window: Seconds = 10.0  # the sliding window the budget counts over
     min_retries: int = Field(3, ge=0, le=10_000)  # retries the budget allows per window whatever the rate
+    # times a Chat Completions or Completions stream whose replica fails mid-body goes on from another replica
+    # with the text generated so far (gateway/migration.py); 0: never, the stream ends with an error event.
+    # Not counted against the budget: each follows a failure the client would otherwise see
+    migrations: int = Field(1, ge=0, le=5)
 
 
 class Ejection(Strict):

@@ -1,0 +1,132 @@
+"""Streams that survive on real vLLM servers (gateway/migration.py): the session's two servers serve one model
+(`duo`) through a gateway of this module's own, with a short read timeout and one migration allowed. At
+temperature 0, a stream whose replica is stopped (SIGSTOP, past the read timeout) half-way goes on from the other
+replica, and the client reads, through the unmodified openai SDK, exactly the text an uninterrupted run gives,
+under one response id. A call that is not streamed needs no migration: stopped mid-generation, its replica
+sends no head, and the call is retried on the other (the same text again). The stopped server is resumed
+(SIGCONT) however the test ends."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.e2e.conftest import gateway_process
+from tests.e2e.vllm_procs import VLLMServer, free_port
+
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+MAX = 320  # tokens: the stream runs long enough to be cut half-way (prompt + output within --max-model-len 512)
+CUT = 40  # chunks read before the serving replica is stopped
+READ_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def migrating(vllm_servers, tmp_path_factory):
+    a, b = vllm_servers["a"], vllm_servers["b"]
+    policy = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},
+        "timeouts": {"connect": 2, "read": READ_TIMEOUT},
+        "models": [{"name": "duo", "routing": "least-in-flight", "retries": {"migrations": 1},
+                    "ejection": {"enabled": False}, "backends": [
+                        {"url": a.base_url, "name": "duo-a", "served_name": "tiny-a"},
+                        {"url": b.base_url, "name": "duo-b", "served_name": "tiny-b"}]}],
+    }
+    with gateway_process(policy, tmp_path_factory.mktemp("migrating-gateway")) as gw:
+        yield gw
+
+
+def running_on(servers: list[VLLMServer]) -> VLLMServer | None:
+    """The one server with a request running, if exactly one has."""
+    busy = [s for s in servers if s.metric("vllm:num_requests_running") > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+def wait_idle(servers: list[VLLMServer]) -> None:
+    """Until no server runs a request (bounded: 30 s): one a stopped server was running when it was resumed
+    finishes or is aborted first, so that `running_on` sees only the test's own call."""
+    for _ in range(300):
+        if all(s.metric("vllm:num_requests_running") == 0 for s in servers):
+            return
+        time.sleep(0.1)
+    pytest.fail("the vLLM servers never went idle")
+
+
+def stream_chat(client: openai.OpenAI, on_chunk=None) -> tuple[str, set[str], list]:
+    stream = client.chat.completions.create(model="duo", messages=PROMPT, max_tokens=MAX, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    parts, ids, chunks = [], set(), []
+    for i, chunk in enumerate(stream):
+        chunks.append(chunk)
+        ids.add(chunk.id)
+        parts.extend(c.delta.content or "" for c in chunk.choices)
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(parts), ids, chunks
+
+
+def test_a_stream_whose_replica_stops_half_way_gives_the_text_of_an_uninterrupted_run(migrating, vllm_servers):
+    servers = [vllm_servers["a"], vllm_servers["b"]]
+    with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
+        references = {stream_chat(client)[0] for _ in range(2)}  # both replicas, at random: the same text
+        assert len(references) == 1
+        reference = references.pop()
+        assert len(reference) > 200
+        wait_idle(servers)
+        stopped: list[VLLMServer] = []
+
+        def stop_the_server_half_way(i: int) -> None:
+            if i == CUT and not stopped:
+                server = running_on(servers)
+                assert server is not None, "no single server was running the stream"
+                server.pause()  # SIGSTOP: its socket stays open and silent, as a hung replica's
+                stopped.append(server)
+
+        started = time.monotonic()
+        try:
+            text, ids, chunks = stream_chat(client, stop_the_server_half_way)
+        finally:
+            for server in stopped:
+                server.resume()  # SIGCONT, and waits until it answers again
+        assert stopped, "the stream ended before it could be cut"
+        assert time.monotonic() - started < 90
+    assert text == reference  # word for word, nothing dropped, nothing repeated
+    assert len(ids) == 1
+    assert [c.delta.role for chunk in chunks for c in chunk.choices if c.delta.role] == ["assistant"]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens >= MAX  # both replicas' output
+    assert migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued") == 1
+    assert "migrations=1" in migrating.log.read_text()
+
+
+def test_a_whole_answer_whose_replica_stops_mid_generation_is_retried_before_its_head(migrating, vllm_servers):
+    servers = [vllm_servers["a"], vllm_servers["b"]]
+    with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
+        def ask():
+            return client.chat.completions.with_raw_response.create(
+                model="duo", messages=PROMPT, max_tokens=MAX, temperature=0, extra_body={"ignore_eos": True})
+
+        reference = ask().parse().choices[0].message.content
+        wait_idle(servers)
+        stopped: list[VLLMServer] = []
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(ask)
+            try:
+                for _ in range(200):  # bounded: ~10 s for the call to reach a server
+                    server = running_on(servers)
+                    if server is not None or answer.done():
+                        break
+                    time.sleep(0.05)
+                assert server is not None, "the call never ran on a single server"
+                server.pause()
+                stopped.append(server)
+                raw = answer.result(timeout=90)
+            finally:
+                for server in stopped:
+                    server.resume()
+    assert raw.parse().choices[0].message.content == reference
+    assert raw.headers["x-gateway-attempts"] == "2"  # the second attempt, on the other replica
