@@ -1,8 +1,11 @@
 """Streams that survive on real vLLM servers (gateway/migration.py): the session's two servers serve one model
 (`duo`) through a gateway of this module's own, with a short read timeout and one migration allowed. At
 temperature 0, a stream whose replica is stopped (SIGSTOP, past the read timeout) half-way goes on from the other
-replica, and the client reads, through the unmodified openai SDK, exactly the text an uninterrupted run gives,
-under one response id. A call that is not streamed needs no migration: stopped mid-generation, its replica
+replica, and the client reads, through the unmodified openai SDK, one stream under one response id: the text
+before the cut exactly as an uninterrupted run gives it, then the continuation. (Word for word to the end is not
+asserted here: the continuation re-tokenizes the text so far, and where the tokens it makes differ from the
+ones generated, so can the last tokens of the answer; docs/guides/reliability.md says so. The simulator's
+continuation is exact and tests/integration/test_stream_migration.py holds it to that.) A call that is not streamed needs no migration: stopped mid-generation, its replica
 sends no head, and the call is retried on the other (the same text again). The stopped server is resumed
 (SIGCONT) however the test ends."""
 
@@ -20,7 +23,8 @@ from tests.e2e.vllm_procs import VLLMServer, free_port
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 MAX = 320  # tokens: the stream runs long enough to be cut half-way (prompt + output within --max-model-len 512)
 CUT = 40  # chunks read before the serving replica is stopped
-READ_TIMEOUT = 3.0
+READ_TIMEOUT = 6.0
+WHOLE_MAX = 96  # tokens of the call that is not streamed: its whole answer comes well inside READ_TIMEOUT
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,11 @@ def test_a_stream_whose_replica_stops_half_way_gives_the_text_of_an_uninterrupte
                 server.resume()  # SIGCONT, and waits until it answers again
         assert stopped, "the stream ended before it could be cut"
         assert time.monotonic() - started < 90
-    assert text == reference  # word for word, nothing dropped, nothing repeated
+    before_cut = "".join(c.delta.content or "" for chunk in chunks[:CUT + 1] for c in chunk.choices)
+    assert len(before_cut) > 20 and reference.startswith(before_cut) and text.startswith(before_cut)
+    assert len(text) > len(before_cut) + 100  # it went on from the other replica
+    print(f"migrated text {'equals' if text == reference else 'differs from'} the uninterrupted run's "
+          f"({len(text)} and {len(reference)} characters)")
     assert len(ids) == 1
     assert [c.delta.role for chunk in chunks for c in chunk.choices if c.delta.role] == ["assistant"]
     usage = chunks[-1].usage
@@ -108,7 +116,7 @@ def test_a_whole_answer_whose_replica_stops_mid_generation_is_retried_before_its
     with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
         def ask():
             return client.chat.completions.with_raw_response.create(
-                model="duo", messages=PROMPT, max_tokens=MAX, temperature=0, extra_body={"ignore_eos": True})
+                model="duo", messages=PROMPT, max_tokens=WHOLE_MAX, temperature=0, extra_body={"ignore_eos": True})
 
         reference = ask().parse().choices[0].message.content
         wait_idle(servers)
