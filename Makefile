@@ -52,7 +52,7 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 
 # make test: every test, in three parts. First everything but the real-vLLM tests, TEST_WORKERS files at a time
 # (pytest-xdist: most of these tests wait on sockets, subprocesses and timers, not on the cores); then the few
-# that judge an in-process simulator's speed (marked `serial`), alone; then tests/e2e, in one process, since its
+# that judge speed on the cores or run a benchmark step in a time budget (marked `serial`), alone; then tests/e2e, in one process, since its
 # vLLM servers start once and want both cores. Every part runs; the status is the first failure's. GATEWAY_TESTS_ALL=1: a test that needs a missing part fails (tests/support/needs.py).
 TEST_WORKERS ?= 3
 test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
