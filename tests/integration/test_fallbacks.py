@@ -11,10 +11,6 @@ names both models; settings that do not resolve, and cycles, are refused at load
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import subprocess
-import sys
 import time
 
 import openai
@@ -26,24 +22,15 @@ from policies.keys import KeyRecord, hash_key, new_key, new_key_id
 from tests.support.faulty import Faulty
 from tests.support.gateway import running_gateway
 from tests.support.otlp_receiver import Receiver
-from tests.support.probes import wait_http_ok
-from tests.support.rented_standin import read_log
+from tests.support.rented_standin import read_log, running_standin
 from tests.support.servers import free_port, serve_app
 
 
 @pytest.fixture
 def standin(tmp_path, monkeypatch):
-    key = "rk-" + secrets.token_urlsafe(24)
-    monkeypatch.setenv("STANDIN_KEY", key)
-    port, log = free_port(), str(tmp_path / "rented.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
-                             "--key-env", "STANDIN_KEY", "--log", log], env={**os.environ})
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "the rented stand-in")
-        yield f"http://127.0.0.1:{port}/v1", log
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    log = str(tmp_path / "rented.jsonl")
+    with running_standin(monkeypatch, log) as (url, _key):
+        yield url, log
 
 
 def policy(url_m: str, url_b: str, rented: str) -> dict:

@@ -7,10 +7,6 @@ loopback that needs its own key and logs every request it gets. Request ids tell
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,8 +16,7 @@ from backends.simulator import SimConfig, create_app
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from policies.teams import TeamRecord
 from tests.support.gateway import running_gateway
-from tests.support.probes import wait_http_ok
-from tests.support.rented_standin import read_log
+from tests.support.rented_standin import read_log, running_standin
 from tests.support.servers import free_port, serve_app
 
 SLOW = SimConfig(model="served-m", step_base_ms=20, step_ms_per_seq=0)  # ~50 tokens/s per request
@@ -29,17 +24,9 @@ SLOW = SimConfig(model="served-m", step_base_ms=20, step_ms_per_seq=0)  # ~50 to
 
 @pytest.fixture
 def standin(tmp_path, monkeypatch):
-    key = "rk-" + secrets.token_urlsafe(24)
-    monkeypatch.setenv("STANDIN_KEY", key)
-    port, log = free_port(), str(tmp_path / "rented.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
-                             "--key-env", "STANDIN_KEY", "--log", log], env={**os.environ})
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "the rented stand-in")
-        yield f"http://127.0.0.1:{port}/v1", log, key
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    log = str(tmp_path / "rented.jsonl")
+    with running_standin(monkeypatch, log) as (url, key):
+        yield url, log, key
 
 
 def policy(owned: str, rented: str, **overflow) -> dict:

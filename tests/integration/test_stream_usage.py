@@ -8,10 +8,6 @@ budget allows is rented; past the budget the key gets 503 and the provider sees 
 
 from __future__ import annotations
 
-import os
-import secrets
-import subprocess
-import sys
 import time
 
 import httpx
@@ -24,8 +20,7 @@ from policies.config import Admin
 from policies.keys import KeyBudget, KeyRecord, hash_key, new_key, new_key_id
 from policies.ledger.sums import COMPLETION, COST, ESTIMATED, PROMPT, REQUESTS
 from tests.support.gateway import running_gateway
-from tests.support.probes import wait_http_ok
-from tests.support.rented_standin import read_log
+from tests.support.rented_standin import read_log, running_standin
 from tests.support.servers import free_port
 
 BUDGET = 3e-5  # a call with the stand-in's usage (11 prompt, 5 completion) costs 2.1e-5: two calls spend it
@@ -34,17 +29,9 @@ CALLS = 10
 
 @pytest.fixture
 def provider(request, tmp_path, monkeypatch):
-    key = "rk-" + secrets.token_urlsafe(24)
-    monkeypatch.setenv("STANDIN_KEY", key)
-    port, log = free_port(), str(tmp_path / "rented.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
-                             "--key-env", "STANDIN_KEY", "--log", log, "--usage", request.param], env={**os.environ})
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "the rented stand-in")
-        yield f"http://127.0.0.1:{port}/v1", log, request.param
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    log = str(tmp_path / "rented.jsonl")
+    with running_standin(monkeypatch, log, "--usage", request.param) as (url, _key):
+        yield url, log, request.param
 
 
 def policy(rented: str) -> dict:

@@ -13,14 +13,21 @@ and an unknown field in it; `--usage omitted` never sends usage (some providers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import orjson
 import uvicorn
 
 from tests.support.asgi import lifespan, read_body
+from tests.support.probes import wait_http_ok
+from tests.support.servers import free_port
 
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # logged, so tests see what trace context got out
 
@@ -94,6 +101,23 @@ def read_log(path: str) -> list[dict]:
             return [json.loads(line) for line in log if line.strip()]
     except FileNotFoundError:
         return []
+
+
+@contextlib.contextmanager
+def running_standin(monkeypatch, log: str, *extra: str) -> Iterator[tuple[str, str]]:
+    """The stand-in in a process of its own on a free loopback port, with a fresh key in STANDIN_KEY (the env var
+    a test's policy names as the provider's key), logging to `log`: its /v1 URL and the key; stopped on exit."""
+    key = "rk-" + secrets.token_urlsafe(24)
+    monkeypatch.setenv("STANDIN_KEY", key)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
+                             "--key-env", "STANDIN_KEY", "--log", log, *extra], env={**os.environ})
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "the rented stand-in")
+        yield f"http://127.0.0.1:{port}/v1", key
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 if __name__ == "__main__":
