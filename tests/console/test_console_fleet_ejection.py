@@ -13,6 +13,7 @@ import pytest
 
 from gateway.admin_auth import mint_token
 from policies.config import Admin
+from tests.console.test_console_http import signed_in as sign_in_form
 from tests.support.faulty import Faulty
 from tests.support.gateway import TEST_KEY, one_model, running_gateway
 from tests.support.servers import serve_app
@@ -26,10 +27,7 @@ def admin_secret(monkeypatch):
 
 
 async def signed_in(http: httpx.AsyncClient, token: str) -> None:
-    form = await http.get("/console/signin")
-    nonce = re.search(r'name="csrf" value="([^"]+)"', form.text).group(1)
-    http.cookies.set("console_signin", nonce)  # httpx keeps no Secure cookie over http://; a browser does on loopback
-    r = await http.post("/console/signin", data={"csrf": nonce, "token": token})
+    r = await sign_in_form(http, token)
     assert r.status_code == 303
     cookie = next(c for c in r.headers.get_list("set-cookie") if c.startswith("console_session="))
     http.cookies.set("console_session", cookie.split(";")[0].split("=", 1)[1])

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.admin_auth import mint_token
 from policies.config import Admin
+from tests.console.test_console_http import signed_in as sign_in_form
 from tests.support.gateway import one_model, running_gateway
 
 SECRET = "c" * 40
@@ -24,10 +25,7 @@ def admin_secret(monkeypatch):
 
 async def sign_in(http: httpx.AsyncClient, token: str) -> str:
     """Signs in through the form; the session cookie's value."""
-    form = await http.get("/console/signin")
-    nonce = re.search(r'name="csrf" value="([^"]+)"', form.text).group(1)
-    http.cookies.set("console_signin", nonce)
-    r = await http.post("/console/signin", data={"csrf": nonce, "token": token})
+    r = await sign_in_form(http, token)
     assert r.status_code == 303, r.text[:300]
     cookies = r.headers.get_list("set-cookie")
     assert not any(token in c or token.split(".")[2] in c for c in cookies), "the admin token is in a cookie"
