@@ -35,7 +35,7 @@ class SQLiteAudit(SQLiteThread):
 
         def write(conn: sqlite3.Connection) -> None:
             with conn:
-                conn.execute("BEGIN")
+                conn.execute("BEGIN IMMEDIATE")
                 conn.execute("INSERT INTO audit (id, at, actor, action, target, event) VALUES (?, ?, ?, ?, ?, ?)",
                              row)
                 conn.execute("DELETE FROM audit WHERE at < ?", (cutoff,))

@@ -60,7 +60,7 @@ class SQLiteLedger(SQLiteThread):
 
         def write(conn: sqlite3.Connection) -> None:
             with conn:  # one transaction
-                conn.execute("BEGIN")
+                conn.execute("BEGIN IMMEDIATE")
                 conn.executemany(UPSERT, params)
                 conn.execute("DELETE FROM ledger WHERE bucket < ?", (cutoff,))
                 if released:
@@ -78,7 +78,7 @@ class SQLiteLedger(SQLiteThread):
         transaction. Returns how many there were."""
         def settle(conn: sqlite3.Connection) -> int:
             with conn:
-                conn.execute("BEGIN")
+                conn.execute("BEGIN IMMEDIATE")
                 rows = conn.execute(f"SELECT {', '.join(HOLD_FIELDS)} FROM budget_holds").fetchall()
                 params = []
                 for bucket, model, backend, key_id, served, prompt, completion, cost in rows:
