@@ -2,10 +2,12 @@
 the policy, feeding the live replica set.
 
 Each endpoint a source reports becomes a replica named `MODEL@ADDRESS:PORT` (stable while the endpoint is),
-with the model's `discovery` settings (cap, health path). An address outside `network.private_cidrs` is
-refused, never added: listed with its reason in `refused` (shown by /admin/replicas while the source reports
-it), logged when it appears, and counted in llm_gateway_egress_refused_total at every event that reports it.
-Sources report from their own threads; the set is changed on the event loop.
+with the model's `discovery` settings: cap, health path, and, with `kv_events`, where its vLLM publishes its KV
+cache events (`tcp://ADDRESS:PORT` at that section's port: backends/kv_events.py subscribes while the replica is
+in the set and stops when it leaves; only an address a source reported, never a client's). An address outside
+`network.private_cidrs` is refused, never added: listed with its reason in `refused` (shown by /admin/replicas
+while the source reports it), logged when it appears, and counted in llm_gateway_egress_refused_total at every
+event that reports it. Sources report from their own threads; the set is changed on the event loop.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import logging
 from dataclasses import dataclass
 
 from backends.egress import Network, inside, networks
+from backends.kv_events import KVEventSource
 from backends.replicas import Replica, ReplicaSet
 from backends.sources.base import Endpoint, Source
 from backends.sources.watch import Watcher, WatchTimings
 from policies.config import Discovery as DiscoveryConfig
 from policies.config import KubernetesAccess, Model, Policy, groups_of
+from policies.config.discovery import DiscoveredKVEvents
 
 log = logging.getLogger("gateway.discovery")
 
@@ -117,7 +121,7 @@ class Discovery:
             desired.append(Replica(
                 name=f"{name}@{endpoint.address}:{endpoint.port}", model=model.name, url=endpoint.url(config.scheme),
                 served_name=served_name(model, variant), cap=config.cap, health_path=config.health_path,
-                source=config.kind, variant=variant,
+                source=config.kind, variant=variant, kv_events=kv_event_source(config.kv_events, endpoint),
             ))
         self.refused[name] = refused
         self.replicas.apply(name, desired)
@@ -142,6 +146,15 @@ class Refused:
     url: str
     source: str
     reason: str
+
+
+def kv_event_source(config: DiscoveredKVEvents | None, endpoint: Endpoint) -> KVEventSource | None:
+    """Where a discovered replica's vLLM publishes its KV cache events: its own address (vLLM binds)."""
+    if config is None:
+        return None
+    replay = f"tcp://{endpoint.host}:{config.replay_port}" if config.replay_port is not None else None
+    return KVEventSource(f"tcp://{endpoint.host}:{config.port}", False, config.topic, config.max_message_bytes,
+                         config.max_blocks, replay)
 
 
 def served_name(model: Model, variant: str | None) -> str:

@@ -16,9 +16,13 @@ class Endpoint:
     port: int
     ready: bool = True
 
+    @property
+    def host(self) -> str:
+        """The address as a URL's host: an IPv6 one in brackets."""
+        return f"[{self.address}]" if ":" in self.address else self.address
+
     def url(self, scheme: str) -> str:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{scheme}://{host}:{self.port}"
+        return f"{scheme}://{self.host}:{self.port}"
 
 
 Emit = Callable[[list[Endpoint]], None]

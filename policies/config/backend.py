@@ -25,7 +25,18 @@ class OwnedCost(Strict):
     power_kw: float | None = Field(None, ge=0, le=10_000)  # average draw; priced at ledger.power_price_per_kwh
 
 
-class KVEvents(Strict):
+class KVEventBounds(Strict):
+    """What every source of vLLM's KV cache events shares: vLLM's topic and the bounds on what it sends."""
+
+    topic: str = Field("kv", pattern=r"^[A-Za-z0-9._-]{0,64}$")  # vLLM's `topic` (prefix-matched by ZMQ)
+    # one message (one batch of events); vLLM's are a few KB: a larger one is dropped with its connection
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024**2)
+    # blocks remembered for this replica (~200 bytes each; 131,072 blocks of 16 tokens cover a 2M-token cache):
+    # past it the oldest stored are forgotten (copies offloaded to CPU or storage first)
+    max_blocks: int = Field(131072, ge=16, le=10_000_000)
+
+
+class KVEvents(KVEventBounds):
     """vLLM's KV cache events for this backend (`--kv-events-config`), read by the precise-prefix scorer.
 
     Exactly one of: `bind`, an address this gateway binds, with vLLM started with that same concrete address (it
@@ -34,15 +45,9 @@ class KVEvents(Strict):
 
     bind: str | None = Field(None, pattern=ZMQ_TCP)
     connect: str | None = Field(None, pattern=ZMQ_TCP)
-    topic: str = Field("kv", pattern=r"^[A-Za-z0-9._-]{0,64}$")  # vLLM's `topic` (prefix-matched by ZMQ)
     # vLLM's `replay_endpoint` (vLLM binds it): on a gap in the events the gateway asks there for the lost ones
     # instead of forgetting the replica's blocks; null: a gap clears them
     replay: str | None = Field(None, pattern=ZMQ_TCP)
-    # one message (one batch of events); vLLM's are a few KB: a larger one is dropped with its connection
-    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024**2)
-    # blocks remembered for this replica (~200 bytes each; 131,072 blocks of 16 tokens cover a 2M-token cache):
-    # past it the oldest stored are forgotten
-    max_blocks: int = Field(131072, ge=16, le=10_000_000)
 
     @model_validator(mode="after")
     def one_address(self) -> KVEvents:

@@ -6,9 +6,28 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from policies.config.backend import KVEventBounds
 from policies.config.base import Strict
 
 DNS_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class DiscoveredKVEvents(KVEventBounds):
+    """vLLM's KV cache events of every discovered replica, for the precise-prefix scorer: each pod's vLLM binds
+    (`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:PORT"}'`) and
+    the gateway connects to the address the source reported for that replica, at `port`. Nothing else is
+    connected to: the address is the one discovery found (and checked against network.private_cidrs)."""
+
+    port: int = Field(ge=1, le=65535)  # where each pod's vLLM publishes (its endpoint `tcp://*:PORT`)
+    # vLLM's `replay_endpoint` port (`tcp://*:PORT`, vLLM binds it): a gap in the events is asked for there
+    # instead of clearing the replica's index; null: a gap clears it
+    replay_port: int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def two_ports(self) -> DiscoveredKVEvents:
+        if self.replay_port == self.port:
+            raise ValueError("kv_events: `replay_port` must differ from `port`")
+        return self
 
 
 class Discovery(Strict):
@@ -26,6 +45,7 @@ class Discovery(Strict):
     scheme: Literal["http", "https"] = "http"
     cap: int | None = Field(None, ge=1, le=100_000)  # per endpoint, as a backend's cap
     health_path: str = Field("/health", pattern=r"^/[A-Za-z0-9._~:@!$&'()*+,;=/%-]*$", max_length=256)
+    kv_events: DiscoveredKVEvents | None = None  # optional: every endpoint's vLLM publishes its KV cache events
 
     @model_validator(mode="after")
     def names_its_target(self) -> Discovery:

@@ -1,12 +1,15 @@
 """Send a request where vLLM itself says its prompt's longest prefix is cached, from vLLM's KV cache events.
 
-Each replica with a `kv_events` source has a block index (backends/kv_events.py) that its vLLM keeps exact:
-blocks stored, evicted, cleared. This scorer turns the request's prompt into the token ids vLLM will see (the
-model's own tokenizer and chat template, from the `tokenizer` directory: tokenizer.json plus the chat template
-of tokenizer_config.json or chat_template.jinja, rendered as transformers renders it), cuts them into vLLM's
-blocks (the block size the events carry) and chains them into content keys the index shares; a candidate's score
-is its number of leading blocks held relative to the best candidate's (the best scores 1; nothing held anywhere:
-all 0, load decides). Unlike the approximate scorer it sees evictions, other gateways' requests and restarts.
+Each replica with a `kv_events` source (a static backend's, or every discovered replica's) has a block index
+(backends/kv_events.py) that its vLLM keeps exact: blocks stored, evicted, cleared. This scorer turns the request's
+prompt into the token ids vLLM will see (the model's own tokenizer and chat template, from the `tokenizer`
+directory: tokenizer.json plus the chat template of tokenizer_config.json or chat_template.jinja, rendered as
+transformers renders it), cuts them into vLLM's blocks (the block size the events carry) and chains them into
+content keys the index shares. A candidate's match is its leading blocks held, each weighed by where: 1 in GPU
+memory, `medium_weights` for a block held only offloaded (CPU 0.5, STORAGE 0.25 by default: reloading it costs a
+transfer, less than a recompute); its score is that match relative to the best candidate's (the best scores 1;
+nothing held anywhere: all 0, load decides). Unlike the approximate scorer it sees evictions, other gateways'
+requests and restarts.
 
 What follows the match is prefix-affinity's (policies/routing/prefix_guard.py): a candidate scores its blocks
 held beyond what every candidate holds, and the same load guard (`guard`, `imbalance`; its rules are in
@@ -14,6 +17,20 @@ prefix_affinity.py) can move the request off the best-holding replica when it qu
 the match is a shared prefix; shared here means that the replica's vLLM holds more than one continuation of the
 last matched block (its events say so), or the whole prompt. A replica without events scores 0; a prompt that
 cannot be rendered or is shorter than one block scores 0 everywhere (load decides).
+
+The blind start. An index under-reports until it has seen its vLLM's cache from empty (backends/kv_events.py
+says when: a fresh subscription, after a lost gap, a failed subscription or the replica down): vLLM may hold
+prefixes the index has never heard of. Scoring such a replica by its index would repel every request from it
+(it seems to hold nothing), and every request whose prefix a seeing replica holds would go there; scoring it
+by a guess of ours could attract them instead. So for `blind_seconds` (default 60; 0: never blind) a blind
+candidate counts as holding exactly what the best-matching seeing candidate holds, no more and no less: it
+ties with the best, and load (the other scorers, the guard, which judges it as that best one) decides between
+them, while a seeing candidate that holds less still loses. When every candidate is blind, all score 0: load
+decides. A blind replica thus gets its share of every kind of request, and a seeing one never more than the
+prefixes it holds would win it anyway; the decisions counter says `blind` for such picks. After the window the
+index is trusted as it is (what vLLM held before still hides until stored again), or at once when its vLLM's
+cache was seen from empty (sequence 0, a restart, AllBlocksCleared). A replica with a `kv_events` source whose
+subscription has not started yet is blind too.
 """
 
 from __future__ import annotations
@@ -21,13 +38,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, StringConstraints, field_validator
 
-from backends.kv_events import prefix_keys
+from backends.kv_events import GPU, prefix_keys
 from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
@@ -35,9 +53,23 @@ from policies.routing.prefix_guard import GuardParams, prefix_scores
 log = logging.getLogger("gateway.routing")
 
 
+MEDIUM = r"^[A-Za-z0-9_-]{1,32}$"
+
+
 class PrecisePrefixParams(GuardParams):
     tokenizer: str = Field("", max_length=4096)  # the served model's directory (tokenizer.json, its chat template)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks looked up per request (longer prompts: the start)
+    # what a block held in that medium counts for (vLLM's GPU, CPU, STORAGE); one in GPU memory counts 1 unless
+    # listed; a medium not listed counts as the lowest listed
+    medium_weights: dict[Annotated[str, StringConstraints(pattern=MEDIUM)], Annotated[float, Field(ge=0, le=1)]] = \
+        Field(default_factory=lambda: {GPU: 1.0, "CPU": 0.5, "STORAGE": 0.25}, max_length=16)
+    # how long a replica whose index may know less than its vLLM holds is scored as the best match (0: never)
+    blind_seconds: float = Field(60.0, ge=0, le=3600)
+
+    @field_validator("medium_weights")
+    @classmethod
+    def upper_case(cls, weights: dict[str, float]) -> dict[str, float]:
+        return {medium.upper(): weight for medium, weight in weights.items()}
 
 
 class PrecisePrefix(Stateless):
@@ -48,6 +80,11 @@ class PrecisePrefix(Stateless):
 
     def __init__(self, params: PrecisePrefixParams | None = None, metrics: Any = None) -> None:
         self.params = params or PrecisePrefixParams()
+        weights = self.params.medium_weights
+        self.unlisted = min(weights.values(), default=1.0)
+
+    def weight(self, medium: str) -> float:
+        return self.params.medium_weights.get(medium, 1.0 if medium == GPU else self.unlisted)
 
     def tokens(self, call: Call) -> list[int] | None:
         if not self.params.tokenizer:
@@ -55,25 +92,49 @@ class PrecisePrefix(Stateless):
         prompt = load_prompt_tokenizer(self.params.tokenizer)
         return None if prompt is None else prompt.tokens(call.endpoint, call.body)
 
+    def blind(self, replica: Candidate, now: float) -> bool:
+        """Its index may know less than its vLLM holds (see the module's docstring), within `blind_seconds`."""
+        window = self.params.blind_seconds
+        if replica.kv_index is None:
+            return replica.kv_events is not None and window > 0
+        return bool(replica.kv_index.blind(window, now))
+
     def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
-        indexes = [r.kv_index for r in candidates]
+        now = time.monotonic()
+        blind = [self.blind(r, now) for r in candidates]
+        if all(blind):
+            note.outcome = "blind"
+            return [0.0] * len(candidates)
+        indexes: list[Any] = [None if b else r.kv_index for r, b in zip(candidates, blind)]  # BlockIndex or None
         sizes = {i.block_size for i in indexes if i is not None and i.block_size}
         tokens = self.tokens(call) if sizes else None
         if not tokens:
-            note.outcome = "no_events" if not sizes else "no_prompt"
+            note.outcome = "blind" if any(blind) else "no_events" if not sizes else "no_prompt"
             return [0.0] * len(candidates)
         keys = {size: prefix_keys(tokens, size, self.params.max_blocks) for size in sizes}
-        matched = [0 if i is None or not i.block_size else i.matched(keys[i.block_size]) for i in indexes]
+        counts = [0 if i is None or not i.block_size else i.matched(keys[i.block_size]) for i in indexes]
+        matched = [float(n) if not n else i.weighed(keys[i.block_size], n, self.weight)
+                   for i, n in zip(indexes, counts)]
+        stand_in = list(range(len(candidates)))  # whose match each candidate's counts as (a blind one: the best's)
+        if any(blind):
+            best = max((i for i, b in enumerate(blind) if not b), key=lambda i: matched[i])
+            for i, b in enumerate(blind):
+                if b:
+                    stand_in[i], counts[i], matched[i] = best, counts[best], matched[best]
 
         def shared(n: int) -> bool:
-            index, held = indexes[n], matched[n]
+            m = stand_in[n]
+            index, held = indexes[m], counts[m]
             mine = keys[index.block_size]
             return held == len(mine) or index.shared(mine[held - 1])
 
         # (the candidates serve one model: their block sizes are alike; the smallest stands for the prompt's)
         block = float(min(sizes))
-        return prefix_scores(self.params, [stats.vllm(r) for r in candidates], [stats.load(r) for r in candidates],
-                             matched, float(len(tokens)), block, shared, note)
+        scores = prefix_scores(self.params, [stats.vllm(r) for r in candidates],
+                               [stats.load(r) for r in candidates], matched, float(len(tokens)), block, shared, note)
+        if any(blind):
+            note.outcome = "blind"
+        return scores
 
 
 class PromptTokenizer:

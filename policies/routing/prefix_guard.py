@@ -26,11 +26,13 @@ class GuardParams(BaseParams):
     imbalance: float | None = Field(None, ge=1)  # opt-in: requests more than the least loaded that also trip it
 
 
-def prefix_scores(params: GuardParams, seen: Sequence[VLLMStats | None], loads: list[float], matched: list[int],
-                  prompt: float, block: float, shared: Callable[[int], bool], note: Note) -> list[float]:
-    """Scores for candidates holding `matched` leading blocks of a `prompt` of that many tokens (`block` tokens a
-    block), given what vLLM reports of each (`seen`) and their load. shared(i): candidate i's match ends in a
-    prefix that prompts continued in more than one way (or is the whole prompt, sent before)."""
+def prefix_scores(params: GuardParams, seen: Sequence[VLLMStats | None], loads: list[float],
+                  matched: Sequence[float], prompt: float, block: float, shared: Callable[[int], bool],
+                  note: Note) -> list[float]:
+    """Scores for candidates holding `matched` leading blocks (or what they weigh) of a `prompt` of that many
+    tokens (`block` tokens a block), given what vLLM reports of each (`seen`) and their load. shared(i):
+    candidate i's match ends in a prefix that prompts continued in more than one way (or is the whole prompt,
+    sent before)."""
     best = max(matched)
     if best == 0:
         note.outcome = "miss"
@@ -47,7 +49,7 @@ def prefix_scores(params: GuardParams, seen: Sequence[VLLMStats | None], loads: 
     return [(m - held) / (best - held) for m in matched]
 
 
-def load_guard(params: GuardParams, seen: Sequence[VLLMStats | None], loads: list[float], matched: list[int],
+def load_guard(params: GuardParams, seen: Sequence[VLLMStats | None], loads: list[float], matched: Sequence[float],
                prompt: float, block: float, p: int, shared: Callable[[int], bool], note: Note) -> list[float] | None:
     """The scores when the load guard trips for the preferred candidate `p`, else None."""
     others = [i for i in range(len(matched)) if i != p]

@@ -410,7 +410,9 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args,
                     "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
     }
     if profile == "precise-prefix":  # the gateway binds each server's event address; the servers connect
-        scorer = {**PRECISE["scorers"][0], "params": {"tokenizer": str(args.model_dir.resolve())}}
+        # blind_seconds 0: both caches were emptied just before this gateway subscribed (run_profile), so
+        # nothing is held that its indexes have not seen; a blind start would route by load for its first minute
+        scorer = {**PRECISE["scorers"][0], "params": {"tokenizer": str(args.model_dir.resolve()), "blind_seconds": 0}}
         policy["routing"]["profiles"] = {**BENCH_PROFILES, profile: {"scorers": [scorer, *PRECISE["scorers"][1:]]}}
         for backend, events_port in zip(policy["models"][0]["backends"], args.kv_events_ports, strict=True):
             backend["kv_events"] = {"bind": f"tcp://127.0.0.1:{events_port}"}

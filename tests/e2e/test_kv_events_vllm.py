@@ -30,7 +30,9 @@ def kv_gateway(vllm_servers, tmp_path_factory):
         for key, srv in vllm_servers.items()]}]
     tokenizer = str(vllm_servers["a"].model_dir)
     policy["routing"] = {"profiles": {"precise": {"scorers": [
-        {"name": "precise-prefix", "weight": 4, "params": {"tokenizer": tokenizer}},
+        # (the servers published before this gateway subscribed: their indexes start blind, and would tie for
+        # blind_seconds, the default 60 s; this test primes every prefix it routes after subscribing)
+        {"name": "precise-prefix", "weight": 4, "params": {"tokenizer": tokenizer, "blind_seconds": 0}},
         {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight", "weight": 1}]}}}
     with gateway_process(policy, tmp_path_factory.mktemp("kv-gateway")) as gw:
         yield gw
