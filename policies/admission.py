@@ -23,10 +23,13 @@ COLD_RETRY_AFTER. A key that may rent the model's overflow rents at once instead
 A reserve for interactive work: a request of the batch class (the class batch lines run in, `batch.priority_class`,
 or any class listed after it) takes a slot only while no better class waits and at least `queue.reserve` slots of
 the replica's limit stay free (default an eighth of its cap, at least 1, never all of it; 0: none); a slot a
-class's min_share is owed is its own, the reserve included. A batch
-line, once running, holds its slot to its end; without the reserve a batch alone fills the cap and an arriving
-interactive request waits for a line to end (seconds), with it the request finds a free slot at once. The batch
-class's own demand (in flight and queued here) is `batch_demand()`, which the scaling signal keeps apart.
+class's min_share is owed is its own, the reserve included. With the reserve an interactive request arriving
+mid-batch finds a free slot at once; when more arrive at once than it holds, a request of a better class than
+the batch class that must wait preempts a batch line (policies/preemption.py, `batch.preempt`): the youngest Batch
+API line holding a slot of a replica it may use is stopped (one per waiting request; a line preempted
+`batch.max_preemptions` times runs to its end), its slot goes to the waiters as any freed slot, and its runner runs
+the line again; so it waits a moment, never for a line to end (seconds). The batch class's own demand (in flight
+and queued here) is `batch_demand()`, which the scaling signal keeps apart.
 
 Replicas going down: a waiter is there for a slot of a replica that can serve it. When the last routable
 replica it may use goes (its health check or a request's failure marks it down, discovery drains it), it leaves
@@ -52,6 +55,7 @@ from policies.errors import NoBackendAvailable, RateLimited
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
+from policies.preemption import preempt_youngest
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT, COLD_START_TIMEOUT = "queue_full", "queue_timeout", "cold_start_timeout"
@@ -319,6 +323,8 @@ class ModelQueue:
             max_wait = max(max_wait, self.autoscaling.cold_start_wait)
         waiter = Waiter(owner, exclude, call, rank, time.monotonic(), spill_after)
         self.push(waiter)
+        if rank < self.batch_rank and self.batch_held:
+            self.preempt_for(waiter)
         try:
             async with asyncio.timeout(max_wait):
                 replica = await asyncio.shield(waiter.future)
@@ -341,6 +347,14 @@ class ModelQueue:
         if waiter.rank >= self.batch_rank and call is not None:
             self.batch_held.add(id(call))
         return replica
+
+    def preempt_for(self, waiter: Waiter) -> None:
+        """A request of a better class than the batch class waits: stop the youngest Batch API line holding a slot
+        of a replica it may use, if any may be stopped (policies/preemption.py); its slot comes to the waiters as
+        any freed one."""
+        usable = [r for r in self.replicas if r.routable and r not in waiter.exclude]
+        if preempt_youngest(self.batch_held, usable):
+            self.metrics.batch_preemptions.labels(self.model).inc()
 
     def waits_for_a_replica(self, exclude: Sequence[Replica], spill_after: float | None) -> bool:
         """No replica can serve: wait for one to start (scale from zero) rather than fail at once? Only for a

@@ -42,6 +42,13 @@ class BatchSettings(BaseModel):
     # for a batch line to end (docs/benchmarks.md: the batch fill benchmark)
     max_in_flight: int = Field(16, ge=1, le=4096)
     priority_class: str = "batch"  # the class lines are admitted in (the last class when the policy has no such one)
+    # a line holding a slot gives it back the moment a better class's request must wait for one: its call is stopped
+    # (vLLM keeps its prompt cached) and it runs again, so interactive work never waits for a line to end; off: a
+    # line holds its slot to its end, and only queue.reserve keeps slots free (policies/preemption.py)
+    preempt: bool = True
+    # times a line may be preempted; its next run goes to its end, so no line is put off for ever (counted while one
+    # process holds the line's claim)
+    max_preemptions: int = Field(3, ge=0, le=100)
     # lines may spill to a model's rented provider (for a key whose data policy allows it); off by default: batch
     # work exists to fill owned GPUs' idle time, and renting it costs full price for work that can wait
     allow_rented: bool = False

@@ -121,6 +121,10 @@ class GatewayMetrics:
             " down while it waited).",
             ["model", "reason"], registry=r,
         )
+        self.batch_preemptions = Counter(
+            "llm_gateway_batch_preemptions_total", "Batch API lines stopped to give their slot to a better class's"
+            " waiting request (batch.preempt, policies/preemption.py); each runs again.", ["model"], registry=r,
+        )
         # each call of a variant moves these: tallied like the calls' own (policies/tally.py)
         self.variant_requests = TallyCounter(
             "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"

@@ -6,7 +6,9 @@ Each gateway process runs one; with several on one Redis they share the lines th
 policies/batches/store.py): a line is claimed before it runs, its claim renewed while it runs, and its result
 recorded only under that claim, so every line is answered exactly once and a dead process's lines are claimed
 again once their claims expire. A line that finds no capacity (429, 503) goes back to pending and is tried
-later; any other answer, success or error, is its result.
+later; any other answer, success or error, is its result. A line preempted (its slot given to a better class's
+request, policies/preemption.py) runs again at once under its claim, up to `batch.max_preemptions` times; the run
+after those may not be preempted, so every line ends.
 
 A batch's status moves as OpenAI documents: validating -> in_progress -> finalizing -> completed; cancelling ->
 cancelled; expired once its window passes. Writing the output files is claimed too (`_settling`, a time), so one
@@ -36,6 +38,7 @@ from policies.batches.files import FileDir
 from policies.batches.jsonl import Lines
 from policies.batches.service import add_usage, no_usage
 from policies.batches.store import OPEN, BatchStore
+from policies.preemption import PREEMPTIBLE
 from policies.store import StoreUnavailable
 
 log = logging.getLogger("gateway.batches")
@@ -48,6 +51,11 @@ STALE_TEMPORARY = 6 * 3600.0
 
 class TryLater(Exception):
     """No capacity for the line now (the queue refused it, no backend is up, the store is failing over)."""
+
+
+class Preempted(TryLater):
+    """The line's call was stopped to give its slot to a better class's request (policies/preemption.py): it runs
+    again."""
 
 
 class Answer(NamedTuple):
@@ -266,7 +274,7 @@ class Runner:
     async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:
         batch_id = record["id"]
         try:
-            answer = await self.execute(record, line)
+            answer = await self.runs(record, line)
         except TryLater:
             await self.store.release(batch_id, self.name, n)
             await asyncio.sleep(self.settings().poll_seconds)  # the line's slot stays empty for a moment
@@ -282,6 +290,23 @@ class Runner:
         if not await self.store.complete(batch_id, self.name, n, ok, result):
             log.warning("batch %s line %d: its claim had expired; the result of the process now holding it counts",
                         batch_id, n)
+
+    async def runs(self, record: dict[str, Any], line: dict[str, Any]) -> Answer:
+        """The line's answer: a run preempted is run again at once (it waits for a slot in its class's turn), and
+        the run after batch.max_preemptions of them (or any, with batch.preempt off) may not be preempted."""
+        settings = self.settings()
+        left = settings.max_preemptions if settings.preempt else 0
+        while True:  # bounded: `left` falls by one a pass, and a run with none left is not preempted
+            allowed = PREEMPTIBLE.set(left > 0)
+            try:
+                return await self.execute(record, line)
+            except Preempted:
+                if left <= 0:
+                    raise  # not ours to preempt: tried later as any line refused for capacity
+                left -= 1
+                log.debug("batch %s line %s was preempted; it runs again", record["id"], line.get("custom_id"))
+            finally:
+                PREEMPTIBLE.reset(allowed)
 
     async def fail(self, batch_id: str, code: str, message: str) -> None:
         record = await self.store.get_batch(None, batch_id)

@@ -3,9 +3,12 @@
     python -m tests.benchmarks.batch_fill                    # the simulator configured like the talk's GPU (knee 32)
     python -m tests.benchmarks.batch_fill --vllm             # a real CPU vLLM it starts (tiny model, one core)
     python -m tests.benchmarks.batch_fill --url URL --model NAME   # a vLLM already running (e.g. on a GPU)
+    python -m tests.benchmarks.batch_fill --no-preempt       # lines hold their slots to their end (batch.preempt off)
 
 With --vllm (and --url) the backend schedules by priority (`--scheduling-policy priority`, `--max-num-seqs` the
 cap, so nothing waits inside vLLM that the gateway let through) and the gateway sends each class's vLLM priority.
+A batch line gives its slot to an interactive request that must wait for one (`batch.preempt`, on by default;
+`--no-preempt` turns it off, so the same run can be measured both ways); the lines preempted are counted.
 Four runs, each `--duration` seconds after `--warmup`:
   1. interactive alone: a closed loop of streaming chat at `--interactive` concurrency, below the backend's cap,
      so the backend has idle capacity: the reference TTFT p50 and p99, and from the own-or-rent report the
@@ -58,16 +61,17 @@ sys.path.insert(0, str(REPO))
 
 from policies.admission import reserve_for  # noqa: E402
 from tests.benchmarks.overload import closed_loop, issue_key  # noqa: E402
-from tests.support.probes import wait_http_ok  # noqa: E402
+from tests.support.probes import metric_sum, wait_http_ok  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 BUCKET = 1  # ledger seconds per bucket: the report's windows line up with the runs (short ones too)
 
 
 def start_gateway(backend_url: str, model: str, cap: int, work: Path, concurrency: int, reserve: int | None,
-                  priority: bool = False):
+                  priority: bool = False, preempt: bool = True):
     """The gateway as overload.start_gateway starts it, with the batch settings and the model's reserve
-    (`priority`: the backend schedules by priority, and is sent each class's vLLM priority)."""
+    (`priority`: the backend schedules by priority, and is sent each class's vLLM priority; `preempt`:
+    batch.preempt)."""
     secret, port = secrets.token_urlsafe(32), free_port()
     queue = {"max_depth": 10_000, "max_wait": 120, **({} if reserve is None else {"reserve": reserve})}
     backend = {"url": backend_url, "cap": cap, **({"scheduling_policy": "priority"} if priority else {})}
@@ -75,7 +79,7 @@ def start_gateway(backend_url: str, model: str, cap: int, work: Path, concurrenc
               "timeouts": {"read": 300}, "ledger": {"bucket_seconds": BUCKET},
               "models": [{"name": model, "backends": [backend], "queue": queue}],
               "batch": {"files_dir": str(work / "files"), "concurrency": concurrency, "max_in_flight": concurrency,
-                        "poll_seconds": 0.5}}
+                        "poll_seconds": 0.5, "preempt": preempt}}
     (work / "policy.yaml").write_text(yaml.safe_dump(policy))
     cli = Path(sys.executable).with_name("llm-gateway")  # the installed command; else the package's (a GPU site)
     argv = [str(cli)] if cli.exists() else [sys.executable, "-m", "gateway"]
@@ -118,7 +122,7 @@ def rate_between(counts: list[tuple[float, int]], since: float, until: float) ->
 async def measure(backend_url: str, model: str, cap: int, args, work: Path, priority: bool = False) -> dict:
     """The four runs of the module's docstring through a fresh gateway in front of `backend_url`."""
     proc, url, token, key = start_gateway(backend_url, model, cap, work, args.batch_concurrency, args.reserve,
-                                          priority)
+                                          priority, preempt=not args.no_preempt)
     try:
         began = time.time()
         alone = await closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup, args.duration,
@@ -162,13 +166,21 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path, prio
         await sdk.close()
         again = await closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup, args.duration,
                                   "interactive alone again")
+        preempted = preemptions(url, model)
     finally:
         proc.terminate()
         proc.wait(30)
     return {"runs": [alone, beside, again], "utilisation": [util_alone, util_beside], "batch_alone": util_batch,
             "lines_per_second_alone": rate_alone, "lines_per_second": rate, "cap": cap,
             "reserve": reserve_for(cap, args.reserve), "interactive": args.interactive, "lines": args.lines,
-            "lines_answered": final.request_counts.completed, "lines_failed": final.request_counts.failed}
+            "lines_answered": final.request_counts.completed, "lines_failed": final.request_counts.failed,
+            "preempt": not args.no_preempt, "preemptions": preempted}
+
+
+def preemptions(url: str, model: str) -> float:
+    """Batch lines the gateway preempted for interactive requests (llm_gateway_batch_preemptions_total)."""
+    return metric_sum(httpx.get(f"{url}/metrics", timeout=30).text, "llm_gateway_batch_preemptions_total",
+                      model=model)
 
 
 def reference(result: dict, q: int) -> float:
@@ -254,6 +266,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-concurrency", type=int,
                         help="batch.concurrency and max_in_flight (default: the cap; the reserve bounds what runs)")
     parser.add_argument("--reserve", type=int, help="the model's queue.reserve (default: the policy's)")
+    parser.add_argument("--no-preempt", action="store_true",
+                        help="batch.preempt off: a batch line holds its slot to its end, whoever waits")
     parser.add_argument("--fill", type=float, default=0.8, help="least share of the idle capacity the batch fills")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)
@@ -275,14 +289,15 @@ def report(result: dict, args: argparse.Namespace, label: str) -> list[tuple[str
     """Prints the table and the checks (and writes --json); returns the checks."""
     label += (f"; {args.interactive} interactive streams of {args.output_tokens} tokens; a batch of {args.lines}"
               f" lines of {args.batch_tokens} tokens, up to {args.batch_concurrency} in flight; reserve"
-              f" {result['reserve']}")
+              f" {result['reserve']}; preemption {'on' if result['preempt'] else 'off'}")
     share, allowed = idle_share(result)
     done, left = work_share(result)
     print(f"\n{label}\n\n{table(result)}\n\nbatch: {result['lines_answered']} lines answered, "
           f"{result['lines_failed']} failed by the end of run 3; beside the interactive load it used"
           f" {share:.0%} of the idle slot-seconds (the reserve allows {allowed:.0%}) and ran at {done:.0%} of its"
           f" lines/s alone (the load leaves it {left:.0%} of its slots); interactive TTFT p50"
-          f" {ttft_ratio(result, 50):.2f}x, p99 {ttft_ratio(result, 99):.2f}x without the batch\n", flush=True)
+          f" {ttft_ratio(result, 50):.2f}x, p99 {ttft_ratio(result, 99):.2f}x without the batch; lines preempted:"
+          f" {result['preemptions']:,.0f}\n", flush=True)
     verdict = checks(result, args.bound, args.fill)
     for text, ok in verdict:
         print(f"{'PASS' if ok else 'FAIL'}  {text}", flush=True)

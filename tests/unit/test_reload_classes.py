@@ -17,6 +17,7 @@ LIVE = {
     "batch.concurrency", "batch.max_in_flight", "batch.priority_class", "batch.allow_rented", "batch.claim_seconds",
     "batch.poll_seconds", "batch.completion_window_seconds", "batch.max_bytes_per_key", "batch.max_files_per_key",
     "batch.file_retention_seconds", "batch.output_retention_seconds", "batch.sweep_seconds",
+    "batch.preempt", "batch.max_preemptions",  # read by the runner for each run of a line
 }
 # Grouped settings whose sub-settings are classified one by one (in LIVE or NEEDS_RESTART).
 SPLIT = {"routing", "rate_limits", "batch"}
