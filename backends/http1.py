@@ -30,7 +30,7 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -151,7 +151,8 @@ class SocketDialer:
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
         self.ssl_context = ssl_context
 
-    async def dial(self, host, port, *, tls, server_name, timeout, factory):
+    async def dial(self, host: str, port: int, *, tls: bool, server_name: str, timeout: float | None,
+                   factory: Callable[[], Connection]) -> Connection:
         context = None
         if tls:
             context = self.ssl_context = self.ssl_context or ssl.create_default_context()
@@ -187,7 +188,7 @@ class Response:
         self.complete = False
         self.keep_alive = False
         self._error: UpstreamError | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._headers_done = False
         self._got_bytes = False
         self._until_close = False
@@ -319,10 +320,11 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.write_timer: asyncio.TimerHandle | None = None
-        self.drained: asyncio.Future | None = None  # set while the kernel's buffer is full (see drain)
+        self.drained: asyncio.Future[None] | None = None  # set while the kernel's buffer is full (see drain)
 
     def send(self, head: bytes, body: bytes, timeout: float | None) -> Response:
         response = self.response = Response(self, self.client, timeout)
+        assert self.transport is not None  # connection_made came before the dial returned this connection
         self.transport.write(head + body if body else head)
         return response
 
@@ -334,16 +336,19 @@ class Connection(asyncio.Protocol):
 
     def pause(self) -> None:
         if not self.closed:
+            assert self.transport is not None  # bytes arrived, so the connection was made
             self.transport.pause_reading()
 
     def resume(self) -> None:
         if not self.closed:
+            assert self.transport is not None  # bytes arrived, so the connection was made
             self.transport.resume_reading()
 
     # asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=0)  # told at once when a write cannot go out whole (write timeout)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream protocol's transport (TCP, TLS) is an asyncio.Transport; the base class names the base type
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=0)  # told at once when a write cannot go out whole (write timeout)
 
     async def drain(self) -> None:
         """Wait until what was written went to the kernel (or the connection closed)."""
@@ -388,10 +393,10 @@ class Connection(asyncio.Protocol):
         if not response._headers_done:  # rare: a head split over reads (or one that never ends)
             response._head_grew(len(data))
 
-    def eof_received(self):
+    def eof_received(self) -> bool | None:
         return None  # close our side too; connection_lost follows
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.resume_writing()
         response = self.response
@@ -407,11 +412,15 @@ class Connection(asyncio.Protocol):
             response._fail(Broken(f"{self.origin.host_header} closed the connection mid-response"))
 
     # httptools callbacks
+    # (the parser is fed only while a response is waiting: see data_received)
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.response.raw_headers.append((name, value))
+        response = self.response
+        assert response is not None
+        response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self.response
+        assert response is not None
         status = self.parser.get_status_code()
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
             response.raw_headers.clear()
@@ -429,10 +438,13 @@ class Connection(asyncio.Protocol):
         response._wake()
 
     def on_body(self, body: bytes) -> None:
-        self.response._feed(body)
+        response = self.response
+        assert response is not None
+        response._feed(body)
 
     def on_message_complete(self) -> None:
         response = self.response
+        assert response is not None
         if not response._headers_done:
             return  # the end of an interim answer
         response.complete = True
@@ -472,7 +484,7 @@ class Client:
         while True:
             conn = self._reuse(origin)
             fresh = conn is None
-            if fresh:
+            if conn is None:
                 conn = await self._dial(origin, connect_timeout)
             response = conn.send(head, body, timeout)
             try:
@@ -497,16 +509,18 @@ class Client:
         timeout = read_timeout if read_timeout is not None else self.read_timeout
         conn = await self._dial(origin, connect_timeout)
         response = conn.send(head, b"", timeout)
+        transport = conn.transport
+        assert transport is not None  # send wrote the head on it
         try:
             async for chunk in chunks:
                 if response._headers_done or response._error is not None or conn.closed:
                     response._reusable = False
                     break
-                conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 await conn.drain()
             else:
                 if not conn.closed:
-                    conn.transport.write(b"0\r\n\r\n")
+                    transport.write(b"0\r\n\r\n")
             await response._wait_headers()
         except BaseException:
             response.close()

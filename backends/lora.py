@@ -95,7 +95,8 @@ def held(replica: Replica) -> Held:
     """The replica's adapters (made on first use; kept on the replica across policy reloads)."""
     if replica.lora is None:
         replica.lora = Held()
-    return replica.lora
+    adapters: Held = replica.lora  # untyped on Replica: backends/replicas.py cannot import this module
+    return adapters
 
 
 def listed_adapters(body: bytes) -> dict[str, str | None] | None:
@@ -209,7 +210,7 @@ class LoraAdapters:
         self.on_event(replica, name, "unload")
         log.info("unloaded adapter %s from replica %s (least recently used)", name, replica.name)
 
-    async def _post(self, client: Client, replica: Replica, path: str, body: dict, deadline: float,
+    async def _post(self, client: Client, replica: Replica, path: str, body: dict[str, str | None], deadline: float,
                     what: str) -> tuple[int, str]:
         timings = self.timings(replica)
         upstream = replica.upstream or replica.connect(client)

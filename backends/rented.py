@@ -91,8 +91,10 @@ class RentedProviders:
         """Each target's upstream through `client`, carrying its provider's key (made once per client)."""
         for target in self.targets.values():
             if target.upstream is None or target.upstream.client is not client:
-                target.upstream = Upstream(client, target.url, timeout=self.timeouts[target.rented],
-                                           headers={"authorization": f"Bearer {self.keys[target.rented]}"})
+                provider = target.rented
+                assert provider is not None  # every target here is a rented one (made above)
+                target.upstream = Upstream(client, target.url, timeout=self.timeouts[provider],
+                                           headers={"authorization": f"Bearer {self.keys[provider]}"})
 
     def cost(self, provider: str, prompt_tokens: int, completion_tokens: int) -> float:
         price = self.prices[provider]

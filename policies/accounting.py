@@ -15,8 +15,10 @@ flushes before it reads usage, and shutdown flushes what is left.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from backends.replicas import split_group
+from policies.background import Background
 from policies.finished import Finished
 from policies.store import Store
 
@@ -27,7 +29,7 @@ class FlushTimer:
     """Runs `flush()` on the background runner `every` seconds after something first waits for it (`arm`),
     once per arming; a flush that failed re-arms with a longer delay. Shared by the usage and cost ledgers."""
 
-    def __init__(self, every: float, background, flush) -> None:
+    def __init__(self, every: float, background: Background, flush: Callable[[], Awaitable[None]]) -> None:
         self.every = every
         self.background = background
         self.flush = flush
@@ -50,7 +52,7 @@ class FlushTimer:
 class RecordUsage:
     name = "record-usage"
 
-    def __init__(self, store: Store, background) -> None:
+    def __init__(self, store: Store, background: Background) -> None:
         self.store = store
         self.background = background
         self.pending: dict[tuple[str, str, bool], list[int]] = {}  # -> [requests, prompt, completion]

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from backends.egress import inside, networks
+from policies.background import Background
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 from policies.keys import KeyRecord, key_id_of
 from policies.pipeline import Call
@@ -71,8 +73,8 @@ class KeyCache:
 class Authenticate:
     name = "authenticate"
 
-    def __init__(self, store: Store, cache_seconds: float, background, stale_seconds: float = 0.0,
-                 on_outage=None) -> None:
+    def __init__(self, store: Store, cache_seconds: float, background: Background, stale_seconds: float = 0.0,
+                 on_outage: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.cache = KeyCache(cache_seconds, max(cache_seconds, stale_seconds))
         self.on_outage = on_outage or (lambda outcome: None)  # told "cached" or "refused" per lookup
@@ -110,7 +112,7 @@ class Authenticate:
     async def verify(self, authorization: str | None) -> KeyRecord:
         key = bearer_key(authorization)
         key_id = key_id_of(key) if key else None
-        if key_id is None:
+        if key_id is None or key is None:
             raise AuthenticationFailed(INVALID)
         now = time.time()
         mono = time.monotonic()
@@ -168,6 +170,7 @@ class Authorize:
 
     async def enter(self, call: Call) -> None:
         key = call.key
+        assert key is not None  # the key step ran first
         if key.models is not None and call.model not in key.models:
             raise PermissionDenied(f"this API key may not use model {call.model}", param="model",
                                    code="model_not_allowed")

@@ -37,18 +37,23 @@ import datetime
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+from policies.background import Background
+from policies.config import Policy
 from policies.errors import RateLimited
 from policies.finished import RENTED, Finished
 from policies.keys import KeyBudget
 from policies.teams import OWNER_PREFIX
+from policies.ledger.sqlite import SQLiteLedger
 from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.pipeline import Call
 from policies.store import StoreError, StoreUnavailable
-from policies.store.sqlite_holds import HoldRow
+from policies.store.redis import RedisStore
+from policies.store.sqlite_holds import HoldRow, SQLiteHolds
 
 log = logging.getLogger("gateway.budget")
 
@@ -145,11 +150,12 @@ class MemoryBudgets:
     """Budgets in this process (embedded store): per (owner, period) [spent, reserved, tokens, reserved tokens].
     An owner is a key id, or a team's `team:<name>` (`members` then names its keys, whose ledger rows count)."""
 
-    def __init__(self, ledger, members=None) -> None:
+    def __init__(self, ledger: SQLiteLedger, members: Callable[[str], Awaitable[list[str]]] | None = None) -> None:
         self.ledger = ledger
         self.members = members  # async (team name) -> its key ids
         self.counts: dict[tuple[str, int], list[float]] = {}
-        self.holds = getattr(ledger, "holds", None)  # the file's written reservations (the SQLite ledger's)
+        # the file's written reservations (the SQLite ledger's)
+        self.holds: SQLiteHolds | None = getattr(ledger, "holds", None)
         self.durable = self.holds is not None
         self.orphans_settled = not self.durable
         self.settling: asyncio.Lock | None = None
@@ -186,7 +192,8 @@ class MemoryBudgets:
                 del self.counts[old]  # an earlier period is over
         return counts
 
-    async def reserve(self, key_id, start, end, max_spend, cost, max_tokens, want_tokens) -> Verdict:
+    async def reserve(self, key_id: str, start: int, end: int, max_spend: float | None, cost: float,
+                      max_tokens: int | None, want_tokens: int) -> Verdict:
         c = await self.counters(key_id, start)
         if max_tokens is not None and c[2] + c[3] + min(want_tokens, max_tokens) > max_tokens:
             return Verdict(False, False, c[0], c[2])
@@ -269,7 +276,7 @@ class RedisBudgets:
 
     durable = False  # each reservation is an atomic write to the period's hash in Redis already
 
-    def __init__(self, store) -> None:
+    def __init__(self, store: RedisStore) -> None:
         self.store = store
         self._reserve = store.client.register_script(RESERVE)
         self._settle = store.client.register_script(SETTLE)
@@ -277,7 +284,8 @@ class RedisBudgets:
     def name(self, key_id: str, start: int) -> str:
         return f"{self.store.prefix}budget:{{{key_id}:{start}}}"
 
-    async def reserve(self, key_id, start, end, max_spend, cost, max_tokens, want_tokens) -> Verdict:
+    async def reserve(self, key_id: str, start: int, end: int, max_spend: float | None, cost: float,
+                      max_tokens: int | None, want_tokens: int) -> Verdict:
         args = [-1 if max_spend is None else repr(float(max_spend)), repr(cost),
                 -1 if max_tokens is None else max_tokens, want_tokens, end + 86400]
         async with self.store.guard("budget reserve"):
@@ -315,7 +323,8 @@ class Budget:
 
     name = "budget"
 
-    def __init__(self, policy, budgets, rented_cost, background) -> None:
+    def __init__(self, policy: Policy, budgets: Budgets, rented_cost: Callable[[str, int, int], float],
+                 background: Background) -> None:
         self.budgets = budgets
         self.rented_cost = rented_cost  # (provider, prompt, completion) -> currency units
         self.background = background
@@ -385,7 +394,8 @@ class Budget:
                         f"{budget.period}", "budget_exceeded", end)
         return hold
 
-    async def reserve(self, call: Call, hold: Hold, max_spend, cost: float, max_tokens, want: int) -> Verdict | None:
+    async def reserve(self, call: Call, hold: Hold, max_spend: float | None, cost: float, max_tokens: int | None,
+                      want: int) -> Verdict | None:
         """One atomic check-and-reserve; None while the store is down (then the call stays owned)."""
         try:
             verdict = await self.budgets.reserve(hold.key_id, hold.start, hold.end,

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -85,33 +86,39 @@ def write_cap(path: str | os.PathLike[str], backend: str, cap: int) -> int | Non
     return previous
 
 
-def _tree(data):
+def _tree(data: object) -> Any:
     """A copy with no shared parts: YAML aliases load as one shared object, which would hide a double edit."""
     return json.loads(json.dumps(data, default=str))
 
 
 def _value(mapping: yaml.Node, key: str) -> yaml.Node | None:
-    for k, v in mapping.value:
+    pairs: list[tuple[yaml.Node, yaml.Node]] = mapping.value
+    for k, v in pairs:
         if isinstance(k, yaml.ScalarNode) and k.value == key:
             return v
     return None
 
 
-def _backend_node(root: yaml.Node, i: int, j: int) -> yaml.MappingNode:
+def _backend_node(root: yaml.Node | None, i: int, j: int) -> yaml.MappingNode:
+    assert root is not None  # locate() found the backend at (i, j), so these nodes are there
     models = _value(root, "models")
+    assert models is not None
     backends = _value(models.value[i], "backends")
-    return backends.value[j]
+    assert backends is not None
+    node: yaml.MappingNode = backends.value[j]
+    return node
 
 
 def _edit(text: str, node: yaml.MappingNode, cap: int) -> str:
     current = _value(node, "cap")
     if current is not None:  # replace the value in place: its comment and the key's position stay
         return text[:current.start_mark.index] + str(cap) + text[current.end_mark.index:]
-    end = node.value[-1][1].end_mark.index
+    pairs: list[tuple[yaml.Node, yaml.Node]] = node.value
+    end = pairs[-1][1].end_mark.index
     if node.flow_style:
         return text[:end] + f", cap: {cap}" + text[end:]
     eol = "\r\n" if "\r\n" in text else "\n"
-    line = " " * node.value[0][0].start_mark.column + f"cap: {cap}"
+    line = " " * pairs[0][0].start_mark.column + f"cap: {cap}"
     if end == 0 or text[end - 1] == "\n":  # a block scalar ends at the start of the next line
         return text[:end] + line + eol + text[end:]
     nl = text.find("\n", end)  # after the last key's line, with its end-of-line comment

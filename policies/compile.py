@@ -6,10 +6,12 @@ timings, the rented providers) is handed plain settings built here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from backends.kv_events import KVEventSource
 from backends.rented import Price, ProviderSettings, RentedProviders
 from backends.replicas import AdaptiveLimit, HealthTimings, Replica, ReplicaSet
-from policies.config import Adaptive, Health, KVEvents, Model, Policy, backend_name, groups_of
+from policies.config import Adaptive, Health, KVEvents, Model, Policy, Variant, backend_name, groups_of
 
 
 def health_timings(health: Health) -> HealthTimings:
@@ -23,7 +25,7 @@ def adaptive_limit(adaptive: Adaptive | None) -> AdaptiveLimit | None:
 
 def replicas_of(model: Model) -> list[Replica]:
     """The replicas of a model's `backends` list (its variants' lists, flattened in order, when it has any)."""
-    variants = [v for v in model.variants for _ in v.backends] or [None] * len(model.backends)
+    variants: list[Variant | None] = [v for v in model.variants for _ in v.backends] or [None] * len(model.backends)
     return [
         Replica(
             name=backend_name(model, i),
@@ -44,7 +46,9 @@ def replicas_of(model: Model) -> list[Replica]:
 def kv_event_source(config: KVEvents | None) -> KVEventSource | None:
     if config is None:
         return None
-    return KVEventSource(config.bind or config.connect, config.bind is not None, config.topic,
+    address = config.bind or config.connect
+    assert address is not None  # the schema wants exactly one of them
+    return KVEventSource(address, config.bind is not None, config.topic,
                          config.max_message_bytes, config.max_blocks, config.replay)
 
 
@@ -54,7 +58,7 @@ def replica_groups(model: Model) -> dict[str, list[Replica]]:
     return {group: [r for r in replicas if r.group == group] for group, _ in groups_of(model)}
 
 
-def replica_set(policy: Policy, on_change=None) -> ReplicaSet:
+def replica_set(policy: Policy, on_change: Callable[[Replica], None] | None = None) -> ReplicaSet:
     return ReplicaSet({g: rs for m in policy.models for g, rs in replica_groups(m).items()},
                       health_timings(policy.health), on_change)
 

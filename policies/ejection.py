@@ -165,8 +165,8 @@ class Ejections:
 
     @staticmethod
     def _state(replica: Replica) -> Outlier:
-        replica.outlier = Outlier()
-        return replica.outlier
+        outlier = replica.outlier = Outlier()
+        return outlier
 
 
 def ejected(replica: Replica) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from backends.replicas import Replica
@@ -104,5 +104,5 @@ class Observers:
                 log.exception("observer %s failed on request %s", name, record.request_id)
                 self.on_error(name)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Observer]:
         return iter(self.observers)

@@ -56,17 +56,20 @@ import secrets
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from backends.replicas import Replica
-from policies.admission import ModelQueue
-from policies.config import Caps
+from policies.admission import ModelQueue, Waiter
+from policies.config import Caps, Priorities, Queue
 from policies.errors import StateUnavailable
+from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.see_through import see_through
+from policies.routing import Profile
 from policies.store import StoreError, StoreUnavailable
+from policies.store.redis import RedisStore
 from policies.store.release_batch import ReleaseBatch
 
 log = logging.getLogger("gateway.caps")
@@ -235,7 +238,7 @@ class Grant(NamedTuple):
 class FleetSlots:
     """The Redis side: one script per acquire, release and renewal, through the store's client and guard."""
 
-    def __init__(self, store, caps: Caps) -> None:
+    def __init__(self, store: RedisStore, caps: Caps) -> None:
         self.store = store
         self.lease = caps.lease_seconds
         self.poll = caps.poll_interval
@@ -268,7 +271,7 @@ class FleetSlots:
         return time.monotonic() < self.down_until
 
     @contextlib.asynccontextmanager
-    async def guard(self, op: str):
+    async def guard(self, op: str) -> AsyncIterator[None]:
         try:
             async with self.store.guard(op):
                 yield
@@ -335,8 +338,10 @@ class FleetSlots:
 class FleetModelQueue(ModelQueue):
     """A model's queue whose caps count every gateway replica's requests (see the module's docstring)."""
 
-    def __init__(self, *args, fleet: FleetSlots, on_store_failure: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: str, replicas: list[Replica], config: Queue, profile: Profile,
+                 metrics: GatewayMetrics, priorities: Priorities | None = None, *, fleet: FleetSlots,
+                 on_store_failure: str) -> None:
+        super().__init__(model, replicas, config, profile, metrics, priorities)
         self.fleet = fleet
         self.mode = on_store_failure
         self.held: dict[Replica, list[str | None]] = {r: [] for r in self.replicas}  # None: counted locally only
@@ -346,11 +351,11 @@ class FleetModelQueue(ModelQueue):
         # leases given back but not yet sent to Redis: with the next acquire for the backend, or in a batch
         self.returning: ReleaseBatch[Replica, str] = ReleaseBatch(self.send_back)
         self.stranded: dict[Replica, dict[str, float]] = {}  # leases the store missed -> when to stop trying
-        self.retrier: asyncio.Task | None = None
-        self.tasks: set[asyncio.Task] = set()
-        self.poller: asyncio.Task | None = None
+        self.retrier: asyncio.Task[None] | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.poller: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()  # another process left room this one is first in line for
-        self.listeners: dict[Replica, asyncio.Task] = {}
+        self.listeners: dict[Replica, asyncio.Task[None]] = {}
         self.pumping = self.pump_again = False
         self.outage_logged = False
         self.due: dict[Replica, int] = {}  # the class each backend's fleet owes its next slot (min_share)
@@ -393,7 +398,7 @@ class FleetModelQueue(ModelQueue):
         self.fleet_count[replica] = held
         self.held_gauge(replica.name).set(held)
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -568,7 +573,7 @@ class FleetModelQueue(ModelQueue):
         if self.depth:
             self.spawn(self.pump())
 
-    def push(self, waiter, front: bool = False) -> None:
+    def push(self, waiter: Waiter, front: bool = False) -> None:
         super().push(waiter, front)
         if self.poller is None:  # someone waits here now: ask the fleet until nobody does
             self.poller = asyncio.get_running_loop().create_task(self.poll())

@@ -52,7 +52,7 @@ CIDR_PATTERN = _cidr_pattern()
 CIDR_FORM = re.compile(CIDR_PATTERN)
 
 
-def _integral(value):
+def _integral(value: object) -> object:
     """5.0 is the integer 5 (as in JSON Schema); strict validation then refuses true, "5" and 5.5."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 

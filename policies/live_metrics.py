@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from backends.replicas import ReplicaSet
+from policies.discovery import Discovery
 
 
 class LiveMetrics:
@@ -30,7 +33,7 @@ class LiveMetrics:
         registry.register(KVIndexCollector(replicas))
         self.registry = registry
 
-    def watching(self, discovery) -> None:
+    def watching(self, discovery: Discovery) -> None:
         """Export the state of `discovery`'s watches (policies/discovery.py), read at each scrape."""
         self.registry.register(WatchCollector(discovery))
 
@@ -50,10 +53,10 @@ class ReplicaCollector:
     def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # collected live; nothing to check at registration
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         counts = GaugeMetricFamily("llm_gateway_replicas", "Owned replicas per model, by source and state.",
                                    labels=["model", "source", "state"])
         draining = GaugeMetricFamily("llm_gateway_replicas_draining",
@@ -82,10 +85,10 @@ class KVIndexCollector:
     def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         indexed = [r for r in self.replicas if r.kv_index is not None]
         blocks = GaugeMetricFamily("llm_gateway_kv_blocks", "KV cache blocks vLLM holds, as its events say.",
                                    labels=["model", "backend"])
@@ -103,13 +106,13 @@ class WatchCollector:
     """Each discovery watch's state, last sync and failures, from the watches themselves: a watch that broke
     (the API server down, a frozen connection, an exception in its thread) shows here, not only in the log."""
 
-    def __init__(self, discovery) -> None:
+    def __init__(self, discovery: Discovery) -> None:
         self.discovery = discovery
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         labels = ["model", "source", "watch"]
         up = GaugeMetricFamily("llm_gateway_discovery_watch_up", "1 while a discovery watch is in sync with the"
                                " Kubernetes API; 0 while it is broken (retrying with backoff, its replicas as last"

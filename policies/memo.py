@@ -19,7 +19,7 @@ class Memo:
     def __init__(self, factory: Callable[..., Any], limit: int | None = None) -> None:
         self.factory = factory
         self.limit = limit
-        self.table: dict[tuple, Any] = {}
+        self.table: dict[tuple[Any, ...], Any] = {}
 
     def __call__(self, *key: Any) -> Any:
         value = self.table.get(key, _MISSING)

@@ -38,7 +38,8 @@ class ClientNetwork:
         allowed = network.allowed_client_cidrs
         self.allowed = None if allowed is None else networks(allowed)
         self.normalized = Memo(normalized, limit=PEER_CACHE)  # peer address as the server gives it
-        self.allowed_here = Memo(lambda address: inside(address, self.allowed), limit=PEER_CACHE)
+        self.allowed_here = Memo(lambda address: self.allowed is None or inside(address, self.allowed),
+                                 limit=PEER_CACHE)  # asked only when there is a list (admit)
 
     async def enter(self, call: Call) -> None:
         call.client_host = self.client_address(call.client_host, call.headers.get("x-forwarded-for"))

@@ -58,6 +58,7 @@ class Owners:
             secret = await self.load()
         except StoreUnavailable:
             raise StateUnavailable("the store is unavailable; try again shortly") from None
+        assert call.key is not None  # the key step ran first
         tag = partial(owner_tag, secret, call.key.id)
         for rest, carried, refusal in call.claims:
             if not hmac.compare_digest(tag(rest), carried):

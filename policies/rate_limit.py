@@ -14,9 +14,12 @@ import logging
 import math
 import time
 
+from policies.background import Background
 from policies.config import Policy
 from policies.errors import RateLimited, StateUnavailable
 from policies.ids import unique_id
+from policies.keys import KeyLimits
+from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.ratelimit.base import (
     CONCURRENCY,
@@ -42,7 +45,7 @@ WHAT = {REQUESTS: "requests per minute", TOKENS: "tokens per minute", CONCURRENC
 class RateLimit:
     name = "rate-limit"
 
-    def __init__(self, policy: Policy, limiter: Limiter, background, metrics) -> None:
+    def __init__(self, policy: Policy, limiter: Limiter, background: Background, metrics: GatewayMetrics) -> None:
         self.config = policy.rate_limits
         self.limiter = limiter
         self.local = limiter if isinstance(limiter, MemoryLimiter) else MemoryLimiter()
@@ -63,6 +66,7 @@ class RateLimit:
         """The limits this call counts against; remembered per (key record, model) while the record is the same
         object (the auth cache hands out one record per key until it refreshes it)."""
         key, team = call.key, call.team
+        assert key is not None  # the key step ran first (a batch's line comes with its key)
         cached = self.scope_cache.get((key.id, call.model))
         if cached is not None and cached[0] is key and cached[1] is team:
             return cached[2]
@@ -74,8 +78,10 @@ class RateLimit:
 
     def build_scopes(self, call: Call) -> tuple[Scope, ...]:
         """The key's limits, its team's (every key of the team counts against them together) and the model's."""
-        limits = call.key.limits
-        scopes = [Scope(f"key:{call.key.id}", limits.requests_per_minute, limits.tokens_per_minute,
+        key = call.key
+        assert key is not None  # the key step ran first (a batch's line comes with its key)
+        limits = key.limits
+        scopes = [Scope(f"key:{key.id}", limits.requests_per_minute, limits.tokens_per_minute,
                         limits.max_concurrent)]
         if call.team is not None:
             team = call.team.limits
@@ -101,6 +107,7 @@ class RateLimit:
         except StoreUnavailable:
             limiter = self.local
             decision = await self.outage(scopes, cost, member)
+        assert call.key is not None  # as scopes() found
         call.response_headers.update(headers(call.key.limits, decision))
         if not decision.allowed:
             self.refuse(call, decision)
@@ -161,6 +168,7 @@ class RateLimit:
         deadline = time.monotonic() + RELEASE_RETRY_SECONDS
         while True:
             try:
+                assert ticket.limiter is not None  # a ticket made by enter() names its limiter
                 await ticket.limiter.release(ticket, used)
                 return
             except StoreUnavailable:
@@ -170,7 +178,7 @@ class RateLimit:
                 await asyncio.sleep(0.5)
 
 
-def headers(limits, decision: Decision) -> dict[str, str]:
+def headers(limits: KeyLimits, decision: Decision) -> dict[str, str]:
     """OpenAI's x-ratelimit-* headers for the key's own limits."""
     out: dict[str, str] = {}
     if limits.requests_per_minute and decision.remaining_requests is not None:

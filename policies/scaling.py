@@ -37,12 +37,15 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from policies.admission import ModelQueue
 from policies.config import Autoscaling, Policy, groups_of, replica_cap
+from policies.store.redis import RedisStore
 
 log = logging.getLogger("gateway.scaling")
 
@@ -83,7 +86,7 @@ def needed(smoothed: float, cap: int, headroom: float) -> int:
 class ScalingSignal:
     """Computes every model's figures once a second; reading them (GET /scaling, a scrape) costs nothing."""
 
-    def __init__(self, registry: CollectorRegistry, store=None) -> None:
+    def __init__(self, registry: CollectorRegistry, store: RedisStore | None = None) -> None:
         self.store = store  # the Redis store when several gateway replicas share one (None: this process alone)
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.figures: dict[str, Figures] = {}
@@ -102,6 +105,7 @@ class ScalingSignal:
             registry=registry)
 
     def key(self, model: str) -> str:
+        assert self.store is not None  # asked only with a shared store (fleet_demand)
         return f"{self.store.prefix}scaling:{{{model}}}"
 
     async def fleet_demand(self, local: dict[str, tuple[int, int]],
@@ -109,13 +113,15 @@ class ScalingSignal:
         """Write this process's figures and sum every live process's, per model: (all demand, batch demand).
         A field is "<in flight> <queued> <time> <batch in flight> <batch queued>" (a process of the version
         before writes the first three: no batch demand of its own)."""
+        store = self.store
+        assert store is not None  # called only with a shared store (refresh)
         now = time.time()
         out: dict[str, float] = {}
         batches: dict[str, float] = {}
         for model, (in_flight, queued) in local.items():
             key = self.key(model)
-            async with self.store.guard("scaling_signal"):
-                pipe = self.store.client.pipeline(transaction=False)
+            async with store.guard("scaling_signal"):
+                pipe = store.client.pipeline(transaction=False)
                 pipe.hset(key, self.process, f"{in_flight} {queued} {now:.3f} {batch[model][0]} {batch[model][1]}")
                 pipe.expire(key, int(FORGET))
                 pipe.hgetall(key)
@@ -131,11 +137,11 @@ class ScalingSignal:
                         if len(parts) >= 5:
                             batched += int(parts[3]) + int(parts[4])
                 if dead:
-                    await self.store.client.hdel(key, *dead)
+                    await store.client.hdel(key, *dead)
             out[model], batches[model] = total, batched
         return out, batches
 
-    async def refresh(self, policy: Policy, queues: dict) -> None:
+    async def refresh(self, policy: Policy, queues: Mapping[str, ModelQueue]) -> None:
         """Recompute every model's figures from `queues` (the serving snapshot's admission queues, by model)."""
         groups = []
         for m in policy.models:
@@ -183,7 +189,7 @@ class ScalingSignal:
                 gauge.remove(gone)
         self.figures = figures
 
-    def view(self, model: str | None = None) -> dict | None:
+    def view(self, model: str | None = None) -> dict[str, Any] | None:
         """GET /scaling's body: every model's figures, or one model's (None: no such model has a signal)."""
         if model is not None:
             figures = self.figures.get(model)
@@ -191,7 +197,7 @@ class ScalingSignal:
         return {"models": {name: asdict(f) for name, f in self.figures.items()},
                 "fleet": self.store is not None and not self.fleet_failing}
 
-    async def run(self, current: Callable[[], tuple[Policy, dict]]) -> None:
+    async def run(self, current: Callable[[], tuple[Policy, Mapping[str, ModelQueue]]]) -> None:
         """Every EVERY seconds, for whichever snapshot serves (`current()`: its policy and admission queues)."""
         while True:
             try:

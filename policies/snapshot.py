@@ -25,6 +25,7 @@ from backends.replicas import ReplicaSet
 from policies.accounting import RecordUsage
 from policies.admission import Admission, ModelQueue, QueueFactory
 from policies.auth import Authenticate, Authorize
+from policies.background import Background
 from policies.budget import Budget, Budgets
 from policies.compile import rented_providers, replica_groups
 from policies.config import Policy, groups_of, profile_of
@@ -74,7 +75,7 @@ class Shared:
     authenticate: Authenticate
     owners: Owners
     record_usage: RecordUsage
-    background: object  # gateway.background.Background.run
+    background: Background  # gateway.background.Background.run
     queues: QueueFactory = ModelQueue  # the store kind's (policies/state): caps in this process or the fleet's
     budgets: Budgets | None = None  # per-key spend (policies/budget.py)
     record_ledger: RecordLedger | None = None  # the cost ledger's observer
@@ -162,8 +163,8 @@ def restart_needed(old: Policy, new: Policy) -> list[str]:
     return [path for path in NEEDS_RESTART if setting(old, path) != setting(new, path)]
 
 
-def setting(policy: Policy, path: str):
-    value = policy
+def setting(policy: Policy, path: str) -> object:
+    value: object = policy
     for part in path.split("."):
         value = getattr(value, part)
     return value

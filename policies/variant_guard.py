@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from math import log2
+from typing import Any, Protocol
 
 from policies.config import Guard, Model
-from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, level_key
+from policies.metrics import GatewayMetrics
+from policies.variant_signals import FAULTS, LOAD_LEVELS, Sample, Window, level_key
 
 log = logging.getLogger("gateway.variants")
 GUARD = "guard"  # how a weight change the guard makes begins its `why` (the audit log tells it from an admin's)
@@ -71,10 +74,10 @@ class GuardState:
     undecided: str | None = None  # why some signal could not be judged at the last look (None: all were)
     judging_since: float | None = None  # unix seconds since when some signal has been waiting
     warn_after: float = 300.0  # the guard's window: undecided for longer is worth an operator's look
-    ratios: dict | None = None  # each latency signal's worst candidate/baseline ratio at the last look
+    ratios: dict[str, float] | None = None  # each latency signal's worst candidate/baseline ratio at the last look
     load_matched_at: float | None = None  # unix seconds the last load matching began (one on is in Variants.load_matches)
 
-    def view(self, matching_left: int) -> dict:
+    def view(self, matching_left: int) -> dict[str, Any]:
         """`matching_left`: the candidate's calls the matching of its load may still last (0: none on)."""
         waited = round(time.time() - self.judging_since, 1) if self.undecided and self.judging_since else None
         return {"state": self.state, "reason": self.reason, "at": self.at, "step": self.step,
@@ -178,7 +181,10 @@ def judge_load_matched(guard: Guard, cand: list[Sample], base: list[Sample],
     return None, judged
 
 
-def latency_looks(guard: Guard, cand: list[Sample], base: list[Sample]):
+Latency = tuple[tuple[float, str] | None, tuple[int, int] | None, bool]  # compare_latency's answer
+
+
+def latency_looks(guard: Guard, cand: list[Sample], base: list[Sample]) -> Iterator[tuple[str, float, Latency]]:
     """(signal, limit, compare_latency's answer) for each latency signal the guard checks (a Sample's field of
     the same name)."""
     for signal, limit in (("itl", guard.max_itl_ratio), ("ttft", guard.max_ttft_ratio)):
@@ -196,12 +202,12 @@ def latency_signals(guard: Guard, cand: list[Sample]) -> set[str]:
             if limit is not None and any(getattr(s, signal) is not None for s in cand)}
 
 
-def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int):
+def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int) -> tuple[float, str] | None:
     """The worst candidate-over-baseline ratio of `field`'s p50 at comparable load: (ratio, where), or None."""
     return compare_latency(cand, base, field, need)[0]
 
 
-def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: int):
+def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: int) -> Latency:
     """(worst, closest, matched). `worst`: the highest candidate-over-baseline ratio of `field`'s p50 among the
     comparisons at comparable load that have `need` calls on both sides, as (ratio, where), or None while none
     has. `closest`: (candidate calls, baseline calls) of the comparison nearest to being judged, or None when
@@ -226,7 +232,8 @@ def compare_latency(cand: list[Sample], base: list[Sample], field: str, need: in
             if value is not None:
                 by_name.setdefault(s.load, ([], []))[side].append(value)
     levels = {level_key(name): values for name, values in by_name.items()}
-    worst = closest = None
+    worst: tuple[float, str] | None = None
+    closest: tuple[int, int] | None = None
     matched = False
     order = sorted(levels)
     for c, b in levels.values():
@@ -301,10 +308,38 @@ def _level_name(key: int) -> str:
     return str(key) if key <= LOAD_LEVELS[-1] else f">{LOAD_LEVELS[-1]}"
 
 
+class LoadMatching(Protocol):
+    left: int  # the candidate's calls it may still last
+
+
+class GuardedVariants(Protocol):
+    """What the guard reads and changes of policies.variants.Variants (which holds the guard, so it is not
+    imported here)."""
+
+    @property
+    def models(self) -> Mapping[str, Model]: ...
+
+    @property
+    def weights(self) -> Mapping[str, Mapping[str, float]]: ...
+
+    @property
+    def load_matches(self) -> Mapping[str, object]: ...
+
+    def window(self, model: str, variant: str) -> Window: ...
+
+    def set_weights(self, model: str, weights: dict[str, float], why: str = ...) -> dict[str, float]: ...
+
+    def match_load(self, model: str, candidate: str, baseline: str, seconds: float, calls: int) -> None: ...
+
+    def load_match_of(self, model: str, candidate: str) -> LoadMatching | None: ...
+
+    def end_load_match(self, model: str) -> None: ...
+
+
 class VariantGuard:
     """Every guarded model's candidates; their state is read by the admin view."""
 
-    def __init__(self, variants, metrics=None) -> None:
+    def __init__(self, variants: GuardedVariants, metrics: GatewayMetrics | None = None) -> None:
         self.variants = variants  # policies.variants.Variants
         self.metrics = metrics
         self.states: dict[tuple[str, str], GuardState] = {}
@@ -315,7 +350,7 @@ class VariantGuard:
             found = self.states[(model, variant)] = GuardState()
         return found
 
-    def view(self, model: str, variant: str) -> dict | None:
+    def view(self, model: str, variant: str) -> dict[str, Any] | None:
         config = self.variants.models.get(model)
         if config is None or config.guard is None:
             return None
@@ -339,7 +374,7 @@ class VariantGuard:
             if st is not None and st.state == ROLLED_BACK and weight > 0:
                 self.states[(model, variant)] = GuardState()
 
-    def adopt(self, model: str, views: dict[str, dict]) -> None:
+    def adopt(self, model: str, views: dict[str, dict[str, Any]]) -> None:
         """Verdicts another gateway replica's guard reached (policies/variant_share.py)."""
         for variant, view in views.items():
             st = self.state(model, variant)
@@ -347,9 +382,9 @@ class VariantGuard:
 
     def after_call(self, model: str, variant: str) -> None:
         config = self.variants.models.get(model)
-        guard = config.guard if config is not None else None
-        if guard is None:
+        if config is None or config.guard is None:
             return
+        guard = config.guard
         base = baseline_of(config)
         if variant == base:
             return
@@ -429,9 +464,9 @@ class VariantGuard:
         if matching:
             waiting = [*waiting, f"matching the two sides' load for up to {matching} more of its calls"]
         st.undecided = "; ".join(waiting) or None
-        st.judging_since = (st.judging_since or now) if waiting else None
+        since = st.judging_since = (st.judging_since or now) if waiting else None
         if self.metrics is not None:
-            self.metrics.variant_guard_undecided.labels(model, variant).set(now - st.judging_since if waiting else 0)
+            self.metrics.variant_guard_undecided.labels(model, variant).set(now - since if since is not None else 0)
 
     def roll_back(self, model: str, variant: str, signal: str, reason: str) -> None:
         st = self.state(model, variant)
@@ -444,7 +479,9 @@ class VariantGuard:
             self.metrics.variant_guard_actions.labels(model, variant, "rollback", signal).inc()
 
     def promote(self, config: Model, variant: str, base: str, st: GuardState) -> None:
-        steps = config.guard.promotion.steps
+        guard = config.guard
+        assert guard is not None and guard.promotion is not None  # after_call promotes only then
+        steps = guard.promotion.steps
         st.step += 1
         st.held = 0
         share = steps[st.step]

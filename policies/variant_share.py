@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import orjson
 
+from policies.store.redis import RedisStore
 from policies.variants import Variants
 
 log = logging.getLogger("gateway.variants")
@@ -24,7 +26,8 @@ SHARED = "shared"  # the `why` of a change adopted from another replica (not wri
 
 
 class SharedVariants:
-    def __init__(self, store, variants: Variants, background, interval: float = 0.5) -> None:
+    def __init__(self, store: RedisStore, variants: Variants, background: Callable[[Awaitable[object]], None],
+                 interval: float = 0.5) -> None:
         self.redis = store.client
         self.prefix = store.prefix
         self.variants = variants

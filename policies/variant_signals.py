@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
 
 from policies.memo import Memo
 
@@ -72,7 +73,7 @@ class Sample:
     load_matched: bool = False  # sent while the guard matched its variant's load with the baseline's
 
 
-def _validator(schema_json: bytes):
+def _validator(schema_json: bytes) -> Validator | None:
     """A jsonschema validator for a schema (checked once); None when the schema itself is not valid."""
     schema = orjson.loads(schema_json)
     cls = validators.validator_for(schema)
@@ -103,8 +104,8 @@ def json_object(text: Any) -> Any:
     return value if isinstance(value, dict) else None
 
 
-def structured_validity(body: dict, content: Any, tool_calls: list[dict], finish: str | None = None,
-                        refused: bool = False) -> bool | None:
+def structured_validity(body: dict[str, Any], content: Any, tool_calls: list[dict[str, Any]],
+                        finish: str | None = None, refused: bool = False) -> bool | None:
     """Whether the structured parts of an answer are valid; None when it has none. Where JSON was required
     (response_format json_object or json_schema) every answer counts: empty or null content, an answer cut at
     the length limit (finish_reason `length`) and a refusal are invalid, as the client cannot parse them. A tool
@@ -118,11 +119,12 @@ def structured_validity(body: dict, content: Any, tool_calls: list[dict], finish
         value = json_object(content) if not (cut or refused) else None
         ok = value is not None
         if ok and kind == "json_schema":
+            assert isinstance(fmt, dict)  # kind was read from it
             spec = fmt.get("json_schema")
             ok = valid_against(value, spec.get("schema") if isinstance(spec, dict) else None)
         verdicts.append(ok)
     if tool_calls:
-        declared = {}
+        declared: dict[str, Any] = {}
         for tool in body.get("tools") or ():
             function = tool.get("function") if isinstance(tool, dict) else None
             if isinstance(function, dict) and isinstance(function.get("name"), str):
@@ -134,7 +136,7 @@ def structured_validity(body: dict, content: Any, tool_calls: list[dict], finish
     return all(verdicts) if verdicts else None
 
 
-def whole_answer(response: Any) -> tuple[Any, list[dict], str | None, bool]:
+def whole_answer(response: Any) -> tuple[Any, list[dict[str, Any]], str | None, bool]:
     """Content, tool calls, finish_reason and whether it is a refusal, of a chat completion not streamed."""
     choices = response.get("choices") if isinstance(response, dict) else None
     if not choices or not isinstance(choices[0], dict):
@@ -144,7 +146,7 @@ def whole_answer(response: Any) -> tuple[Any, list[dict], str | None, bool]:
     content = message.get("content") if isinstance(message, dict) else None
     if content is None:
         content = choice.get("text")  # /v1/completions
-    calls = []
+    calls: list[dict[str, Any]] = []
     for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
@@ -153,7 +155,7 @@ def whole_answer(response: Any) -> tuple[Any, list[dict], str | None, bool]:
     return content, calls, choice.get("finish_reason"), refused
 
 
-def sse_events(chunks: Any) -> Iterator[dict]:
+def sse_events(chunks: Any) -> Iterator[dict[str, Any]]:
     """The JSON `data:` events of a chat or completions stream's chunks (cut anywhere)."""
     for line in b"".join(chunks).split(b"\n"):
         if not line.startswith(b"data: {"):
@@ -179,7 +181,7 @@ class StreamAnswer:
         self.finish: str | None = None
         self.refused = False
         self.text: list[str] = []
-        self.calls: dict[int, dict] = {}
+        self.calls: dict[int, dict[str, Any]] = {}
 
     def feed(self, events: bytes) -> None:
         if self.whole:
@@ -192,7 +194,7 @@ class StreamAnswer:
             if found:
                 self.finish = found.group(1).decode()
 
-    def take(self, event: dict) -> None:
+    def take(self, event: dict[str, Any]) -> None:
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -212,12 +214,12 @@ class StreamAnswer:
                 if isinstance(function.get("arguments"), str):
                     slot["arguments"] += function["arguments"]
 
-    def answer(self) -> tuple[str, list[dict]]:
+    def answer(self) -> tuple[str, list[dict[str, Any]]]:
         """Content and tool calls (only gathered when `whole`)."""
         return "".join(self.text), [self.calls[i] for i in sorted(self.calls)]
 
 
-def answer_of(call: Any) -> tuple[Any, list[dict]]:
+def answer_of(call: Any) -> tuple[Any, list[dict[str, Any]]]:
     """The content and tool calls of a finished chat call, streamed (gathered whole) or not."""
     if call.stream:
         return call.answer.answer() if call.answer is not None else (None, [])
@@ -225,7 +227,7 @@ def answer_of(call: Any) -> tuple[Any, list[dict]]:
     return content, calls
 
 
-def agreement(live: tuple[Any, list[dict]], shadow: tuple[Any, list[dict]]) -> tuple[bool, bool]:
+def agreement(live: tuple[Any, list[dict[str, Any]]], shadow: tuple[Any, list[dict[str, Any]]]) -> tuple[bool, bool]:
     """(exact, agreed): the same text and tool calls; or, where they differ, the same JSON values."""
     if live == shadow:
         return True, True
@@ -278,7 +280,8 @@ def sample_of(call: Any, now: float) -> Sample:
         answer = call.answer
         finish = answer.finish if answer is not None else None
         if answer is not None and answer.whole:
-            sample.structured = structured_validity(call.body, *answer.answer(), finish, answer.refused)
+            content, tool_calls = answer.answer()
+            sample.structured = structured_validity(call.body, content, tool_calls, finish, answer.refused)
     else:
         content, tool_calls, finish, refused = whole_answer(call.response)
         if call.answer.whole if call.answer is not None else wants_structure(call.body):  # decided as it came in
@@ -303,7 +306,7 @@ class Window:
         return [s for s in self.samples if s.at >= since]
 
 
-def summary(samples: list[Sample]) -> dict:
+def summary(samples: list[Sample]) -> dict[str, Any]:
     """What a window says: rates, and latency medians per load level (the admin view, the CLI, the guard)."""
     n = len(samples)
     errors: dict[str, int] = {}
@@ -314,7 +317,7 @@ def summary(samples: list[Sample]) -> dict:
     structured = [s.structured for s in served if s.structured is not None]
     agreed = [s.agreed for s in served if s.agreed is not None]
     exact = [s.exact for s in served if s.exact is not None]
-    by_load: dict[str, dict] = {}
+    by_load: dict[str, dict[str, Any]] = {}
     for level in sorted({s.load for s in served}, key=level_key):
         at = [s for s in served if s.load == level]
         by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),

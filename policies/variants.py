@@ -30,12 +30,14 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from backends.lora import AdapterTarget
 from backends.replicas import group_name
 from policies.config import Model, Policy
 from policies.finished import Finished
 from policies.memo import Memo
+from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.variant_guard import VariantGuard
 from policies.variant_signals import Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
@@ -123,7 +125,7 @@ def point_of(value: str) -> float:
 class Variants:
     """Every model's variants and their current weights; shared by the snapshots of one process."""
 
-    def __init__(self, metrics=None) -> None:
+    def __init__(self, metrics: GatewayMetrics | None = None) -> None:
         self.metrics = metrics
         self.signals = Memo(partial(Signals, metrics)) if metrics is not None else None
         self.plans: dict[str, Plan] = {}
@@ -218,7 +220,7 @@ class Variants:
         self.window(model, variant).add(sample)
         self.guard.after_call(model, variant)
 
-    def adopt(self, model: str, weights: dict, states: dict, why: str) -> None:
+    def adopt(self, model: str, weights: dict[str, float], states: dict[str, dict[str, Any]], why: str) -> None:
         """Take weights and guard verdicts another gateway replica decided (policies/variant_share.py)."""
         current = self.weights.get(model)
         if current is None:
@@ -237,9 +239,9 @@ class Variants:
             window = self.windows[(model, variant)] = Window()
         return window
 
-    def report(self, seconds: float | None = None) -> dict:
+    def report(self, seconds: float | None = None) -> dict[str, Any]:
         """Every model's variants side by side: weight and what their recent answers say."""
-        out = {}
+        out: dict[str, Any] = {}
         for name, model in self.models.items():
             weights = self.weights[name]
             out[name] = {"variants": [
@@ -248,7 +250,7 @@ class Variants:
                 for v in model.variants]}
         return out
 
-    def view(self, model: str) -> dict | None:
+    def view(self, model: str) -> dict[str, Any] | None:
         config = self.models.get(model)
         if config is None:
             return None
@@ -326,7 +328,7 @@ class VariantSignals:
 class Signals:
     """The Prometheus children of one variant, looked up once."""
 
-    def __init__(self, metrics, model: str, variant: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, model: str, variant: str) -> None:
         self.model, self.variant = model, variant
         self.requests = metrics.variant_requests  # tallies (policies/tally.py): keyed by the label values
         self.errors = Memo(partial(metrics.variant_errors.labels, model, variant))  # by kind

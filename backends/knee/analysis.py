@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 MIN_BULGE = 0.03  # a knee must rise this far above the chord (in normalized units); noise stays below it
 FLAT = 0.05  # a curve whose throughput varies less than this fraction of its peak is flat
@@ -78,7 +79,7 @@ class Knee:
     slo_ttft_p99: float | None = None
     scores: dict[int, float] = field(default_factory=dict)  # Kneedle's y - x per level, for the report
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["scores"] = {str(c): round(s, 4) for c, s in self.scores.items()}
         out["method"] = METHOD
@@ -103,7 +104,7 @@ def find_knee(points: list[Point], slo_ttft_p99: float | None = None) -> Knee:
         reason = f"{why}; but TTFT p99 misses the {slo_ttft_p99 * 1000:.0f} ms SLO even at c={usable[0].concurrency}"
         return Knee(knee, None, None, _join(reason, cut), slo_ttft_p99, scores)
     recommended = knee if slo_level is None else min(knee, slo_level)
-    if slo_level is not None and slo_level < knee:
+    if slo_ttft_p99 is not None and slo_level is not None and slo_level < knee:
         why += f"; capped at c={slo_level}, the largest level within the {slo_ttft_p99 * 1000:.0f} ms TTFT p99 SLO"
     return Knee(knee, slo_level, recommended, _join(why, cut), slo_ttft_p99, scores)
 
@@ -118,7 +119,7 @@ def _usable(points: list[Point]) -> tuple[list[Point], str]:
     for p in points:
         if p.concurrency >= 1 and math.isfinite(p.throughput):
             by_level[p.concurrency] = p
-    usable = []
+    usable: list[Point] = []
     for c in sorted(by_level):
         p = by_level[c]
         if p.errors:
@@ -203,10 +204,10 @@ def _fault(level: Point, below: Point) -> str | None:
 
 def _latency_scores(curve: list[Point]) -> dict[int, float]:
     """Kneedle's x - y on (log2 concurrency, TTFT p99), or {} when TTFT is missing or flat."""
-    ttfts = [p.ttft_p99 for p in curve]
-    if any(t is None for t in ttfts) or max(ttfts) <= min(ttfts):
+    ttfts = [p.ttft_p99 for p in curve if p.ttft_p99 is not None]
+    if len(ttfts) < len(curve) or max(ttfts) <= min(ttfts):
         return {}
     x0, x1 = math.log2(curve[0].concurrency), math.log2(curve[-1].concurrency)
     lo, hi = min(ttfts), max(ttfts)
-    return {p.concurrency: (math.log2(p.concurrency) - x0) / (x1 - x0) - (p.ttft_p99 - lo) / (hi - lo)
-            for p in curve}
+    return {p.concurrency: (math.log2(p.concurrency) - x0) / (x1 - x0) - (ttft - lo) / (hi - lo)
+            for p, ttft in zip(curve, ttfts, strict=True)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 COLOURS = ("#1f5fa8", "#c0392b", "#1e8449", "#8e44ad", "#e67e22", "#16a085", "#7f8c8d", "#d35400")
 
@@ -20,7 +21,7 @@ class CompareError(Exception):
     """A file that is not a knee sweep record."""
 
 
-def load(path: Path) -> dict:
+def load(path: Path) -> dict[str, Any]:
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -34,7 +35,7 @@ def label_of(path: Path) -> str:
     return path.stem.removeprefix("knee-")
 
 
-def summary(report: dict) -> dict:
+def summary(report: dict[str, Any]) -> dict[str, Any]:
     levels = report["levels"]
     cap = report["knee"].get("recommended")
     at_cap = next((r for r in levels if r["concurrency"] == cap), None)
@@ -43,9 +44,10 @@ def summary(report: dict) -> dict:
             at_cap["ttft_p99_s"], "peak_tps": peak["output_tokens_per_s"], "peak_c": peak["concurrency"]}
 
 
-def format_compare(reports: list[dict], labels: list[str]) -> str:
+def format_compare(reports: list[dict[str, Any]], labels: list[str]) -> str:
     """Per sweep: cap and the figures there; then throughput per level, each sweep against the first."""
-    rows = [("sweep", "cap", "tok/s at cap", "TTFT p99 at cap", "peak tok/s (at c)", "vs first at cap")]
+    rows: list[tuple[str, ...]] = [
+        ("sweep", "cap", "tok/s at cap", "TTFT p99 at cap", "peak tok/s (at c)", "vs first at cap")]
     base = summary(reports[0])
     for report, label in zip(reports, labels):
         s = summary(report)
@@ -84,7 +86,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
-def write_compare_png(reports: list[dict], labels: list[str], path: Path) -> None:
+def write_compare_png(reports: list[dict[str, Any]], labels: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -12,18 +12,19 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from .analysis import Knee, Point, find_knee
 from .sweep import LevelResult, SweepResult
 
 
-def points(levels: list[LevelResult] | list[dict]) -> list[Point]:
+def points(levels: list[LevelResult] | list[dict[str, Any]]) -> list[Point]:
     rows = [asdict(r) if isinstance(r, LevelResult) else r for r in levels]
     return [Point(r["concurrency"], r["output_tokens_per_s"], r["ttft_p99_s"], r["errors"], r.get("waiting_mean"))
             for r in rows]
 
 
-def build_report(result: SweepResult, slo_ttft_p99: float | None = None) -> dict:
+def build_report(result: SweepResult, slo_ttft_p99: float | None = None) -> dict[str, Any]:
     knee: Knee = find_knee(points(result.levels), slo_ttft_p99)
     return {
         "kind": "llm-gateway knee sweep",
@@ -68,7 +69,7 @@ def file_stem(model: str, when: float) -> str:
     return f"knee-{safe}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(when))}"
 
 
-def write_json(report: dict, path: Path) -> None:
+def write_json(report: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -82,7 +83,7 @@ def _g(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(report: dict) -> str:
+def format_table(report: dict[str, Any]) -> str:
     """A plain-text table of every level, the recommended cap marked, and the verdict below it."""
     cap = report["knee"]["recommended"]
     head = ("c", "held", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "TPOT p50", "running", "waiting",
@@ -114,7 +115,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_png(report: dict, path: Path) -> None:
+def write_png(report: dict[str, Any], path: Path) -> None:
     """Throughput and TTFT p99 against concurrency (log2 x), the cap marked; vLLM's gauges below."""
     import matplotlib
 
@@ -210,7 +211,7 @@ def _nan(values: list[float | None], fill: float = float("nan")) -> list[float]:
     return [fill if v is None else v for v in values]
 
 
-def _window(inputs: dict) -> str:
+def _window(inputs: dict[str, Any]) -> str:
     if not inputs.get("duration"):
         return f"{inputs['requests']} requests"
     more = f" and at least {inputs['min_requests']} requests" if inputs.get("min_requests") else ""

@@ -22,10 +22,16 @@ import math
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import SynchronizedArray
+from multiprocessing.context import SpawnProcess
+from typing import TypeAlias, TypedDict
 
 import httpx
 
 from .prompts import PromptMaker
+from .client import Sample
 from .sweep import LevelResult, Progress, SweepError, SweepSpec, _Level, _sample_gauges, _worker, stop
 
 START_TIMEOUT = 60.0  # seconds for the client processes to import and connect
@@ -33,17 +39,33 @@ TICK = 0.01  # how often a process reads the shared clock (the window's edges ar
 T0, T1, READY, ONCE, MEASURED = range(5)  # the shared clock's slots
 
 
+class _Part(TypedDict):
+    """What one client process measured in the window (see _drive), summed up by the parent."""
+
+    measured: list[Sample]
+    window_chunks: int
+    ok_tokens: int
+    ok_chunks: int
+    errors: int
+    examples: list[str]
+    area: float
+
+
+Clock: TypeAlias = "SynchronizedArray[float]"  # the shared clock, slots T0..MEASURED
+Results: TypeAlias = "Queue[tuple[str, _Part | str]]"  # ("ok", a part) or ("error", why), one per client process
+
+
 def shares(concurrency: int, processes: int) -> list[int]:
     """The level's streams split as evenly as possible."""
     return [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
 
 
-def _bump(clock, slot: int, amount: float) -> None:
+def _bump(clock: Clock, slot: int, amount: float) -> None:
     with clock.get_lock():
         clock[slot] += amount
 
 
-async def _drive(spec: SweepSpec, share: int, seed: int, words: int, clock, limit: float) -> dict:
+async def _drive(spec: SweepSpec, share: int, seed: int, words: int, clock: Clock, limit: float) -> _Part:
     """A client process's part of the level; returns what it measured in the window the parent set."""
     # Its own window is the parent's: no request count of its own closes it.
     local = dataclasses.replace(spec, duration=spec.duration or 1.0, requests=None, min_requests=None)
@@ -75,6 +97,7 @@ async def _drive(spec: SweepSpec, share: int, seed: int, words: int, clock, limi
         finally:
             await stop(level, tasks)
     t1 = level.t1
+    assert t1 is not None  # the loop above closed the level
     return {
         "measured": [s for s in level.measured if s.end <= t1],
         "window_chunks": level.window_chunks, "ok_tokens": level.ok_tokens, "ok_chunks": level.ok_chunks,
@@ -83,14 +106,14 @@ async def _drive(spec: SweepSpec, share: int, seed: int, words: int, clock, limi
     }
 
 
-def _process(spec: SweepSpec, share: int, seed: int, words: int, clock, out, limit: float) -> None:
+def _process(spec: SweepSpec, share: int, seed: int, words: int, clock: Clock, out: Results, limit: float) -> None:
     try:
         out.put(("ok", asyncio.run(_drive(spec, share, seed, words, clock, limit))))
     except BaseException as exc:  # reported to the parent, which fails the sweep with it
         out.put(("error", f"{type(exc).__name__}: {exc}"[:300]))
 
 
-async def _wait_for(predicate, limit: float) -> bool:
+async def _wait_for(predicate: Callable[[], bool], limit: float) -> bool:
     end = time.perf_counter() + max(0.0, limit)
     while not predicate():
         if time.perf_counter() >= end:
@@ -103,9 +126,12 @@ async def run_spread_level(client: httpx.AsyncClient, spec: SweepSpec, concurren
                            progress: Progress, index: str = "", deadline: float = math.inf) -> LevelResult:
     processes = spec.processes(concurrency)
     ctx = mp.get_context("spawn")  # a fresh interpreter: nothing of this process's event loop is inherited
-    clock = ctx.Array("d", 5)
-    out = ctx.Queue()
-    window_limit = spec.duration if spec.requests is None and spec.min_requests is None else spec.max_level_time
+    clock: Clock = ctx.Array("d", 5)
+    out: Results = ctx.Queue()
+    window_limit = spec.max_level_time
+    if spec.requests is None and spec.min_requests is None:
+        assert spec.duration is not None  # exactly one of duration and requests (SweepSpec)
+        window_limit = spec.duration
     limit = START_TIMEOUT + spec.warmup + spec.request_timeout + window_limit + 30.0  # a process's own bound
     procs = [ctx.Process(target=_process, daemon=True,
                          args=(spec, n, spec.seed * 100_000 + concurrency * 100 + i, words, clock, out, limit))
@@ -128,13 +154,14 @@ async def run_spread_level(client: httpx.AsyncClient, spec: SweepSpec, concurren
         level.t0 = t0
         gauges = asyncio.create_task(_sample_gauges(level, client))
         room = max(0.0, min(spec.duration or spec.max_level_time, deadline - t0))
-        if spec.requests is not None:
-            await _wait_for(lambda: clock[MEASURED] >= spec.requests, room)
+        requests, min_requests = spec.requests, spec.min_requests
+        if requests is not None:
+            await _wait_for(lambda: clock[MEASURED] >= requests, room)
         else:
             await asyncio.sleep(room)
-            if spec.min_requests is not None:
+            if min_requests is not None:
                 more = max(0.0, min(spec.max_level_time, deadline - t0) - room)
-                await _wait_for(lambda: clock[MEASURED] >= spec.min_requests, more)
+                await _wait_for(lambda: clock[MEASURED] >= min_requests, more)
         t1 = time.perf_counter()
         clock[T1] = t1
         level.t1 = t1
@@ -160,21 +187,22 @@ async def run_spread_level(client: httpx.AsyncClient, spec: SweepSpec, concurren
     return level.result()
 
 
-def _collect(out, processes: int, limit: float) -> list[dict]:
-    parts, end = [], time.monotonic() + limit
+def _collect(out: Results, processes: int, limit: float) -> list[_Part]:
+    parts: list[_Part] = []
+    end = time.monotonic() + limit
     while len(parts) < processes:
         try:
             status, value = out.get(timeout=max(0.1, end - time.monotonic()))
         except queue.Empty:
             raise SweepError(f"{processes - len(parts)} client processes sent no results within {limit:g} s") \
                 from None
-        if status != "ok":
+        if status != "ok" or isinstance(value, str):  # "ok" comes with a part
             raise SweepError(f"a client process failed: {value}")
         parts.append(value)
     return parts
 
 
-def _reap(procs: list) -> None:
+def _reap(procs: list[SpawnProcess]) -> None:
     for proc in procs:
         proc.join(timeout=10)
     for proc in procs:

@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -103,7 +103,7 @@ class SweepSpec:
         most = self.max_processes or os.cpu_count() or 1
         return max(1, min(most, math.ceil(concurrency / self.per_process), concurrency))
 
-    def public(self) -> dict:
+    def public(self) -> dict[str, Any]:
         """The inputs as the report records them: never the API key, nor credentials in the URL."""
         out = asdict(self)
         out["api_key"] = "(given)" if self.api_key else None
@@ -382,7 +382,7 @@ async def _show(level: _Level, progress: Progress, index: str) -> None:
         await asyncio.sleep(0.5)
 
 
-async def stop(level: _Level, tasks: list[asyncio.Task]) -> None:
+async def stop(level: _Level, tasks: list[asyncio.Task[None]]) -> None:
     """Close the level and cancel its workers (their requests are aborted) and helpers."""
     level.closed = True
     for task in tasks:
@@ -401,13 +401,14 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(level.all_once.wait(),
                                        min(spec.request_timeout, max(0.0, deadline - time.perf_counter())))
-        level.open(time.perf_counter())
+        t0 = time.perf_counter()
+        level.open(t0)
         tasks.append(asyncio.create_task(_sample_gauges(level, client)))
-        limit = max(0.0, min(spec.duration or spec.max_level_time, deadline - level.t0))
+        limit = max(0.0, min(spec.duration or spec.max_level_time, deadline - t0))
         if spec.requests is None:
             await asyncio.sleep(limit)
             if spec.min_requests is not None and not level.enough.is_set():
-                more = max(0.0, min(spec.max_level_time, deadline - level.t0) - limit)
+                more = max(0.0, min(spec.max_level_time, deadline - t0) - limit)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(level.enough.wait(), more)
         else:
@@ -417,5 +418,6 @@ async def run_level(client: httpx.AsyncClient, spec: SweepSpec, concurrency: int
             level.close(time.perf_counter())
     finally:
         await stop(level, tasks)
+    assert level.t1 is not None  # closed above, if not before
     progress.done(level.status("done", level.t1, index))
     return level.result()

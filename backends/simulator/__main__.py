@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 
 import uvicorn
 
 from .app import create_app
 from .config import SimConfig
 
-PRESETS = {"default": SimConfig, "reference-gpu": SimConfig.reference_gpu}
+PRESETS: dict[str, Callable[[], SimConfig]] = {"default": SimConfig, "reference-gpu": SimConfig.reference_gpu}
 # Flags that map one-to-one onto SimConfig fields (vLLM's own names where vLLM has the setting).
 FIELD_FLAGS = ("max_model_len", "max_num_seqs", "step_base_ms", "step_ms_per_seq", "prefill_base_ms",
                "prefill_ms_per_token", "default_max_tokens", "natural_output_tokens", "kv_cache_tokens",

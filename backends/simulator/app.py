@@ -7,9 +7,7 @@ away aborts its request in the engine at once, whether it is streaming or still 
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import math
@@ -17,7 +15,7 @@ import random
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -26,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .audio import Audio
 from .config import SimConfig
 from .engine import Engine, GenRequest
+from .exchange import ClientGone, Http, Receive, Scope, Send
 from .extras import Extras
 from .lora import Lora
 from .structured import Corruptor, Structured, structured_answer
@@ -33,79 +32,11 @@ from .protocol import (ApiError, ChatRequest, CompletionRequest, EmbeddingReques
                        completion_prompt, embedding_inputs, parse, refuse_unsupported, render_chat, tokenize)
 
 VERSION = "0.32.0+sim"  # vLLM's version format, marked as the simulator's own
-JSON = b"application/json"
 SSE = b"text/event-stream; charset=utf-8"
 ENGINE_ERROR = ApiError(500, "The simulated engine failed; see the simulator's log.", "InternalServerError")
 
 
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
-
-
-class Http:
-    """One HTTP exchange over raw ASGI: read the JSON body, answer, watch for the client leaving."""
-
-    def __init__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]):
-        self.receive, self.send = receive, send
-        self.method, self.path = scope["method"], scope["path"]
-        self.query: bytes = scope.get("query_string", b"")
-        self.headers = dict(scope.get("headers") or [])
-        request_id = self.headers.get(b"x-request-id")
-        self.echo_headers = [(b"x-request-id", request_id)] if request_id else []
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            yield message.get("body", b"")
-            if not message.get("more_body"):
-                return
-
-    async def read_json(self) -> Any:
-        body = bytearray()
-        async for chunk in self.chunks():
-            body += chunk
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"Invalid JSON in request body: {exc}") from None
-
-    async def start(self, status: int, content_type: bytes | None, length: int | None = None) -> None:
-        headers = [(b"content-type", content_type)] if content_type else []
-        headers += self.echo_headers
-        if length is not None:
-            headers.append((b"content-length", str(length).encode()))
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def write(self, data: bytes, more: bool = True) -> None:
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def reply(self, status: int, body: bytes, content_type: bytes | None = JSON) -> None:
-        await self.start(status, content_type, len(body))
-        await self.write(body, more=False)
-
-    async def json(self, status: int, obj: Any) -> None:
-        await self.reply(status, orjson.dumps(obj))
-
-    @contextlib.asynccontextmanager
-    async def abort_on_disconnect(self, gen: GenRequest) -> AsyncIterator[None]:
-        """Abort `gen` as soon as the client disconnects, and whenever the handler exits early."""
-
-        async def watch() -> None:
-            while (await self.receive())["type"] != "http.disconnect":
-                pass
-            gen.abort()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            yield
-        finally:
-            watcher.cancel()
-            gen.abort()  # no-op once finished
-
-
-def _sse(obj: dict) -> bytes:
+def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
@@ -138,7 +69,7 @@ class SimulatorApp:
             self.routes.update({path: ("POST", handler) for path, handler in self.lora.routes.items()})
             self.routes["/lora_stats"] = ("GET", self.lora.stats)
 
-    async def __call__(self, scope: dict, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -170,7 +101,7 @@ class SimulatorApp:
             return "POST", lambda http: self.extras.cancel(http, rest.removesuffix("/cancel"))
         return "GET", lambda http: self.extras.retrieve(http, rest)
 
-    async def _lifespan(self, receive, send) -> None:
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
@@ -207,11 +138,11 @@ class SimulatorApp:
         check_lengths(len(prompt), req.requested_max_tokens, self.cfg.max_model_len)
         await self._generate(http, req, prompt, req.requested_max_tokens, chat=False)
 
-    async def _generate(self, http: Http, req: ChatRequest | CompletionRequest, prompt: list, max_tokens: int,
-                        chat: bool) -> None:
+    async def _generate(self, http: Http, req: ChatRequest | CompletionRequest, prompt: Sequence[str | int],
+                        max_tokens: int, chat: bool) -> None:
         gen = self.engine.submit(prompt, max_tokens, ignore_eos=req.ignore_eos, stop=req.stop_list, seed=req.seed)
-        shape = _ChatShape(self, structured_answer(req, self.cfg.tool_calling, self.corruptor)) if chat \
-            else _CompletionShape(self)
+        shape: _ChatShape | _CompletionShape = _ChatShape(
+            self, structured_answer(req, self.cfg.tool_calling, self.corruptor)) if chat else _CompletionShape(self)
         shape.model = req.model if req.model and self.lora.holds(req.model) else self.cfg.model
         async with http.abort_on_disconnect(gen):
             if req.stream:
@@ -223,7 +154,8 @@ class SimulatorApp:
             elif gen.finish_reason != "abort":  # aborted: the client is gone or the server is stopping
                 await http.json(200, shape.response(gen))
 
-    async def _stream(self, http: Http, gen: GenRequest, shape: _Shape, include_usage: bool) -> None:
+    async def _stream(self, http: Http, gen: GenRequest, shape: _ChatShape | _CompletionShape,
+                      include_usage: bool) -> None:
         await http.start(200, SSE)
         first = True
         async for batch in gen.batches():
@@ -262,9 +194,10 @@ class SimulatorApp:
         data = []
         for i, tokens in enumerate(inputs):
             vector = self._embed(tokens)
+            embedding: list[float] | str = vector
             if req.encoding_format == "base64":
-                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-            data.append({"index": i, "object": "embedding", "embedding": vector})
+                embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"index": i, "object": "embedding", "embedding": embedding})
         used = sum(len(t) for t in inputs)
         await http.json(200, {
             "id": f"embd-{secrets.token_hex(8)}", "object": "list", "created": int(time.time()),
@@ -273,7 +206,7 @@ class SimulatorApp:
                       "prompt_tokens_details": None},
         })
 
-    def _embed(self, tokens: list) -> list[float]:
+    def _embed(self, tokens: Sequence[str | int]) -> list[float]:
         digest = hashlib.sha256(f"{self.cfg.seed}|{tokens!r}".encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "big"))
         vector = [rng.gauss(0.0, 1.0) for _ in range(self.cfg.embedding_dim)]
@@ -304,9 +237,10 @@ class SimulatorApp:
 
 # ---- response shapes (as captured from vLLM 0.32) --------------------------------------------------------
 
-def _usage(gen: GenRequest, details: bool) -> dict:
-    usage = {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + gen.output_tokens,
-             "completion_tokens": gen.output_tokens}
+def _usage(gen: GenRequest, details: bool) -> dict[str, int | None]:
+    usage: dict[str, int | None] = {
+        "prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + gen.output_tokens,
+        "completion_tokens": gen.output_tokens}
     if details:
         usage.update(prompt_tokens_details=None, completion_tokens_details=None)
     return usage
@@ -322,7 +256,7 @@ class _Shape:
         self.model = app.cfg.model  # or the LoRA adapter the request named
         self.created = int(time.time())
 
-    def head(self, object_: str) -> dict:
+    def head(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     def usage_chunk(self, gen: GenRequest) -> bytes:
@@ -345,7 +279,7 @@ class _ChatShape(_Shape):
             "prompt_token_ids": None, "prompt_text": None})
 
     def chunk(self, piece: str, final: GenRequest | None) -> bytes:
-        choice: dict = {"index": 0, "delta": {"content": piece}, "logprobs": None,
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None,
                         "finish_reason": final.finish_reason if final else None}
         if self.structured is not None:  # the engine's timing, the structured answer's text (8 characters a token)
             part, self.left = (self.left, "") if final else (self.left[:8], self.left[8:])
@@ -357,8 +291,9 @@ class _ChatShape(_Shape):
         choice["token_ids"] = None
         return _sse({**self.head(self.object_), "choices": [choice]})
 
-    def structured_delta(self, part: str) -> dict:
+    def structured_delta(self, part: str) -> dict[str, Any]:
         s = self.structured
+        assert s is not None  # called only for a structured answer (see chunk)
         if s.tool is None:
             return {"content": part}
         first, self.named = not self.named, True
@@ -366,7 +301,7 @@ class _ChatShape(_Shape):
         return {"tool_calls": [{"index": 0, **({"id": s.call_id, "type": "function"} if first else {}),
                                 "function": function}]}
 
-    def response(self, gen: GenRequest) -> dict:
+    def response(self, gen: GenRequest) -> dict[str, Any]:
         s = self.structured
         content = gen.text if s is None else (s.text if s.tool is None else None)
         calls = {"tool_calls": [{"id": s.call_id, "type": "function", "function": {
@@ -394,7 +329,7 @@ class _CompletionShape(_Shape):
             "index": 0, "text": piece, "logprobs": None, "finish_reason": final.finish_reason if final else None,
             "stop_reason": final.stop_reason if final else None, "prompt_token_ids": None, "token_ids": None}]})
 
-    def response(self, gen: GenRequest) -> dict:
+    def response(self, gen: GenRequest) -> dict[str, Any]:
         return {**self.head("text_completion"), "choices": [{
             "index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason,
             "stop_reason": gen.stop_reason, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,

@@ -11,10 +11,15 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from typing import Any, Protocol
 
 import orjson
 from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 
+from .config import SimConfig
+from .engine import GenRequest
+from .exchange import Http
+from .extras import Extras
 from .protocol import ApiError
 
 BYTES_PER_SECOND = 32000
@@ -22,21 +27,23 @@ TOKENS_PER_SECOND = 25  # the prompt tokens an audio second stands for
 FORMATS = ("json", "text", "verbose_json")
 
 
-async def read_form(http) -> tuple[dict[str, str], bytes | None]:
+async def read_form(http: Http) -> tuple[dict[str, str], bytes | None]:
     """The form's text fields and its file's bytes (vLLM reads the whole form before it starts)."""
     kind, options = parse_options_header(http.headers.get(b"content-type", b"").decode("latin-1"))
     if kind != "multipart/form-data" or not options.get("boundary"):
         raise ApiError(400, "There was an error parsing the body")
     fields: dict[str, str] = {}
     audio: bytes | None = None
-    current, parts = None, []
+    current: MultipartSegment | None = None
+    parts: list[bytes] = []
     try:
         with PushMultipartParser(options["boundary"]) as parser:
             async for chunk in http.chunks():
                 for event in parser.parse(chunk):
                     if isinstance(event, MultipartSegment):
                         current, parts = event, []
-                    elif event is None:
+                    elif event is None:  # the end of the segment that began with `current`
+                        assert current is not None
                         if current.filename is not None:
                             audio = b"".join(parts)
                         else:
@@ -52,18 +59,27 @@ def _flag(fields: dict[str, str], name: str) -> bool:
     return fields.get(name, "false").lower() in ("true", "1")
 
 
+class Host(Protocol):
+    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+
+    cfg: SimConfig
+    extras: Extras
+
+    def _check_model(self, model: str | None) -> None: ...
+
+
 class Audio:
-    def __init__(self, app) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
         self.routes = {"/v1/audio/transcriptions": self.transcriptions, "/v1/audio/translations": self.translations}
 
-    async def transcriptions(self, http) -> None:
+    async def transcriptions(self, http: Http) -> None:
         await self.serve(http, "transcribe", "transcription", "trsc")
 
-    async def translations(self, http) -> None:
+    async def translations(self, http: Http) -> None:
         await self.serve(http, "translate", "translation", "trsl")
 
-    async def serve(self, http, task: str, kind: str, prefix: str) -> None:
+    async def serve(self, http: Http, task: str, kind: str, prefix: str) -> None:
         fields, audio = await read_form(http)
         if audio is None:
             raise ApiError(422, "Field required: file", "Bad Request", "file")
@@ -84,6 +100,7 @@ class Audio:
             await gen.wait()
             if gen.finish_reason not in ("stop", "length"):
                 return
+            answer: dict[str, Any]
             if response_format == "verbose_json":
                 answer = {"text": gen.text, "language": fields.get("language"), "duration": seconds, "segments": []}
             elif task == "transcribe":
@@ -92,7 +109,7 @@ class Audio:
                 answer = {"text": gen.text}
             await http.json(200, answer)
 
-    async def _stream(self, http, gen, kind: str, prefix: str, usage: bool) -> None:
+    async def _stream(self, http: Http, gen: GenRequest, kind: str, prefix: str, usage: bool) -> None:
         shape = {"id": f"{prefix}-{secrets.token_hex(16)}", "object": f"{kind}.chunk", "created": int(time.time()),
                  "model": self.app.cfg.model}
         await http.start(200, b"text/event-stream; charset=utf-8")

@@ -59,7 +59,7 @@ class SimConfig(BaseModel):
         return self
 
     @classmethod
-    def reference_gpu(cls, **overrides) -> SimConfig:
+    def reference_gpu(cls, **overrides: object) -> SimConfig:
         """The talk's BF16 Qwen3-4B on one small GPU (256 prompt / 128 output tokens, closed loop).
 
         Fitted to concurrency 1 -> ~37 tok/s, TTFT ~61 ms and concurrency 32 -> ~700 tok/s, TTFT ~280 ms.

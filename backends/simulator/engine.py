@@ -188,7 +188,7 @@ class Engine:
         self._running: list[GenRequest] = []
         self._prefix = PrefixCache(cfg.kv_cache_tokens // cfg.block_size)
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.steps = 0
 
     @property
@@ -233,6 +233,7 @@ class Engine:
         req = GenRequest(self.cfg, prompt, max_tokens, ignore_eos, stop, seed)
         req._engine = self
         self._waiting.append(req)
+        assert self._wake is not None  # made by start()
         self._wake.set()
         return req
 
@@ -265,8 +266,10 @@ class Engine:
         while True:
             if not self._waiting and not self._running:
                 self._waiting_scheduled = 0
-                self._wake.clear()
-                await self._wake.wait()
+                wake = self._wake
+                assert wake is not None  # made by start() before it started this loop
+                wake.clear()
+                await wake.wait()
                 prev_end = None
                 continue
             now = loop.time()
@@ -317,6 +320,7 @@ class Engine:
                 req.first_token_at = now
                 self.metrics.ttft.observe(now - req.arrival)
             else:
+                assert req.last_token_at is not None  # set with its first token
                 self.metrics.itl.observe(now - req.last_token_at)
             req.last_token_at = now
             reason = req._produce()

@@ -13,20 +13,33 @@ import hashlib
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import orjson
 
-from .engine import GenRequest
+from .config import SimConfig
+from .engine import Engine, GenRequest
+from .exchange import Http
 from .protocol import ApiError, check_lengths, tokenize
 from .vocab import detokenize, token_id
 
 STORED = 1000  # responses kept for retrieval, oldest dropped first
 
 
-def _event(kind: str, data: dict) -> bytes:
+class Host(Protocol):
+    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+
+    cfg: SimConfig
+    engine: Engine
+
+    def _check_model(self, model: str | None) -> None: ...
+
+    def _embed(self, tokens: Sequence[str | int]) -> list[float]: ...
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
@@ -45,7 +58,7 @@ def _text(value: Any) -> str:
 class Events:
     """The events of a response made with `background` and `stream`, kept to be streamed again."""
 
-    def __init__(self, pending: dict) -> None:
+    def __init__(self, pending: dict[str, Any]) -> None:
         self.pending = pending  # what a plain retrieve answers until it is done
         self.frames: list[bytes] = []
         self.more = asyncio.Event()
@@ -61,29 +74,29 @@ def _retrieve_query(raw: bytes) -> tuple[bool, int | None]:
     stream = BOOLS.get(query.get("stream", ["false"])[-1].lower())
     if stream is None:
         raise ApiError(400, "1 validation error: query.stream: Input should be a valid boolean", param="query.stream")
-    starting_after = query.get("starting_after", [None])[-1]
-    if starting_after is not None:
-        try:
-            starting_after = int(starting_after)
-        except ValueError:
-            raise ApiError(400, "1 validation error: query.starting_after: Input should be a valid integer",
-                           param="query.starting_after") from None
-    return stream, starting_after
+    given = query.get("starting_after")
+    if given is None:
+        return stream, None
+    try:
+        return stream, int(given[-1])
+    except ValueError:
+        raise ApiError(400, "1 validation error: query.starting_after: Input should be a valid integer",
+                       param="query.starting_after") from None
 
 
-def _int(body: dict, name: str, default: int | None) -> int | None:
-    value = body.get(name, default)
+def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value: object = body.get(name, default)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ApiError(400, f"{name} must be a positive integer", param=name)
     return value
 
 
 class Extras:
-    def __init__(self, app) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
-        self.stored: OrderedDict[str, dict] = OrderedDict()
+        self.stored: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.events: OrderedDict[str, Events] = OrderedDict()  # of background streamed responses
-        self.background: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task[None]] = set()
         self.routes = {
             "/v1/responses": self.responses, "/v1/messages": self.messages,
             "/v1/messages/count_tokens": self.count_tokens, "/tokenize": self.tokenize,
@@ -92,14 +105,14 @@ class Extras:
             "/v2/rerank": self.rerank, "/score": self.score, "/v1/score": self.score, "/pooling": self.pooling,
         }  # no /classify: like a vLLM pooling model converted for embedding, it answers 404
 
-    async def body(self, http) -> dict:
-        body = await http.read_json()
+    async def body(self, http: Http) -> dict[str, Any]:
+        body: object = await http.read_json()
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         self.app._check_model(body.get("model"))
         return body
 
-    def submit(self, text: str, max_tokens: int | None, body: dict) -> GenRequest:
+    def submit(self, text: str, max_tokens: int | None, body: dict[str, Any]) -> GenRequest:
         prompt = tokenize(text) or [""]
         check_lengths(len(prompt), max_tokens, self.app.cfg.max_model_len)
         if max_tokens is None:
@@ -108,7 +121,7 @@ class Extras:
 
     # ---- Responses ---------------------------------------------------------------------------------------
 
-    async def responses(self, http) -> None:
+    async def responses(self, http: Http) -> None:
         body = await self.body(http)
         previous = body.get("previous_response_id")
         history = ""
@@ -120,8 +133,8 @@ class Extras:
             history = earlier["_text"]
         max_tokens = _int(body, "max_output_tokens", None)
         gen = self.submit(history + _text(body.get("instructions")) + _text(body.get("input")), max_tokens, body)
-        response_id = body.get("request_id") if isinstance(body.get("request_id"), str) else \
-            f"resp_{secrets.token_hex(8)}"
+        request_id = body.get("request_id")
+        response_id = request_id if isinstance(request_id, str) else f"resp_{secrets.token_hex(8)}"
         background = body.get("background") is True
         shape = {"id": response_id, "created_at": int(time.time()), "object": "response",
                  "model": self.app.cfg.model, "max_output_tokens": max_tokens, "previous_response_id": previous,
@@ -148,7 +161,7 @@ class Extras:
             if gen.finish_reason in ("stop", "length"):
                 await http.json(200, self._keep(self._response(gen, shape), body))
 
-    def _response(self, gen: GenRequest, shape: dict) -> dict:
+    def _response(self, gen: GenRequest, shape: dict[str, Any]) -> dict[str, Any]:
         done = gen.finish_reason == "stop"
         return {**shape, "status": "completed" if done else "incomplete",
                 "incomplete_details": None if done else {"reason": "max_output_tokens"},
@@ -160,7 +173,7 @@ class Extras:
                           "input_tokens_details": {"cached_tokens": 0},
                           "output_tokens_details": {"reasoning_tokens": 0}}}
 
-    def _keep(self, response: dict, body: dict) -> dict:
+    def _keep(self, response: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         if body.get("store", True) is not False:
             self.stored[response["id"]] = {**response, "_text": _text(body.get("input")) + response["output"][0]
                                            ["content"][0]["text"]}
@@ -168,14 +181,14 @@ class Extras:
                 self.stored.popitem(last=False)
         return response
 
-    async def _frames(self, gen: GenRequest, shape: dict, body: dict,
+    async def _frames(self, gen: GenRequest, shape: dict[str, Any], body: dict[str, Any],
                       fail_after: int | None = None) -> AsyncIterator[list[bytes]]:
         """A response's stream as vLLM frames it, in batches as generated (none after an abort). `fail_after`:
         the engine fails once that many text events are out, and the stream ends in vLLM's `error` frame."""
         seq = 0
         deltas = 0
 
-        def frame(kind: str, data: dict) -> bytes:
+        def frame(kind: str, data: dict[str, Any]) -> bytes:
             nonlocal seq
             seq += 1
             return _event(kind, {**data, "sequence_number": seq - 1, "type": kind})
@@ -204,7 +217,8 @@ class Extras:
                                                     "text": gen.text}),
                frame("response.completed", {"response": final})]
 
-    async def _keep_events(self, gen: GenRequest, shape: dict, body: dict, events: Events) -> None:
+    async def _keep_events(self, gen: GenRequest, shape: dict[str, Any], body: dict[str, Any],
+                           events: Events) -> None:
         try:
             async for frames in self._frames(gen, shape, body, self.app.cfg.fail_background_after):
                 events.frames += frames
@@ -213,7 +227,7 @@ class Extras:
             events.done = True
             events.more.set()
 
-    async def _replay(self, http, events: Events, start: int) -> None:
+    async def _replay(self, http: Http, events: Events, start: int) -> None:
         """A background response's events from `start` on, as they come, until `response.completed` (vLLM's
         event store): the stream of one that ended otherwise (failed) stays open until the client leaves."""
         await http.start(200, b"text/event-stream; charset=utf-8")
@@ -232,21 +246,25 @@ class Extras:
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    async def retrieve(self, http, response_id: str) -> None:
+    async def retrieve(self, http: Http, response_id: str) -> None:
         stream, starting_after = _retrieve_query(http.query)
         stored = self.stored.get(response_id)
         events = self.events.get(response_id)
         if stored is None and events is None:
             raise ApiError(404, f"Response with id '{response_id}' not found.", "NotFoundError", "response_id")
         if not stream:
-            await http.json(200, {k: v for k, v in stored.items() if k != "_text"} if stored else events.pending)
+            if stored:
+                await http.json(200, {k: v for k, v in stored.items() if k != "_text"})
+            else:
+                assert events is not None  # one of the two is (above)
+                await http.json(200, events.pending)
             return
         if events is None:  # vLLM has no events of a response not made in the background: its stream breaks off
             await http.start(200, b"text/event-stream; charset=utf-8")
             raise RuntimeError(f"Unknown response_id: {response_id}")
         await self._replay(http, events, 0 if starting_after is None else starting_after + 1)
 
-    async def cancel(self, http, response_id: str) -> None:
+    async def cancel(self, http: Http, response_id: str) -> None:
         stored = self.stored.get(response_id)
         if stored is None:
             raise ApiError(404, f"Response with id '{response_id}' not found.", "NotFoundError", "response_id")
@@ -254,13 +272,13 @@ class Extras:
 
     # ---- Anthropic Messages ------------------------------------------------------------------------------
 
-    def _messages_prompt(self, body: dict) -> str:
+    def _messages_prompt(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: Field required", param="messages")
         return _text(body.get("system")) + _text(messages)
 
-    async def messages(self, http) -> None:
+    async def messages(self, http: Http) -> None:
         body = await self.body(http)
         gen = self.submit(self._messages_prompt(body), _int(body, "max_tokens", None), body)
         message_id = f"chatcmpl-{secrets.token_hex(8)}"
@@ -296,19 +314,19 @@ class Extras:
                                       "usage": {"input_tokens": gen.prompt_tokens,
                                                 "output_tokens": gen.output_tokens}})
 
-    async def count_tokens(self, http) -> None:
+    async def count_tokens(self, http: Http) -> None:
         body = await self.body(http)
         count = len(tokenize(self._messages_prompt(body)))
         await http.json(200, {"input_tokens": count, "context_management": {"original_input_tokens": count}})
 
-    async def reset_prefix_cache(self, http) -> None:
+    async def reset_prefix_cache(self, http: Http) -> None:
         """vLLM serves POST /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1: benchmarks empty the cache with it."""
         self.app.engine._prefix.clear()
         await http.json(200, {})
 
     # ---- tokenizer ---------------------------------------------------------------------------------------
 
-    async def tokenize(self, http) -> None:
+    async def tokenize(self, http: Http) -> None:
         body = await self.body(http)
         text = body.get("prompt") if "prompt" in body else _text(body.get("messages"))
         if not isinstance(text, str):
@@ -317,7 +335,7 @@ class Extras:
         await http.json(200, {"count": len(tokens), "max_model_len": self.app.cfg.max_model_len, "tokens": tokens,
                               "token_strs": None})
 
-    async def detokenize(self, http) -> None:
+    async def detokenize(self, http: Http) -> None:
         body = await self.body(http)
         tokens = body.get("tokens")
         text = detokenize(tokens) if isinstance(tokens, list) else None
@@ -331,26 +349,26 @@ class Extras:
         digest = hashlib.sha256(f"{self.app.cfg.seed}|{a}|{b}".encode()).digest()
         return int.from_bytes(digest[:4], "big") / 2**32
 
-    def _usage(self, *texts: str) -> dict:
+    def _usage(self, *texts: str) -> dict[str, Any]:
         used = sum(len(tokenize(t)) for t in texts)
         return {"prompt_tokens": used, "total_tokens": used, "completion_tokens": 0, "prompt_tokens_details": None}
 
-    async def rerank(self, http) -> None:
+    async def rerank(self, http: Http) -> None:
         body = await self.body(http)
         query, documents = body.get("query"), body.get("documents")
         if not isinstance(query, str) or not isinstance(documents, list):
             raise ApiError(400, "query (a string) and documents (a list) are required", param="documents")
         texts = [_text(d) for d in documents]
-        results = sorted(({"index": i, "document": {"text": t, "multi_modal": None},
-                           "relevance_score": self._score(query, t)} for i, t in enumerate(texts)),
-                         key=lambda r: -r["relevance_score"])
+        scored = sorted(((self._score(query, t), i, t) for i, t in enumerate(texts)), key=lambda r: -r[0])
+        results = [{"index": i, "document": {"text": t, "multi_modal": None}, "relevance_score": score}
+                   for score, i, t in scored]
         top = body.get("top_n")
         await http.json(200, {"id": f"rerank-{secrets.token_hex(8)}", "model": self.app.cfg.model,
                               "usage": {"prompt_tokens": self._usage(query, *texts)["prompt_tokens"],
                                         "total_tokens": self._usage(query, *texts)["total_tokens"]},
                               "results": results[:top] if isinstance(top, int) and top > 0 else results})
 
-    async def score(self, http) -> None:
+    async def score(self, http: Http) -> None:
         body = await self.body(http)
         first, second = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
         if first is None or second is None:
@@ -363,7 +381,7 @@ class Extras:
                               "created": int(time.time()), "model": self.app.cfg.model, "data": data,
                               "usage": self._usage(*map(_text, firsts), *map(_text, seconds))})
 
-    async def pooling(self, http) -> None:
+    async def pooling(self, http: Http) -> None:
         body = await self.body(http)
         inputs = body.get("input")
         items = inputs if isinstance(inputs, list) else [inputs]

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, Protocol
 
+from .config import SimConfig
+from .exchange import Http
 from .protocol import ApiError
 
 
+class Host(Protocol):
+    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+
+    cfg: SimConfig
+
+
 class Lora:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Host) -> None:
         self.app = app
         self.loaded: dict[str, str] = {}  # lora_name -> path
         self.loads = 0
@@ -27,7 +35,7 @@ class Lora:
     def holds(self, name: str) -> bool:
         return name in self.loaded
 
-    async def load(self, http: Any) -> None:
+    async def load(self, http: Http) -> None:
         body = await http.read_json()
         name, path = (body or {}).get("lora_name"), (body or {}).get("lora_path")
         if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
@@ -42,7 +50,7 @@ class Lora:
         self.loads += 1
         await http.reply(200, f"Success: LoRA adapter '{name}' added successfully.".encode(), b"text/plain")
 
-    async def unload(self, http: Any) -> None:
+    async def unload(self, http: Http) -> None:
         body = await http.read_json()
         name = (body or {}).get("lora_name")
         if not isinstance(name, str) or self.loaded.pop(name, None) is None:
@@ -50,10 +58,10 @@ class Lora:
         self.unloads += 1
         await http.reply(200, f"Success: LoRA adapter '{name}' removed successfully.".encode(), b"text/plain")
 
-    async def stats(self, http: Any) -> None:
+    async def stats(self, http: Http) -> None:
         await http.json(200, {"loaded": list(self.loaded), "loads": self.loads, "unloads": self.unloads})
 
-    def model_entries(self, created: int) -> list[dict]:
+    def model_entries(self, created: int) -> list[dict[str, Any]]:
         return [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": path,
                  "parent": self.app.cfg.model, "max_model_len": self.app.cfg.max_model_len, "permission": []}
                 for name, path in self.loaded.items()]

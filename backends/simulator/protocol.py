@@ -9,7 +9,8 @@ all the gateway's token accounting and the prefix cache need.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -136,7 +137,7 @@ def render_chat(req: ChatRequest) -> str:
     return text + ("<|im_start|>assistant\n" if req.add_generation_prompt else "")
 
 
-def completion_prompt(req: CompletionRequest) -> list[str | int]:
+def completion_prompt(req: CompletionRequest) -> Sequence[str | int]:
     """The single prompt of a completion request, as tokens (batched prompts are refused)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -144,18 +145,19 @@ def completion_prompt(req: CompletionRequest) -> list[str | int]:
             raise ApiError(400, "The simulator serves one prompt per request; batched prompts are not "
                                 "supported.", param="prompt")
         prompt = prompt[0]
-    tokens = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    tokens = tokenize(prompt) if isinstance(prompt, str) else list(cast("list[int]", prompt))  # else: token ids
     return tokens or [""]  # an empty prompt still has a BOS token
 
 
-def embedding_inputs(req: EmbeddingRequest) -> list[list[str | int]]:
+def embedding_inputs(req: EmbeddingRequest) -> list[Sequence[str | int]]:
     inp = req.input
+    items: list[str | list[int]]
     if isinstance(inp, str):
-        items: list = [inp]
-    elif inp and all(isinstance(x, int) for x in inp):
         items = [inp]
+    elif inp and all(isinstance(x, int) for x in inp):
+        items = [cast("list[int]", inp)]  # one prompt of token ids
     else:
-        items = list(inp)
+        items = list(cast("list[str] | list[list[int]]", inp))  # prompts: texts or lists of ids
     if not items:
         raise ApiError(400, "Input cannot be empty.", param="input")
     return [(tokenize(x) if isinstance(x, str) else list(x)) or [""] for x in items]

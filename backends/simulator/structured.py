@@ -48,7 +48,7 @@ def instance_of(schema: Any, depth: int = 0) -> Any:
 class Structured:
     """What a structured request's answer holds, decided when it arrives."""
 
-    def __init__(self, text: str | None, tool: str | None) -> None:
+    def __init__(self, text: str, tool: str | None) -> None:
         self.text = text  # the content (the JSON document), or the tool call's arguments
         self.tool = tool  # the called function's name; None: a JSON content answer
         self.call_id = f"chatcmpl-tool-{secrets.token_hex(8)}" if tool else None
@@ -80,6 +80,7 @@ def structured_answer(body: Any, tool_calling: bool, corruptor: Corruptor) -> St
                             function)
         value, tool = instance_of(function.get("parameters") or {}), function.get("name") or "tool"
     elif kind in STRUCTURED:
+        assert isinstance(fmt, dict)  # kind was read from it
         spec = fmt.get("json_schema") if kind == "json_schema" else None
         value = instance_of(spec.get("schema") if isinstance(spec, dict) else {"type": "object", "properties": {
             "answer": {"type": "string"}}})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 
 PIECE = 4  # characters per token, as protocol.tokenize cuts them
 # (base, first id): a piece whose code points are all below base - 1 is written in that base from that id
@@ -69,7 +70,7 @@ def token_text(tid: int) -> str | None:
     return None
 
 
-def detokenize(ids: list) -> str | None:
+def detokenize(ids: Sequence[object]) -> str | None:
     """The text of a list of ids, or None if any is not an id this tokenizer made."""
     pieces = []
     for tid in ids:

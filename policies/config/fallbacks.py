@@ -9,8 +9,8 @@ rented step names a declared provider that maps the model it serves. Owned steps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Annotated
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Protocol
 
 from pydantic import Field
 
@@ -29,7 +29,33 @@ class RentedStep(Strict):
 Fallback = Annotated[str, Field(pattern=NAME)] | RentedStep  # an owned model's name, or a rented step
 
 
-def check_fallbacks(models: Sequence, providers: Sequence) -> None:
+class FallbackOwner(Protocol):
+    """What check_fallbacks reads of a model (policies/config/model.py Model, which imports this module)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def aliases(self) -> Sequence[str]: ...
+
+    @property
+    def variants(self) -> Sequence[object]: ...
+
+    @property
+    def fallbacks(self) -> Sequence[str | RentedStep]: ...
+
+
+class FallbackProvider(Protocol):
+    """What check_fallbacks reads of a provider (policies/config/providers.py Provider)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def models(self) -> Iterable[str]: ...
+
+
+def check_fallbacks(models: Sequence[FallbackOwner], providers: Sequence[FallbackProvider]) -> None:
     """Raise ValueError naming the first fallback that does not resolve, or a cycle of owned fallbacks."""
     by_name = {m.name: m for m in models}
     aliases = {alias: m.name for m in models for alias in m.aliases}

@@ -97,8 +97,8 @@ def replica_cap(model: Model, variant: Variant | None) -> int | None:
     owner = variant or model
     if owner.discovery is not None:
         return owner.discovery.cap
-    caps = [b.cap for b in owner.backends]
-    if not caps or None in caps:
+    caps = [b.cap for b in owner.backends if b.cap is not None]
+    if not caps or len(caps) < len(owner.backends):
         return None
     return max(1, round(sum(caps) / len(caps)))
 

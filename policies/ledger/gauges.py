@@ -3,7 +3,9 @@ ledger.report_every_seconds over the last ledger.report_window_seconds; labels: 
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
 
 FIGURES = {  # report field -> (gauge name, help)
     "utilisation": ("llm_gateway_owned_utilisation_ratio", "Share of the window the model's owned backends had at"
@@ -23,7 +25,7 @@ FIGURES = {  # report field -> (gauge name, help)
 
 
 class ReportGauges:
-    def __init__(self, registry) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.gauges = {field: Gauge(name, text, ["model"], registry=registry)
                        for field, (name, text) in FIGURES.items()}
         self.in_flight_vs_cap = Gauge("llm_gateway_backend_in_flight_vs_cap_ratio", "Average requests in flight"
@@ -32,7 +34,7 @@ class ReportGauges:
         self.window = Gauge("llm_gateway_report_window_seconds", "The window the own-vs-rent gauges cover.",
                             registry=registry)
 
-    def update(self, report: dict) -> None:
+    def update(self, report: dict[str, Any]) -> None:
         self.window.set(report["window_seconds"])
         for model, figures in report["models"].items():
             for field, gauge in self.gauges.items():

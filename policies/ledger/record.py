@@ -10,10 +10,13 @@ everything but a crash's last flush interval.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from policies.accounting import FlushTimer
+from policies.background import Background
+from policies.config import Ledger as LedgerConfig
 from policies.finished import Finished
-from policies.ledger.sums import Sums
+from policies.ledger.sums import Ledger, Sums
 
 MAX_ROWS = 100_000
 
@@ -21,9 +24,10 @@ MAX_ROWS = 100_000
 class RecordLedger:
     name = "record-ledger"
 
-    def __init__(self, ledger, config, background, on_lost=None) -> None:
+    def __init__(self, ledger: Ledger, config: LedgerConfig, background: Background,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.ledger = ledger
-        self.config = config  # policies.config.Ledger
+        self.config = config
         self.background = background
         self.on_lost = on_lost
         self.sums = Sums(config.bucket_seconds)

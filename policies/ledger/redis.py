@@ -21,6 +21,7 @@ from __future__ import annotations
 import uuid
 
 from policies.ledger.sums import BUSY, COUNTERS, Batch, Row
+from policies.store.redis import RedisStore
 
 SEP = "|"
 RESOLUTION = 0.01  # seconds per bit of a busy bitmap: 6000 bits (750 bytes) for a minute
@@ -55,8 +56,8 @@ def bitmap(pieces: list[tuple[float, float]], bucket: int, bucket_seconds: int) 
 
 
 class RedisLedger:
-    def __init__(self, store, bucket_seconds: int) -> None:
-        self.store = store  # a RedisStore: its connection pool and its failure handling (`guard`)
+    def __init__(self, store: RedisStore, bucket_seconds: int) -> None:
+        self.store = store  # its connection pool and its failure handling (`guard`)
         self.bucket_seconds = bucket_seconds
 
     def name(self, bucket: int) -> str:

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from policies.config import backend_name
+from policies.config import Policy, backend_name
 from policies.ledger.sums import BUSY, COMPLETION, COST, ESTIMATED, HELD, PROMPT, QUEUE, REQUESTS, Row
 
 BURSTY = 3.0  # peak-to-mean of requests per minute from which traffic counts as bursty
@@ -68,7 +68,7 @@ def _round(value: float | None, digits: int = 6) -> float | None:
 
 
 def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], since: float, until: float,
-                 bucket_seconds: int, teams: dict[str, str] | None = None) -> dict:
+                 bucket_seconds: int, teams: dict[str, str] | None = None) -> dict[str, Any]:
     """The report for [since, until) (unix seconds; `until` no later than now). `teams` (key id -> team) adds
     each team's calls summed, as each key's are."""
     seconds = max(until - since, 1e-9)
@@ -88,7 +88,7 @@ def build_report(rows: list[tuple[Row, list[float]]], models: list[ModelCosts], 
     return out
 
 
-def add_calls(into: dict, name: str, row: Row, values: list[float]) -> None:
+def add_calls(into: dict[str, dict[str, Any]], name: str, row: Row, values: list[float]) -> None:
     """A row's calls added to `name`'s figures (a key's or a team's)."""
     figures = into.setdefault(name, {"requests": 0, "tokens": 0, "rented_requests": 0, "rented_cost": 0.0,
                                      "batch_requests": 0})
@@ -102,7 +102,7 @@ def add_calls(into: dict, name: str, row: Row, values: list[float]) -> None:
 
 
 def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: float, seconds: float,
-                 bucket_seconds: int) -> dict:
+                 bucket_seconds: int) -> dict[str, Any]:
     owned = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
     rented = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0, "estimated_requests": 0}
     batch = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "queue_seconds": 0.0}
@@ -152,7 +152,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
     utilisation = sum(min(seconds, busy.get(b.name, 0.0)) for b in model.backends) / (seconds * len(model.backends)) \
         if model.backends else 0.0
     capped = [b for b in model.backends if b.cap]
-    batch_fill = sum(held.get(b.name, 0.0) for b in capped) / (seconds * sum(b.cap for b in capped)) if capped \
+    batch_fill = sum(held.get(b.name, 0.0) for b in capped) / (seconds * sum(b.cap or 0 for b in capped)) if capped \
         else None
     owned_tokens = owned["prompt_tokens"] + owned["completion_tokens"]
     price = model.rented
@@ -166,7 +166,7 @@ def model_report(model: ModelCosts, rows: list[tuple[Row, list[float]]], since: 
         else None
     break_even = utilisation * owned_cost / owned_at_rented if owned_cost is not None and owned_at_rented else None
     burst = burstiness([s["requests"] for s in per_bucket.values()], seconds, bucket_seconds)
-    figures = {
+    figures: dict[str, Any] = {
         "utilisation": _round(utilisation),
         "batch_fill": _round(batch_fill),
         "backends": backends,
@@ -199,7 +199,7 @@ def burstiness(requests_per_bucket: list[float], seconds: float, bucket_seconds:
     return max(requests_per_bucket) / mean
 
 
-def recommend(f: dict, tokens: float) -> dict:
+def recommend(f: dict[str, Any], tokens: float) -> dict[str, str]:
     """The cheapest of what was paid (owned + rented overflow), renting everything, and owning enough for
     everything (`own_all_cost`, an estimate at the measured utilisation); the reason names the figures."""
     owned, paid, rent_all, own_all = f["owned_cost"], f["actual_cost"], f["rent_all_cost"], f["own_all_cost"]
@@ -231,7 +231,7 @@ def recommend(f: dict, tokens: float) -> dict:
     return {"verdict": "own", "reason": f"owning was cheaper than renting everything; {numbers}"}
 
 
-def _rent(f: dict, util: float, burst: float, numbers: str) -> dict:
+def _rent(f: dict[str, Any], util: float, burst: float, numbers: str) -> dict[str, str]:
     break_even = f["break_even_utilisation"]
     if break_even is None:
         above = ""
@@ -254,7 +254,7 @@ def _money(value: float | None) -> str:
 
 
 def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Prices | None, since: float,
-           seconds: float, bucket_seconds: int) -> list[dict]:
+           seconds: float, bucket_seconds: int) -> list[dict[str, Any]]:
     """Over the window, at most MAX_POINTS points (each one bucket, or as many whole buckets as keep a long
     window under that, so a 90-day report stays a few hundred kilobytes): utilisation, owned cost, rented
     cost, and what renting it all would have cost. A point the window cuts (the current bucket, when the
@@ -289,7 +289,7 @@ def series(per_bucket: dict[int, dict[str, float]], model: ModelCosts, price: Pr
     return out
 
 
-def costs_of(policy, discovered: dict[str, set[str]] | None = None) -> list[ModelCosts]:
+def costs_of(policy: Policy, discovered: dict[str, set[str]] | None = None) -> list[ModelCosts]:
     """What the policy file says each model's backends cost and which rented price they compare with;
     `discovered`: the LoRA adapters found on each model's replicas (`lora.discover`) beside those it declares."""
     providers = {p.name: p for p in policy.providers}

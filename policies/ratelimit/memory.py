@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from policies.ratelimit.base import (
     CONCURRENCY,
@@ -16,8 +17,11 @@ from policies.ratelimit.base import (
 )
 
 
+Plan = tuple[Scope, Bucket | None, Bucket | None]  # a scope and its requests and tokens buckets (if limited)
+
+
 class MemoryLimiter:
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (scope, kind) -> (level, at)
         self.leases: dict[str, dict[str, float]] = {}  # scope -> member -> expiry
@@ -34,7 +38,7 @@ class MemoryLimiter:
 
     async def acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> Decision:
         now = self.clock()
-        plans = []
+        plans: list[Plan] = []
         for scope in scopes:
             requests = self._bucket(scope.name, REQUESTS, scope.requests_per_minute, now) \
                 if scope.requests_per_minute else None
@@ -54,7 +58,7 @@ class MemoryLimiter:
                 self.leases.setdefault(scope.name, {})[member] = now + lease
         return self._report(Decision(True), plans[0])
 
-    def _refusal(self, plans, cost: int, now: float) -> Decision | None:
+    def _refusal(self, plans: list[Plan], cost: int, now: float) -> Decision | None:
         for scope, requests, tokens in plans:
             if requests is not None and requests.level < 1:
                 return Decision(False, scope.name, REQUESTS, requests.wait_for(1))
@@ -66,7 +70,7 @@ class MemoryLimiter:
         return None
 
     @staticmethod
-    def _report(decision: Decision, first) -> Decision:
+    def _report(decision: Decision, first: Plan) -> Decision:
         """The first scope's (the key's) levels, for the x-ratelimit-* headers, admitted or not."""
         _, requests, tokens = first
         if requests is not None:

@@ -130,7 +130,8 @@ return 0
 """
 
 
-Release = tuple[str, int, asyncio.Future]  # (member, refund, settled when Redis has it)
+Release = tuple[str, int, "asyncio.Future[None]"]  # (member, refund, settled when Redis has it)
+Reply = list[int | str]  # an ACQUIRE script's: Lua numbers and strings
 Pending = list[Release]
 
 
@@ -165,7 +166,7 @@ class RedisLimiter:
             return await self.acquire_per_scope(scopes, cost, member, lease)
         return decide(await self.run_acquire(scopes, cost, member, lease), scopes)
 
-    async def run_acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> list:
+    async def run_acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> Reply:
         keys: list[str] = []
         args: list[object] = [len(scopes), cost, member, lease]
         for scope in scopes:
@@ -176,7 +177,7 @@ class RedisLimiter:
             args.extend(x for m, refund, _ in pending for x in (m, refund))
         try:
             async with self.store.guard("rate_limit_acquire"):
-                reply = await self._acquire(keys=keys, args=args)
+                reply: Reply = await self._acquire(keys=keys, args=args)
         except BaseException as exc:
             self.settle(scopes, pending, exc)
             raise
@@ -191,7 +192,9 @@ class RedisLimiter:
                                        return_exceptions=True)
         refused = next((i for i, r in enumerate(results) if isinstance(r, BaseException) or not int(r[0])), None)
         if refused is None:
-            return decide(results[0], scopes)
+            reply = results[0]
+            assert not isinstance(reply, BaseException)  # none failed (nor refused)
+            return decide(reply, scopes)
         await asyncio.gather(*(self.undo(s, cost, member) for s, r in zip(scopes, results)
                                if not isinstance(r, BaseException) and int(r[0])))
         failed = results[refused]
@@ -273,7 +276,7 @@ def limits(scope: Scope) -> list[int]:
     return [scope.requests_per_minute or 0, scope.tokens_per_minute or 0, scope.max_concurrent or 0]
 
 
-def decide(reply: list, scopes: tuple[Scope, ...]) -> Decision:
+def decide(reply: Reply, scopes: tuple[Scope, ...]) -> Decision:
     """The Decision an ACQUIRE reply says (levels for the x-ratelimit headers are the first scope's)."""
     decision = Decision(bool(int(reply[0])))
     if not decision.allowed:

@@ -11,17 +11,18 @@ it was given.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from policies.admission import QueueFactory
 from policies.audit.log import AuditLog
+from policies.background import Background
 from policies.budget import Budgets
 from policies.config import Policy
 from policies.ledger.sums import Ledger
 from policies.ratelimit.base import Limiter
 from policies.store import Store
+from policies.store.redis import RedisStore
 from policies.variants import Variants
 
 if TYPE_CHECKING:
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from policies.variant_share import SharedVariants
 
 KINDS = {"sqlite": "policies.state.embedded", "redis": "policies.state.redis"}
-
-Background = Callable[[Awaitable[object]], None]
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +43,7 @@ class State:
     audit: AuditLog  # the admin acts (policies/audit)
     fleet: FleetSlots | None = None  # caps counted across every gateway replica; None: in this process
     shared_variants: SharedVariants | None = None  # variant weights and verdicts other replicas adopt
-    shared_store: Store | None = None  # the store every gateway replica shares (None: this process alone)
+    shared_store: RedisStore | None = None  # the store every gateway replica shares (None: this process alone)
     batches: BatchStore | None = None  # the Batch API's files, batches and lines (policies/batches/)
 
 

@@ -10,7 +10,8 @@ from policies.budget import MemoryBudgets
 from policies.config import Policy
 from policies.ledger.sqlite import SQLiteLedger
 from policies.ratelimit.memory import MemoryLimiter
-from policies.state import Background, State
+from policies.background import Background
+from policies.state import State
 from policies.store.sqlite import SQLiteStore
 from policies.variants import Variants
 

@@ -13,7 +13,8 @@ from policies.config import Policy
 from policies.fleet_caps import FleetModelQueue, FleetSlots
 from policies.ledger.redis import RedisLedger
 from policies.ratelimit.redis import RedisLimiter
-from policies.state import Background, State
+from policies.background import Background
+from policies.state import State
 from policies.store.redis import RedisStore
 from policies.store.redis_client import TLSFiles
 from policies.variant_share import SharedVariants
