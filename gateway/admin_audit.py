@@ -12,12 +12,13 @@ token behind them (a policy reload from the file or SIGHUP) are recorded with `s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import get
-from litestar.connection import ASGIConnection
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 
+from gateway.asgi import AnyConnection
 from gateway.openapi import errors
 from policies.audit import Actor, Audit, AuditPage, AuditQuery
 from policies.network import ClientNetwork
@@ -33,7 +34,7 @@ class AdminAudit:
         self.audit = audit
         self.network = network  # the live policy's, read at each act
 
-    async def act(self, connection: ASGIConnection, action: str, target: str,
+    async def act(self, connection: AnyConnection, action: str, target: str,
                   changes: dict[str, Any] | None = None) -> None:
         """Record an act of the admin whose token the guard verified on this connection."""
         await self.audit.record(self.actor(connection), action, target, changes)
@@ -41,7 +42,7 @@ class AdminAudit:
     async def system(self, action: str, target: str, changes: dict[str, Any] | None = None) -> None:
         await self.audit.record(SYSTEM, action, target, changes)
 
-    def actor(self, connection: ASGIConnection) -> Actor:
+    def actor(self, connection: AnyConnection) -> Actor:
         claims: dict[str, Any] = connection.scope.get(ADMIN_CLAIMS) or {}  # type: ignore[assignment]
         client = connection.scope.get("client")
         address = self.network().client_address(client[0] if client else "",
@@ -50,7 +51,13 @@ class AdminAudit:
                      role=str(claims.get("role") or "-"), team=claims.get("team"), address=address or None)
 
 
-def audit_handlers(gateway: Any) -> list:  # the Gateway (gateway/app.py), which imports this module
+class Audited(Protocol):
+    """The audit log of admin acts: what a route that changes anything records with, and GET /audit reads."""
+
+    audit: AdminAudit
+
+
+def audit_handlers(gateway: Audited) -> list[HTTPRouteHandler]:
     @get("/audit", summary="The audit log: admin acts, newest first, with who, when, from where and what changed",
          description="Filters combine (all must match). Pages hold at most `limit` events; `next` is the `before`"
                      " of the following, older page.", responses=errors(400, 401, 503))

@@ -5,10 +5,17 @@ Read-only (a `viewer` token is enough); mounted under /admin with the key routes
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from pydantic import BaseModel, ConfigDict, Field
 
+from backends.replicas import Replica, ReplicaSet
+from backends.sources.watch import Watcher
 from gateway.openapi import errors
+from policies.discovery import Discovery
+from policies.snapshot import Snapshot
 
 
 class PolicyVersion(BaseModel):
@@ -54,7 +61,21 @@ class WatchView(BaseModel):
 WATCHES = "_watches"  # the discovery watches in /admin/replicas, beside the models: no model name starts with "_"
 
 
-def live_handlers(gateway) -> list:
+class Replicated(Protocol):
+    """The live replica set and the discovery that feeds it (GET /admin/replicas; the console's fleet)."""
+
+    replicas: ReplicaSet
+    discovery: Discovery
+
+
+class Live(Replicated, Protocol):
+    """What changes while the gateway serves: the policy in force (and the file it came from) and the replicas."""
+
+    snapshot: Snapshot
+    policy_path: str | None
+
+
+def live_handlers(gateway: Live) -> list[HTTPRouteHandler]:
     @get("/policy", summary="The live policy's version (hash) and when it was loaded", sync_to_thread=False,
          responses=errors(401))
     def policy_version() -> PolicyVersion:
@@ -72,7 +93,7 @@ def live_handlers(gateway) -> list:
     return [policy_version, replicas]
 
 
-def view(replica) -> ReplicaView:
+def view(replica: Replica) -> ReplicaView:
     outlier = replica.outlier  # policies/ejection.py Outlier, once it failed or streamed
     ejected = outlier is not None and outlier.ejected
     return ReplicaView(name=replica.name, url=replica.url, source=replica.source, state=replica.state,
@@ -83,12 +104,12 @@ def view(replica) -> ReplicaView:
                        ejections=outlier.ejections if outlier is not None else 0)
 
 
-def watch_view(model: str, source: str, watcher) -> WatchView:
+def watch_view(model: str, source: str, watcher: Watcher) -> WatchView:
     return WatchView(model=model, source=source, watch=watcher.name, state=watcher.state, last_sync=watcher.last_sync,
                      broken_since=watcher.broken_since, failures=watcher.failures, error=watcher.error)
 
 
-def replica_views(gateway) -> dict[str, list[ReplicaView | WatchView]]:
+def replica_views(gateway: Replicated) -> dict[str, list[ReplicaView | WatchView]]:
     """Every model's replicas, refused endpoints and discovery watches (GET /admin/replicas; the console's fleet)."""
     out: dict[str, list[ReplicaView | WatchView]] = {}
     for model, members in gateway.replicas.by_model.items():
@@ -99,7 +120,7 @@ def replica_views(gateway) -> dict[str, list[ReplicaView | WatchView]]:
         out.setdefault(group, []).extend(
             ReplicaView(name=r.name, url=r.url, source=r.source, state="refused", draining=False, in_flight=0,
                         limit=None, reason=r.reason) for r in refused.values())
-    watches = [watch_view(*w) for w in gateway.discovery.watches()]
+    watches: list[ReplicaView | WatchView] = [watch_view(*w) for w in gateway.discovery.watches()]
     if watches:
         out[WATCHES] = watches
     return out

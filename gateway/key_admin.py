@@ -11,14 +11,14 @@ what the team allows (policies/teams.py): 409 naming each excess, nothing stored
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
-from litestar.connection import ASGIConnection
 from litestar.params import KwargDefinition
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin_scope import check_key, own_team
-from gateway.team_routes import ClassName, TeamName
+from gateway.asgi import AnyConnection
+from gateway.team_routes import ClassName, ManagesKeys, TeamName
 from policies.accounting import by_model, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound, PermissionDenied, StateUnavailable
@@ -126,11 +126,11 @@ class Usage(BaseModel):
 class KeyAdmin:
     """The key operations over one gateway's store; each change drops the key from every replica's cache."""
 
-    def __init__(self, gateway) -> None:
+    def __init__(self, gateway: ManagesKeys) -> None:
         self.gateway = gateway
         self.store = gateway.store
 
-    async def load(self, key_id: str, connection: ASGIConnection | None = None) -> KeyRecord:
+    async def load(self, key_id: str, connection: AnyConnection | None = None) -> KeyRecord:
         """The key, if the admin on `connection` may manage it (a team admin: only its team's)."""
         record = await self.store.get_key(key_id)
         if record is None:
@@ -151,8 +151,8 @@ class KeyAdmin:
             raise Conflict(f"a key may only narrow what its team allows: {'; '.join(t for _, t in problems)}",
                            param=problems[0][0], code="exceeds_team")
 
-    async def save(self, connection: ASGIConnection, action: str, before: KeyRecord, record: KeyRecord,
-                   more: dict | None = None) -> KeyView:
+    async def save(self, connection: AnyConnection, action: str, before: KeyRecord, record: KeyRecord,
+                   more: dict[str, Any] | None = None) -> KeyView:
         """Store a changed key, drop it from every replica's cache and record the act (its from/to diff)."""
         try:
             await self.store.put_key(record)
@@ -164,7 +164,7 @@ class KeyAdmin:
                                      {**diff(KeyView.of(before).model_dump(), view.model_dump()), **(more or {})})
         return view
 
-    async def create(self, connection: ASGIConnection, data: NewKey) -> IssuedKey:
+    async def create(self, connection: AnyConnection, data: NewKey) -> IssuedKey:
         fields = data.model_dump(exclude={"expires_in"}, exclude_none=True)
         if data.expires_in is not None:
             fields["expires_at"] = time.time() + data.expires_in
@@ -192,7 +192,7 @@ class KeyAdmin:
         """Every key, or the keys of `team`."""
         return [KeyView.of(r) for r in await self.store.list_keys() if team is None or r.team == team]
 
-    async def update(self, connection: ASGIConnection, key_id: str, data: KeyChanges) -> KeyView:
+    async def update(self, connection: AnyConnection, key_id: str, data: KeyChanges) -> KeyView:
         record = await self.load(key_id, connection)
         changes = data.model_dump(exclude_unset=True)
         own = own_team(connection)
@@ -207,12 +207,12 @@ class KeyAdmin:
         await self.fits_team(updated)
         return await self.save(connection, "key.update", record, updated)
 
-    async def revoke(self, connection: ASGIConnection, key_id: str) -> KeyView:
+    async def revoke(self, connection: AnyConnection, key_id: str) -> KeyView:
         record = await self.load(key_id, connection)
         revoked = record.model_copy(update={"revoked": True, "previous_hash": None, "previous_valid_until": None})
         return await self.save(connection, "key.revoke", record, revoked)
 
-    async def rotate(self, connection: ASGIConnection, key_id: str, rotation: Rotation | None = None) -> IssuedKey:
+    async def rotate(self, connection: AnyConnection, key_id: str, rotation: Rotation | None = None) -> IssuedKey:
         record = await self.load(key_id, connection)
         grace = (rotation or Rotation()).grace_seconds
         key = new_key(key_id)
@@ -221,7 +221,7 @@ class KeyAdmin:
         view = await self.save(connection, "key.rotate", record, rotated, {"grace_seconds": grace})
         return IssuedKey(key=key, record=view)
 
-    async def usage(self, key_id: str, connection: ASGIConnection | None = None) -> Usage:
+    async def usage(self, key_id: str, connection: AnyConnection | None = None) -> Usage:
         await self.load(key_id, connection)
         await self.gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         models, variants = by_model(await self.store.usage(key_id))

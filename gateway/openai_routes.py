@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Any, Protocol, cast
 
-from gateway.endpoints import Registry
+from gateway.asgi import App, Message, Receive, Scope, Send
+from gateway.endpoints import Answering, Registry
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
-from policies.auth import bearer_key, check_key_source
+from policies.auth import Authenticate, bearer_key, check_key_source
 from policies.errors import (
     AuthenticationFailed,
     BadRequest,
@@ -27,7 +30,10 @@ from policies.errors import (
     PayloadTooLarge,
 )
 from policies.finished import answered
+from policies.keys import KeyRecord
+from policies.network import ClientNetwork
 from policies.pipeline import Call
+from policies.snapshot import Snapshot
 from policies.teams import effective_models
 
 log = logging.getLogger("gateway.http")
@@ -44,14 +50,14 @@ class BodyStream:
     """A request body as it arrives, for the routes that stream theirs through (multipart uploads): at most
     `limit` bytes (413 past it, at once when Content-Length says so), `on_end` called once it is all in."""
 
-    def __init__(self, receive, headers: dict[str, str], limit: int, on_end) -> None:
+    def __init__(self, receive: Receive, headers: dict[str, str], limit: int, on_end: Callable[[], None]) -> None:
         check_length(headers, limit)
         self.receive, self.limit, self.on_end = receive, limit, on_end
         self.size = 0
         self.ended = False
         self.gone = False  # the client hung up before its body was in
 
-    def __aiter__(self):
+    def __aiter__(self) -> BodyStream:
         return self
 
     async def __anext__(self) -> bytes:
@@ -60,7 +66,7 @@ class BodyStream:
             if message["type"] == "http.disconnect":
                 self.gone = True
                 raise asyncio.CancelledError  # as when the watch sees the client go: the call is dropped
-            chunk = message.get("body", b"")
+            chunk: bytes = message.get("body", b"")
             self.size += len(chunk)
             if self.size > self.limit:
                 raise too_large(self.limit)
@@ -94,12 +100,12 @@ class DuplicateCredential(AuthenticationFailed):
     code = "duplicate_credential"
 
 
-def header_pairs(scope):
+def header_pairs(scope: Scope) -> Iterator[tuple[str, str]]:
     """(lower-case name, value) of each request header, as text."""
     return ((key.decode("latin-1").lower(), value.decode("latin-1")) for key, value in scope["headers"])
 
 
-def header_map(scope) -> dict[str, str]:
+def header_map(scope: Scope) -> dict[str, str]:
     """The request's headers by lower-case name; a repeated header keeps its first value, but for
     X-Forwarded-For (one list, in order) and the credential headers: a second Authorization or X-Api-Key is a
     DuplicateCredential (401 naming it), whatever the two say, so no front proxy and no gateway replica can
@@ -115,9 +121,10 @@ def header_map(scope) -> dict[str, str]:
     return headers
 
 
-async def read_body(receive, headers: dict[str, str], limit: int) -> bytes:
+async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> bytes:
     check_length(headers, limit)
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -131,14 +138,14 @@ async def read_body(receive, headers: dict[str, str], limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def send_bytes(send, status: int, headers: dict[str, str], body: bytes) -> None:
+async def send_bytes(send: Send, status: int, headers: dict[str, str], body: bytes) -> None:
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     raw.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_download(send, headers: dict[str, str], download: Download) -> None:
+async def send_download(send: Send, headers: dict[str, str], download: Download) -> None:
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     raw.append((b"content-length", str(download.size).encode()))
     await send({"type": "http.response.start", "status": 200, "headers": raw})
@@ -148,34 +155,48 @@ async def send_download(send, headers: dict[str, str], download: Download) -> No
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def send_error(send, error: GatewayError, request_id: str | None = None, extra: dict | None = None,
-                     render=openai_error_body) -> None:
+async def send_error(send: Send, error: GatewayError, request_id: str | None = None,
+                     extra: dict[str, str] | None = None,
+                     render: Callable[[GatewayError], bytes] = openai_error_body) -> None:
     headers = {"content-type": "application/json", **(extra or {}), **error.headers}
     if request_id:
         headers["x-request-id"] = request_id
     await send_bytes(send, error.status, headers, render(error))
 
 
-async def send_stream(send, reply: Reply) -> None:
+async def send_stream(send: Send, reply: Reply) -> None:
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
     raw += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
     await send({"type": "http.response.start", "status": reply.status, "headers": raw})
-    async for chunk in reply.stream:
+    async for chunk in relayed(reply):
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Serving(Answering, Protocol):
+    """What the OpenAI routes ask of the gateway: the client networks and the keys (checked before a body is
+    read), the live snapshot's rate limits (for what the gateway answers itself), and the proxy that runs a call
+    (None until the app's lifespan has started); and what each route the gateway answers itself asks."""
+
+    authenticate: Authenticate
+    snapshot: Snapshot
+    proxy: Proxy | None
+
+    @property
+    def client_network(self) -> ClientNetwork: ...
 
 
 class OpenAIRoutes:
     """Serves the routes of the endpoint registry and the rest of /v1/ (404s in OpenAI's shape); hands every
     other request (and lifespan) to `fallback`, the ops/admin app."""
 
-    def __init__(self, gateway, fallback, registry: Registry | None = None) -> None:
+    def __init__(self, gateway: Serving, fallback: App, registry: Registry | None = None) -> None:
         self.gateway = gateway
         self.fallback = fallback
         self.registry = registry or Registry()
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         found = self.registry.match(path) if scope["type"] == "http" else None
         if found is None:
@@ -209,8 +230,8 @@ class OpenAIRoutes:
         else:
             await self.serve(route, params, headers, scope, receive, send)
 
-    async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
-                     send) -> None:
+    async def answer(self, route: Route, params: dict[str, str], headers: dict[str, str], scope: Scope,
+                     receive: Receive, send: Send) -> None:
         """A route the gateway answers itself (the model list, files, batches): the key and its network are
         checked, its body read whole within the route's limit, no more. Metered and logged as every route is,
         with no model or backend (it names no model it routes to)."""
@@ -241,6 +262,7 @@ class OpenAIRoutes:
                 else:
                     raw = await read_body(receive, headers, limit)
             asked = Asked(params, scope.get("query_string", b""), raw, headers, host, stream)
+            assert route.answer is not None  # __call__ sends here only the routes that have one
             body = await route.answer(self.gateway, key, asked)
         except ClientGone:
             return
@@ -260,7 +282,10 @@ class OpenAIRoutes:
                 await send_bytes(send, 200, headers, body)
         finally:
             if limits is not None and limits.ticket is not None:
-                await self.gateway.snapshot.rate_limit.leave(limits)  # the concurrency slot back
+                rate_limit = self.gateway.snapshot.rate_limit
+                assert rate_limit is not None  # the ticket was taken from it (count_against_limits)
+                await rate_limit.leave(limits)  # the concurrency slot back
+        assert self.gateway.proxy is not None  # the lifespan builds it before the first request
         self.gateway.proxy.observers.finished(answered(request_id, route.name, status, arrived))
 
     async def count_against_limits(self, call: Call) -> None:
@@ -270,9 +295,10 @@ class OpenAIRoutes:
         if rate_limit is not None:
             await rate_limit.enter(call)
 
-    async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope, receive,
-                    send) -> None:
-        proxy: Proxy = self.gateway.proxy
+    async def serve(self, route: Route, params: dict[str, str], headers: dict[str, str], scope: Scope,
+                    receive: Receive, send: Send) -> None:
+        proxy = self.gateway.proxy
+        assert proxy is not None  # the lifespan builds it before the first request
         client = scope.get("client")
         call = Call(
             request_id=request_id_from(headers),
@@ -287,6 +313,8 @@ class OpenAIRoutes:
         limit = route.max_body(policy) if route.max_body is not None else policy.server.max_body_bytes
         loop = self.loop or self._bind_loop()
         task = asyncio.current_task(loop)
+        assert task is not None  # this coroutine runs in a task
+        raw: bytes | BodyStream
         try:
             call.key = await self.caller(call)  # from the head: no body byte is read for a caller without a key
             if route.body == MULTIPART:  # streamed through: the client's connection is watched once it is in
@@ -330,11 +358,11 @@ class OpenAIRoutes:
         finally:
             watch.close()
             if reply is not None and reply.stream is not None:
-                await reply.stream.aclose()  # its end-of-stream bookkeeping runs now, before the accounting
+                await relayed(reply).aclose()  # its end-of-stream bookkeeping runs now, before the accounting
             if reply is not None and reply.close is not None:
                 await reply.close(error)
 
-    async def caller(self, call: Call):
+    async def caller(self, call: Call) -> KeyRecord:
         """The call's key, verified from its request head before its body is read: an unauthenticated client
         gets its 401 (or a refused network its 403) at once, and never has a body buffered for it. The pipeline's
         network and key steps run again on the call as they always do (the key step keeps this record)."""
@@ -345,6 +373,12 @@ class OpenAIRoutes:
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         self.loop = asyncio.get_running_loop()
         return self.loop
+
+
+def relayed(reply: Reply) -> AsyncGenerator[bytes, None]:
+    """A streamed reply's stream: the proxy's relay, an async generator (closing it runs its end-of-stream
+    bookkeeping), though Reply declares only what it iterates."""
+    return cast("AsyncGenerator[bytes, None]", reply.stream)
 
 
 class Watch:
@@ -359,11 +393,12 @@ class Watch:
 
     __slots__ = ("closing", "gone", "loop", "receive", "task", "timer", "watcher")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, receive, armed: bool = True) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], receive: Receive,
+                 armed: bool = True) -> None:
         self.loop, self.task, self.receive = loop, task, receive
         self.gone = False
         self.closing = False
-        self.watcher: asyncio.Task | None = None
+        self.watcher: asyncio.Task[Message] | None = None
         self.timer: asyncio.TimerHandle | None = None
         if armed:
             self.arm()
@@ -379,7 +414,7 @@ class Watch:
             self.watcher = self.loop.create_task(self.receive())
             self.watcher.add_done_callback(self.on_message)
 
-    def on_message(self, watcher: asyncio.Future) -> None:
+    def on_message(self, watcher: asyncio.Future[Message]) -> None:
         if self.closing or watcher.cancelled() or watcher.exception() is not None:
             return
         if watcher.result()["type"] == "http.disconnect":

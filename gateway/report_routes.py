@@ -7,16 +7,21 @@ policies/ledger/report.py, whose docstring says what each one means.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
-from litestar import Request, get
+from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin_scope import check_team, own_team
+from gateway.asgi import AnyConnection, AnyRequest
+from gateway.needs import Stored
 from gateway.openapi import errors
-from policies.budget import period_bounds
+from policies.budget import Budgets, period_bounds
 from policies.errors import BadRequest, NotFound, PermissionDenied
-from policies.keys import TEAM_NAME
+from policies.keys import TEAM_NAME, KeyBudget, KeyRecord
 
 
 class Closed(BaseModel):
@@ -116,7 +121,28 @@ class BudgetStatus(Closed):
     when_spent: str
 
 
-async def budget_status(gateway, owner: str, shown: str, budget) -> BudgetStatus:
+class Budgeted(Protocol):
+    """What keys and teams have spent of their budgets (policies/budget.py)."""
+
+    budgets: Budgets
+
+
+class Reports(Protocol):
+    """The own-vs-rent report (policies/ledger/report.py): its figures for a window, as `Report` declares them."""
+
+    async def report(self, window: float, until: float | None = None, team: str | None = None,
+                     teams: bool = False) -> dict[str, Any]: ...
+
+
+class Reporting(Reports, Budgeted, Protocol):
+    """GET /admin/report and /admin/keys/{id}/budget: the report, and what keys have spent of their budgets."""
+
+
+class KeyBudgets(Stored, Budgeted, Protocol):
+    """A key's budget (its record in the store) and what it has spent of it."""
+
+
+async def budget_status(gateway: Budgeted, owner: str, shown: str, budget: KeyBudget | None) -> BudgetStatus:
     """What `owner` (a key id, or a team's `team:<name>`) has spent of `budget` (a KeyBudget or None) this period."""
     period = budget.period if budget else "month"
     start, end = period_bounds(period, time.time())
@@ -130,13 +156,15 @@ async def budget_status(gateway, owner: str, shown: str, budget) -> BudgetStatus
     )
 
 
-def report_handlers(gateway, key_id_param, load) -> list:
+def report_handlers(gateway: Reporting, key_id_param: Any,
+                    load: Callable[[str, AnyConnection], Awaitable[KeyRecord]]) -> list[HTTPRouteHandler]:
+    """`key_id_param`: the admin API's key id parameter; `load`: a key the admin on a connection may manage."""
     @get("/report", summary="Own or rent: utilisation, owned vs rented cost and a recommendation per model",
          description="With `team`, the calls counted are that team's keys' (a team admin may ask for its own"
          " team's); the backends' utilisation stays the whole fleet's.",
          opt={"team": True}, responses=errors(400, 401, 403, 503))
     async def report(
-        request: Request,
+        request: AnyRequest,
         window: int = Parameter(default=3600, ge=1, le=90 * 86400, description="seconds before `until`"),
         until: int | None = Parameter(default=None, ge=1, le=10**11, description="unix seconds (default: now)"),
         team: str | None = Parameter(default=None, pattern=TEAM_NAME, description="only this team's calls"),
@@ -154,7 +182,7 @@ def report_handlers(gateway, key_id_param, load) -> list:
 
     @get("/keys/{key_id:str}/budget", summary="What a key has spent of its budget this period",
          opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
-    async def key_budget(request: Request, key_id: str = key_id_param) -> BudgetStatus:
+    async def key_budget(request: AnyRequest, key_id: str = key_id_param) -> BudgetStatus:
         record = await load(key_id, request)  # `load` (admin_routes): 404, or 403 outside a team admin's team
         return await budget_status(gateway, key_id, key_id, record.budget)
 
@@ -162,7 +190,7 @@ def report_handlers(gateway, key_id_param, load) -> list:
 
 
 
-async def key_budget_status(gateway, key_id: str) -> BudgetStatus:
+async def key_budget_status(gateway: KeyBudgets, key_id: str) -> BudgetStatus:
     """What a key has spent of its budget this period (the console's answer, as GET /admin/keys/{id}/budget's)."""
     record = await gateway.store.get_key(key_id)
     if record is None:

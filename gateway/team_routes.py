@@ -9,16 +9,20 @@ Each act is one function, so what records admin acts can be added with one line 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Protocol
 
-from litestar import Request, delete, get, patch, post
+from litestar import delete, get, patch, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.admin_audit import Audited
 from gateway.admin_scope import check_team, own_team
+from gateway.asgi import AnyRequest
+from gateway.needs import Configured, Stored
 from gateway.openapi import errors
-from gateway.report_routes import BudgetStatus, budget_status
-from policies.accounting import by_model, merged, totals
+from gateway.report_routes import Budgeted, BudgetStatus, budget_status
+from policies.accounting import RecordUsage, by_model, merged, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound
 from policies.keys import CLASS_NAME, TEAM_NAME, DataPolicy, KeyBudget, KeyLimits
@@ -64,10 +68,24 @@ class TeamUsage(BaseModel):
     keys: dict[str, dict[str, int]] = Field(description="each of the team's keys' totals")
 
 
-def team_handlers(gateway: Any) -> list:
+class ManagesKeys(Configured, Stored, Audited, Protocol):
+    """What changes keys and teams (these routes, gateway/key_admin.py): the store, the policy's priority classes,
+    the audit log, the usage counters to write before a read, and every replica's cached copies to drop."""
+
+    record_usage: RecordUsage
+
+    async def forget_key(self, key_id: str) -> None: ...
+
+
+class Accounts(ManagesKeys, Budgeted, Protocol):
+    """Keys and teams as the team routes and the console's keys and teams pages see them: what changes them, and
+    what they have spent of their budgets."""
+
+
+def team_handlers(gateway: Accounts) -> list[HTTPRouteHandler]:
     store = gateway.store
 
-    async def load(name: str, request: Request) -> TeamRecord:
+    async def load(name: str, request: AnyRequest) -> TeamRecord:
         check_team(request, name)
         team = await store.get_team(name)
         if team is None:
@@ -92,7 +110,7 @@ def team_handlers(gateway: Any) -> list:
         return team
 
     @post("/teams", status_code=201, summary="Create a team", responses=errors(400, 401, 403, 404, 409, 413, 503))
-    async def create_team(request: Request, data: JSONBody[NewTeam]) -> TeamRecord:
+    async def create_team(request: AnyRequest, data: JSONBody[NewTeam]) -> TeamRecord:
         team = TeamRecord(**data.model_dump(exclude_none=True))
         known_ceiling(team)
         try:
@@ -103,18 +121,18 @@ def team_handlers(gateway: Any) -> list:
         return team
 
     @get("/teams", summary="List teams (a team admin: its own)", opt={"team": True}, responses=errors(401, 503))
-    async def list_teams(request: Request) -> list[TeamRecord]:
+    async def list_teams(request: AnyRequest) -> list[TeamRecord]:
         own = own_team(request)
         return [t for t in await store.list_teams() if own is None or t.name == own]
 
     @get("/teams/{name:str}", summary="Show a team", opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
-    async def show_team(request: Request, name: str = NameParam) -> TeamRecord:
+    async def show_team(request: AnyRequest, name: str = NameParam) -> TeamRecord:
         return await load(name, request)
 
     @patch("/teams/{name:str}", summary="Change a team's models, data policy, limits, budget or priority ceiling",
            description="Refused (409, naming them) when one of the team's active keys would then allow more than"
            " the team: narrow those keys first.", responses=errors(400, 401, 403, 404, 409, 413, 503))
-    async def update_team(request: Request, data: JSONBody[TeamChanges], name: str = NameParam) -> TeamRecord:
+    async def update_team(request: AnyRequest, data: JSONBody[TeamChanges], name: str = NameParam) -> TeamRecord:
         team = await load(name, request)
         changes = data.model_dump(exclude_unset=True)
         for field in ("data_policy", "limits"):  # null: back to the default
@@ -139,7 +157,7 @@ def team_handlers(gateway: Any) -> list:
             description="Refused (409, naming them) while an unrevoked key belongs to the team: revoke the keys or"
             " move them out first. Revoked keys keep the team's name, for their usage.",
             responses=errors(400, 401, 403, 404, 409, 503))
-    async def delete_team(request: Request, name: str = NameParam) -> TeamRecord:
+    async def delete_team(request: AnyRequest, name: str = NameParam) -> TeamRecord:
         team = await load(name, request)
         active = [k.id for k in await store.list_keys() if k.team == name and not k.revoked]
         if active:
@@ -156,7 +174,7 @@ def team_handlers(gateway: Any) -> list:
 
     @get("/teams/{name:str}/usage", summary="Requests and tokens used by a team's keys, per model and per key",
          opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
-    async def team_usage(request: Request, name: str = NameParam) -> TeamUsage:
+    async def team_usage(request: AnyRequest, name: str = NameParam) -> TeamUsage:
         await load(name, request)
         await gateway.record_usage.flush()  # this replica's last quarter second, so a read follows its writes
         ids = [k.id for k in await store.list_keys() if k.team == name]
@@ -167,7 +185,7 @@ def team_handlers(gateway: Any) -> list:
 
     @get("/teams/{name:str}/budget", summary="What a team's keys have spent of its budget this period",
          opt={"team": True}, responses=errors(400, 401, 403, 404, 503))
-    async def team_budget(request: Request, name: str = NameParam) -> BudgetStatus:
+    async def team_budget(request: AnyRequest, name: str = NameParam) -> BudgetStatus:
         team = await load(name, request)
         return await budget_status(gateway, team.id, name, team.budget)
 

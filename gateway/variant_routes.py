@@ -13,15 +13,20 @@ A model's name may hold "/" (`Qwen/Qwen3-4B`, vLLM's usual served name) where a 
 
 from __future__ import annotations
 
-from litestar import Request, get, put
-from litestar.connection import ASGIConnection
+from typing import Any, Protocol
+
+from litestar import get, put
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.admin_audit import Audited
+from gateway.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send
 from gateway.openapi import errors
 from policies.audit import diff
 from policies.errors import Conflict, NotFound
-from policies.variants import NoLiveWeight, UnknownVariant
+from policies.snapshot import Shared
+from policies.variants import NoLiveWeight, UnknownVariant, Variants
 
 
 class VariantView(BaseModel):
@@ -30,7 +35,7 @@ class VariantView(BaseModel):
     weight: float = Field(description="the weight now in force")
     shadow: bool
     filed_weight: float = Field(description="the weight the policy file gives it")
-    guard: dict | None = Field(None, description="the guard's state, the reason of its last action, and while it"
+    guard: dict[str, Any] | None = Field(None, description="the guard's state, the reason of its last action, and while it"
                                " cannot judge yet why (`undecided`) and since when (`undecided_for_s`, `warning`), and each latency"
                                " signal's worst candidate/baseline ratio at its last look (`ratios`)")
 
@@ -38,7 +43,7 @@ class VariantView(BaseModel):
 class ModelVariants(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
-    sticky: dict | None = Field(description="what keeps a conversation on one variant (header, key)")
+    sticky: dict[str, Any] | None = Field(description="what keeps a conversation on one variant (header, key)")
     variants: list[VariantView]
 
 
@@ -75,7 +80,7 @@ class VariantSignals(BaseModel):
     exact_match_rate: float | None = Field(description="shadow answers equal to the live one byte for byte")
     by_load: dict[str, LoadFigures] = Field(description="medians per load level: requests in flight to the"
                                              " replica when sent, up to this many")
-    guard: dict | None = Field(None, description="the guard's state and the reason of its last action")
+    guard: dict[str, Any] | None = Field(None, description="the guard's state and the reason of its last action")
 
 
 class ModelSignals(BaseModel):
@@ -100,11 +105,11 @@ PREFIX, SUFFIX = "/admin/models/", "/variants"
 SLASH = "%2F"  # never in a name: the policy's names leave "%" out
 
 
-def slashed_model_names(app):
+def slashed_model_names(app: App) -> App:
     """An ASGI wrapper: a request for /admin/models/<name>/variants whose name holds "/" is routed with each "/"
     as %2F, so the name stays one path segment; the route's handlers turn them back (`model_of`)."""
 
-    async def routed(scope, receive, send) -> None:
+    async def routed(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
             if path.startswith(PREFIX) and path.endswith(SUFFIX) and "/" in path[len(PREFIX):-len(SUFFIX)]:
@@ -118,7 +123,13 @@ def model_of(segment: str) -> str:
     return segment.replace(SLASH, "/")
 
 
-def variant_handlers(gateway) -> list:
+class Weighing(Audited, Protocol):
+    """Every model's variant weights (held with what every snapshot shares), and the audit log of their changes."""
+
+    shared: Shared
+
+
+def variant_handlers(gateway: Weighing) -> list[HTTPRouteHandler]:
     variants = gateway.shared.variants
 
     def current(model: str) -> ModelVariants:
@@ -131,7 +142,7 @@ def variant_handlers(gateway) -> list:
 
     @put("/models/{model:str}/variants", summary="Change variant weights live (operator role)",
          opt={"operator": True}, responses=errors(400, 401, 403, 404, 409, 413))
-    async def change(request: Request, data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
+    async def change(request: AnyRequest, data: JSONBody[WeightChange], model: str = ModelName) -> ModelVariants:
         return await change_weights(gateway, request, model_of(model), {w.name: w.weight for w in data.weights},
                                     "admin API")
 
@@ -144,14 +155,14 @@ def variant_handlers(gateway) -> list:
     return [show, change, signals]
 
 
-def current_variants(variants, model: str) -> ModelVariants:
+def current_variants(variants: Variants, model: str) -> ModelVariants:
     view = variants.view(model)
     if view is None:
         raise NotFound(f"model {model[:200]} has no variants", code="model_not_found")
     return ModelVariants.model_validate(view)
 
 
-async def change_weights(gateway, connection: ASGIConnection, model: str, weights: dict[str, float],
+async def change_weights(gateway: Weighing, connection: AnyConnection, model: str, weights: dict[str, float],
                          why: str) -> ModelVariants:
     """Set some of a model's variant weights live (the admin API's PUT and the console's form), and record the
     act in the audit log as the admin whose claims the connection's guard left in its scope."""

@@ -9,6 +9,8 @@ admin_live), so the console and the API cannot disagree. gateway/console/session
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from litestar import Router, get
 from litestar.datastructures import CacheControlHeader
 from litestar.exceptions import HTTPException
@@ -30,8 +32,16 @@ from gateway.console import (
     usage_page,
     variants_page,
 )
+from gateway.console.audit_page import AuditLog
+from gateway.console.batches_page import BatchConsole
+from gateway.console.fleet_page import Fleet
+from gateway.console.pages import Page
 from gateway.console.render import NAV, STATIC, TEMPLATES, NavItem, on_error
-from gateway.console.session import PREFIX, SECURITY_HEADERS, Sessions, console_guard
+from gateway.console.report_page import ReportConsole
+from gateway.console.session import PREFIX, SECURITY_HEADERS, Guarded, Sessions, console_guard
+from gateway.console.usage_page import UsageConsole
+from gateway.team_routes import Accounts
+from gateway.variant_routes import Weighing
 from policies.errors import GatewayError
 from policies.store import StoreUnavailable
 
@@ -39,12 +49,17 @@ from policies.store import StoreUnavailable
 # picks the handler of the nearest class in the exception's MRO over the nearest layer.
 ERRORS: ExceptionHandlersMap = {cls: on_error for cls in (GatewayError, StoreUnavailable, ValidationError, HTTPException, Exception)}
 
+
+class Console(Guarded, Fleet, Accounts, UsageConsole, ReportConsole, Weighing, BatchConsole, AuditLog, Protocol):
+    """What the console asks of the gateway: its sign-in's, and each page's (in the order of PAGES)."""
+
+
 # The pages in the order of the navigation; the first is where signing in lands.
-PAGES = (fleet_page.PAGE, keys_page.PAGE, teams_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE, batches_page.PAGE,
+PAGES: tuple[Page[Console], ...] = (fleet_page.PAGE, keys_page.PAGE, teams_page.PAGE, usage_page.PAGE, report_page.PAGE, variants_page.PAGE, batches_page.PAGE,
          audit_page.PAGE)
 
 
-def console_routes(gateway) -> list[Router]:
+def console_routes(gateway: Console) -> list[Router]:
     """The console's router and its static files; each answers 404 unless the policy's console is enabled."""
     NAV[:] = [NavItem(f"{PREFIX}/{p.path}", p.title, p.team) for p in PAGES]
     sessions = Sessions()  # this process's console sessions (gateway/console/session.py)
@@ -69,7 +84,7 @@ def console_routes(gateway) -> list[Router]:
     return [pages, static]
 
 
-def templates() -> TemplateConfig:
+def templates() -> TemplateConfig[Any]:
     from litestar.plugins.jinja import JinjaTemplateEngine
 
     return TemplateConfig(directory=TEMPLATES, engine=JinjaTemplateEngine)

@@ -6,23 +6,31 @@ from __future__ import annotations
 
 import calendar
 import time
+from typing import Any, Protocol
 
-from litestar import Request, get
+from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
-from gateway.admin_audit import CURSOR
+from gateway.admin_audit import CURSOR, Audited
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page as render
+from gateway.needs import Configured
 from policies.audit import AuditQuery
 from policies.errors import BadRequest
 
 MINUTE = r"^$|^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2})?$"  # what a datetime-local field sends
 
 
-def handlers(gateway) -> list:
+class AuditLog(Configured, Audited, Protocol):
+    """The audit page: the audit log, and the console's page size."""
+
+
+def handlers(gateway: AuditLog) -> list[HTTPRouteHandler]:
     @get("/audit")
-    async def audit(request: Request, actor: str = Parameter(default="", max_length=500),
+    async def audit(request: AnyRequest, actor: str = Parameter(default="", max_length=500),
                     action: str = Parameter(default="", max_length=100),
                     since: str = Parameter(default="", pattern=MINUTE),
                     until: str = Parameter(default="", pattern=MINUTE),
@@ -51,7 +59,7 @@ def unix(value: str, name: str) -> float | None:
         raise BadRequest(f"{name}: a date and time such as 2026-01-31T09:30", param=name) from None
 
 
-def changes_text(changes: dict) -> str:
+def changes_text(changes: dict[str, Any]) -> str:
     """An event's changes on one line each: `field: from → to` or `field: value`."""
     lines = []
     for name, value in changes.items():

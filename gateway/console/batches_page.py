@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from litestar import Request, get, post
+from litestar import get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Redirect, Template
 
+from gateway.admin_audit import Audited
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import is_fragment
 from gateway.console.render import page as render
 from gateway.console.session import form_of
+from gateway.needs import Configured, Stored
+from policies.batches.service import Batches
 from policies.batches.store import OPEN
 from policies.errors import Conflict, NotFound
 
@@ -30,8 +35,15 @@ CANCELLABLE = ("validating", "in_progress")  # as the Batch API's cancel: later 
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", "completed", "failed", "expired", "cancelled")
 
 
-def handlers(gateway) -> list:
-    def service():
+class BatchConsole(Configured, Stored, Audited, Protocol):
+    """The batches page: the Batch API (None while the policy leaves it off), the keys whose batches it lists,
+    the audit log of a cancel, and the console's page size."""
+
+    batches: Batches | None
+
+
+def handlers(gateway: BatchConsole) -> list[HTTPRouteHandler]:
+    def service() -> Batches:
         if gateway.batches is None:
             raise Conflict("the Batch API is off in this gateway's policy (batch.enabled)", code="batches_off")
         return gateway.batches
@@ -67,14 +79,14 @@ def handlers(gateway) -> list:
                 "pages": pages, "total": len(found), "message": None}
 
     @get("/batches")
-    async def listing(request: Request, key: str = Parameter(default="", max_length=200),
+    async def listing(request: AnyRequest, key: str = Parameter(default="", max_length=200),
                       status: str = Parameter(default="", max_length=40),
                       page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
         template = "batches_table.html" if request.headers.get("hx-target") == "batches-table" else "batches.html"
         return render(request, template, "Batches", **await listed(key, status, page))
 
     @post("/batches/{key_id:str}/{batch_id:str}/cancel", opt={"role": "admin"}, status_code=200)
-    async def cancel(request: Request, key_id: str = Parameter(pattern=KEY_ID),
+    async def cancel(request: AnyRequest, key_id: str = Parameter(pattern=KEY_ID),
                      batch_id: str = BATCH_ID) -> Template | Redirect:
         batches = service()
         before = await batches.store.get_batch(key_id, batch_id)

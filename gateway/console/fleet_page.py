@@ -8,20 +8,42 @@ up, in flight, queued, answered), refreshed with the rest."""
 from __future__ import annotations
 
 import time
+from typing import Any, Protocol
 
-from litestar import Request, get, post
+from litestar import get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Template
 
 from backends.replicas import split_group
-from gateway.admin_live import WATCHES, ReplicaView, replica_views
+from backends.vllm_stats import Scraper
+from gateway.admin_live import WATCHES, Replicated, ReplicaView, replica_views
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
-from gateway.reload import loaded_at_iso
+from gateway.needs import Configured
+from gateway.reload import PolicyReloader, loaded_at_iso
+from policies.admission import Admission
 from policies.errors import Conflict
+from policies.metrics import GatewayMetrics
+from policies.snapshot import Snapshot
 
 
-def handlers(gateway) -> list:
-    def live() -> dict:
+class Fleet(Configured, Replicated, Protocol):
+    """The fleet page: the replicas and the discovery watches, vLLM's figures from the scraper, the admission
+    queues, the routing and request counters, the live snapshot, and the reloader of the policy file (None: the
+    policy came from no file)."""
+
+    snapshot: Snapshot
+    scraper: Scraper
+    metrics: GatewayMetrics
+    reloader: PolicyReloader | None
+
+    @property
+    def admission(self) -> Admission: ...
+
+
+def handlers(gateway: Fleet) -> list[HTTPRouteHandler]:
+    def live() -> dict[str, Any]:
         replicas = {r.name: r for r in gateway.replicas}  # the live set, for vLLM's scraped figures
         queues = gateway.admission.queues
         models = []
@@ -49,15 +71,15 @@ def handlers(gateway) -> list:
                 "refresh": gateway.policy.console.refresh_seconds, "reloadable": gateway.reloader is not None}
 
     @get("/fleet")
-    async def fleet(request: Request) -> Template:
+    async def fleet(request: AnyRequest) -> Template:
         return page(request, "fleet.html", "Fleet", **live())
 
     @get("/fleet/live")
-    async def fleet_live(request: Request) -> Template:
+    async def fleet_live(request: AnyRequest) -> Template:
         return page(request, "fleet_live.html", "Fleet", **live())
 
     @post("/reload", opt={"role": "operator"}, status_code=200)
-    async def reload(request: Request) -> Template:
+    async def reload(request: AnyRequest) -> Template:
         if gateway.reloader is None:
             raise Conflict("this gateway's policy came from no file: there is nothing to reload",
                            code="no_policy_file")
@@ -70,7 +92,7 @@ def handlers(gateway) -> list:
     return [fleet, fleet_live, reload]
 
 
-def ejection_of(view: ReplicaView) -> dict | None:
+def ejection_of(view: ReplicaView) -> dict[str, Any] | None:
     """While outlier ejection keeps a replica out of routing: the rule that did (`ejected_by`, as
     /admin/replicas says it) and when it comes back (`ejected_until`, unix seconds, and as UTC time of day)."""
     if view.ejected_by is None:
@@ -80,7 +102,7 @@ def ejection_of(view: ReplicaView) -> dict | None:
             "until_text": time.strftime("%H:%M:%S", time.gmtime(until)) if until is not None else None}
 
 
-def summary_of(models: list[dict], served: list[tuple[tuple[str, str, str], int]]) -> dict:
+def summary_of(models: list[dict[str, Any]], served: list[tuple[tuple[str, str, str], int]]) -> dict[str, Any]:
     """The fleet's headline figures: replica sets, replicas up of all, requests in flight and queued, and the
     requests answered since start (of them, those that failed with a 5xx)."""
     replicas = [r for m in models for r in m["replicas"]]
@@ -91,7 +113,7 @@ def summary_of(models: list[dict], served: list[tuple[tuple[str, str, str], int]
             "failed": sum(n for (_m, _b, status), n in served if status.startswith("5"))}
 
 
-def answered(metrics) -> list[tuple[tuple[str, str, str], int]]:
+def answered(metrics: GatewayMetrics) -> list[tuple[tuple[str, str, str], int]]:
     """Requests answered since start by model, where they went (a replica, a rented provider, or nowhere) and
     status: llm_gateway_requests_total summed over endpoints, in words (the metric's `unknown` model and `none`
     backend are calls refused before a model or a backend was chosen)."""

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
-from litestar import Request, get, post
+from litestar import get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page as render
 from gateway.console.session import form_of
 from gateway.key_admin import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
 from gateway.report_routes import key_budget_status
+from gateway.team_routes import Accounts
 from policies.errors import BadRequest
 from policies.keys import KeyRecord
 
@@ -30,10 +34,10 @@ NO_STORE = {"cache-control": "no-store"}
 TEAM = {"team": True}  # a team admin may open it (its team's keys only)
 
 
-def handlers(gateway) -> list:
+def handlers(gateway: Accounts) -> list[HTTPRouteHandler]:
     keys = KeyAdmin(gateway)
 
-    async def table(q: str, page: int, team: str | None) -> dict:
+    async def table(q: str, page: int, team: str | None) -> dict[str, Any]:
         """The keys table's context: the keys (of `team` when a team admin asks) matching `q`, one page of them."""
         records = [r for r in await gateway.store.list_keys() if team is None or r.team == team]
         found = search(records, q)
@@ -46,13 +50,13 @@ def handlers(gateway) -> list:
                 "now": now, "summary": summary_of(records, now)}
 
     @get("/keys", opt=TEAM)
-    async def listing(request: Request, q: str = Parameter(default="", max_length=200),
+    async def listing(request: AnyRequest, q: str = Parameter(default="", max_length=200),
                       page: int = Parameter(default=1, ge=1, le=10**6)) -> Template:
         template = "keys_table.html" if request.headers.get("hx-target") == "keys-table" else "keys.html"
         return render(request, template, "Keys", **await table(q, page, request.state.viewer.team))
 
     @post("/keys", opt={"role": "admin", **TEAM}, status_code=201)
-    async def create(request: Request) -> Template:
+    async def create(request: AnyRequest) -> Template:
         fields = await form_of(request)
         issued = await keys.create(request, NewKey.model_validate({**settings_of(fields), **expiry_of(fields)}))
         # the list, refreshed beside the secret (htmx swaps it in out of band), so the new key shows at once
@@ -60,35 +64,35 @@ def handlers(gateway) -> list:
                       listing=await table("", 1, request.state.viewer.team))
 
     @get("/keys/{key_id:str}", opt=TEAM)
-    async def show(request: Request, key_id: str = KEY_ID) -> Template:
+    async def show(request: AnyRequest, key_id: str = KEY_ID) -> Template:
         view = KeyView.of(await keys.load(key_id, request))
         return render(request, "key.html", f"Key {view.name}", key=view, usage=await keys.usage(key_id, request),
                     budget=await key_budget_status(gateway, key_id), now=time.time(), message=None)
 
     @post("/keys/{key_id:str}", opt={"role": "admin", **TEAM}, status_code=200)
-    async def update(request: Request, key_id: str = KEY_ID) -> Template:
+    async def update(request: AnyRequest, key_id: str = KEY_ID) -> Template:
         view = await keys.update(request, key_id, KeyChanges.model_validate(settings_of(await form_of(request))))
         return panel(request, view, "Saved.")
 
     @post("/keys/{key_id:str}/revoke", opt={"role": "admin", **TEAM}, status_code=200)
-    async def revoke(request: Request, key_id: str = KEY_ID) -> Template:
+    async def revoke(request: AnyRequest, key_id: str = KEY_ID) -> Template:
         return panel(request, await keys.revoke(request, key_id), "Revoked: every replica refuses it within"
                      f" {gateway.policy.auth.cache_seconds:g} s.")
 
     @post("/keys/{key_id:str}/rotate", opt={"role": "admin", **TEAM}, status_code=200)
-    async def rotate(request: Request, key_id: str = KEY_ID) -> Template:
+    async def rotate(request: AnyRequest, key_id: str = KEY_ID) -> Template:
         fields = await form_of(request)
         grace = fields.get("grace_seconds", "").strip()
         issued = await keys.rotate(request, key_id, Rotation.model_validate({"grace_seconds": grace} if grace else {}))
         return render(request, "new_key.html", "Rotated key", issued=issued, rotated=True)
 
-    def panel(request: Request, view: KeyView, message: str) -> Template:
+    def panel(request: AnyRequest, view: KeyView, message: str) -> Template:
         return render(request, "key_panel.html", f"Key {view.name}", key=view, now=time.time(), message=message)
 
     return [listing, create, show, update, revoke, rotate]
 
 
-def summary_of(records: list[KeyRecord], now: float) -> dict:
+def summary_of(records: list[KeyRecord], now: float) -> dict[str, Any]:
     """The keys page's headline figures: how many keys, active, expired, revoked, and in a team."""
     revoked = sum(1 for r in records if r.revoked)
     expired = sum(1 for r in records if not r.revoked and r.expires_at is not None and r.expires_at < now)
@@ -115,7 +119,7 @@ def listed(value: str | None) -> list[str] | None:
     return items or None
 
 
-def limits_and_budget(fields: dict[str, str]) -> tuple[dict, dict | None]:
+def limits_and_budget(fields: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The limits and budget fields of a key's or a team's settings form, as the admin API takes them: an empty
     field is null (no limit); no budget unless a spend or token bound is given."""
     limits = {k: blank(fields.get(k)) for k in ("requests_per_minute", "tokens_per_minute", "max_concurrent")}
@@ -127,7 +131,7 @@ def limits_and_budget(fields: dict[str, str]) -> tuple[dict, dict | None]:
     return limits, budget
 
 
-def settings_of(fields: dict[str, str]) -> dict:
+def settings_of(fields: dict[str, str]) -> dict[str, Any]:
     """A key's settings form as the admin API's body: an empty field is the default (null)."""
     limits, budget = limits_and_budget(fields)
     return {"name": fields.get("name", "").strip(), "owner": blank(fields.get("owner")),
@@ -135,7 +139,7 @@ def settings_of(fields: dict[str, str]) -> dict:
             "allowed_cidrs": listed(fields.get("allowed_cidrs")), "limits": limits, "budget": budget}
 
 
-def expiry_of(fields: dict[str, str]) -> dict:
+def expiry_of(fields: dict[str, str]) -> dict[str, Any]:
     days = blank(fields.get("expires_in_days"))
     if days is None:
         return {}

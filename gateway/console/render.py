@@ -11,12 +11,14 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-from litestar import MediaType, Request, Response
+from litestar import MediaType, Response
 from litestar.exceptions import HTTPException
 from litestar.response import Redirect, Template
 from pydantic import ValidationError
 
+from gateway.asgi import AnyRequest
 from gateway.console.session import PREFIX, ConsoleOff, SignInNeeded
 from policies.errors import GatewayError
 from policies.store import StoreUnavailable
@@ -45,21 +47,21 @@ def asset(name: str) -> str:
     return f"{PREFIX}/static/{name}?v={digest}"
 
 
-def is_fragment(request: Request) -> bool:
+def is_fragment(request: AnyRequest) -> bool:
     """htmx asked for a part of a page (boosted links and history restores get whole pages)."""
     h = request.headers
     return (h.get("hx-request") == "true" and h.get("hx-boosted") != "true"
             and h.get("hx-history-restore-request") != "true")
 
 
-def page(request: Request, template: str, title: str, status: int = 200, **context) -> Template:
+def page(request: AnyRequest, template: str, title: str, status: int = 200, **context: Any) -> Template:
     return Template(template_name=template, status_code=status, headers={"cache-control": "no-store"},
                     context={"title": title, "viewer": getattr(request.state, "viewer", None), "nav": NAV,
                              "asset": asset, "here": request.url.path, "fragment": is_fragment(request),
                              **context})
 
 
-def html_error(request: Request, status: int, message: str) -> Response:
+def html_error(request: AnyRequest, status: int, message: str) -> Response[str]:
     """A failure as HTML: a fragment for htmx (it swaps it into the form's result area), else a whole page."""
     engine = request.app.template_engine
     assert engine is not None  # the app is built with the console's template_config (gateway/app.py)
@@ -69,7 +71,7 @@ def html_error(request: Request, status: int, message: str) -> Response:
     return Response(body, status_code=status, media_type=MediaType.HTML, headers={"cache-control": "no-store"})
 
 
-def on_error(request: Request, exc: Exception) -> Response:
+def on_error(request: AnyRequest, exc: Exception) -> Response[Any]:
     """The console router's exception handler: HTML instead of the API's JSON errors."""
     if isinstance(exc, ConsoleOff):
         return Response(exc.body(), status_code=exc.status, media_type=MediaType.JSON)

@@ -11,21 +11,34 @@ as the API's say. The page opens with a summary of the window's headline figures
 
 from __future__ import annotations
 
-from litestar import Request, get
+from typing import Any, Protocol
+
+from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
+from backends.lora import LoraAdapters
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
-from gateway.report_routes import Report
+from gateway.needs import Configured
+from gateway.report_routes import Report, Reports
 
 TEAM = {"team": True}  # a team admin may open it: its own team's calls only
 
 
-def handlers(gateway) -> list:
+class ReportConsole(Configured, Reports, Protocol):
+    """The report page: the report, the policy's models and their LoRA adapters (with those the replicas hold
+    now), and the console's refresh."""
+
+    loras: LoraAdapters
+
+
+def handlers(gateway: ReportConsole) -> list[HTTPRouteHandler]:
     @get("/report", opt=TEAM)
-    async def report(request: Request, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
+    async def report(request: AnyRequest, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
         window = window_of(window)
         team = request.state.viewer.team
         figures = Report.model_validate(await gateway.report(window, team=team))
@@ -34,14 +47,14 @@ def handlers(gateway) -> list:
                     refresh=max(5.0, gateway.policy.console.refresh_seconds * 5))
 
     @get("/report.json", opt=TEAM)
-    async def report_json(request: Request,
+    async def report_json(request: AnyRequest,
                           window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Report:
         return Report.model_validate(await gateway.report(window_of(window), team=request.state.viewer.team))
 
     return [report, report_json]
 
 
-def summary_of(figures: Report) -> dict:
+def summary_of(figures: Report) -> dict[str, Any]:
     """The window's headline figures: calls and tokens of the keys counted (a team admin's: its team's keys'),
     their rented cost, and how many models the report advises to own, rent or keep as they are."""
     keys = figures.keys.values()
@@ -54,7 +67,7 @@ def summary_of(figures: Report) -> dict:
             "verdicts": [(f"Advised: {v}", n) for v, n in sorted(verdicts.items())]}
 
 
-def adapters_of(gateway, figures: Report) -> dict[str, str | None]:
+def adapters_of(gateway: ReportConsole, figures: Report) -> dict[str, str | None]:
     """The report's LoRA adapters, each with its base model (None: an adapter the ledger names that no replica
     holds now, whose base is no longer known)."""
     models = gateway.policy.models

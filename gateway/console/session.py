@@ -34,14 +34,19 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jwt
 from litestar import Request
-from litestar.connection import ASGIConnection
 from litestar.datastructures import Cookie
+from litestar.handlers import BaseRouteHandler
 
 from gateway.admin_audit import ADMIN_CLAIMS
+from gateway.admin_auth import AdminAuth
+from gateway.asgi import AnyConnection, AnyRequest
+from gateway.needs import Configured
 from policies.errors import (
     AuthenticationFailed,
     NotFound,
@@ -67,6 +72,16 @@ SECURITY_HEADERS = (
     (b"referrer-policy", b"no-referrer"),
     (b"x-frame-options", b"DENY"),
 )
+
+
+class Guarded(Configured, Protocol):
+    """What the console's guard and its sign-in ask: the console's settings in the live policy, and the check of
+    admin tokens (and of the provider's ID tokens) that the admin API uses."""
+
+    admin_auth: AdminAuth
+
+
+Guard = Callable[[AnyConnection, BaseRouteHandler], Awaitable[None]]
 
 
 class ConsoleOff(NotFound):
@@ -144,7 +159,7 @@ class Sessions:
         self.by_id.pop(self._key(session_id), None)
 
 
-async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> tuple[Viewer, dict] | None:
+async def viewer_of(gateway: Guarded, sessions: Sessions, connection: AnyConnection) -> tuple[Viewer, dict[str, Any]] | None:
     """The signed-in admin and their token's verified claims, or None: no session (never opened, signed out or
     expired), or its token no longer passes (expired, another secret, or no role this gateway maps: sign in
     again)."""
@@ -165,7 +180,7 @@ async def viewer_of(gateway, sessions: Sessions, connection: ASGIConnection) -> 
     return Viewer(str(claims.get("sub") or "admin")[:100], claims["role"], csrf_of(session_id), team), claims
 
 
-async def id_token_claims(admin_auth, token: str) -> dict:
+async def id_token_claims(admin_auth: AdminAuth, token: str) -> dict[str, Any]:
     """An ID token of the admins' provider, verified as the admin API verifies the provider's tokens
     (AdminAuth.provider_claims: issuer, an allowed algorithm, the signature by the provider's JWKS, expiry, a
     `sub`, the role from the mapped claim) with the console's client id as its audience; when it names several
@@ -187,39 +202,39 @@ async def id_token_claims(admin_auth, token: str) -> dict:
     return claims
 
 
-def session_lifetime(gateway, claims: dict) -> int:
+def session_lifetime(gateway: Configured, claims: dict[str, Any]) -> int:
     """Seconds a session opened now lasts: `console.session_seconds`, never past the token's own expiry."""
     return int(min(gateway.policy.console.session_seconds, max(1, claims["exp"] - time.time())))
 
 
-def session_cookie(gateway, session_id: str, seconds: int) -> Cookie:
+def session_cookie(gateway: Configured, session_id: str, seconds: int) -> Cookie:
     return Cookie(key=SESSION, value=session_id, path=PREFIX, max_age=seconds, httponly=True, samesite="strict",
                   secure=gateway.policy.console.secure_cookie)
 
 
-def lax_cookie(gateway, key: str, value: str, seconds: int) -> Cookie:
+def lax_cookie(gateway: Configured, key: str, value: str, seconds: int) -> Cookie:
     """A cookie the browser sends back when the provider redirects it here (a top-level navigation from another
     site, which a SameSite=Strict cookie would miss); it binds a sign-in to the browser that started it."""
     return Cookie(key=key, value=value, path=PREFIX, max_age=seconds, httponly=True, samesite="lax",
                   secure=gateway.policy.console.secure_cookie)
 
 
-def signin_nonce(gateway) -> tuple[str, Cookie]:
+def signin_nonce(gateway: Configured) -> tuple[str, Cookie]:
     nonce = secrets.token_urlsafe(24)
     return nonce, Cookie(key=SIGNIN, value=nonce, path=PREFIX, max_age=900, httponly=True, samesite="strict",
                          secure=gateway.policy.console.secure_cookie)
 
 
-def gone(gateway, key: str) -> Cookie:
+def gone(gateway: Configured, key: str) -> Cookie:
     return Cookie(key=key, value="", path=PREFIX, max_age=0, httponly=True, samesite="strict",
                   secure=gateway.policy.console.secure_cookie)
 
 
-def console_guard(gateway, sessions: Sessions):
+def console_guard(gateway: Guarded, sessions: Sessions) -> Guard:
     """The console router's guard: off unless the policy enables it; a session for every page but sign-in; and
     for a change, the role the handler asks for (`opt={"role": ...}`, default admin) and the CSRF token."""
 
-    async def guard(connection: ASGIConnection, handler) -> None:
+    async def guard(connection: AnyConnection, handler: BaseRouteHandler) -> None:
         if not gateway.policy.console.enabled:
             raise ConsoleOff("unknown path", code="unknown_url")
         if handler.opt.get("public"):
@@ -248,7 +263,7 @@ def console_guard(gateway, sessions: Sessions):
     return guard
 
 
-async def form_of(request: Request) -> dict[str, str]:
+async def form_of(request: AnyRequest) -> dict[str, str]:
     """The request's URL-encoded form as single values (bounded: the app's body limit and MAX_FORM)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_FORM:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import hmac
 
-from litestar import Request, get, post
+from litestar import get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Redirect, Template
 
+from gateway.asgi import AnyRequest
 from gateway.console.render import page
 from gateway.console.session import (
     CSRF_FIELD,
     SESSION,
     SIGNIN,
+    Guarded,
     Sessions,
     form_of,
     gone,
@@ -27,7 +30,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 INVALID = "That token was not accepted: it is malformed, expired, or not an admin token of this gateway."
 
 
-def signin_page(gateway, request: Request, error: str | None = None, status: int = 200) -> Template:
+def signin_page(gateway: Guarded, request: AnyRequest, error: str | None = None, status: int = 200) -> Template:
     """The sign-in page (with `error` said on it), its form's nonce in a fresh cookie."""
     nonce, cookie = signin_nonce(gateway)
     # A Secure cookie over plain HTTP to a host that is not loopback: the browser drops it, so say why.
@@ -41,17 +44,17 @@ def signin_page(gateway, request: Request, error: str | None = None, status: int
     return response
 
 
-def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> list:
+def handlers(gateway: Guarded, sessions: Sessions, landing: str, team_landing: str) -> list[HTTPRouteHandler]:
     """`landing`: where signing in leads; `team_landing`: where it leads a team admin (a page of its team's)."""
-    def form(request: Request, error: str | None = None, status: int = 200) -> Template:
+    def form(request: AnyRequest, error: str | None = None, status: int = 200) -> Template:
         return signin_page(gateway, request, error, status)
 
     @get("/signin", opt={"public": True}, sync_to_thread=False)
-    def show(request: Request) -> Template:
+    def show(request: AnyRequest) -> Template:
         return form(request)
 
     @post("/signin", opt={"public": True}, status_code=303)
-    async def sign_in(request: Request) -> Template | Redirect:
+    async def sign_in(request: AnyRequest) -> Template | Redirect:
         fields = await form_of(request)
         nonce = request.cookies.get(SIGNIN)
         if not nonce or not hmac.compare_digest(nonce, fields.get(CSRF_FIELD, "")):
@@ -75,7 +78,7 @@ def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> li
         return response
 
     @post("/signout", opt={"role": "viewer", "team": True}, status_code=303)
-    async def sign_out(request: Request) -> Redirect:
+    async def sign_out(request: AnyRequest) -> Redirect:
         sessions.close(request.cookies.get(SESSION, ""))  # every copy of the cookie stops working now
         response = Redirect(f"{landing.rsplit('/', 1)[0]}/signin", status_code=303)
         response.cookies.append(gone(gateway, SESSION))

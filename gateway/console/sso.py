@@ -31,16 +31,20 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from litestar import Request, get
+from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Redirect, Template
 
+from gateway.asgi import AnyRequest
 from gateway.console.render import page
 from gateway.console.session import (
     PREFIX,
     SESSION,
     SIGNIN,
+    Guarded,
     Sessions,
     gone,
     id_token_claims,
@@ -49,8 +53,9 @@ from gateway.console.session import (
     session_lifetime,
 )
 from gateway.console.signin import signin_page
-from gateway.oidc import CodeRefused, KeysUnavailable
+from gateway.oidc import CodeRefused, IssuerKeys, KeysUnavailable
 from policies.errors import AuthenticationFailed, PermissionDenied
+from policies.oidc_settings import ConsoleSignIn
 
 log = logging.getLogger("gateway.console")
 
@@ -113,22 +118,22 @@ class SignInFailed(Exception):
         self.status = status
 
 
-def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> list:
+def handlers(gateway: Guarded, sessions: Sessions, landing: str, team_landing: str) -> list[HTTPRouteHandler]:
     pendings = PendingSignIns()
 
-    def settings():
+    def settings() -> tuple[ConsoleSignIn, IssuerKeys]:
         oidc = gateway.admin_auth.config.oidc
         if oidc is None or oidc.console is None or gateway.admin_auth.oidc is None:
             raise SignInFailed("Signing in at an identity provider is not configured here: paste a token.", 404)
         return oidc.console, gateway.admin_auth.oidc
 
-    def failed(request: Request, exc: SignInFailed) -> Template:
+    def failed(request: AnyRequest, exc: SignInFailed) -> Template:
         response = signin_page(gateway, request, str(exc), exc.status)
         response.cookies.append(gone(gateway, FLOW))
         return response
 
     @get("/oidc/start", opt={"public": True})
-    async def start(request: Request) -> Template | Redirect:
+    async def start(request: AnyRequest) -> Template | Redirect:
         try:
             console, keys = settings()
             try:
@@ -149,7 +154,7 @@ def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> li
         return response
 
     @get(CALLBACK, opt={"public": True})
-    async def callback(request: Request) -> Template:
+    async def callback(request: AnyRequest) -> Template:
         try:
             claims, id_token = await finish(request)
         except SignInFailed as exc:
@@ -167,7 +172,7 @@ def handlers(gateway, sessions: Sessions, landing: str, team_landing: str) -> li
                                  gone(gateway, SIGNIN)])
         return response
 
-    async def finish(request: Request) -> tuple[dict, str]:
+    async def finish(request: AnyRequest) -> tuple[dict[str, Any], str]:
         """The verified claims and the ID token of the provider's answer, or SignInFailed saying why."""
         console, keys = settings()
         query = request.query_params

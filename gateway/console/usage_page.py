@@ -5,28 +5,36 @@ sees its team's keys' calls only, and its team's budget this period (as GET /adm
 
 from __future__ import annotations
 
-from litestar import Request, get
+from typing import Any, Protocol
+
+from litestar import get
+from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
-from gateway.report_routes import budget_status
+from gateway.report_routes import KeyBudgets, Reports, budget_status
 
 TOP = 100  # keys shown, by tokens
 
 
-def handlers(gateway) -> list:
+class UsageConsole(Reports, KeyBudgets, Protocol):
+    """The usage page: the report's figures per key, the keys' names, and a team's budget."""
+
+
+def handlers(gateway: UsageConsole) -> list[HTTPRouteHandler]:
     @get("/usage", opt={"team": True})
-    async def usage(request: Request, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
+    async def usage(request: AnyRequest, window: int | None = Parameter(default=None, ge=1, le=90 * 86400)) -> Template:
         window = window_of(window)
         team = request.state.viewer.team
         report = await gateway.report(window, team=team)
         budget = None
         if team is not None:
-            record = await gateway.store.get_team(team)
-            budget = await budget_status(gateway, record.id, team, record.budget) if record is not None else None
+            found = await gateway.store.get_team(team)
+            budget = await budget_status(gateway, found.id, team, found.budget) if found is not None else None
         ranked = sorted(report["keys"].items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))[:TOP]
         names = {}
         for key_id, _ in ranked:
@@ -39,7 +47,7 @@ def handlers(gateway) -> list:
     return [usage]
 
 
-def summary_of(keys: dict[str, dict]) -> dict:
+def summary_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The window's totals over the keys counted: calls, tokens, rented calls and cost, keys that called."""
     return {"keys": len(keys), "requests": sum(k["requests"] for k in keys.values()),
             "tokens": sum(k["tokens"] for k in keys.values()),

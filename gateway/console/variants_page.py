@@ -3,14 +3,19 @@ operator changes the weights here (variant_routes.change_weights, as PUT /admin/
 
 from __future__ import annotations
 
-from litestar import Request, get, post
+from typing import Any
+
+from litestar import get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Template
 
+from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.session import form_of
 from gateway.variant_routes import (
     AllVariants,
+    Weighing,
     WeightChange,
     change_weights,
     current_variants,
@@ -21,20 +26,20 @@ WINDOW = 3600  # seconds of answers the side-by-side figures cover
 WEIGHT = "weight:"  # form fields: weight:<variant name>
 
 
-def handlers(gateway) -> list:
+def handlers(gateway: Weighing) -> list[HTTPRouteHandler]:
     variants = gateway.shared.variants
 
-    def model_context(model: str) -> dict:
+    def model_context(model: str) -> dict[str, Any]:
         signals = AllVariants.model_validate({"models": variants.report(WINDOW)}).models.get(model)
         return {"model": model, "view": current_variants(variants, model), "signals": signals}
 
     @get("/variants")
-    async def show(request: Request) -> Template:
+    async def show(request: AnyRequest) -> Template:
         models = [model_context(m) for m in variants.report(WINDOW)]
         return page(request, "variants.html", "Variants", models=models, window=WINDOW)
 
     @post("/variants", opt={"role": "operator"}, status_code=200)
-    async def change(request: Request) -> Template:
+    async def change(request: AnyRequest) -> Template:
         fields = await form_of(request)
         model = fields.get("model", "")
         sent = []

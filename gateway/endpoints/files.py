@@ -19,6 +19,7 @@ from multipart import (
 )
 
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route
+from gateway.needs import Configured
 from policies.batches.service import Batches, expires_after
 from policies.config import Policy
 from policies.errors import BadRequest, NotFound, StateUnavailable
@@ -30,10 +31,10 @@ MAX_QUERY = 1024
 FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")  # as the openai SDK sends them
 
 
-class BatchGateway(Protocol):
-    """What the Files and Batch routes ask of the gateway (gateway/app.py)."""
+class BatchGateway(Configured, Protocol):
+    """What the Files and Batch routes ask of the gateway (gateway/wiring.py): the live policy, the Batch API's
+    service (None while the policy leaves it off) and the runner's wake-up."""
 
-    policy: Policy
     batches: Batches | None
 
     def batch_runner_wake(self) -> None: ...

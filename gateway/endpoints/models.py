@@ -11,7 +11,7 @@ from policies.keys import KeyRecord
 
 
 class Models(Protocol):
-    """What these routes ask of the gateway (gateway/app.py)."""
+    """What these routes ask of the gateway (gateway/wiring.py)."""
 
     def models_listing(self, key: KeyRecord) -> bytes: ...
 

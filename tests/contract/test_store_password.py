@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from gateway.app import Gateway
+from gateway.wiring import Gateway
 from policies.config import PolicyError, parse_policy
 from policies.store import StoreUnavailable
 from tests.support.redis_server import RedisServer

@@ -13,7 +13,7 @@ import httpcore
 import httpx
 import pytest
 
-from gateway.app import Gateway
+from gateway.wiring import Gateway
 from policies.config import Policy, PolicyError
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.recorder import Recorder

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
+from gateway.wiring import Gateway
 from policies.config import Policy
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.probes import metric_sum

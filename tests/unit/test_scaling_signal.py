@@ -130,7 +130,7 @@ async def test_without_autoscaling_or_for_a_key_that_may_rent_no_replica_is_a_50
 
 
 def test_a_reload_gives_the_kept_queue_the_new_autoscaling(tmp_path):
-    from gateway.app import Gateway
+    from gateway.wiring import Gateway
     from policies.snapshot import compile_snapshot
 
     def with_wait(wait):
