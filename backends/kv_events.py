@@ -44,10 +44,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.replicas import DOWN, Replica
+from backends.replicas import KVEventSource as KVEventSource  # a replica's setting, named here as before
+
+if TYPE_CHECKING:
+    import zmq
 
 log = logging.getLogger("gateway.kv_events")
 
@@ -67,19 +70,6 @@ def prefix_keys(tokens: list[int], block_size: int, max_blocks: int) -> list[int
         key = chain_key(key, tokens[start:start + block_size])
         keys.append(key)
     return keys
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventSource:
-    """Where a replica's events come from. bind=True: the gateway binds `endpoint` and vLLM, configured with that
-    concrete address, connects to it; False: vLLM binds (`tcp://*:PORT`) and the gateway connects."""
-
-    endpoint: str
-    bind: bool = True
-    topic: str = "kv"
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_blocks: int = 131072
-    replay: str | None = None  # vLLM's replay_endpoint (it binds, a ROUTER): where a gap's batches are asked again
 
 
 MAX_REPLAY = 10_000  # batches asked again for one gap (vLLM keeps its last buffer_steps, 10,000 by default)
@@ -209,6 +199,7 @@ class BlockIndex:
     def fill(self, start: int, end: int) -> None:
         """Apply the batches start..end-1 from the replay source, in order (a missing one is a gap: it clears)."""
         try:
+            assert self.replay is not None  # feed asks only an index with a replay source
             missing = self.replay(start, end)
         except Exception as exc:  # the replay socket failed: the gap clears the index as without one
             log.warning("KV events replay of %d..%d failed: %s", start, end - 1, exc)
@@ -418,12 +409,13 @@ class Subscriber:
 
     POLL_MS = 200  # how often a quiet socket checks whether to stop or whether its replica is down
 
-    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex, context) -> None:
+    def __init__(self, replica: Replica, source: KVEventSource, index: BlockIndex,
+                 context: zmq.Context[zmq.Socket[bytes]]) -> None:
         self.replica, self.source, self.index, self.context = replica, source, index, context
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name=f"kv-events-{replica.name}", daemon=True)
 
-    def socket(self):
+    def socket(self) -> zmq.Socket[bytes]:
         import zmq
 
         sock = self.context.socket(zmq.SUB)
@@ -505,7 +497,7 @@ class Subscribers:
     def __init__(self, replicas: Callable[[], Iterable[Replica]], interval: float = 1.0) -> None:
         self.replicas = replicas
         self.interval = interval
-        self.context = None  # a zmq.Context once a replica has a source
+        self.context: zmq.Context[zmq.Socket[bytes]] | None = None  # once a replica has a source
         self.running: dict[str, Subscriber] = {}
         self.stopping: list[Subscriber] = []  # stopped, their threads not yet seen to end (each within a poll)
 
@@ -526,11 +518,12 @@ class Subscribers:
                 continue
             # a fresh index for a fresh subscription: what the old one knew may have changed unseen meanwhile;
             # blind until it has seen vLLM's cache from empty or for a while (policies/routing/precise_prefix.py)
-            replica.kv_index = BlockIndex(replica.kv_events.max_blocks, replica.kv_events.max_message_bytes,
-                                          blind=True)
-            sub = self.running[name] = Subscriber(replica, replica.kv_events, replica.kv_index, self.context)
-            if replica.kv_events.replay:
-                replica.kv_index.replay = sub.replay
+            source = replica.kv_events
+            assert source is not None  # as `wanted` was chosen
+            index = replica.kv_index = BlockIndex(source.max_blocks, source.max_message_bytes, blind=True)
+            sub = self.running[name] = Subscriber(replica, source, index, self.context)
+            if source.replay:
+                index.replay = sub.replay
             sub.thread.start()
 
     def stop(self, name: str) -> None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from backends.http1 import Client, UpstreamError
 from backends.upstream import Upstream
@@ -54,6 +55,38 @@ class AdaptiveLimit:
     target_ttft: float  # seconds; slower first tokens shrink the limit
 
 
+@dataclass(frozen=True, slots=True)
+class KVEventSource:
+    """Where a replica's KV cache events come from (backends/kv_events.py). bind=True: the gateway binds `endpoint`
+    and vLLM, configured with that concrete address, connects to it; False: vLLM binds (`tcp://*:PORT`) and the
+    gateway connects."""
+
+    endpoint: str
+    bind: bool = True
+    topic: str = "kv"
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_blocks: int = 131072
+    replay: str | None = None  # vLLM's replay_endpoint (it binds, a ROUTER): where a gap's batches are asked again
+
+
+class KVIndex(Protocol):
+    """What routing reads of a replica's KV block index (backends/kv_events.py BlockIndex, which imports this
+    module: a Protocol here, not that class)."""
+
+    @property
+    def block_size(self) -> int | None: ...
+
+    def __len__(self) -> int: ...
+
+    def matched(self, keys: list[int]) -> int: ...
+
+    def weighed(self, keys: list[int], n: int, weight: Callable[[str], float]) -> float: ...
+
+    def shared(self, key: int) -> bool: ...
+
+    def blind(self, window: float, now: float | None = None) -> bool: ...
+
+
 @dataclass(eq=False)
 class Replica:
     name: str
@@ -76,8 +109,8 @@ class Replica:
     draining: bool = False  # removed from the set: no new requests, those in flight finish
     variant: str | None = None  # the model's variant it serves, when the model has variants
     group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
-    kv_events: Any = None  # a KVEventSource when vLLM publishes its KV cache events to this gateway
-    kv_index: Any = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
+    kv_events: KVEventSource | None = None  # set when vLLM publishes its KV cache events to this gateway
+    kv_index: KVIndex | None = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
     lora: Any = None  # the LoRA adapters it holds (backends/lora.py Held); kept across reloads
     outlier: Any = None  # what outlier ejection knows of it (policies/ejection.py Outlier); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
@@ -132,12 +165,14 @@ class ReplicaSet:
     """All replicas, by public model name (by `model#variant` for a model's variants: each is a set of its
     own), plus the passive and active health bookkeeping."""
 
-    def __init__(self, by_model: dict[str, list[Replica]], health: HealthTimings, on_change=None) -> None:
+    def __init__(self, by_model: dict[str, list[Replica]], health: HealthTimings,
+                 on_change: Callable[[Replica], None] | None = None) -> None:
         self.health = health
         self.by_model = by_model
-        self._on_change = on_change or (lambda replica: None)
+        self._on_change: Callable[[Replica], None] = on_change or (lambda replica: None)
         self.draining: list[Replica] = []  # removed replicas whose requests in flight have not all finished
-        self.on_drained = lambda replica: None  # called once a drained replica's connections are closed
+        # called once a drained replica's connections are closed
+        self.on_drained: Callable[[Replica], None] = lambda replica: None
         self.probed_once = False  # the first full round of health checks since start has ended (see /ready)
         self.client: Client | None = None  # the shared upstream client, once serving (`connect`)
 
@@ -220,7 +255,7 @@ class ReplicaSet:
             log.info("backend %s (%s) drained: its connections are closed", replica.name, replica.url)
             self.on_drained(replica)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Replica]:
         for replicas in self.by_model.values():
             yield from replicas
 
@@ -301,4 +336,6 @@ class ReplicaSet:
 
 
 def backoff(health: HealthTimings, failures: int) -> float:
-    return min(health.backoff_max, health.backoff_initial * 2 ** max(0, failures - 1))
+    # the exponent capped as the watch's is: 2.0 ** 1024 overflows, and a replica down for ~17 h at a 60 s backoff
+    # reaches that many failures (the health loop would end on the OverflowError)
+    return min(health.backoff_max, health.backoff_initial * 2.0 ** min(max(0, failures - 1), 30))

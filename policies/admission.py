@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from backends.replicas import Replica, ReplicaSet, model_of_group
 from policies.config import Autoscaling, Policy, Priorities, PriorityClass, Queue, groups_of
@@ -56,6 +56,7 @@ from policies.memo import Memo
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
 from policies.preemption import preempt_youngest
+from policies.priority import default_class
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT, COLD_START_TIMEOUT = "queue_full", "queue_timeout", "cold_start_timeout"
@@ -91,7 +92,7 @@ class Waiter:
     rank: int = 0  # its priority class's place in the policy's list: lower is served first
     started: float = 0.0  # monotonic
     spill_after: float | None = None  # as acquire got it: set for a key that may rent the model's overflow
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    future: asyncio.Future[Replica] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +102,10 @@ class Hold:
     rank: int  # the class it is kept for (and better ones)
     replica: Replica
     timer: asyncio.TimerHandle | None = None  # ends the hold: the slot then goes to the waiters
+
+    def cancel(self) -> None:
+        assert self.timer is not None  # set as the hold is made (ModelQueue.release)
+        self.timer.cancel()
 
 
 class WaitLine:
@@ -196,7 +201,7 @@ class ModelQueue:
         self.metrics = metrics
         self.priorities = priorities or Priorities()
         self.classes = self.priorities.classes
-        self.default = self.priorities.named(self.priorities.default)
+        self.default = default_class(self.priorities)
         self.line = WaitLine(len(self.classes))
         self.batch_rank = self.rank_of_batch()
         self.batch_held: set[int] = set()  # id() of the batch-class calls holding a slot here
@@ -225,7 +230,7 @@ class ModelQueue:
         while self.line.depth:
             waiters.append(self.pop())
         self.priorities, self.classes = priorities, priorities.classes
-        self.default = priorities.named(priorities.default)
+        self.default = default_class(priorities)
         names = {c.name for c in self.classes}
         self.credits = {name: credit for name, credit in self.credits.items() if name in names}
         self.line = WaitLine(len(self.classes))
@@ -236,7 +241,7 @@ class ModelQueue:
             waiter.rank = self.class_of(waiter.call)[0]
             self.push(waiter)
         for hold in list(self.holds):
-            hold.timer.cancel()
+            hold.cancel()
             self.end_hold(hold)
 
     def set_batch_class(self, name: str) -> None:
@@ -262,7 +267,8 @@ class ModelQueue:
 
     def limit_for(self, replica: Replica, rank: int) -> int:
         """How many requests in flight to a capped replica leave room for one more of class `rank`."""
-        limit = int(replica.limit)  # callers pass capped replicas only
+        assert replica.limit is not None  # callers pass capped replicas only
+        limit = int(replica.limit)
         return limit - self.reserve_of(replica) if rank >= self.batch_rank else limit
 
     def batch_demand(self) -> tuple[int, int]:
@@ -319,7 +325,7 @@ class ModelQueue:
         if not self.may_wait(exclude, spill_after):  # its replicas went while take_now asked the fleet
             raise self.unreachable()
         max_wait = klass.max_wait or self.config.max_wait
-        if cold:
+        if cold and self.autoscaling is not None:  # cold: it has autoscaling (waits_for_a_replica)
             max_wait = max(max_wait, self.autoscaling.cold_start_wait)
         waiter = Waiter(owner, exclude, call, rank, time.monotonic(), spill_after)
         self.push(waiter)
@@ -396,7 +402,7 @@ class ModelQueue:
         self.metrics.admission_rejected.labels(self.model, REPLICAS_DOWN).inc()
         waiter.future.set_exception(self.unreachable())
 
-    def none_started(self, waited: float) -> None:
+    def none_started(self, waited: float) -> NoReturn:
         self.metrics.admission_rejected.labels(self.model, COLD_START_TIMEOUT).inc()
         raise NoBackendAvailable(
             f"model {self.model} has no replica running and none started within {waited:g} s; try again in"
@@ -408,6 +414,8 @@ class ModelQueue:
         adaptive = replica.adaptive
         if adaptive is None:
             return
+        # an adaptive limit has a cap, its upper bound (the schema's adaptive_needs_cap), so it has a limit
+        assert replica.cap is not None and replica.limit is not None
         now = time.monotonic()
         if ttft > adaptive.target_ttft:
             if now - self.last_cut.get(replica, 0.0) >= 1.0:
@@ -465,7 +473,7 @@ class ModelQueue:
         for i, hold in enumerate(self.holds):
             if rank <= hold.rank and hold.replica.routable and hold.replica not in exclude:
                 del self.holds[i]
-                hold.timer.cancel()
+                hold.cancel()
                 return hold.replica
         return None
 
@@ -528,7 +536,7 @@ class ModelQueue:
         rate = self.drain.per_second(time.monotonic())
         return rate * self.classes[rank].min_share if rate else None
 
-    def refuse(self, reason: str, message: str, rank: int | None = None) -> None:
+    def refuse(self, reason: str, message: str, rank: int | None = None) -> NoReturn:
         self.metrics.admission_rejected.labels(self.model, reason).inc()
         wait = max(0.001, self.retry_after(rank))
         if reason == QUEUE_TIMEOUT and rank:  # a worse class that got no slot: its own expected wait

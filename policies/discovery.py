@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from backends.egress import Network, inside, networks
-from backends.kv_events import KVEventSource
-from backends.replicas import Replica, ReplicaSet
+from backends.replicas import KVEventSource, Replica, ReplicaSet
 from backends.sources.base import Endpoint, Source
 from backends.sources.watch import Watcher, WatchTimings
 from policies.config import Discovery as DiscoveryConfig
@@ -27,15 +28,21 @@ from policies.config.discovery import DiscoveredKVEvents
 
 log = logging.getLogger("gateway.discovery")
 
+SourceFactory = Callable[[DiscoveryConfig, KubernetesAccess], Source]
+# what a model's source watches: kind, namespace, service, inference service, port, and the API access
+Target = tuple[str, str, str | None, str | None, int | str | None, KubernetesAccess]
+
 
 def make_source(config: DiscoveryConfig, access: KubernetesAccess) -> Source:
     from backends.sources.kubernetes import KubernetesSource, api_client
 
     timings = watch_timings(access)
     if config.kind == "kubernetes":
+        assert config.service is not None  # the schema's names_its_target
         return KubernetesSource(api_client(access.kubeconfig), config.namespace, config.service, config.port, timings)
     from backends.sources.kserve import KServeSource
 
+    assert config.inference_service is not None  # the schema's names_its_target
     return KServeSource(api_client(access.kubeconfig), config.namespace, config.inference_service, config.port,
                         timings)
 
@@ -47,11 +54,12 @@ def watch_timings(access: KubernetesAccess) -> WatchTimings:
 
 
 class Discovery:
-    def __init__(self, replicas: ReplicaSet, on_refused=None, source_factory=make_source) -> None:
+    def __init__(self, replicas: ReplicaSet, on_refused: Callable[[str], None] | None = None,
+                 source_factory: SourceFactory = make_source) -> None:
         self.replicas = replicas
-        self.on_refused = on_refused or (lambda address: None)
+        self.on_refused: Callable[[str], None] = on_refused or (lambda address: None)
         self.make_source = source_factory
-        self.running: dict[str, tuple[tuple, Source]] = {}  # model -> (what it watches, the source)
+        self.running: dict[str, tuple[Target, Source]] = {}  # model -> (what it watches, the source)
         self.models: dict[str, tuple[Model, DiscoveryConfig, str | None]] = {}  # set -> model, source, variant
         self.last: dict[str, list[Endpoint]] = {}
         self.refused: dict[str, dict[str, Refused]] = {}  # replica set -> the refused endpoints it has now
@@ -69,7 +77,7 @@ class Discovery:
             self.last.pop(name, None)
             self.refused.pop(name, None)
         for name, (_, config, _) in self.models.items():
-            target = (config.kind, config.namespace, config.service, config.inference_service, config.port,
+            target: Target = (config.kind, config.namespace, config.service, config.inference_service, config.port,
                       policy.kubernetes)
             running = self.running.get(name)
             if running is not None and running[0] == target:
@@ -86,7 +94,7 @@ class Discovery:
                           name, config.kind, exc)
                 continue
             self.running[name] = (target, source)
-            source.start(lambda endpoints, name=name, source=source: self.emit(name, source, endpoints))
+            source.start(partial(self.emit, name, source))
 
     def emit(self, model: str, source: Source, endpoints: list[Endpoint]) -> None:
         """From a source's thread: hand the new desired list to the event loop."""

@@ -89,16 +89,16 @@ class KVIndexCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        indexed = [r for r in self.replicas if r.kv_index is not None]
+        indexed = [(r, r.kv_index) for r in self.replicas if r.kv_index is not None]
         blocks = GaugeMetricFamily("llm_gateway_kv_blocks", "KV cache blocks vLLM holds, as its events say.",
                                    labels=["model", "backend"])
-        for r in indexed:
-            blocks.add_metric([r.model, r.name], len(r.kv_index))
+        for r, index in indexed:
+            blocks.add_metric([r.model, r.name], len(index))
         yield blocks
         for name, doc, attribute in self.COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["model", "backend"])
-            for r in indexed:
-                family.add_metric([r.model, r.name], getattr(r.kv_index, attribute))
+            for r, index in indexed:
+                family.add_metric([r.model, r.name], getattr(index, attribute))
             yield family
 
 

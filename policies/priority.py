@@ -22,6 +22,13 @@ from policies.pipeline import Call
 from policies.teams import ClassOrder, TeamRecord
 
 
+def default_class(priorities: Priorities) -> PriorityClass:
+    """The class of a request whose key names none."""
+    chosen = priorities.named(priorities.default)
+    assert chosen is not None  # the schema's known_default: the default is one of the classes
+    return chosen
+
+
 def class_order(priorities: Priorities) -> ClassOrder:
     """The policy's classes as a team's ceiling ranks them (policies/teams.py)."""
     return ClassOrder(tuple(c.name for c in priorities.classes), priorities.default)
@@ -42,7 +49,7 @@ class Classify:
     def __init__(self, policy: Policy) -> None:
         self.config = policy.priorities
         self.order = class_order(self.config)
-        self.default = self.config.named(self.config.default)
+        self.default = default_class(self.config)
         # a batch's lines: the batch class (the last, least urgent class when the policy has none of that name)
         self.batch = self.config.named(policy.batch.priority_class) or self.config.classes[-1]
         # by class name: the least vLLM priority a client may send in it (None: the first class, unbounded)
@@ -58,6 +65,7 @@ class Classify:
         key = call.key
         if call.batch is not None:
             return self.batch
+        assert key is not None  # the key step ran first
         if key.client_priority:
             asked = call.headers.get(self.config.header)
             if asked:
@@ -72,6 +80,7 @@ class Classify:
 
     async def enter(self, call: Call) -> None:
         call.priority = self.of(call)
+        assert call.key is not None  # the key step ran first (a batch's line comes with its key)
         if call.key.client_priority and self.own_priority_fits(call):
             call.client_priority = "priority" in call.body
             if call.client_priority:

@@ -9,13 +9,19 @@ gateway sends it nothing new.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from backends.sources.base import Emit, Endpoint, log
 from backends.sources.kubernetes import ready_endpoints, slice_watch
-from backends.sources.watch import ListWatch, WatchTimings
+from backends.sources.watch import ListWatch, Watcher, WatchTimings
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 
 def is_ready(isvc: dict[str, Any] | None) -> bool:
@@ -29,7 +35,7 @@ def is_ready(isvc: dict[str, Any] | None) -> bool:
 IMPORT_LOCK = threading.Lock()
 
 
-def import_kserve():
+def import_kserve() -> ModuleType:
     """The kserve SDK, imported with an argv of the program's name alone.
 
     Importing `kserve` imports its model server, which parses sys.argv at module level (parse_known_args) and
@@ -42,16 +48,15 @@ def import_kserve():
         argv = sys.argv
         sys.argv = argv[:1]
         try:
-            import kserve
+            return importlib.import_module("kserve")
         finally:
             sys.argv = argv
-        return kserve
 
 
 class KServeSource:
     kind = "kserve"
 
-    def __init__(self, api, namespace: str, name: str, port: int | str | None = None,
+    def __init__(self, api: ApiClient, namespace: str, name: str, port: int | str | None = None,
                  timings: WatchTimings = WatchTimings()) -> None:
         self.namespace, self.name, self.port = namespace, name, port
         self.ready = False
@@ -62,20 +67,20 @@ class KServeSource:
                                     self.listed, self.changed, timings)
         self.slice_watch = slice_watch(api, namespace, f"{name}-predictor", self.slices_changed, timings)
 
-    def list_isvcs(self, api):
+    def list_isvcs(self, api: ApiClient) -> Callable[..., object]:
         """The namespace's InferenceServices (a watch of one name is a list of its namespace, filtered here).
         The kserve SDK is imported on the watch's thread, at its first list: importing it takes seconds."""
         from kubernetes import client
 
         custom = client.CustomObjectsApi(api)
 
-        def call(**kwargs):
+        def call(**kwargs: Any) -> object:  # the list's or the watch's keyword arguments, passed on
             c = import_kserve().constants
             return custom.list_namespaced_custom_object(c.KSERVE_GROUP, c.KSERVE_V1BETA1_VERSION, self.namespace,
                                                         c.KSERVE_PLURAL_INFERENCESERVICE, **kwargs)
         return call
 
-    def watchers(self) -> list:
+    def watchers(self) -> list[Watcher]:
         return [self.isvc_watch.watcher, self.slice_watch.watcher]
 
     def mine(self, item: dict[str, Any]) -> bool:

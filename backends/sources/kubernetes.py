@@ -6,15 +6,19 @@ condition is not false and it is not terminating (a pod on its way out drains, a
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from backends.sources.base import Emit, Endpoint, log
-from backends.sources.watch import ListWatch, WatchTimings
+from backends.sources.watch import ListWatch, Watcher, WatchTimings
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 
 
-def api_client(kubeconfig: str | None):
+def api_client(kubeconfig: str | None) -> ApiClient:
     """A client of the Kubernetes API: from a kubeconfig file, else the pod's service account.
 
     urllib3's own retries are off: every watch retries with backoff itself (backends/sources/watch.py), and
@@ -55,7 +59,8 @@ def slice_port(ports: list[dict[str, Any]], wanted: int | str | None) -> int | N
     return None
 
 
-def slice_watch(api, namespace: str, service: str, changed, timings: WatchTimings) -> ListWatch:
+def slice_watch(api: ApiClient, namespace: str, service: str, changed: Callable[[list[dict[str, Any]]], None],
+                timings: WatchTimings) -> ListWatch:
     """Lists, then watches, the EndpointSlices of `service`; calls `changed(slices)` with all of them."""
     from kubernetes import client
 
@@ -87,13 +92,13 @@ def slice_watch(api, namespace: str, service: str, changed, timings: WatchTiming
 class KubernetesSource:
     kind = "kubernetes"
 
-    def __init__(self, api, namespace: str, service: str, port: int | str | None = None,
+    def __init__(self, api: ApiClient, namespace: str, service: str, port: int | str | None = None,
                  timings: WatchTimings = WatchTimings()) -> None:
         self.namespace, self.service, self.port = namespace, service, port
         self.emit: Emit = lambda endpoints: None
         self.watch = slice_watch(api, namespace, service, self.slices_changed, timings)
 
-    def watchers(self) -> list:
+    def watchers(self) -> list[Watcher]:
         return [self.watch.watcher]
 
     def slices_changed(self, slices: list[dict[str, Any]]) -> None:

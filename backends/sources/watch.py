@@ -28,9 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.sources.base import log
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+    from kubernetes.watch import Watch
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,7 @@ class WatchTimings:
     def backoff(self, failures: int) -> float:
         """The pause after the `failures`-th failure in a row: exponential, capped, with full jitter in its
         upper half (many gateway pods must not reconnect to a recovering API server in step)."""
-        ceiling = min(self.backoff_max, self.backoff_initial * 2 ** min(failures - 1, 30))
+        ceiling = min(self.backoff_max, self.backoff_initial * 2.0 ** min(failures - 1, 30))
         return ceiling * random.uniform(0.5, 1.0)
 
 
@@ -76,7 +80,7 @@ class Watcher:
     def __init__(self, name: str, body: Callable[[threading.Event], None], timings: WatchTimings) -> None:
         self.name, self.body, self.timings = name, body, timings
         self.stopped = threading.Event()
-        self.stream = None  # the kubernetes Watch reading now: stopping it unblocks the thread's read
+        self.stream: Watch | None = None  # the kubernetes Watch reading now: stopping it unblocks the thread's read
         self.state = "starting"  # starting (never synced yet), ok, broken
         self.last_sync: float | None = None  # unix seconds the API server was last heard from
         self.broken_since: float | None = None
@@ -89,7 +93,7 @@ class Watcher:
     def _thread(self) -> threading.Thread:
         return threading.Thread(target=self._run, name=f"watch {self.name}", daemon=True)
 
-    def new_stream(self):
+    def new_stream(self) -> Watch:
         from kubernetes import watch
 
         self.stream = watch.Watch()
@@ -157,8 +161,9 @@ class ListWatch:
     `listed(items)` gets every object the list returned, `event(kind, item)` each change (objects as JSON).
     """
 
-    def __init__(self, name: str, api, list_call, listed: Callable[[list[dict[str, Any]]], None],
-                 event: Callable[[str, dict[str, Any]], None], timings: WatchTimings, **kwargs) -> None:
+    def __init__(self, name: str, api: ApiClient, list_call: Callable[..., object],
+                 listed: Callable[[list[dict[str, Any]]], None], event: Callable[[str, dict[str, Any]], None],
+                 timings: WatchTimings, **kwargs: str) -> None:
         self.api, self.list_call, self.listed, self.event, self.kwargs = api, list_call, listed, event, kwargs
         self.watcher = Watcher(name, self.run, timings)
 

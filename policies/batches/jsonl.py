@@ -178,4 +178,5 @@ class Lines(Sequence[dict[str, Any]]):
         if not -len(self) <= n < len(self):
             raise IndexError(n)
         n %= len(self)
-        return orjson.loads(memoryview(self.data)[self.spans[2 * n]:self.spans[2 * n + 1]])
+        line: dict[str, Any] = orjson.loads(memoryview(self.data)[self.spans[2 * n]:self.spans[2 * n + 1]])
+        return line  # a JSON object: the file is one read_lines accepted

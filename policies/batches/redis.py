@@ -25,11 +25,12 @@ whose record is gone is dropped by the sweep).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from policies.batches.store import OPEN, Progress, Usage
+from policies.store.redis import RedisStore
 
 CLAIM = """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
@@ -109,7 +110,10 @@ CHUNK = 10_000  # line numbers pushed per command when a batch is created
 
 
 class RedisBatches:
-    def __init__(self, store) -> None:
+    """The Batch API's store on Redis (see the module's docstring). The store's client decodes every answer
+    (`decode_responses`): what redis-py types as `bytes | str` is a str here, and is cast to it."""
+
+    def __init__(self, store: RedisStore) -> None:
         self.store = store  # a RedisStore: its connection pool and its failure handling (`guard`)
         self.p = store.prefix
         client = store.client
@@ -150,7 +154,8 @@ class RedisBatches:
 
     async def expired_files(self, now: float, limit: int) -> list[tuple[str, str]]:
         async with self.store.guard("expired_files"):
-            members = await self.store.client.zrangebyscore(self.expiring, "-inf", f"({now!r}", start=0, num=limit)
+            members = cast(list[str], await self.store.client.zrangebyscore(
+                self.expiring, "-inf", f"({now!r}", start=0, num=limit))
         return [(owner, file_id) for file_id, _, owner in (m.partition(" ") for m in members)]
 
     async def get_file(self, owner: str, file_id: str) -> dict[str, Any] | None:
@@ -166,9 +171,9 @@ class RedisBatches:
         expiry: it was made under none."""
         client = self.store.client
         async with self.store.guard("adopt_file"):
-            raw = await client.get(f"{self.p}file:{file_id}")
+            raw = cast(str | None, await client.get(f"{self.p}file:{file_id}"))
             record = orjson.loads(raw) if raw else None
-            if not isinstance(record, dict) or record.get("_owner") != owner:
+            if raw is None or not isinstance(record, dict) or record.get("_owner") != owner:
                 return None
             await self._put_file(keys=self.file_keys(owner, file_id), args=[
                 file_id, raw, repr(record.get("_created", 0)), int(record.get("bytes") or 0), -1, -1])
@@ -178,7 +183,7 @@ class RedisBatches:
 
     async def adopt_all(self, owner: str) -> None:
         async with self.store.guard("adopt_file"):
-            old = await self.store.client.zrange(f"{self.p}files:{owner}", 0, -1)
+            old = cast(list[str], await self.store.client.zrange(f"{self.p}files:{owner}", 0, -1))
         for file_id in old:
             if await self.adopt(owner, file_id) is None:  # its record was gone: only the index entry was left
                 async with self.store.guard("adopt_file"):
@@ -186,7 +191,7 @@ class RedisBatches:
 
     async def _records(self, op: str, index: str, prefix: str) -> list[dict[str, Any]]:
         async with self.store.guard(op):
-            ids = await self.store.client.zrevrange(index, 0, -1)
+            ids = cast(list[str], await self.store.client.zrevrange(index, 0, -1))
             raws = [await self.store.client.get(f"{prefix}{i}") for i in ids]
         return [orjson.loads(r) for r in raws if r]
 
@@ -278,10 +283,11 @@ class RedisBatches:
         key = self.lines(batch_id, "results")
         async with self.store.guard("results"):
             if end is None:
-                found = await self.store.client.hgetall(key)
+                found = cast(dict[str, str], await self.store.client.hgetall(key))
             else:
                 numbers = range(first, end)
-                values = await self.store.client.hmget(key, [str(n) for n in numbers]) if numbers else []
+                values = cast(list[str | None], await self.store.client.hmget(key, [str(n) for n in numbers])
+                              if numbers else [])
                 found = {str(n): v for n, v in zip(numbers, values) if v is not None}
         return sorted((int(n), v[0] == "1", v[1:].encode()) for n, v in found.items() if int(n) >= first)
 

@@ -95,7 +95,7 @@ class Runner:
         self.settings = settings
         self.execute = execute
         self.name = name or secrets.token_hex(8)  # this process's claims
-        self.driving: dict[str, asyncio.Task] = {}
+        self.driving: dict[str, asyncio.Task[None]] = {}
         self.wake = asyncio.Event()
         self.stopping = False  # claim nothing more: the process is shutting down
         self.in_flight = 0  # lines of every batch running in this process (batch.max_in_flight bounds it)
@@ -142,7 +142,7 @@ class Runner:
                 break
         return deleted
 
-    def forget(self, batch_id: str, _task: asyncio.Task) -> None:
+    def forget(self, batch_id: str, _task: asyncio.Task[None]) -> None:
         self.driving.pop(batch_id, None)
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -189,7 +189,7 @@ class Runner:
             await self.fail(batch_id, "file_not_found", "the input file is gone")
             return
         lines = Lines(data)  # each line parsed when it is claimed: a batch holds no parsed file
-        running: dict[int, asyncio.Task] = {}
+        running: dict[int, asyncio.Task[None]] = {}
         renewed = time.monotonic()
         try:
             while True:
@@ -242,7 +242,7 @@ class Runner:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.release_all(batch_id, list(running)))
 
-    async def stop_lines(self, batch_id: str, running: dict[int, asyncio.Task]) -> None:
+    async def stop_lines(self, batch_id: str, running: dict[int, asyncio.Task[None]]) -> None:
         """Stop the lines this process runs of a batch that is ending; one that finished meanwhile keeps its result."""
         for task in running.values():
             task.cancel()
@@ -261,14 +261,14 @@ class Runner:
             return "expired"
         return None
 
-    def start_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> asyncio.Task:
+    def start_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> asyncio.Task[None]:
         """The line's task, counted in `in_flight` from now until it ends, cancelled before it started too."""
         self.in_flight += 1
         task = asyncio.create_task(self.run_line(record, n, line))
         task.add_done_callback(self._line_ended)
         return task
 
-    def _line_ended(self, task: asyncio.Task) -> None:
+    def _line_ended(self, task: asyncio.Task[None]) -> None:
         self.in_flight -= 1
 
     async def run_line(self, record: dict[str, Any], n: int, line: dict[str, Any]) -> None:

@@ -33,6 +33,12 @@ def test_backoff_doubles_up_to_the_cap():
     assert [backoff(h, n) for n in range(1, 7)] == [1, 2, 4, 8, 8, 8]
 
 
+def test_a_replica_down_for_days_keeps_its_backoff_at_the_cap():
+    # ~1,025 failures (a replica down ~17 h at a 60 s backoff) made 2.0 ** n overflow and ended the health loop
+    h = HealthTimings(backoff_initial=1, backoff_max=60)
+    assert [backoff(h, n) for n in (1_024, 1_025, 10**6)] == [60, 60, 60]
+
+
 def test_failure_threshold_and_recovery():
     rs, changes = replica_set(threshold=2)
     r = rs.by_model["m"][0]
