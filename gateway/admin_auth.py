@@ -16,6 +16,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import jwt
 
@@ -42,7 +43,7 @@ class AdminAuth:
         self.oidc = IssuerKeys(config.oidc) if config.oidc is not None else None
 
     async def check(self, authorization: str | None, write: bool, operator: bool = False,
-                    team_admin: bool = False) -> dict:
+                    team_admin: bool = False) -> dict[str, Any]:
         """The token's claims, with `role` (and `team` for a team admin) as this gateway reads them, when the
         token is valid and its role may do this (write: change state; `operator`: a change an operator token may
         make too; `team_admin`: a route that scopes a team admin to their team)."""
@@ -71,7 +72,7 @@ class AdminAuth:
         may(claims["role"], write, operator, team_admin)
         return claims
 
-    def own_claims(self, token: str) -> dict:
+    def own_claims(self, token: str) -> dict[str, Any]:
         """A token signed with the configured secret or key pair (HS256, RS256, ES256)."""
         assert self.key is not None  # check() comes here only when there is one
         try:
@@ -87,7 +88,7 @@ class AdminAuth:
             raise refused("the admin token's role is not one of " + ", ".join((*ROLES, TEAM_ADMIN)))
         return claims
 
-    async def provider_claims(self, token: str, header: dict, oidc: AdminOidc) -> dict:
+    async def provider_claims(self, token: str, header: dict[str, Any], oidc: AdminOidc) -> dict[str, Any]:
         """A token of the OpenID provider: its key from the provider's JWKS, its role from the mapped claim."""
         kid = header.get("kid")
         if not isinstance(kid, str) or not 0 < len(kid) <= 256:
@@ -122,7 +123,7 @@ RANK = {"admin": 0, "operator": 1, TEAM_ADMIN: 2, "viewer": 3}
 MAX_CLAIM_VALUES = 1000
 
 
-def role_of(claims: dict, oidc: AdminOidc) -> RoleGrant | None:
+def role_of(claims: dict[str, Any], oidc: AdminOidc) -> RoleGrant | None:
     """The strongest role mapped to the claim's values (admin, operator, team_admin, viewer); between two teams
     the first the policy lists."""
     value: object = claims
@@ -173,6 +174,7 @@ def verification_key(config: Admin) -> str | bytes | None:
     if config.jwt_algorithm == "HS256":
         secret = os.environ.get(config.jwt_secret_env, "")
         return secret if len(secret.encode()) >= MIN_SECRET else None
+    assert config.jwt_public_key_file is not None  # the policy requires it with RS256/ES256
     return Path(config.jwt_public_key_file).read_bytes()
 
 
@@ -185,9 +187,10 @@ def mint_token(config: Admin, ttl_seconds: float, role: str = "admin", subject: 
     if (role == TEAM_ADMIN) != (team is not None) or (team is not None and not TEAM_NAME.match(team)):
         raise ValueError("a team_admin token needs --team (a team's name), and only it takes one")
     if config.jwt_algorithm == "HS256":
-        key: str | bytes | None = secret if secret is not None else os.environ.get(config.jwt_secret_env, "")
-        if len(key.encode()) < MIN_SECRET:
+        text = secret if secret is not None else os.environ.get(config.jwt_secret_env, "")
+        if len(text.encode()) < MIN_SECRET:
             raise ValueError(f"set {config.jwt_secret_env} to the admin secret (at least {MIN_SECRET} characters)")
+        key: str | bytes = text
     else:
         if private_key is None:
             raise ValueError(f"{config.jwt_algorithm} tokens need --private-key-file")

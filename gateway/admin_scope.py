@@ -7,29 +7,30 @@ those only keys (and the team) its `team` claim names; every other role sees eve
 
 from __future__ import annotations
 
-from litestar.connection import ASGIConnection
+from typing import Any
 
 from policies.errors import PermissionDenied
 from policies.keys import KeyRecord
 
 from gateway.admin_audit import ADMIN_CLAIMS as CLAIMS  # noqa: E402  # the scope entry the guard fills
+from gateway.asgi import AnyConnection  # noqa: E402
 
 
-def remember(connection: ASGIConnection, claims: dict) -> None:
+def remember(connection: AnyConnection, claims: dict[str, Any]) -> None:
     connection.scope[CLAIMS] = claims  # type: ignore[literal-required]
 
 
-def claims_of(connection: ASGIConnection) -> dict:
+def claims_of(connection: AnyConnection) -> dict[str, Any]:
     return connection.scope.get(CLAIMS) or {}  # type: ignore[return-value]
 
 
-def own_team(connection: ASGIConnection) -> str | None:
+def own_team(connection: AnyConnection) -> str | None:
     """The team a team_admin token is bound to; None for every other role (not bound to one)."""
     claims = claims_of(connection)
     return claims.get("team") if claims.get("role") == "team_admin" else None
 
 
-def check_route(connection: ASGIConnection, team_route: bool) -> None:
+def check_route(connection: AnyConnection, team_route: bool) -> None:
     """403 for a team_admin token on a route that is not about its team's keys (keys of no team, other teams,
     the team's own settings, the fleet-wide views)."""
     team = own_team(connection)
@@ -38,7 +39,7 @@ def check_route(connection: ASGIConnection, team_route: bool) -> None:
                                code="team_admin_scope")
 
 
-def check_key(connection: ASGIConnection, record: KeyRecord) -> None:
+def check_key(connection: AnyConnection, record: KeyRecord) -> None:
     """403 when a team_admin token asks for a key outside its team."""
     team = own_team(connection)
     if team is not None and record.team != team:
@@ -46,7 +47,7 @@ def check_key(connection: ASGIConnection, record: KeyRecord) -> None:
                                code="other_team")
 
 
-def check_team(connection: ASGIConnection, name: str) -> None:
+def check_team(connection: AnyConnection, name: str) -> None:
     """403 when a team_admin token names a team other than its own."""
     team = own_team(connection)
     if team is not None and name != team:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 import sys
 import time
 
@@ -19,7 +20,7 @@ from gateway.report_cli import admin_get
 CHANGES_WIDTH = 100  # characters of a change shown in the table; --json has all of it
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     audit = sub.add_parser("audit", help="who did what through the admin API (and policy reloads)")
     audit.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
     audit.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
@@ -34,7 +35,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    params: dict = {"limit": args.limit}
+    params: dict[str, Any] = {"limit": args.limit}
     for name in ("actor", "action", "target", "before"):
         if getattr(args, name):
             params[name] = getattr(args, name)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(page: dict) -> str:
+def render(page: dict[str, Any]) -> str:
     rows = []
     for e in page["events"]:
         changes = json.dumps(e["changes"], separators=(",", ":"), default=str)

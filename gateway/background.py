@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 log = logging.getLogger("gateway.background")
 
@@ -17,12 +18,12 @@ MAX_PENDING = 10_000
 
 class Background:
     def __init__(self, on_lost: Callable[[str], None] | None = None) -> None:
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[object]] = set()
         self.reported: set[str] = set()
         self.dropped = 0
         self.on_lost = on_lost  # told "dropped" or "failed" for each write that did not happen (counted)
 
-    def run(self, coro) -> None:
+    def run(self, coro: Coroutine[Any, Any, object]) -> None:
         if len(self.tasks) >= MAX_PENDING:
             coro.close()
             self.dropped += 1
@@ -34,7 +35,7 @@ class Background:
         self.tasks.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[object]) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()

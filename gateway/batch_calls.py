@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -24,9 +24,10 @@ from policies.auth import INVALID
 from policies.batches.runner import Answer, Preempted, TryLater
 from policies.errors import GatewayError
 from policies.ids import unique_id
+from policies.config import Policy
 from policies.pipeline import Call
 from policies.preemption import PREEMPTIBLE, stoppable
-from policies.store import StoreUnavailable
+from policies.store import Store, StoreUnavailable
 
 ROUTES = {route.path: route for route in (chat.ROUTE, completions.ROUTE, embeddings.ROUTE)}
 LATER = (429, 503)  # a queue's refusal, no backend up, the store failing over: the line is tried again
@@ -58,8 +59,19 @@ async def handled(proxy: Proxy, call: Call, body: bytes) -> Reply:
             raise
 
 
+class Serving(Protocol):
+    """What a line needs of the gateway (gateway/wiring.py `Gateway`)."""
+
+    @property
+    def store(self) -> Store: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def proxy(self) -> Proxy | None: ...
+
+
 class BatchCalls:
-    def __init__(self, gateway) -> None:
+    def __init__(self, gateway: Serving) -> None:
         self.gateway = gateway
 
     async def __call__(self, batch: dict[str, Any], line: dict[str, Any]) -> Answer:

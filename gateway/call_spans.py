@@ -36,14 +36,15 @@ class SpanWriter:
         self.content_models = content_models
         self.addresses: dict[Any, tuple[str, int]] = {}
         self.upstream_parts: dict[tuple[Any, str], bytes] = {}  # (replica, operation) -> name, kind, attributes
-        self.shared_parts: dict[tuple, bytes] = {}  # what they are made of -> a server span's name, kind, attributes
+        self.shared_parts: dict[tuple[Any, ...], bytes] = {}  # what they are made of -> a server span's name, kind, attributes
 
     def spans(self, call: Any, trace: Any, offset: int) -> bytes:
         """The call's spans (a CallTrace of gateway/tracer.py); `offset`: ns since the epoch at perf_counter 0."""
         end = int(trace.end * 1e9) + offset
         operation = OPERATIONS.get(call.endpoint, call.endpoint)
         body = call.body if isinstance(call.body, dict) else {}
-        model = call.model or (body.get("model") if isinstance(body.get("model"), str) else "")
+        given = body.get("model")
+        model: str = call.model or (given if isinstance(given, str) else "")
         trace_id, root, attempts = trace.trace_id.to_bytes(16, "big"), trace.span_id, trace.attempts
         response = call.response if isinstance(call.response, dict) else None
         parts = [wire.span_head(trace_id, root, trace.parent, trace.state),
@@ -116,7 +117,8 @@ class SpanWriter:
                     "server.address": host, "server.port": port, "llm_gateway.backend": replica.name})
         return found
 
-    def shared(self, call: Any, trace: Any, operation: str, model: str, body: dict, response: dict | None) -> bytes:
+    def shared(self, call: Any, trace: Any, operation: str, model: str, body: dict[str, Any],
+               response: dict[str, Any] | None) -> bytes:
         """The server span's name, kind and the attributes that repeat from call to call, encoded once for each
         combination of what they are made of."""
         params = tuple(v if v.__class__ is int or v.__class__ is float else None for v in map(body.get, PARAMS))
@@ -149,8 +151,8 @@ class SpanWriter:
         return found
 
     def encode_shared(self, operation: str, endpoint: str, model: str, status: int, stream: bool,
-                      key_id: str | None, error: Any, replica: Any, attempts: int, params: tuple,
-                      response_model: Any, reasons: tuple) -> bytes:
+                      key_id: str | None, error: Any, replica: Any, attempts: int, params: tuple[Any, ...],
+                      response_model: Any, reasons: tuple[Any, ...]) -> bytes:
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "http.request.method": "POST",
@@ -192,7 +194,7 @@ class SpanWriter:
         return found
 
 
-def content(body: dict, response: dict | None, tap: Any) -> dict[str, str]:
+def content(body: dict[str, Any], response: dict[str, Any] | None, tap: Any) -> dict[str, str]:
     """Prompt and completion text, for the models the policy names (tracing.content_models) only."""
     attrs = {}
     prompt = body.get("messages", body.get("prompt", body.get("input")))

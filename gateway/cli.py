@@ -119,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
         proxy_headers=False,  # X-Forwarded-For is the gateway's call (network.trusted_proxies), not uvicorn's
         server_header=False,  # no "server: uvicorn" on every answer: one header less to write, nothing advertised
         lifespan="on",
-        timeout_graceful_shutdown=policy.server.shutdown_timeout,
+        # uvicorn annotates int, and takes any number of seconds (asyncio.wait_for)
+        timeout_graceful_shutdown=policy.server.shutdown_timeout,  # type: ignore[arg-type]
         **uvicorn_options(policy.server),  # the bounded edge: head size and time, body rate, idle, connections
     )
     server = DrainingServer(config, policy.server.drain_seconds, on_drain=app.state.start_drain)

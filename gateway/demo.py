@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -93,7 +94,7 @@ def start_simulators() -> tuple[list[subprocess.Popen], dict[str, list[dict]]]:
     return procs, owners
 
 
-def demo_policy(host: str, port: int, state_dir: str, owners: dict[str, list[dict]]) -> dict:
+def demo_policy(host: str, port: int, state_dir: str, owners: dict[str, list[dict]]) -> dict[str, Any]:
     """The demo's policy file, as a dict (`llm-gateway check` reads the same shape from YAML)."""
     cost = {"per_hour": 2.5}  # one GPU's rent, for the own-or-rent report
 
@@ -339,8 +340,8 @@ def run_demo(host: str, port: int, log_level: str, traffic: bool = False) -> int
 
     from gateway.admin_auth import mint_token
     from gateway.app import create_app
-    from gateway.logs import configure_logging
     from gateway.edge import uvicorn_options
+    from gateway.logs import configure_logging
 
     configure_logging(log_level)
     # The demo's admin secret and the rented stand-in's key live only in this process (and its children)

@@ -46,13 +46,18 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
+from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from gateway.endpoints.messages import anthropic_error
+from policies.config import Server
 from policies.errors import GatewayError
 
 BODY_GRACE = 5.0  # seconds before `body_min_rate` applies: a short pause at the start of an upload is no attack
@@ -102,7 +107,7 @@ class ReleasingFlow(FlowControl):
     """uvicorn's flow control, which resumes reading a connection when its app asks for the body: then the
     bytes the connection held are the app's, no longer held (`release`)."""
 
-    def __init__(self, transport: asyncio.Transport, release) -> None:
+    def __init__(self, transport: asyncio.Transport, release: Callable[[], None]) -> None:
         super().__init__(transport)
         self.release = release
 
@@ -119,8 +124,9 @@ def _nothing_held() -> None:
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     bounds = Bounds()  # replaced per server by `bounded_protocol`
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
         self._in_head = True  # no complete request head since the last request ended
         self._head_seen = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -371,7 +377,7 @@ def bounded_protocol(bounds: Bounds) -> type[BoundedHttpToolsProtocol]:
     return type("BoundedHttp", (BoundedHttpToolsProtocol,), {"bounds": bounds})
 
 
-def uvicorn_options(server) -> dict:
+def uvicorn_options(server: Server) -> dict[str, Any]:
     """uvicorn.Config's arguments for the policy's `server:` section (a policies.config.Server)."""
     bounds = Bounds(max_header_bytes=server.max_header_bytes, header_timeout=server.header_timeout,
                     body_timeout=server.body_timeout, body_min_rate=server.body_min_rate,

@@ -104,6 +104,7 @@ class FormUpload:
                 elif self._value is not None:
                     self._value.append(event)
                     if sum(map(len, self._value)) > FIELD_LIMIT:
+                        assert self._current is not None  # a value is read only inside a segment
                         raise BadRequest(f"the form field '{self._current.name}' is longer than {FIELD_LIMIT} bytes",
                                          param=self._current.name, code="invalid_multipart")
             if not chunk and not self.parser.closed:
@@ -122,6 +123,7 @@ class FormUpload:
         segment, value, self._value = self._current, self._value, None
         if value is None:
             return
+        assert segment is not None  # a value is read only inside a segment
         raw = b"".join(value)
         try:
             self.fields[segment.name] = raw.decode()

@@ -19,6 +19,7 @@ import httpx
 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+Request = tuple[str, str, dict[str, Any] | None]  # an admin API call: method, URL, JSON body
 
 
 def seconds(text: str) -> float:
@@ -29,7 +30,7 @@ def seconds(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     token = sub.add_parser("admin-token", help="mint an admin JWT from the configured secret")
     token.add_argument("--config", "-c", help="the policy file (for algorithm, issuer, audience)")
     token.add_argument("--ttl", type=seconds, default=3600.0, help="lifetime, e.g. 1h (default 1h)")
@@ -86,8 +87,8 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
                         help="once the rented budget is spent: stay owned (default) or answer 429 until the reset")
 
 
-def settings(args: argparse.Namespace) -> dict:
-    body: dict = {}
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {}
     for field in ("name", "owner", "team", "data_policy", "priority_class"):
         if getattr(args, field, None) is not None:
             body[field] = getattr(args, field)
@@ -98,9 +99,9 @@ def settings(args: argparse.Namespace) -> dict:
     return {**body, **ceilings(args)}
 
 
-def ceilings(args: argparse.Namespace) -> dict:
+def ceilings(args: argparse.Namespace) -> dict[str, Any]:
     """The models, limits and budget flags a key and a team share, as the admin API's fields."""
-    body: dict = {}
+    body: dict[str, Any] = {}
     if args.models is not None:
         body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     limits = {k: v for k, v in (("requests_per_minute", args.rpm), ("tokens_per_minute", args.tpm),
@@ -115,13 +116,14 @@ def ceilings(args: argparse.Namespace) -> dict:
     return body
 
 
-def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
+def update_body(args: argparse.Namespace, url: str, headers: dict[str, Any]) -> dict[str, Any]:
     """The PATCH for `keys update`. The API replaces a key's whole budget, so the budget flags given are laid
     over the key's current budget: `--when-spent reject` alone must not drop its max_rented_spend."""
     return over_current_budget(settings(args), args, url, headers)
 
 
-def over_current_budget(body: dict, args: argparse.Namespace, url: str, headers: dict) -> dict:
+def over_current_budget(body: dict[str, Any], args: argparse.Namespace, url: str,
+                        headers: dict[str, Any]) -> dict[str, Any]:
     """`body` with its budget flags laid over the current record's budget at `url` (a key's or a team's), or
     the budget dropped with --no-budget."""
     if args.no_budget:
@@ -155,7 +157,7 @@ def run_keys(args: argparse.Namespace) -> int:
         return 2
     base = args.url.rstrip("/") + "/admin/keys"
     headers = {"authorization": f"Bearer {args.token}"}
-    requests = {
+    requests: dict[str, Callable[[], Request]] = {
         "create": lambda: ("POST", base, {**settings(args), "expires_in": args.expires_in}),
         "update": lambda: ("PATCH", f"{base}/{args.id}", update_body(args, f"{base}/{args.id}", headers)),
         "list": lambda: ("GET", base + (f"?team={args.team}" if args.team else ""), None),
@@ -170,12 +172,13 @@ def run_keys(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
         return 1
-    if args.action == "create" and body["expires_in"] is None:
+    if args.action == "create" and body is not None and body["expires_in"] is None:
         del body["expires_in"]
     return send(args, "keys", method, url, body, headers, render)
 
 
-def send(args: argparse.Namespace, command: str, method: str, url: str, body: dict | None, headers: dict,
+def send(args: argparse.Namespace, command: str, method: str, url: str, body: dict[str, Any] | None,
+         headers: dict[str, Any],
          show: Callable[[str, Any], str]) -> int:
     """One admin API call; prints `show(action, answer)` (or the JSON with --json), or what went wrong."""
     try:
@@ -208,7 +211,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def key_row(k: dict) -> list[str]:
+def key_row(k: dict[str, Any]) -> list[str]:
     state = "revoked" if k["revoked"] else "active"
     return [k["id"], k["name"], k.get("team") or "-", state, ",".join(k["models"]) if k["models"] is not None else "*",
             k["data_policy"], k.get("priority_class") or "(default)", when(k["expires_at"]),
@@ -218,7 +221,7 @@ def key_row(k: dict) -> list[str]:
 KEY_HEADER = ["ID", "NAME", "TEAM", "STATE", "MODELS", "DATA POLICY", "CLASS", "EXPIRES", "LAST USED"]
 
 
-def render(action: str, data) -> str:
+def render(action: str, data: Any) -> str:
     if action == "list":
         return table([key_row(k) for k in data], KEY_HEADER)
     if action == "usage":
@@ -233,13 +236,13 @@ def render(action: str, data) -> str:
     return table([key_row(data)], KEY_HEADER)
 
 
-def usage_table(data: dict) -> str:
+def usage_table(data: dict[str, Any]) -> str:
     rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
             for m, c in sorted(data["models"].items())]
     return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
 
 
-def budget_table(data: dict) -> str:
+def budget_table(data: dict[str, Any]) -> str:
     spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
                                           is not None else "")
     tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"

@@ -29,6 +29,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import jwt
@@ -148,12 +149,12 @@ class IssuerKeys:
         allowed = set(self.settings.algorithms)
         return {k.key_id: k for k in found if k.key_id and k.algorithm_name in allowed}
 
-    async def document(self, client: httpx.AsyncClient, url: str, what: str) -> dict:
+    async def document(self, client: httpx.AsyncClient, url: str, what: str) -> dict[str, Any]:
         _, data = await self.read_json(client.stream("GET", url, headers={"accept": "application/json"}), what,
                                             only_ok=True)
         return data
 
-    async def read_json(self, request, what: str, only_ok: bool) -> tuple[int, dict]:
+    async def read_json(self, request, what: str, only_ok: bool) -> tuple[int, dict[str, Any]]:
         """The status and JSON object of a response, at most max_document_bytes read (`only_ok`: refuse any
         status but 200 before reading)."""
         limit = self.settings.max_document_bytes
@@ -190,7 +191,7 @@ class IssuerKeys:
             return self.endpoints[name]
         raise KeysUnavailable(self.error or f"the discovery document has no {name} (https, or http on loopback)")
 
-    async def exchange(self, form: dict[str, str], auth: tuple[str, str] | None) -> dict:
+    async def exchange(self, form: dict[str, str], auth: tuple[str, str] | None) -> dict[str, Any]:
         """The token endpoint's answer to `form` (an authorization code grant), with HTTP Basic client `auth` if
         given (client_secret_basic, the default of OAuth; client_secret_post where the provider lists only that).
         CodeRefused with the provider's error code, KeysUnavailable when it cannot be asked or answers no JSON."""
@@ -224,7 +225,7 @@ class IssuerKeys:
                 await self.refreshing
 
 
-def endpoints(discovery: dict) -> tuple[dict[str, str], list[str]]:
+def endpoints(discovery: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     """The console's endpoints from a discovery document (those not https, or http on loopback, left out: a
     provider without them still serves its keys) and the token endpoint's client authentication methods."""
     found = {}

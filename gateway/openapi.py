@@ -18,8 +18,10 @@ from importlib.metadata import PackageNotFoundError, version
 import annotated_types
 
 from litestar.openapi import OpenAPIConfig, ResponseSpec
-from litestar.openapi.spec import Components, Operation, SecurityScheme
+from litestar._openapi.schema_generation import SchemaCreator
+from litestar.openapi.spec import Components, Operation, RequestBody, Schema, SecurityScheme
 from litestar.plugins.pydantic import PydanticSchemaPlugin
+from litestar.typing import FieldDefinition
 from pydantic import BaseModel, ConfigDict, Field
 
 ADMIN_SECURITY = "adminToken"
@@ -67,7 +69,7 @@ class StrictModels(PydanticSchemaPlugin):
     """Litestar's pydantic schemas, plus `additionalProperties: false` where the model forbids extra fields, and
     the `ge`/`le` bounds of a field that litestar leaves out when the bound is 0 (it tests them for truth)."""
 
-    def to_openapi_schema(self, field_definition, schema_creator):
+    def to_openapi_schema(self, field_definition: FieldDefinition, schema_creator: SchemaCreator) -> Schema:
         schema = super().to_openapi_schema(field_definition, schema_creator)
         model = field_definition.annotation
         config = getattr(model, "model_config", {})
@@ -75,12 +77,12 @@ class StrictModels(PydanticSchemaPlugin):
             schema.additional_properties = False
         for name, field in getattr(model, "model_fields", {}).items():
             prop = (schema.properties or {}).get(field.alias or name)
-            if prop is None or not hasattr(prop, "minimum"):
+            if not isinstance(prop, Schema):  # absent, or a Reference (no bounds of its own)
                 continue
             for bound in field.metadata:
-                if isinstance(bound, annotated_types.Ge) and prop.minimum is None:
+                if isinstance(bound, annotated_types.Ge) and isinstance(bound.ge, float | int) and prop.minimum is None:
                     prop.minimum = bound.ge
-                if isinstance(bound, annotated_types.Le) and prop.maximum is None:
+                if isinstance(bound, annotated_types.Le) and isinstance(bound.le, float | int) and prop.maximum is None:
                     prop.maximum = bound.le
         return schema
 
@@ -90,7 +92,7 @@ class OptionalBody(Operation):
     """An operation whose request body may be left out (the handler then uses its defaults)."""
 
     def __post_init__(self) -> None:
-        if self.request_body is not None:
+        if isinstance(self.request_body, RequestBody):
             self.request_body.required = False
 
 

@@ -73,7 +73,7 @@ class Reply:
 def request_id_from(headers: Any) -> str:
     """The client's X-Request-Id when it is a plain id; a new one when it is missing, malformed, or looks like a
     secret (a key pasted in the wrong header must not reach the access log, traces or the backend)."""
-    given = headers.get("x-request-id")
+    given: str | None = headers.get("x-request-id")
     if given and REQUEST_ID.match(given) and not SECRET_SHAPE.search(given):
         return given
     return unique_id()
@@ -120,8 +120,10 @@ class Proxy:
             if route.query is not None:
                 call.query = route.query(raw_query)
             if route.body == JSON:
+                assert isinstance(raw_body, bytes)  # a JSON route's body comes whole
                 call.body = parse_json(raw_body)
             elif route.body == MULTIPART:
+                assert not isinstance(raw_body, bytes)  # a multipart route's comes as its chunks
                 call.upload = FormUpload(raw_body, call.headers.get("content-type", ""))
                 call.body = await call.upload.read_head()
             if route.pin is not None:
@@ -324,10 +326,11 @@ class Proxy:
         """How the served model name (the replica's, or the call's LoRA adapter's) is told back as the public
         one in its answers (None: the same)."""
         names = self.served_names(call)
-        found = self.renames.get(names, False)
-        if found is False:
+        try:
+            return self.renames[names]
+        except KeyError:
             found = self.renames[names] = model_rename(*names)
-        return found
+            return found
 
     def upstream_body(self, call: Call, target: Replica) -> bytes:
         """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the
@@ -356,6 +359,7 @@ class Proxy:
         return orjson.dumps(body)
 
     async def read_whole(self, call: Call, response: Response) -> Reply:
+        assert call.replica is not None  # sent: the call holds its replica
         try:
             raw = await response.read(self.client.limits.body_bytes)
         except UpstreamError as exc:
@@ -393,6 +397,7 @@ class Proxy:
     async def relay(self, call: Call, response: Response) -> AsyncIterator[bytes]:
         """The upstream's SSE bytes as they come; a backend failure mid-stream goes on from another replica where
         the model and the request allow it (gateway/migration.py), else becomes a final error event."""
+        assert call.replica is not None  # sent: the call holds its replica
         relay = call.route.relay(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
@@ -525,6 +530,7 @@ class Proxy:
     def served_names(call: Call) -> tuple[str, str]:
         """(the name the upstream answers with, the public name the client asked for)"""
         replica = call.replica
+        assert replica is not None  # named once the call has a replica
         if call.adapter is not None and not replica.rented:
             return call.adapter.lora_name, call.model
         return replica.served_name, replica.model
@@ -570,6 +576,7 @@ class Proxy:
         self.observers.finished(record_of(call, self.rented.cost))
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
+        assert call.replica is not None  # answered by its replica
         headers = {"x-request-id": call.request_id, **call.response_headers,
                    "x-gateway-served-by": "rented" if call.replica.rented else "owned"}
         content_type = response.headers.get("content-type")

@@ -293,7 +293,8 @@ def cli_parser() -> argparse.ArgumentParser:
     raise RuntimeError("gateway.cli.main returned without parsing its arguments")
 
 
-def subcommands(parser: argparse.ArgumentParser) -> tuple[argparse._SubParsersAction | None, dict[str, str]]:
+def subcommands(parser: argparse.ArgumentParser,
+                ) -> tuple[argparse._SubParsersAction[argparse.ArgumentParser] | None, dict[str, str]]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help or "" for choice in action._choices_actions}

@@ -22,12 +22,18 @@ import os
 import signal
 import time
 
-from litestar.connection import ASGIConnection
+from typing import Protocol
 
+from backends.egress import Resolver
+from backends.replicas import ReplicaSet
+from gateway.admin_audit import AdminAudit
+from gateway.asgi import AnyConnection
 from policies.audit import scrub_text
 from policies.config import PolicyError, parse_policy
 from policies.egress import check_backends
-from policies.snapshot import apply_static_replicas, compile_snapshot, restart_needed, version_of
+from policies.discovery import Discovery
+from policies.live_metrics import LiveMetrics
+from policies.snapshot import Shared, Snapshot, apply_static_replicas, compile_snapshot, restart_needed, version_of
 
 log = logging.getLogger("gateway.reload")
 
@@ -40,8 +46,28 @@ SETTLE = 1.0
 Stamp = tuple[str, int, int, int]
 
 
+class Reloadable(Protocol):
+    """What a reload reads and swaps of the gateway (gateway/wiring.py `Gateway`)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+    @property
+    def resolver(self) -> Resolver: ...
+    @property
+    def replicas(self) -> ReplicaSet: ...
+    @property
+    def shared(self) -> Shared: ...
+    @property
+    def discovery(self) -> Discovery: ...
+    @property
+    def live_metrics(self) -> LiveMetrics: ...
+    @property
+    def audit(self) -> AdminAudit: ...
+    def install(self, snapshot: Snapshot) -> None: ...
+
+
 class PolicyReloader:
-    def __init__(self, gateway, path: str, interval: float = 1.0, settle: float = SETTLE) -> None:
+    def __init__(self, gateway: Reloadable, path: str, interval: float = 1.0, settle: float = SETTLE) -> None:
         self.gateway = gateway
         self.path = path
         self.interval = interval
@@ -76,7 +102,7 @@ class PolicyReloader:
         await asyncio.sleep(self.settle)
         return first if self.read() == first else None
 
-    async def reload(self, why: str, by: ASGIConnection | None = None) -> str:
+    async def reload(self, why: str, by: AnyConnection | None = None) -> str:
         """Once the file has settled, validate it and, when its text changed and is valid, swap in its policy.
         The audit log records it as the admin of `by` (the console's button), else as the system (the file
         changed, SIGHUP). An admin's reload takes the change over from the watch: a watch that has settled and
@@ -90,7 +116,7 @@ class PolicyReloader:
         finally:
             self.asked -= 1
 
-    async def _reload(self, why: str, by: ASGIConnection | None) -> str:
+    async def _reload(self, why: str, by: AnyConnection | None) -> str:
         async with self.lock:
             settled = await self.settled()
             if settled is None:  # still being written: the poll sees the next change and comes back
@@ -132,7 +158,7 @@ class PolicyReloader:
             log.info("policy reloaded (%s): version %s, %d models", why, version, len(policy.models))
             return OK
 
-    async def refuse(self, why: str, problem: str, by: ASGIConnection | None) -> str:
+    async def refuse(self, why: str, problem: str, by: AnyConnection | None) -> str:
         """Keep the live policy, and say why: the metric, the log, and the audit log (the reason without any
         value it quotes from the file, policies/audit/log.py), as the admin of `by` or the system."""
         self.gateway.live_metrics.reloaded(INVALID)
@@ -165,5 +191,5 @@ class PolicyReloader:
                 loop.remove_signal_handler(signal.SIGHUP)
 
 
-def loaded_at_iso(snapshot) -> str:
+def loaded_at_iso(snapshot: Snapshot) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(snapshot.loaded_at))

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -30,7 +31,7 @@ def add_commands(sub) -> None:
     report.add_argument("--png", type=Path, help="also write a chart of utilisation and cost over time")
 
 
-def admin_get(args: argparse.Namespace, command: str, path: str, params: dict) -> dict | int:
+def admin_get(args: argparse.Namespace, command: str, path: str, params: dict[str, Any]) -> dict[str, Any] | int:
     """GET an admin view with the viewer (or admin) token of `args`; the JSON, or the exit status after saying
     what went wrong."""
     if not args.token:
@@ -84,7 +85,7 @@ def _fmt(value, kind: str = "") -> str:
     return f"{value:,.4f}" if isinstance(value, float) else f"{value:,}"
 
 
-def render(report: dict) -> str:
+def render(report: dict[str, Any]) -> str:
     out = [f"own or rent, {_utc(report['since'])} - {_utc(report['until'])} "
            f"({report['window_seconds'] / 3600:.2f} h)", ""]
     rows = []
@@ -114,7 +115,7 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
-def chart_lines(report: dict, m: dict) -> dict:
+def chart_lines(report: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
     """One model's lines over the window, each point at an edge of the series: `edges` runs from the first
     point's start to the window's end (so the last point is drawn as wide as it is);
     `utilisation` holds each bucket's value (drawn as steps, the last repeated to the end), and the costs are
@@ -129,7 +130,7 @@ def chart_lines(report: dict, m: dict) -> dict:
     }
 
 
-def write_png(report: dict, path: Path) -> None:
+def write_png(report: dict[str, Any], path: Path) -> None:
     """Two panels over the window: utilisation of the owned backends per model; cumulative cost, owned vs
     renting everything vs what was actually paid (owned + rented overflow, the line the verdict compares), with
     the owned and rented parts (each line's total in the legend, so a line

@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import orjson
 
+from backends.replicas import Replica
 from backends.upstream import UpstreamError
 from gateway.relay import SSERelay
 from policies.admission import Admission
@@ -53,14 +55,15 @@ class Shadow:
         self.admission = admission  # the snapshot's: its queues hold the shadow variants' slots
         self.metrics = metrics
         self.variants = variants  # where the copy's signals go
-        self.tasks: set[asyncio.Task] = set()
-        self.live: dict[Call, asyncio.Future | None] = {}  # live calls under way whose copy was handled: until they end
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.live: dict[Call, asyncio.Future[None] | None] = {}  # live calls under way whose copy was handled: until they end
 
     def start(self, live: Call) -> None:
         """Called once a live call copied to a shadow has its answer under way: send the copy now, in the
         background, unless it would wait."""
         if live.endpoint not in COMPARED or live in self.live:
             return
+        assert live.shadow is not None  # only a call copied to a shadow is told its answer is under way
         name, group = live.shadow
         if len(self.tasks) >= MAX_PENDING:
             self.live[live] = None
@@ -87,7 +90,7 @@ class Shadow:
     def dropped(self, model: str, variant: str) -> None:
         self.metrics.variant_shadow_dropped.labels(model, variant).inc()
 
-    async def send(self, live: Call, name: str, group: str, body: dict, done: asyncio.Future) -> None:
+    async def send(self, live: Call, name: str, group: str, body: dict[str, Any], done: asyncio.Future[None]) -> None:
         queue = self.admission.queues.get(group)
         replica = None if queue is None else await queue.take_now(None, (), 0, will_wait=False)
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
@@ -122,7 +125,7 @@ class Shadow:
                     sample.exact, sample.agreed = agreement(answer_of(live), answer_of(copy))
         self.variants.record(live.model, name, sample, copy.status)
 
-    async def exchange(self, copy: Call, replica, body: dict, params: dict) -> None:
+    async def exchange(self, copy: Call, replica: Replica, body: dict[str, Any], params: dict[str, Any]) -> None:
         upstream = replica.upstream
         if upstream is None:  # not connected yet: the app connects the live set before serving
             raise UpstreamError(f"replica {replica.name} has no connection yet")
@@ -132,11 +135,13 @@ class Shadow:
             copy.status = response.status if response.status < 500 else 502
             if copy.stream and response.status == 200:
                 relay = SSERelay(strip_usage=False)  # cut at event boundaries, its usage taken
+                answer = copy.answer
+                assert answer is not None  # a copy always reads its answer's signals
                 while chunk := await response.next_chunk():
                     if not copy.first_token_at:
                         copy.first_token_at = time.perf_counter()
-                    copy.answer.feed(relay.feed(chunk))
-                copy.answer.feed(relay.flush())
+                    answer.feed(relay.feed(chunk))
+                answer.feed(relay.flush())
                 copy.usage = relay.usage
             else:
                 raw = await response.read()

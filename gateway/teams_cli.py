@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from gateway.keys_cli import add_budget_flags, budget_table, ceilings, over_current_budget, send, table, usage_table
+from gateway.keys_cli import (Request, add_budget_flags, budget_table, ceilings, over_current_budget, send, table,
+                              usage_table)
 
 
 def add_commands(sub: Any) -> None:
@@ -50,13 +52,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
     add_budget_flags(parser)
 
 
-def settings(args: argparse.Namespace) -> dict:
-    body: dict = {k: getattr(args, k) for k in ("description", "data_policy", "max_priority_class")
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {k: getattr(args, k) for k in ("description", "data_policy", "max_priority_class")
                   if getattr(args, k) is not None}
     return {**body, **ceilings(args)}
 
 
-def update_body(args: argparse.Namespace, url: str, headers: dict) -> dict:
+def update_body(args: argparse.Namespace, url: str, headers: dict[str, Any]) -> dict[str, Any]:
     """The PATCH for `teams update`: budget flags laid over the team's current budget (the API replaces it)."""
     body = settings(args)
     if args.all_models:
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     base = args.url.rstrip("/") + "/admin/teams"
     headers = {"authorization": f"Bearer {args.token}"}
     one = f"{base}/{getattr(args, 'name', '')}"
-    requests = {
+    requests: dict[str, Callable[[], Request]] = {
         "create": lambda: ("POST", base, {"name": args.name, **settings(args)}),
         "update": lambda: ("PATCH", one, update_body(args, one, headers)),
         "list": lambda: ("GET", base, None),
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     return send(args, "teams", method, url, body, headers, render)
 
 
-def team_row(t: dict) -> list[str]:
+def team_row(t: dict[str, Any]) -> list[str]:
     limits = t["limits"]
     budget = t["budget"] or {}
     shown = [f"{name}={limits[field]}" for name, field in (("rpm", "requests_per_minute"), ("tpm", "tokens_per_minute"),

@@ -11,7 +11,7 @@ from collections import deque
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
 
 from gateway import otlp_wire as wire
@@ -77,7 +77,7 @@ class Tracer:
             remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
             decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
                                                   call.endpoint, SpanKind.SERVER)
-            trace = CallTrace(trace_id, parent, decision.decision.is_sampled(), state)
+            trace = CallTrace(trace_id, parent, decision.decision is Decision.RECORD_AND_SAMPLE, state)
         call.trace = trace
         return trace
 

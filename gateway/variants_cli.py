@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from gateway.keys_cli import seconds, table
 from gateway.report_cli import admin_get
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     variants = sub.add_parser("variants", help="compare each model's variants: speed, errors, structured validity")
     variants.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
     variants.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
@@ -40,7 +41,7 @@ HEADER = ["VARIANT", "WEIGHT", "REQUESTS", "ERRORS", "TTFT P50", "ITL P50", "TOK
           "GUARD"]
 
 
-def render(view: dict, by_load: bool = False) -> str:
+def render(view: dict[str, Any], by_load: bool = False) -> str:
     out = []
     for model, entry in view.get("models", {}).items():
         rows = []

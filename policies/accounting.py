@@ -15,7 +15,8 @@ flushes before it reads usage, and shutdown flushes what is left.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from backends.replicas import split_group
 from policies.background import Background
@@ -29,7 +30,7 @@ class FlushTimer:
     """Runs `flush()` on the background runner `every` seconds after something first waits for it (`arm`),
     once per arming; a flush that failed re-arms with a longer delay. Shared by the usage and cost ledgers."""
 
-    def __init__(self, every: float, background: Background, flush: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, every: float, background: Background, flush: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self.every = every
         self.background = background
         self.flush = flush

@@ -4,6 +4,7 @@ request (a slot released, a budget settled, the shared variant weights written).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-Background = Callable[[Awaitable[object]], None]
+Background = Callable[[Coroutine[Any, Any, object]], None]

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 
 import orjson
 
+from policies.background import Background
 from policies.store.redis import RedisStore
 from policies.variants import Variants
 
@@ -26,7 +26,7 @@ SHARED = "shared"  # the `why` of a change adopted from another replica (not wri
 
 
 class SharedVariants:
-    def __init__(self, store: RedisStore, variants: Variants, background: Callable[[Awaitable[object]], None],
+    def __init__(self, store: RedisStore, variants: Variants, background: Background,
                  interval: float = 0.5) -> None:
         self.redis = store.client
         self.prefix = store.prefix
