@@ -1,16 +1,18 @@
-"""The shapes routing plugins share: what they are given and what they return."""
+"""The shapes routing plugins share: what they are given (a `RoutingRequest`, request.py, never the whole
+call) and what they return."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from types import EllipsisType
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from backends.replicas import Replica
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call
+from policies.routing.request import RoutingRequest
 
 Candidate = Replica
 P = TypeVar("P", covariant=True)
@@ -31,13 +33,14 @@ class Stats:
     def __init__(self, vllm: Callable[[Replica], VLLMStats | None] | None = None) -> None:
         self.vllm = vllm or (lambda replica: None)
 
-    def load(self, replica: Replica) -> float:
+    def load(self, replica: Replica, seen: VLLMStats | None | EllipsisType = ...) -> float:
         """Requests the replica holds: vLLM's running + waiting when fresh (load from every client), less this
         gateway's requests to it that have ended since the scrape began, and never less than what this gateway has
         in flight to it right now: the scrape lags by up to its interval, and a replica that just finished this
         gateway's request must not look busy with it until the next one (a request that ended while the scrape
-        was under way may be taken off twice; the floor and the next scrape bound that)."""
-        stats = self.vllm(replica)
+        was under way may be taken off twice; the floor and the next scrape bound that). `seen`: its scrape as
+        `vllm` gave it earlier in this pick, so a scorer that read it already does not look it up again."""
+        stats = self.vllm(replica) if seen is ... else seen
         own = float(replica.in_flight)
         if stats is None or stats.load is None:
             return own
@@ -59,19 +62,19 @@ class Note:
 class Filter(Protocol):
     name: str
 
-    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
-        """The candidates that may serve this call (a filter that would drop them all keeps them all)."""
+    def keep(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+        """The candidates that may serve this request (a filter that would drop them all keeps them all)."""
 
 
 class Scorer(Protocol):
     name: str
     learns: bool  # the profile calls `picked` only when True
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         """One score in [0, 1] per candidate; higher is better. Values outside are clamped."""
 
-    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
-        """The replica the profile chose, with this call's note (learning scorers remember the pick)."""
+    def picked(self, request: RoutingRequest, replica: Candidate, note: Note) -> None:
+        """The replica the profile chose, with this pick's note (learning scorers remember the pick)."""
 
 
 class Picker(Protocol):
@@ -104,7 +107,7 @@ class Stateless:
     def __init__(self, params: BaseModel | None = None, metrics: Any = None) -> None:
         pass
 
-    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
+    def picked(self, request: RoutingRequest, replica: Candidate, note: Note) -> None:
         return None
 
 

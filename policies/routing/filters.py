@@ -1,4 +1,4 @@
-"""Filters: drop candidates that should not serve a call. A filter that would leave none keeps them all."""
+"""Filters: drop candidates that should not serve a request. A filter that would leave none keeps them all."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import Field
 
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Stats
 from policies.routing.base import Params as BaseParams
+from policies.routing.request import RoutingRequest
 
 
 class KVHeadroomParams(BaseParams):
@@ -26,7 +26,7 @@ class KVHeadroom:
     def __init__(self, params: KVHeadroomParams | None = None, metrics: Any = None) -> None:
         self.max_usage = (params or KVHeadroomParams()).max_usage
 
-    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+    def keep(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
         kept = []
         for replica in candidates:
             s = stats.vllm(replica)
@@ -45,7 +45,7 @@ class NotEjected:
     def __init__(self, params: BaseParams | None = None, metrics: Any = None) -> None:
         pass
 
-    def keep(self, call: Call, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
+    def keep(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
         for replica in candidates:
             outlier = replica.outlier
             if outlier is not None and outlier.ejected:

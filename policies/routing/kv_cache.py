@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stateless, Stats
+from policies.routing.request import RoutingRequest
 
 
 class KVCache(Stateless):
     name = "kv-cache"
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         free: list[float | None] = []
         for replica in candidates:
             s = stats.vllm(replica)

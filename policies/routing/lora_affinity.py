@@ -1,9 +1,9 @@
-"""Prefer the replicas that hold the call's LoRA adapter, so that an adapter is loaded once, not everywhere.
+"""Prefer the replicas that hold the request's LoRA adapter, so that an adapter is loaded once, not everywhere.
 
 1 for a replica that holds the adapter (as vLLM last said, plus the loads and unloads this gateway made since:
 backends/lora.py) or is loading it now; `room` for one that could load it without unloading another (fewer
 than max_loras held); when every one would have to unload one, `room / 2` for the one whose least recently
-used adapter has been idle longest (the fleet's least recently used goes), 0 for the others. A call of a
+used adapter has been idle longest (the fleet's least recently used goes), 0 for the others. A request of a
 base model (no adapter) scores every replica alike. With a weight above the sum of the load scorers' (the
 default profile: 8 against 4 + 2 + 1) it decides whenever one replica holds the adapter and another does
 not; among equals the prefix and load scorers decide.
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from backends.lora import held
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Params, Stateless, Stats
+from policies.routing.request import RoutingRequest
 
 
 class LoraAffinityParams(Params):
@@ -32,8 +32,8 @@ class LoraAffinity(Stateless):
     def __init__(self, params: LoraAffinityParams | None = None, metrics: object = None) -> None:
         self.params = params or LoraAffinityParams()
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
-        adapter = call.adapter
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+        adapter = request.adapter
         if adapter is None:
             note.outcome = "no_adapter"
             return [1.0] * len(candidates)

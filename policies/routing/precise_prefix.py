@@ -39,16 +39,16 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, field_validator
 
 from backends.kv_events import GPU, prefix_keys
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
+from policies.routing.request import RoutingRequest
 
 log = logging.getLogger("gateway.routing")
 
@@ -86,11 +86,11 @@ class PrecisePrefix(Stateless):
     def weight(self, medium: str) -> float:
         return self.params.medium_weights.get(medium, 1.0 if medium == GPU else self.unlisted)
 
-    def tokens(self, call: Call) -> list[int] | None:
+    def tokens(self, request: RoutingRequest) -> list[int] | None:
         if not self.params.tokenizer:
             return None
         prompt = load_prompt_tokenizer(self.params.tokenizer)
-        return None if prompt is None else prompt.tokens(call.endpoint, call.body)
+        return None if prompt is None else prompt.tokens(request.endpoint, request.prompt.body)
 
     def blind(self, replica: Candidate, now: float) -> bool:
         """Its index may know less than its vLLM holds (see the module's docstring), within `blind_seconds`."""
@@ -99,7 +99,7 @@ class PrecisePrefix(Stateless):
             return replica.kv_events is not None and window > 0
         return bool(replica.kv_index.blind(window, now))
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         now = time.monotonic()
         blind = [self.blind(r, now) for r in candidates]
         if all(blind):
@@ -107,7 +107,7 @@ class PrecisePrefix(Stateless):
             return [0.0] * len(candidates)
         indexes: list[Any] = [None if b else r.kv_index for r, b in zip(candidates, blind)]  # BlockIndex or None
         sizes = {i.block_size for i in indexes if i is not None and i.block_size}
-        tokens = self.tokens(call) if sizes else None
+        tokens = self.tokens(request) if sizes else None
         if not tokens:
             note.outcome = "blind" if any(blind) else "no_events" if not sizes else "no_prompt"
             return [0.0] * len(candidates)
@@ -130,8 +130,9 @@ class PrecisePrefix(Stateless):
 
         # (the candidates serve one model: their block sizes are alike; the smallest stands for the prompt's)
         block = float(min(sizes))
-        scores = prefix_scores(self.params, [stats.vllm(r) for r in candidates],
-                               [stats.load(r) for r in candidates], matched, float(len(tokens)), block, shared, note)
+        seen = [stats.vllm(r) for r in candidates]
+        scores = prefix_scores(self.params, seen, [stats.load(r, s) for r, s in zip(candidates, seen)], matched,
+                               float(len(tokens)), block, shared, note)
         if any(blind):
             note.outcome = "blind"
         return scores
@@ -158,7 +159,7 @@ class PromptTokenizer:
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if isinstance(template, str) else None
 
-    def tokens(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    def tokens(self, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
         try:
             if endpoint == "chat/completions" and self.template is not None:
                 messages = body.get("messages")

@@ -42,10 +42,9 @@ from typing import Any
 from pydantic import Field
 
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
-from policies.routing.prompt import prompt_text
+from policies.routing.request import RoutingRequest
 
 CHARS_PER_TOKEN = 4
 
@@ -73,13 +72,13 @@ class PrefixAffinity:
         self._capacity: dict[str, int] = {}
         self._finished: dict[str, float] = {}  # by replica name: vLLM's finished-request count, last seen
 
-    def blocks(self, call: Call) -> list[int]:
-        text = prompt_text(call)
+    def blocks(self, request: RoutingRequest) -> list[int]:
+        text = request.prompt.text
         size = self.params.block_chars
         if len(text) < size:
             return []
         full = min(len(text) // size, self.params.max_blocks)
-        h = hash(call.model)
+        h = hash(request.model)
         out = []
         for start in range(0, full * size, size):
             h = hash((h, text[start:start + size]))
@@ -97,8 +96,8 @@ class PrefixAffinity:
             n += 1
         return n
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
-        blocks = self.blocks(call)
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+        blocks = self.blocks(request)
         if not blocks:  # (what vLLM reports is looked at by the next call that has a prefix: nothing is lost)
             note.outcome = "no_prompt"
             note.data = (blocks, [])
@@ -113,7 +112,7 @@ class PrefixAffinity:
         def shared(i: int) -> bool:
             return self.shared(self.lrus.get(candidates[i].name), blocks, matched[i])
 
-        loads = [stats.load(r) for r in candidates]
+        loads = [stats.load(r, s) for r, s in zip(candidates, seen)]
         return prefix_scores(self.params, seen, loads, matched, len(blocks) * per_token, per_token, shared, note)
 
     @staticmethod
@@ -121,13 +120,13 @@ class PrefixAffinity:
         """The match is the whole prompt (sent before) or ends in a block continued in more than one way."""
         return matched == len(blocks) or (lru is not None and lru.get(blocks[matched - 1]) is SHARED)
 
-    def picked(self, call: Call, replica: Candidate, note: Note) -> None:
-        blocks = note.data[0] if note.data is not None else self.blocks(call)  # no note: a single candidate
+    def picked(self, request: RoutingRequest, replica: Candidate, note: Note) -> None:
+        blocks = note.data[0] if note.data is not None else self.blocks(request)  # no note: a single candidate
         if not blocks:
             return
         if self.metrics is not None:
             matched = self.matched(replica, blocks)
-            self.metrics.prefix_match(call.model, matched * self.params.block_chars, matched / len(blocks))
+            self.metrics.prefix_match(request.model, matched * self.params.block_chars, matched / len(blocks))
         lru = self.lrus.get(replica.name)
         if lru is None:
             lru = self.lrus[replica.name] = OrderedDict()

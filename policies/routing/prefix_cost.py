@@ -37,10 +37,9 @@ from typing import Any
 from pydantic import Field
 
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stats
 from policies.routing.prefix_affinity import CHARS_PER_TOKEN, PrefixAffinity, PrefixAffinityParams
-from policies.routing.prompt import prompt_text
+from policies.routing.request import RoutingRequest
 
 SNAPSHOTS = 512  # per replica: scrapes kept for the window (4 a second over 60 s fit)
 
@@ -117,8 +116,8 @@ class PrefixCost(PrefixAffinity):
             rate = _ratio(new.computed, new.prefill_s)
         return queue, rate or None
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
-        blocks = self.blocks(call)
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+        blocks = self.blocks(request)
         seen = [stats.vllm(r) for r in candidates]
         for replica, vllm in zip(candidates, seen):
             self._observe(replica, vllm)
@@ -126,14 +125,14 @@ class PrefixCost(PrefixAffinity):
         note.data = (blocks, matched)
         figures = [None if s is None else self.figures(r, s) for r, s in zip(candidates, seen)]
         best, held = max(matched), min(matched)
-        loads = [stats.load(r) for r in candidates]
+        loads = [stats.load(r, s) for r, s in zip(candidates, seen)]
         if best > held:
             preferred = max(range(len(candidates)), key=lambda i: (matched[i], -loads[i]))
             if loads[preferred] > min(loads) and self.shared(self.lrus.get(candidates[preferred].name), blocks,
                                                              matched[preferred]):
                 note.outcome = "shared"
                 return [1.0] * len(candidates)
-        costs = self.costs(call, figures, matched)
+        costs = self.costs(request, figures, matched)
         if costs is None:
             note.outcome = "no_stats"
             if best == held:
@@ -150,7 +149,7 @@ class PrefixCost(PrefixAffinity):
         note.outcome = "stay" if chosen == home else "move"
         return [1.0 if i == chosen else 0.0 for i in range(len(candidates))]
 
-    def costs(self, call: Call, figures: Sequence[tuple[float | None, float | None] | None],
+    def costs(self, request: RoutingRequest, figures: Sequence[tuple[float | None, float | None] | None],
               matched: list[int]) -> list[float] | None:
         """Seconds to the first token on each candidate, or None when vLLM's figures do not tell them all."""
         if any(f is None or f[0] is None for f in figures):
@@ -159,7 +158,7 @@ class PrefixCost(PrefixAffinity):
         if not rates:
             return None
         fallback = sum(rates) / len(rates)
-        prompt = len(prompt_text(call)) / CHARS_PER_TOKEN
+        prompt = len(request.prompt.text) / CHARS_PER_TOKEN
         per_block = self.params.block_chars / CHARS_PER_TOKEN
         out = []
         for f, m in zip(figures, matched):

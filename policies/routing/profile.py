@@ -3,6 +3,10 @@
 Every plugin's time for each pick goes to the metrics (`llm_gateway_routing_plugin_duration_seconds`, by plugin
 and step), kept in a plain tally as the decisions are, each series looked up once when the profile is built:
 timing costs two clock reads and one call per plugin.
+
+Plugins get the request as routing sees it (`RoutingRequest`, request.py), made from the call once per pick: its
+prompt text is read at most once however many scorers ask. A retry's pick makes a new one (the call has no slot to
+keep it in): a handful of attribute reads, and the prompt read again only if a scorer asks, as before.
 """
 
 from __future__ import annotations
@@ -17,8 +21,7 @@ from policies.pipeline import Call
 from policies.routing.base import Filter, Note, Picker, Scorer, Stats
 from policies.routing.filters import NotEjected
 from policies.routing.registry import FILTERS, PICKERS, SCORERS
-
-NO_CALL = Call(request_id="", endpoint="", headers={}, client_host="", arrived=0.0)  # a pick for no request
+from policies.routing.request import NO_REQUEST, RoutingRequest
 
 
 class Profile:
@@ -43,16 +46,16 @@ class Profile:
         self.pick_timer = timer(self.picker.name, "pick") if timer else None
 
     def pick(self, call: Call | None, replicas: Sequence[Replica], exclude: Sequence[Replica] = ()) -> Replica | None:
-        call = call or NO_CALL
+        request = RoutingRequest.of(call) if call is not None else NO_REQUEST
         candidates = [r for r in replicas if r.routable and r not in exclude]
         for f, timed in zip(self.filters, self.filter_timers):
             if len(candidates) <= 1:
                 break
             if timed is None:
-                candidates = f.keep(call, candidates, self.stats)
+                candidates = f.keep(request, candidates, self.stats)
                 continue
             start = perf_counter()
-            candidates = f.keep(call, candidates, self.stats)
+            candidates = f.keep(request, candidates, self.stats)
             timed(perf_counter() - start)
         if not candidates:
             return None
@@ -60,22 +63,22 @@ class Profile:
         if len(candidates) == 1:
             chosen = candidates[0]
         else:
-            chosen = self.choose(call, candidates, notes)
+            chosen = self.choose(request, candidates, notes)
         for scorer, timed in zip(self.learners, self.learn_timers):
             start = perf_counter()
-            scorer.picked(call, chosen, notes.get(id(scorer)) or Note())
+            scorer.picked(request, chosen, notes.get(id(scorer)) or Note())
             if timed is not None:
                 timed(perf_counter() - start)
         return chosen
 
-    def choose(self, call: Call, candidates: list[Replica], notes: dict[int, Note]) -> Replica:
+    def choose(self, request: RoutingRequest, candidates: list[Replica], notes: dict[int, Note]) -> Replica:
         stats = self.stats
         totals: list[float] = [0.0] * len(candidates)
         decisions = []
         for (scorer, weight), timed in zip(self.scorers, self.score_timers):
             note = notes[id(scorer)] = Note()
             start = perf_counter()
-            scores = scorer.score(call, candidates, stats, note)
+            scores = scorer.score(request, candidates, stats, note)
             if timed is not None:
                 timed(perf_counter() - start)
             high = max(scores)

@@ -1,7 +1,8 @@
 """The text a request's prompt starts with, in the order the model reads it, for prefix routing.
 
 A route declares which of these reads its body (`Route.prompt`, gateway/endpoints/); a route that declares
-none (embeddings, audio) gives routing no prompt. Chat: the tool definitions, then each message's role and
+none (embeddings, audio) gives routing no prompt. A pick reads it once, through its request's `Prompt`
+(request.py), however many scorers ask. Chat: the tool definitions, then each message's role and
 content (text parts as text, other parts and tool calls as their JSON), which is what a chat template renders
 ahead of the next turn. Anthropic's Messages: the same, its system prompt first. Completions: the prompt.
 Responses: instructions, then the input.
@@ -9,37 +10,30 @@ Responses: instructions, then the input.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from policies.pipeline import Call
-
 ROLE, END = "\x1e", "\x1f"  # separators that do not occur in ordinary text
 
 
-def prompt_text(call: Call) -> str:
-    """The call's prompt as its route declares it; empty when the route declares none."""
-    read = getattr(call.route, "prompt", None)
-    return read(call.body) if read is not None else ""
-
-
-def completion_text(body: dict[str, Any]) -> str:
+def completion_text(body: Mapping[str, Any]) -> str:
     return _text(body.get("prompt"))
 
 
-def responses_text(body: dict[str, Any]) -> str:
+def responses_text(body: Mapping[str, Any]) -> str:
     return _text(body.get("instructions")) + END + _text(body.get("input"))
 
 
-def messages_text(body: dict[str, Any]) -> str:
+def messages_text(body: Mapping[str, Any]) -> str:
     """Anthropic's Messages: its system prompt is a field of its own, read before the messages."""
     system = body.get("system")
     head = f"system{ROLE}{_text(system)}" if system else None
     return chat_text(body, head)
 
 
-def chat_text(body: dict[str, Any], head: str | None = None) -> str:
+def chat_text(body: Mapping[str, Any], head: str | None = None) -> str:
     parts: list[str] = []
     tools = body.get("tools")
     if tools:

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import Field
 
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.base import Params as BaseParams
+from policies.routing.request import RoutingRequest
 
 
 class SessionAffinityParams(BaseParams):
@@ -31,8 +31,8 @@ class SessionAffinity(Stateless):
     def __init__(self, params: SessionAffinityParams | None = None, metrics: Any = None) -> None:
         self.header = (params or SessionAffinityParams()).header.lower()
 
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
-        session = call.headers.get(self.header) if call.headers is not None else None
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+        session = request.headers.get(self.header) if request.headers is not None else None
         if not session:
             note.outcome = "no_session"
             return [0.0] * len(candidates)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.pipeline import Call
 from policies.routing.base import Candidate, Note, Stateless, Stats, relative_load
+from policies.routing.request import RoutingRequest
 
 
 class VLLMQueue(Stateless):
     name = "vllm-queue"
-    def score(self, call: Call, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
+    def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         return relative_load([stats.load(r) for r in candidates])

@@ -6,7 +6,7 @@ from policies.config import Ejection
 from policies.ejection import FAILURES, TTFT, Ejections, ejected
 from policies.routing import Stats
 from policies.routing.filters import NotEjected
-from policies.routing.profile import NO_CALL
+from policies.routing.request import NO_REQUEST
 
 
 class Clock:
@@ -125,13 +125,13 @@ def test_the_filter_skips_ejected_replicas_and_keeps_all_rather_than_none():
     _, replicas, ej, _, _ = fleet(consecutive_failures=1)
     keep = NotEjected().keep
     try:
-        assert keep(NO_CALL, replicas, Stats()) == replicas
+        assert keep(NO_REQUEST, replicas, Stats()) == replicas
         ej.failed(replicas[1])
-        assert keep(NO_CALL, replicas, Stats()) == [replicas[0], replicas[2]]
-        assert keep(NO_CALL, [replicas[1]], Stats()) == [replicas[1]]  # none would be left: keep them
+        assert keep(NO_REQUEST, replicas, Stats()) == [replicas[0], replicas[2]]
+        assert keep(NO_REQUEST, [replicas[1]], Stats()) == [replicas[1]]  # none would be left: keep them
     finally:
         release_all(ej)
-    assert keep(NO_CALL, replicas, Stats()) == replicas
+    assert keep(NO_REQUEST, replicas, Stats()) == replicas
 
 
 def test_disabled_ejection_never_ejects():

@@ -13,11 +13,11 @@ import zmq
 from backends.kv_events import BlockIndex, KVEventSource, Subscribers, prefix_keys
 from backends.replicas import DOWN, UP, Replica
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call
 from policies.routing import Stats
 from policies.routing.base import Note
 from policies.routing.precise_prefix import PrecisePrefix, load_prompt_tokenizer
 from policies.routing.precise_prefix import PrecisePrefixParams as Params
+from policies.routing.request import Prompt, RoutingRequest
 
 BS = 4
 
@@ -302,52 +302,52 @@ def tokenizer_dir(tmp_path_factory):
     return d
 
 
-def chat(system: str, user: str) -> Call:
-    return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="", arrived=0.0, model="m",
-                body={"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+def chat(system: str, user: str) -> RoutingRequest:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return RoutingRequest("m", "chat/completions", {}, None, Prompt(body))
 
 
 def test_the_scorer_prefers_the_replica_holding_the_longest_prefix_and_sees_evictions(tokenizer_dir):
     scorer = PrecisePrefix(Params(tokenizer=str(tokenizer_dir)))
     a, b = replica("a"), replica("b")
     a.kv_index, b.kv_index = BlockIndex(), BlockIndex()
-    call = chat("you are a helpful agent", "tell me about the sea")
-    tokens = load_prompt_tokenizer(str(tokenizer_dir)).tokens(call.endpoint, call.body)
+    request = chat("you are a helpful agent", "tell me about the sea")
+    tokens = load_prompt_tokenizer(str(tokenizer_dir)).tokens(request.endpoint, request.prompt.body)
     assert len(tokens) == 18  # 4 blocks
     a.kv_index.feed(message(0, stored([1], tokens[:4])))
     b.kv_index.feed(message(0, stored([1, 2, 3], tokens[:12])))
     note = Note()
-    assert scorer.score(call, [a, b], Stats(), note) == [0.0, 1.0] and note.outcome == "hit"  # beyond what both hold
+    assert scorer.score(request, [a, b], Stats(), note) == [0.0, 1.0] and note.outcome == "hit"  # beyond what both hold
     b.kv_index.feed(message(1, removed([1])))  # evicted on b: a now holds the longer prefix
-    assert scorer.score(call, [a, b], Stats(), Note()) == [1.0, 0.0]
+    assert scorer.score(request, [a, b], Stats(), Note()) == [1.0, 0.0]
     other = chat("you are a helpful agent", "tell me about the sky")
     assert scorer.score(other, [a, b], Stats(), Note()) == [1.0, 0.0]  # the shared system prompt's block
     a.kv_index.feed(message(1, {"type": "AllBlocksCleared"}))
     note = Note()
-    assert scorer.score(call, [a, b], Stats(), note) == [0.0, 0.0] and note.outcome == "miss"
+    assert scorer.score(request, [a, b], Stats(), note) == [0.0, 0.0] and note.outcome == "miss"
 
 
 def test_the_scorer_without_events_or_tokenizer_leaves_it_to_load(tokenizer_dir, tmp_path):
-    call = chat("you are a helpful agent", "tell me about the sea")
+    request = chat("you are a helpful agent", "tell me about the sea")
     a, b = replica("a"), replica("b")
-    assert PrecisePrefix(Params(tokenizer=str(tokenizer_dir))).score(call, [a, b], Stats(), Note()) == [0.0, 0.0]
+    assert PrecisePrefix(Params(tokenizer=str(tokenizer_dir))).score(request, [a, b], Stats(), Note()) == [0.0, 0.0]
     a.kv_index = BlockIndex()
     a.kv_index.feed(message(0, stored([1], [0, 2, 5, 6])))
     missing = PrecisePrefix(Params(tokenizer=str(tmp_path / "nothing")))
     note = Note()
-    assert missing.score(call, [a, b], Stats(), note) == [0.0, 0.0] and note.outcome == "no_prompt"
+    assert missing.score(request, [a, b], Stats(), note) == [0.0, 0.0] and note.outcome == "no_prompt"
 
 
 def test_the_load_guard_moves_a_held_prefix_off_a_loaded_replica(tokenizer_dir):
     scorer = PrecisePrefix(Params(tokenizer=str(tokenizer_dir), imbalance=2))
     a, b = replica("a"), replica("b")
     a.kv_index, b.kv_index = BlockIndex(), BlockIndex()
-    call = chat("you are a helpful agent", "tell me about the sea")
-    tokens = load_prompt_tokenizer(str(tokenizer_dir)).tokens(call.endpoint, call.body)
+    request = chat("you are a helpful agent", "tell me about the sea")
+    tokens = load_prompt_tokenizer(str(tokenizer_dir)).tokens(request.endpoint, request.prompt.body)
     a.kv_index.feed(message(0, stored([1, 2], tokens[:8])))
     a.in_flight = 3
     note = Note()
-    assert scorer.score(call, [a, b], Stats(), note) == [0.0, 1.0] and note.outcome == "load_guard"
+    assert scorer.score(request, [a, b], Stats(), note) == [0.0, 1.0] and note.outcome == "load_guard"
 
 
 def test_the_index_tells_a_prefix_continued_in_more_than_one_way():
@@ -371,7 +371,7 @@ def test_the_shared_load_guard_reads_the_events_and_vllms_queue(tokenizer_dir):
     tokenize = load_prompt_tokenizer(str(tokenizer_dir)).tokens
     x, y, z = (chat("you are a helpful agent", u) for u in
                ("tell me about the sea", "me tell about the sea", "about me tell the sea"))
-    tx, ty = (tokenize(c.endpoint, c.body) for c in (x, y))
+    tx, ty = (tokenize(c.endpoint, c.prompt.body) for c in (x, y))
     assert tx[:8] == ty[:8] and tx[8:12] != ty[8:12]  # the system prompt's two blocks, then their own
     a, b = replica("a"), replica("b")
     a.kv_index, b.kv_index = BlockIndex(), BlockIndex()

@@ -22,6 +22,7 @@ from policies.routing.precise_prefix import PrecisePrefix, load_prompt_tokenizer
 from policies.routing.precise_prefix import PrecisePrefixParams as Params
 from policies.routing.profile import Profile
 from policies.routing.registry import SCORERS
+from policies.routing.request import RoutingRequest
 from tests.unit.test_kv_events import _free_port as free_port
 from tests.unit.test_kv_events import keys, message, stored, wait_for
 from tests.unit.test_kv_events import tokenizer_dir  # noqa: F401 (the fixture: a tokenizer, a chat template)
@@ -195,15 +196,20 @@ def blind_index() -> BlockIndex:
     return index
 
 
-def tokens_of(directory, call: Call) -> list[int]:
-    tokens = load_prompt_tokenizer(str(directory)).tokens(call.endpoint, call.body)
+def routed(user: str = "tell me about the sea") -> RoutingRequest:
+    """What a pick of chat(user) hands its plugins, for the tests that call a scorer directly."""
+    return RoutingRequest.of(chat(user))
+
+
+def tokens_of(directory, request: RoutingRequest) -> list[int]:
+    tokens = load_prompt_tokenizer(str(directory)).tokens(request.endpoint, request.prompt.body)
     assert len(tokens) == 18  # 4 blocks
     return tokens
 
 
 def test_blocks_held_only_in_cpu_memory_score_below_blocks_in_gpu_memory(tokenizer_dir):  # noqa: F811
-    call = chat()
-    tokens = tokens_of(tokenizer_dir, call)
+    request = routed()
+    tokens = tokens_of(tokenizer_dir, request)
     gpu, cpu = BlockIndex(), BlockIndex()
     gpu.feed(message(0, stored([1, 2], tokens[:8])))
     cpu.feed(message(0, stored([1, 2, 3], tokens[:12]), stored([1, 2, 3], [], medium="CPU", block_size=0),
@@ -211,15 +217,15 @@ def test_blocks_held_only_in_cpu_memory_score_below_blocks_in_gpu_memory(tokeniz
     a, b = replica("a", gpu), replica("b", cpu)
     note = Note()
     scorer = PrecisePrefix(Params(tokenizer=str(tokenizer_dir)))
-    assert scorer.score(call, [a, b], Stats(), note) == [1.0, 0.0] and note.outcome == "hit"  # 2 GPU > 3 x 0.5
+    assert scorer.score(request, [a, b], Stats(), note) == [1.0, 0.0] and note.outcome == "hit"  # 2 GPU > 3 x 0.5
     one = BlockIndex()
     one.feed(message(0, stored([1], tokens[:4])))
     c = replica("c", one)  # 1 GPU block < 3 x 0.5: b's offloaded blocks count, below a's
-    assert scorer.score(call, [a, b, c], Stats(), Note()) == [1.0, 0.5, 0.0]
+    assert scorer.score(request, [a, b, c], Stats(), Note()) == [1.0, 0.5, 0.0]
     cheap_transfer = PrecisePrefix(Params(tokenizer=str(tokenizer_dir), medium_weights={"cpu": 0.9}))
-    assert cheap_transfer.score(call, [a, b], Stats(), Note()) == [0.0, 1.0]  # 2 < 2.7
+    assert cheap_transfer.score(request, [a, b], Stats(), Note()) == [0.0, 1.0]  # 2 < 2.7
     assert PrecisePrefix(Params(tokenizer=str(tokenizer_dir), medium_weights={"CPU": 1.0})).score(
-        call, [a, b], Stats(), Note()) == [0.0, 1.0]  # all alike: the longer prefix wins, as before media
+        request, [a, b], Stats(), Note()) == [0.0, 1.0]  # all alike: the longer prefix wins, as before media
     for bad in ({"CPU": 1.5}, {"bad medium": 0.5}, {f"M{i}": 0.5 for i in range(17)}):
         with pytest.raises(ValueError):
             Params(medium_weights=bad)
@@ -266,28 +272,28 @@ async def test_a_new_subscription_starts_blind():
 
 
 def test_a_blind_replica_ties_with_the_best_match_and_all_blind_leaves_it_to_load(tokenizer_dir):  # noqa: F811
-    call = chat()
-    tokens = tokens_of(tokenizer_dir, call)
+    request = routed()
+    tokens = tokens_of(tokenizer_dir, request)
     holds, empty, blind = BlockIndex(), BlockIndex(), blind_index()
     holds.feed(message(0, stored([1, 2, 3], tokens[:12])))
     a, b, c = replica("a", holds), replica("b", blind), replica("c", empty)
     scorer = PrecisePrefix(Params(tokenizer=str(tokenizer_dir)))
     note = Note()
-    assert scorer.score(call, [a, b, c], Stats(), note) == [1.0, 1.0, 0.0] and note.outcome == "blind"
+    assert scorer.score(request, [a, b, c], Stats(), note) == [1.0, 1.0, 0.0] and note.outcome == "blind"
     b.in_flight = 1  # between the two that may hold it, load decides: the guard judges b as a
-    assert scorer.score(call, [a, b], Stats(), Note()) == [1.0, 1.0]
+    assert scorer.score(request, [a, b], Stats(), Note()) == [1.0, 1.0]
     all_blind = [replica("x", blind_index()), replica("y", blind_index())]
     note = Note()
-    assert scorer.score(call, all_blind, Stats(), note) == [0.0, 0.0] and note.outcome == "blind"
+    assert scorer.score(request, all_blind, Stats(), note) == [0.0, 0.0] and note.outcome == "blind"
     blind.blind_since = time.monotonic() - 61  # the window is over: its index is taken as it is
     note = Note()
-    assert scorer.score(call, [a, b, c], Stats(), note) == [1.0, 0.0, 0.0] and note.outcome == "hit"
+    assert scorer.score(request, [a, b, c], Stats(), note) == [1.0, 0.0, 0.0] and note.outcome == "hit"
 
 
 def test_a_blind_index_neither_attracts_nor_repels_all_traffic(tokenizer_dir):  # noqa: F811
     """One seeing replica holds the system prompt; one blind replica may hold anything. With the match alone
     deciding (guard off), every request went to the seeing one; now the blind one gets its share by load."""
-    tokens = tokens_of(tokenizer_dir, chat())
+    tokens = tokens_of(tokenizer_dir, routed())
     holds = BlockIndex()
     holds.feed(message(0, stored([1, 2], tokens[:8])))  # the system prompt's two blocks
     seeing, blind = replica("seeing", holds), replica("blind", blind_index())

@@ -9,9 +9,9 @@ import orjson
 
 from backends.lora import AdapterTarget, held, listed_adapters
 from backends.replicas import Replica
-from policies.pipeline import Call
 from policies.routing.base import Note, Stats
 from policies.routing.lora_affinity import LoraAffinity
+from policies.routing.request import Prompt, RoutingRequest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
 
@@ -39,8 +39,8 @@ def replica(name: str, loaded: dict[str, float], max_loras: int = 1) -> Replica:
 
 
 def scores(call_adapter: AdapterTarget | None, *replicas: Replica) -> list[float]:
-    call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0, adapter=call_adapter)
-    return LoraAffinity().score(call, replicas, Stats(), Note())
+    request = RoutingRequest("m", "chat/completions", {}, call_adapter, Prompt({}))
+    return LoraAffinity().score(request, replicas, Stats(), Note())
 
 
 def test_the_holder_first_then_a_free_slot_then_the_longest_idle():

@@ -17,6 +17,7 @@ from policies.routing.pickers import MaxScore
 from policies.routing.prefix_affinity import PrefixAffinityParams as PrefixParams
 from policies.routing.prefix_affinity import PrefixAffinity
 from policies.routing.profile import Profile
+from policies.routing.request import RoutingRequest
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
 
@@ -42,6 +43,9 @@ def chat(system, *turns, headers=None):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
     return Call(request_id="r", endpoint="chat/completions", headers=headers or {}, client_host="127.0.0.1",
                 arrived=0.0, body={"model": "m", "messages": messages}, model="m", route=CHAT)
+
+
+routed = RoutingRequest.of  # what a pick hands its plugins: tests that call a plugin directly hand it the same
 
 
 def test_picks_fewest_in_flight():
@@ -130,9 +134,9 @@ def test_kv_cache_scorer_and_headroom_filter():
     seen = {"r0": VLLMStats(kv_usage=0.9), "r1": VLLMStats(kv_usage=0.2), "r2": VLLMStats(kv_usage=0.99)}
     stats = Stats(lambda r: seen.get(r.name))
     assert profile((KVCache(), 1.0), stats=stats).pick(None, rs) is rs[1]
-    keep = KVHeadroom(KVHeadroom.Params(max_usage=0.95)).keep(chat("s"), rs, stats)
+    keep = KVHeadroom(KVHeadroom.Params(max_usage=0.95)).keep(routed(chat("s")), rs, stats)
     assert keep == rs[:2]
-    assert KVHeadroom().keep(chat("s"), rs[2:], stats) == rs[2:]  # never filters every candidate away
+    assert KVHeadroom().keep(routed(chat("s")), rs[2:], stats) == rs[2:]  # never filters every candidate away
 
 
 SYSTEM = "You are a careful agent. " * 40  # ~1000 characters
@@ -182,7 +186,7 @@ def test_the_opt_in_fixed_difference_guard_still_trips_at_its_difference():
     assert outcomes(metrics) == {"miss": 1, "hit": 2}
     home.in_flight += 1  # 3 more than the other: the guard trips
     assert p.pick(conversation(0, turns=4), rs) is other and outcomes(metrics)["load_guard"] == 1
-    assert scorer.matched(other, scorer.blocks(conversation(0, turns=4))) > 0  # learned there
+    assert scorer.matched(other, scorer.blocks(routed(conversation(0, turns=4)))) > 0  # learned there
 
 
 def test_prefix_lru_is_bounded_by_the_replicas_cache_size():
@@ -193,7 +197,7 @@ def test_prefix_lru_is_bounded_by_the_replicas_cache_size():
     call = chat("a" * 5000, "q")
     home = p.pick(call, rs)
     assert max(len(lru) for lru in scorer.lrus.values()) == 2048 // 64
-    assert scorer.matched(home, scorer.blocks(call)) == 2048 // 64  # what is kept is the prompt's start
+    assert scorer.matched(home, scorer.blocks(routed(call))) == 2048 // 64  # what is kept is the prompt's start
 
 
 def test_prefix_lru_evicts_a_prefix_from_its_end():
@@ -205,6 +209,7 @@ def test_prefix_lru_evicts_a_prefix_from_its_end():
     p = profile((scorer, 1.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)))
     old, new = chat("old " * 480, "q"), chat("new " * 240, "q")  # ~30 and ~15 blocks: 40 do not hold both
     assert p.pick(old, rs) is rs[0] and p.pick(new, rs) is rs[0]
+    new, old = routed(new), routed(old)
     assert scorer.matched(rs[0], scorer.blocks(new)) == len(scorer.blocks(new))
     assert 0 < scorer.matched(rs[0], scorer.blocks(old)) < len(scorer.blocks(old))
 
@@ -226,7 +231,7 @@ def test_prefix_affinity_forgets_a_replica_whose_vllm_restarted():
     seen[other.name] = VLLMStats(running=1, waiting=0, requests_finished=12)
     turns += [f"a2: {PAD}", f"q3: {PAD}"]
     assert p.pick(chat(SYSTEM, *turns), rs) is other  # not back to home on the strength of what it lost
-    assert scorer.matched(home, scorer.blocks(chat(SYSTEM, *turns))) == 0
+    assert scorer.matched(home, scorer.blocks(routed(chat(SYSTEM, *turns)))) == 0
 
 
 def test_session_affinity_is_consistent_and_falls_back():
@@ -274,7 +279,7 @@ def test_unknown_plugins_and_bad_params_are_refused():
 
 def learned_on(scorer, replica, *calls):
     for call in calls:
-        scorer.picked(call, replica, Note())
+        scorer.picked(routed(call), replica, Note())
 
 
 def test_a_busy_replica_that_does_not_queue_keeps_its_conversations():
@@ -353,7 +358,7 @@ def test_each_pick_keeps_its_own_scratch():
     # learns its own prompt, from its own note, not the last one scored
     rs = replicas(0, 0)
     scorer = PrefixAffinity()
-    a, b = conversation(0), conversation(1)
+    a, b = routed(conversation(0)), routed(conversation(1))
     note_a, note_b = Note(), Note()
     scorer.score(a, rs, Stats(), note_a)
     scorer.score(b, rs, Stats(), note_b)
@@ -377,15 +382,15 @@ def test_the_prompt_is_read_as_the_route_declares_it():
 
     scorer = PrefixAffinity()
     call = conversation(0)
-    assert scorer.blocks(call)
+    assert scorer.blocks(routed(call))
     call.endpoint = "renamed"  # the route's name plays no part
-    assert scorer.blocks(call) == scorer.blocks(conversation(0))
+    assert scorer.blocks(routed(call)) == scorer.blocks(routed(conversation(0)))
     anthropic = Call(request_id="r", endpoint="messages", headers={}, client_host="127.0.0.1", arrived=0.0,
                      model="m", route=messages.MESSAGES,
                      body={"model": "m", "system": SYSTEM, "messages": [{"role": "user", "content": "hi"}]})
-    assert len(scorer.blocks(anthropic)) == len(SYSTEM) // 64
+    assert len(scorer.blocks(routed(anthropic))) == len(SYSTEM) // 64
     call.route = embeddings.ROUTE  # a route that declares no prompt
-    assert scorer.blocks(call) == []
+    assert scorer.blocks(routed(call)) == []
 
 
 def test_every_plugin_is_timed_per_pick():
