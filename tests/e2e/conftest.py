@@ -113,12 +113,10 @@ def alone_on_core0(tmp_path_factory, name: str, extra_args: tuple[str, ...]) -> 
             other.resume()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def capped_vllm(tmp_path_factory):
     """`--max-num-seqs 8` (a knee within a CPU's reach), alone on core 0. For `sweep` tests, which load it to
-    saturation. Started once for all of them (the knee and caps modules: both run first, one after the other,
-    before any shared server starts; a module-scoped one cost a second start of ~25-35 s); idle after them until
-    the session ends."""
+    saturation."""
     with alone_on_core0(tmp_path_factory, "tiny-knee", ("--max-num-seqs", "8")) as server:
         yield server
 
