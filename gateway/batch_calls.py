@@ -19,15 +19,15 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.endpoints import chat, completions, embeddings
+from gateway.needs import Configured, Stored
 from gateway.proxy import Proxy, Reply
 from policies.auth import INVALID
 from policies.batches.runner import Answer, Preempted, TryLater
 from policies.errors import GatewayError
 from policies.ids import unique_id
-from policies.config import Policy
 from policies.pipeline import Call
 from policies.preemption import PREEMPTIBLE, stoppable
-from policies.store import Store, StoreUnavailable
+from policies.store import StoreUnavailable
 
 ROUTES = {route.path: route for route in (chat.ROUTE, completions.ROUTE, embeddings.ROUTE)}
 LATER = (429, 503)  # a queue's refusal, no backend up, the store failing over: the line is tried again
@@ -59,19 +59,16 @@ async def handled(proxy: Proxy, call: Call, body: bytes) -> Reply:
             raise
 
 
-class Serving(Protocol):
-    """What a line needs of the gateway (gateway/wiring.py `Gateway`)."""
+class LineGateway(Configured, Stored, Protocol):
+    """What a line needs of the gateway (gateway/wiring.py `Gateway`): the policy and the store (gateway/needs.py's
+    shared parts) and the proxy that runs its call."""
 
-    @property
-    def store(self) -> Store: ...
-    @property
-    def policy(self) -> Policy: ...
     @property
     def proxy(self) -> Proxy | None: ...
 
 
 class BatchCalls:
-    def __init__(self, gateway: Serving) -> None:
+    def __init__(self, gateway: LineGateway) -> None:
         self.gateway = gateway
 
     async def __call__(self, batch: dict[str, Any], line: dict[str, Any]) -> Answer:
