@@ -32,7 +32,8 @@ candidate at a lighter load judges latency, and a slowdown smaller than the base
 it. (Where the candidate runs heavier, it queues its own calls: that shows at the loads it reaches, and matching
 the loads would hide it.) With `match_load` (the default) the guard then matches the two sides' load
 for a while (load matching, `Variants.match_load`): requests drawn for either side go to whichever has fewer in flight per replica,
-so both run at one load and the comparison at one level judges; the load matching ends once a latency signal was
+so both run at one load, and each candidate call sent then is judged against the baseline's calls that ran
+beside it at its load (`compare_beside`: calls that ran together met the same machine); the load matching ends once a latency signal was
 judged at a load both met (or with the verdict), or after `match_load.calls` of the candidate's calls, and
 comes at most once per `window_seconds`: then the weights rule again. While it lasts the candidate takes up to
 half the pair's traffic; the admin view says so (`load_matching`), and each load matching is counted
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -166,30 +168,71 @@ def levels_meet(cand: list[Sample], base: list[Sample], field: str, least: int) 
 
 
 def judge_load_matched(guard: Guard, cand: list[Sample], base: list[Sample],
-                 seen: dict[str, float]) -> tuple[tuple[str, str] | None, set[str]]:
-    """(breach, judged): latency as the calls sent while the two sides' load was matched say it (both sides at
-    the same times and loads): the first latency signal that breaches, or None; and the signals that were judged
-    at a load both met."""
+                       seen: dict[str, float]) -> tuple[tuple[str, str] | None, set[str]]:
+    """(breach, judged): latency as the calls sent while the two sides' load was matched say it, each of the
+    candidate's calls against the baseline's that ran beside it (`compare_beside`): the first latency signal that
+    breaches, or None; and the signals that were judged."""
     judged: set[str] = set()
-    for signal, limit, (worst, _, matched) in latency_looks(guard, cand, base):
-        if worst is None or not matched:
+    for signal, limit in latency_limits(guard):
+        found = compare_beside(cand, base, signal, guard.min_samples)
+        if found is None:
             continue
         judged.add(signal)
-        seen[signal] = round(worst[0], 3)
-        if worst[0] > limit:
-            return latency_breach(signal, limit, worst[0], f"while their load was matched, {worst[1]}"), judged
+        seen[signal] = round(found[0], 3)
+        if found[0] > limit:
+            return latency_breach(signal, limit, found[0], f"while their load was matched, {found[1]}"), judged
     return None, judged
+
+
+def compare_beside(cand: list[Sample], base: list[Sample], field: str, need: int) -> tuple[float, str] | None:
+    """The median over the candidate's calls of its `field` over the median of the baseline's calls that ran
+    beside it (sent before it finished, finished after it was sent) at its load level: (ratio, where),
+    once `need` of the candidate's calls had such company and the baseline had `need` calls; else None.
+
+    A load matching sends each new call to the side with fewer in flight, so a side whose calls end together
+    takes the next ones in a burst: each side's calls come in turns. On a machine whose speed drifts (other work
+    on its cores) one side's turn may fall in a slow moment and the other's in a fast one, and an identical
+    candidate's p50 came out 1.25-1.54x the baseline's at one load level. Calls that ran together at one load
+    met the same machine: an identical candidate is judged at about 1x however the machine drifts, a slower one
+    at its slowdown."""
+    known = sorted((s.began, s.at, level_key(s.load), value) for s in base
+                   if (value := getattr(s, field)) is not None and s.began is not None)
+    if len(known) < need:
+        return None
+    starts = [began for began, _, _, _ in known]
+    longest = max(at - began for began, at, _, _ in known)
+    ratios: list[float] = []
+    for s in cand:
+        value = getattr(s, field)
+        if value is None or s.began is None:
+            continue
+        level = level_key(s.load)
+        beside = sorted(v for began, at, lv, v in known[bisect_left(starts, s.began - longest):
+                                                        bisect_right(starts, s.at)]
+                        if at > s.began and lv == level)
+        if beside:
+            typical = middle(beside)
+            ratios.append(value / typical if typical else 0.0)
+    if len(ratios) < need:
+        return None
+    ratios.sort()
+    return middle(ratios), f"each of {len(ratios)} calls against the baseline's beside it at its load"
 
 
 Latency = tuple[tuple[float, str] | None, tuple[int, int] | None, bool]  # compare_latency's answer
 
 
-def latency_looks(guard: Guard, cand: list[Sample], base: list[Sample]) -> Iterator[tuple[str, float, Latency]]:
-    """(signal, limit, compare_latency's answer) for each latency signal the guard checks (a Sample's field of
-    the same name)."""
+def latency_limits(guard: Guard) -> Iterator[tuple[str, float]]:
+    """(signal, limit) for each latency signal the guard checks (a Sample's field of the same name)."""
     for signal, limit in (("itl", guard.max_itl_ratio), ("ttft", guard.max_ttft_ratio)):
         if limit is not None:
-            yield signal, limit, compare_latency(cand, base, signal, guard.min_samples)
+            yield signal, limit
+
+
+def latency_looks(guard: Guard, cand: list[Sample], base: list[Sample]) -> Iterator[tuple[str, float, Latency]]:
+    """(signal, limit, compare_latency's answer) for each latency signal the guard checks."""
+    for signal, limit in latency_limits(guard):
+        yield signal, limit, compare_latency(cand, base, signal, guard.min_samples)
 
 
 def latency_breach(signal: str, limit: float, ratio: float, where: str) -> tuple[str, str]:
@@ -198,8 +241,7 @@ def latency_breach(signal: str, limit: float, ratio: float, where: str) -> tuple
 
 def latency_signals(guard: Guard, cand: list[Sample]) -> set[str]:
     """The latency signals the guard checks that the candidate's calls have samples of."""
-    return {signal for signal, limit in (("itl", guard.max_itl_ratio), ("ttft", guard.max_ttft_ratio))
-            if limit is not None and any(getattr(s, signal) is not None for s in cand)}
+    return {signal for signal, _ in latency_limits(guard) if any(getattr(s, signal) is not None for s in cand)}
 
 
 def latency_ratio(cand: list[Sample], base: list[Sample], field: str, need: int) -> tuple[float, str] | None:

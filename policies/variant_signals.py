@@ -60,7 +60,7 @@ def error_kind(status: int) -> str | None:
 class Sample:
     """One finished call of a variant, as the window keeps it."""
 
-    at: float  # monotonic
+    at: float  # monotonic, as it finished
     error: str | None
     load: str
     ttft: float | None = None
@@ -71,6 +71,7 @@ class Sample:
     agreed: bool | None = None  # a shadow's answer at temperature 0: the live one's, exactly or as JSON
     exact: bool | None = None  # ... exactly (text and tool calls)
     load_matched: bool = False  # sent while the guard matched its variant's load with the baseline's
+    began: float | None = None  # monotonic, as it was sent upstream (None: never sent)
 
 
 def _validator(schema_json: bytes) -> Validator | None:
@@ -264,7 +265,9 @@ def compared(body: Any) -> bool:
 def sample_of(call: Any, now: float) -> Sample:
     """`now`: perf_counter() as the call finished."""
     status = call.status
-    sample = Sample(time.monotonic(), error_kind(status), load_level(call.load), load_matched=call.load_matched)
+    at = time.monotonic()
+    sample = Sample(at, error_kind(status), load_level(call.load), load_matched=call.load_matched,
+                    began=at - (now - call.sent_at) if call.sent_at else None)
     if status >= 400:
         return sample
     usage = call.usage if isinstance(call.usage, dict) else {}

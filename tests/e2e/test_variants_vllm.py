@@ -200,8 +200,11 @@ def test_weight_changes_under_streaming_load_fail_nothing(canary, vllm_servers):
 
 @pytest.fixture(scope="module")
 def one_seq_vllm(vllm_servers, tmp_path_factory):
-    """The tiny model again, started with a worse flag: `--max-num-seqs 1` (one sequence at a time)."""
-    with started(VLLMServer(default_model_dir(), "tiny-one-seq", core=1, extra_args=("--max-num-seqs", "1"),
+    """The tiny model again, started with a worse flag: `--max-num-seqs 1` (one sequence at a time), on the
+    baseline's core (0): beside each other, both meet whatever else that core runs. On core 1, beside the idle
+    tiny-b, it once met less than tiny-a on core 0 did, and its first tokens came at 0.76x the baseline's
+    however it queued."""
+    with started(VLLMServer(default_model_dir(), "tiny-one-seq", core=0, extra_args=("--max-num-seqs", "1"),
                             log_dir=tmp_path_factory.mktemp("vllm-one-seq-logs"), log_requests=False)) as server:
         yield server
 
@@ -244,7 +247,9 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
     construction (a second server is identical in flags, not in what else its core carries: README), at 50/50
     so that both meet the same loads and fill a level quickly; then `one-seq` (the tiny model with
     --max-num-seqs 1) takes its place. The first is judged at matched load, light (2 clients) and heavier (8),
-    and held; the second, at 2 clients (heavier, it would take long to serve its queue), is pulled back."""
+    and held; the second, at 4 clients, is pulled back: about 2 in flight on each side, so each of its calls
+    waits for the one before it. (At 2 clients, 50/50 sends the two sides their calls in turn, so it queued only
+    now and then: its first tokens came at 1.7x the baseline's on a quiet machine, at 1.0x on a busy one.)"""
     a = vllm_servers["a"]
     policy = canary_policy({
         "guard": {},
@@ -277,7 +282,7 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
         assert moved.status_code == 200, moved.text
         one_seq = guard_of("one-seq")
         for _ in range(4):  # bounded
-            asyncio.run(stream_load(gw, 120, concurrency=2))  # light: a server of one sequence queues no more
+            asyncio.run(stream_load(gw, 120, concurrency=4))
             one_seq = guard_of("one-seq")
             if one_seq["state"] == "rolled_back":
                 break
