@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -75,13 +76,14 @@ SIMS = [  # (owner: a model, a variant of one, or the rented provider)
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def start_simulators() -> tuple[list[subprocess.Popen], dict[str, list[dict]]]:
+def start_simulators() -> tuple[list[subprocess.Popen[bytes]], dict[str, list[dict[str, Any]]]]:
     """Every simulator at once (they start in parallel); returns the processes and each owner's backends."""
-    procs: list[subprocess.Popen] = []
-    owners: dict[str, list[dict]] = {}
+    procs: list[subprocess.Popen[bytes]] = []
+    owners: dict[str, list[dict[str, Any]]] = {}
     for owner, sim in SIMS:
         port = free_port()
         cmd = [sys.executable, "-m", "backends.simulator", "--host", "127.0.0.1", "--port", str(port),
@@ -94,11 +96,11 @@ def start_simulators() -> tuple[list[subprocess.Popen], dict[str, list[dict]]]:
     return procs, owners
 
 
-def demo_policy(host: str, port: int, state_dir: str, owners: dict[str, list[dict]]) -> dict[str, Any]:
+def demo_policy(host: str, port: int, state_dir: str, owners: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The demo's policy file, as a dict (`llm-gateway check` reads the same shape from YAML)."""
     cost = {"per_hour": 2.5}  # one GPU's rent, for the own-or-rent report
 
-    def owned(backends: list[dict]) -> list[dict]:
+    def owned(backends: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**b, "cap": DEMO_CAP, "cost": cost} for b in backends]
 
     rented = owners["rented"][0]["url"]
@@ -153,7 +155,7 @@ def quiet_httpx() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     pending = set(urls)
     with quiet_httpx():
@@ -331,7 +333,7 @@ class Stop(Exception):
     stops its simulators, leaving them running.)"""
 
 
-def stop(_signum, _frame) -> None:
+def stop(_signum: int, _frame: FrameType | None) -> None:
     raise Stop
 
 

@@ -9,7 +9,9 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 EPILOG = """\
@@ -33,8 +35,11 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def _positive(kind):
-    def parse(text: str):
+N = TypeVar("N", int, float)  # a positive number parsed from the command line
+
+
+def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
+    def parse(text: str) -> N:
         try:
             value = kind(text)
         except ValueError:
@@ -45,7 +50,7 @@ def _positive(kind):
     return parse
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     knee = sub.add_parser("knee", help="measure a backend's throughput knee; optionally write it as its cap",
                           description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     knee.add_argument("--url", help="the backend's base URL, e.g. http://127.0.0.1:8001 (required to sweep)")

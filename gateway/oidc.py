@@ -29,6 +29,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -63,7 +64,7 @@ class IssuerKeys:
         self.endpoints: dict[str, str] = {}  # the discovery document's ENDPOINTS that are secure URLs
         self.auth_methods: list[str] = []  # its token_endpoint_auth_methods_supported
         self.lock = asyncio.Lock()
-        self.refreshing: asyncio.Task | None = None
+        self.refreshing: asyncio.Task[None] | None = None
         self.fetches = 0  # fetches started, for the tests and the logs
 
     async def key(self, kid: str) -> jwt.PyJWK:
@@ -154,7 +155,7 @@ class IssuerKeys:
                                             only_ok=True)
         return data
 
-    async def read_json(self, request, what: str, only_ok: bool) -> tuple[int, dict[str, Any]]:
+    async def read_json(self, request: AbstractAsyncContextManager[httpx.Response], what: str, only_ok: bool) -> tuple[int, dict[str, Any]]:
         """The status and JSON object of a response, at most max_document_bytes read (`only_ok`: refuse any
         status but 200 before reading)."""
         limit = self.settings.max_document_bytes

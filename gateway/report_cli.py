@@ -19,7 +19,7 @@ import httpx
 from gateway.keys_cli import seconds, table
 
 
-def add_commands(sub) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report = sub.add_parser("report", help="own or rent: utilisation and cost per model from the gateway's ledger")
     report.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
     report.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
@@ -51,7 +51,8 @@ def admin_get(args: argparse.Namespace, command: str, path: str, params: dict[st
             message = response.text[:300]
         print(f"{command}: HTTP {response.status_code}: {message}", file=sys.stderr)
         return 1
-    return response.json()
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +76,7 @@ def _utc(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _fmt(value, kind: str = "") -> str:
+def _fmt(value: Any, kind: str = "") -> str:
     if value is None:
         return "-"
     if kind == "%":
@@ -180,7 +181,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _cumulative(points: list[dict], field: str) -> list[float]:
+def _cumulative(points: list[dict[str, Any]], field: str) -> list[float]:
     """The running total of `field` at each bucket's edge: 0 at the first bucket's start."""
     total, out = 0.0, [0.0]
     for p in points:
