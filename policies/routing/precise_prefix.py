@@ -46,6 +46,7 @@ from typing import Annotated, Any
 from pydantic import Field, StringConstraints, field_validator
 
 from backends.kv_events import GPU, prefix_keys
+from backends.replicas import KVIndex
 from policies.routing.base import Candidate, Note, Stateless, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
 from policies.routing.request import RoutingRequest
@@ -105,16 +106,19 @@ class PrecisePrefix(Stateless):
         if all(blind):
             note.outcome = "blind"
             return [0.0] * len(candidates)
-        indexes: list[Any] = [None if b else r.kv_index for r, b in zip(candidates, blind)]  # BlockIndex or None
-        sizes = {i.block_size for i in indexes if i is not None and i.block_size}
+        # each candidate's index and its block size, where it has one that knows its block size (and is not blind)
+        sized: list[tuple[KVIndex, int] | None] = [
+            (i, i.block_size) if i is not None and i.block_size and not b else None
+            for i, b in ((r.kv_index, b) for r, b in zip(candidates, blind))]
+        sizes = {s[1] for s in sized if s is not None}
         tokens = self.tokens(request) if sizes else None
         if not tokens:
             note.outcome = "blind" if any(blind) else "no_events" if not sizes else "no_prompt"
             return [0.0] * len(candidates)
         keys = {size: prefix_keys(tokens, size, self.params.max_blocks) for size in sizes}
-        counts = [0 if i is None or not i.block_size else i.matched(keys[i.block_size]) for i in indexes]
-        matched = [float(n) if not n else i.weighed(keys[i.block_size], n, self.weight)
-                   for i, n in zip(indexes, counts)]
+        counts = [0 if s is None else s[0].matched(keys[s[1]]) for s in sized]
+        matched = [float(n) if not n or s is None else s[0].weighed(keys[s[1]], n, self.weight)
+                   for s, n in zip(sized, counts)]
         stand_in = list(range(len(candidates)))  # whose match each candidate's counts as (a blind one: the best's)
         if any(blind):
             best = max((i for i, b in enumerate(blind) if not b), key=lambda i: matched[i])
@@ -124,8 +128,11 @@ class PrecisePrefix(Stateless):
 
         def shared(n: int) -> bool:
             m = stand_in[n]
-            index, held = indexes[m], counts[m]
-            mine = keys[index.block_size]
+            found, held = sized[m], counts[m]
+            if found is None:  # no index: nothing matched (prefix_scores asks only of a match)
+                return False
+            index, size = found
+            mine = keys[size]
             return held == len(mine) or index.shared(mine[held - 1])
 
         # (the candidates serve one model: their block sizes are alike; the smallest stands for the prompt's)
