@@ -25,7 +25,7 @@ import orjson
 
 from gateway.attempts import ATTEMPTS_HEADER
 from gateway.migration import MIGRATIONS_HEADER
-from gateway.trace_context import trace_id_of
+from gateway.tracing.context import trace_id_of
 from policies.finished import Finished
 from policies.pipeline import Call
 
@@ -39,7 +39,7 @@ class AccessLog:
     """An observer of finished calls (policies/finished.py): one line each."""
 
     name = "access-log"
-    stream: TextIO | None = None  # set by the CLI (gateway/cli.py): write there, batched
+    stream: TextIO | None = None  # set by the CLI (gateway/cli/__init__.py): write there, batched
 
     def __init__(self, json: bool = False) -> None:
         self.json = json

@@ -25,13 +25,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.egress import Resolver
 from backends.replicas import ReplicaSet
-from gateway.admin_routes import admin_router
+from gateway.admin.routes import admin_router
 from gateway.asgi import AnyRequest, App
 from gateway.console import console_routes, security_headers
 from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes
 from gateway.openapi import StrictModels, errors, openapi_config
-from gateway.variant_routes import slashed_model_names
+from gateway.admin.variants import slashed_model_names
 from gateway.wiring import Gateway
 from policies.config import Policy
 from policies.errors import (
@@ -199,6 +199,6 @@ def create_app(policy: Policy, resolver: Resolver | None = None, policy_path: st
             Exception: on_unexpected,
         },
         request_max_body_size=policy.server.max_body_bytes,
-        logging_config=None,  # logging is the process's business (gateway/cli.py), not the framework's
+        logging_config=None,  # logging is the process's business (gateway/cli/__init__.py), not the framework's
     )
     return GatewayApp(gateway, ops)

@@ -1,6 +1,6 @@
 """The types of what arrives over HTTP, as the gateway's code names them.
 
-The gateway's own ASGI code (gateway/openai_routes.py, and the admin paths' wrapper in gateway/variant_routes.py)
+The gateway's own ASGI code (gateway/openai_routes.py, and the admin paths' wrapper in gateway/admin/variants.py)
 takes plain mappings, as a server sends them; Litestar declares its own, as TypedDicts per scope type, and the
 app factory (gateway/app.py) hands its ops/admin app over as an `App`. Litestar's requests and connections are
 generic in what its routes' user, auth and state are, which no route of the gateway uses: `AnyRequest` and

@@ -340,7 +340,7 @@ def stop(_signum: int, _frame: FrameType | None) -> None:
 def run_demo(host: str, port: int, log_level: str, traffic: bool = False) -> int:
     import uvicorn
 
-    from gateway.admin_auth import mint_token
+    from gateway.admin.auth import mint_token
     from gateway.app import create_app
     from gateway.edge import uvicorn_options
     from gateway.logs import configure_logging

@@ -16,7 +16,7 @@ for ever. This subclass keeps httptools and adds, per connection:
 - `body_timeout` and `body_min_rate`: the longest wait for the next body bytes, and the least average rate
   once a body has taken `BODY_GRACE` seconds; then 408. Time the gateway itself stops reading (the app is
   behind) does not count against the client.
-- `keepalive_seconds` is uvicorn's own idle keep-alive (set in gateway/cli.py).
+- `keepalive_seconds` is uvicorn's own idle keep-alive (set in gateway/cli/__init__.py).
 - `max_connections`: at the bound, a new connection first takes the place of the longest-idle one (no request
   in progress: a keep-alive connection, or one still sending its head); else that of the slowest starving body:
   a body under way for at least `BODY_GRACE` whose average rate is under `STARVING_FACTOR` x `body_min_rate`

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import jwt
 
-from policies.oidc_settings import AdminOidc, secure_url
+from policies.config.oidc import AdminOidc, secure_url
 
 log = logging.getLogger("gateway.oidc")
 

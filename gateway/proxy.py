@@ -101,7 +101,7 @@ class Proxy:
         rented.connect(client)
         self.renames: dict[tuple[str, str], tuple[bytes, bytes] | None] = {}  # (served, public) -> model_rename
         self.observers = observers or Observers(())  # the snapshot's observers of finished calls
-        self.tracing: Tracing = Off()  # gateway/tracing.py: set by the app from the policy's `tracing`
+        self.tracing: Tracing = Off()  # gateway/tracing/__init__.py: set by the app from the policy's `tracing`
         self.shadow: Shadow | None = None  # gateway/shadow.py: set by the app when a model has a shadow variant
         self.loras: LoraAdapters | None = None  # backends/lora.py: set by the app; loads adapters on demand
         # asked right before every rent: does the key's current record still allow it? (policies/auth.py)

@@ -342,7 +342,7 @@ def cli_sections(parser: argparse.ArgumentParser, words: list[str], summary: str
 def cli_page() -> str:
     parser = cli_parser()
     out = [HEADER, "# Command line\n",
-           "Every `llm-gateway` command and option, generated from the argparse parsers of `gateway/cli.py` (and",
+           "Every `llm-gateway` command and option, generated from the argparse parsers of `gateway/cli/__init__.py` (and",
            "the command modules it adds: keys, audit, knee, report, teams, variants). `llm-gateway COMMAND --help`",
            "prints the same. [Getting started](../getting-started.md#commands) shows them in use.", ""]
     cli_sections(parser, ["llm-gateway"], "", out)
@@ -366,7 +366,7 @@ def openapi_document() -> dict[str, Any]:
             "models": [{"name": "reference", "backends": [{"url": "http://127.0.0.1:9"}]}],
         })
         app = create_app(policy)
-        # create_app wraps the ops app (gateway/variant_routes.py `slashed_model_names`): the Litestar app is
+        # create_app wraps the ops app (gateway/admin/variants.py `slashed_model_names`): the Litestar app is
         # the one the wrapper closes over
         cells = getattr(app.fallback, "__closure__", None) or ()
         ops = next(c.cell_contents for c in cells if isinstance(c.cell_contents, Litestar))

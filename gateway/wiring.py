@@ -28,12 +28,12 @@ from backends.replicas import Replica
 from backends.upstream import Limits, new_client
 from backends.vllm_stats import Scraper, VLLMStats
 from gateway.access_log import AccessLog
-from gateway.admin_audit import AdminAudit
-from gateway.admin_auth import AdminAuth
+from gateway.admin.audit import AdminAudit
+from gateway.admin.auth import AdminAuth
 from gateway.shadow import Shadow
 from gateway.shutdown import STEP_SECONDS, cancel_all, step
 from gateway.background import Background
-from gateway.system_audit import SystemAudit
+from gateway.admin.system_audit import SystemAudit
 from gateway.batch_calls import BatchCalls
 from gateway.attempts import Attempts
 from gateway.fallbacks import Fallbacks
@@ -102,7 +102,7 @@ class Gateway:
         self.batch_runner = Runner(state.batches, lambda: self.policy.batch, BatchCalls(self)) \
             if self.batches is not None and state.batches is not None else None
         self.admin_auth = AdminAuth(policy.admin)
-        self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin_audit.py)
+        self.audit = AdminAudit(Audit(state.audit, policy.admin.audit,  # every admin act (gateway/admin/audit.py)
                                       lambda why: self.metrics.background_errors.labels(why).inc()),
                                 lambda: self.client_network)
         variants.on_change.append(SystemAudit(self.audit, self.background.run).weights_changed)  # the guard's

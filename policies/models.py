@@ -1,6 +1,6 @@
 """Pipeline step: resolve the `model` a client asked for (a public name or an alias) to a served model.
 
-A LoRA adapter (policies/lora_settings.py) is a model of its own here: the call is named after the adapter
+A LoRA adapter (policies/config/lora.py) is a model of its own here: the call is named after the adapter
 (keys, limits, budgets, ledger, metrics and traces see it), admitted to its base model's replicas and queue
 (`call.group`), and carries what vLLM knows the adapter by (`call.adapter`). With `lora.discover` the
 adapters the replicas list in their /v1/models are models too, found by name as they are asked for.

@@ -80,7 +80,7 @@ class Call:
     response: dict[str, Any] | None = None  # the parsed JSON answer of a call that was not streamed
     tap: list[bytes] | deque[bytes] | None = None  # when a trace wants them, the streamed chunks are appended here
     answer: StreamAnswer | None = None  # a variant's signals (policies/variant_signals.py): fed the streamed events
-    trace: Any = None  # the call's trace ids, once it has some (gateway/tracer.py: a type of the HTTP shell)
+    trace: Any = None  # the call's trace ids, once it has some (gateway/tracing/tracer.py: a type of the HTTP shell)
     batch: str | None = None  # the batch it is a line of (its key is set before it enters: policies/batches/)
 
 

@@ -136,7 +136,7 @@ class Variants:
         self.guard = VariantGuard(self, metrics)
         self.load_matches: dict[str, LoadMatch] = {}  # model -> the pair whose load the guard matches now
         # observers of every weight change, each called as (model, before, after, why): the shared state
-        # (policies/variant_share.py), the audit log of the gateway's own acts (gateway/system_audit.py)
+        # (policies/variant_share.py), the audit log of the gateway's own acts (gateway/admin/system_audit.py)
         self.on_change: list[WeightsChanged] = []
 
     def configure(self, policy: Policy) -> None:

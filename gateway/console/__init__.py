@@ -3,8 +3,8 @@
 Server-rendered Jinja templates with htmx for the parts that change (search, paging, forms, the live fleet) and
 uPlot for the charts, both vendored under static/ (no CDN: it works air-gapped). Each page is a module with a
 `PAGE` (its path, title and handlers) and one line in PAGES below; a new page is one more module.
-The pages call the functions the admin API calls (gateway/key_admin.py, report_routes, variant_routes,
-admin_live), so the console and the API cannot disagree. gateway/console/session.py says who may do what.
+The pages call the functions the admin API calls (gateway/admin/keys.py, report.py, variants.py,
+live.py), so the console and the API cannot disagree. gateway/console/session.py says who may do what.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from gateway.console.render import NAV, STATIC, TEMPLATES, NavItem, on_error
 from gateway.console.report_page import ReportConsole
 from gateway.console.session import PREFIX, SECURITY_HEADERS, Guarded, Sessions, console_guard
 from gateway.console.usage_page import UsageConsole
-from gateway.team_routes import Accounts
-from gateway.variant_routes import Weighing
+from gateway.admin.teams import Accounts
+from gateway.admin.variants import Weighing
 from policies.errors import GatewayError
 from policies.store import StoreUnavailable
 

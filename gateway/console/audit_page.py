@@ -1,6 +1,6 @@
 """The audit log, read-only: admin acts newest first (who, when, from where, what changed), searched by actor,
 action and time range and paged from newest to oldest, through the same query as GET /admin/audit
-(gateway/admin_audit.py). Times are typed and shown in UTC."""
+(gateway/admin/audit.py). Times are typed and shown in UTC."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
-from gateway.admin_audit import CURSOR, Audited
+from gateway.admin.audit import CURSOR, Audited
 from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page as render

@@ -18,7 +18,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Redirect, Template
 
-from gateway.admin_audit import Audited
+from gateway.admin.audit import Audited
 from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import is_fragment

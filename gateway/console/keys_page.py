@@ -2,7 +2,7 @@
 page its usage, budget, settings (limits, budget, data policy, models, networks, expiry), rotation and revocation.
 The list opens with a summary: how many keys are active, expired, revoked and in a team.
 
-Everything goes through gateway/key_admin.py, as the admin API does; a team admin sees and manages only its
+Everything goes through gateway/admin/keys.py, as the admin API does; a team admin sees and manages only its
 team's keys (the list holds no other, and another team's key answers 403 as on the admin API). The key list is
 read once per page (the store's one listing query) and filtered in memory: a few thousand records take tens of
 milliseconds, and the page renders only `console.page_size` rows of them.
@@ -23,9 +23,9 @@ from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page as render
 from gateway.console.session import form_of
-from gateway.key_admin import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
-from gateway.report_routes import key_budget_status
-from gateway.team_routes import Accounts
+from gateway.admin.keys import KeyAdmin, KeyChanges, KeyView, NewKey, Rotation
+from gateway.admin.report import key_budget_status
+from gateway.admin.teams import Accounts
 from policies.errors import BadRequest
 from policies.keys import KeyRecord
 

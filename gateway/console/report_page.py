@@ -24,7 +24,7 @@ from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
 from gateway.needs import Configured
-from gateway.report_routes import Report, Reports
+from gateway.admin.report import Report, Reports
 
 TEAM = {"team": True}  # a team admin may open it: its own team's calls only
 

@@ -1,6 +1,6 @@
 """Who is signed in to the console, and what a page may let them do.
 
-Signing in is pasting an admin JWT (gateway/admin_auth.py). The token never leaves the gateway: signing in makes
+Signing in is pasting an admin JWT (gateway/admin/auth.py). The token never leaves the gateway: signing in makes
 a console session, a random id that is the only thing the HttpOnly, SameSite=Strict cookie scoped to /console
 holds, and the session (its token and its expiry, the earlier of `console.session_seconds` and the token's own)
 is kept server-side, in this process's memory (`Sessions`). Every request checks the session's token again with
@@ -22,7 +22,7 @@ manage keys; a page gives a role no form it may not use, and the server refuses 
 (a `team_admin` token, bound to one team) opens only the pages marked for teams (`opt={"team": True}`: its
 team's keys, usage and budget, its team's page and its team's own-or-rent figures) and every other page answers it
 403; on those pages it reads and manages only its team's keys, through the same checks as the admin API's team
-routes (gateway/admin_scope.py).
+routes (gateway/admin/scope.py).
 The guard leaves the token's verified claims in the scope (ADMIN_CLAIMS), so the audit log records each change
 made here as the signed-in admin's, as the admin API's guard does.
 """
@@ -43,8 +43,8 @@ from litestar import Request
 from litestar.datastructures import Cookie
 from litestar.handlers import BaseRouteHandler
 
-from gateway.admin_audit import ADMIN_CLAIMS
-from gateway.admin_auth import AdminAuth
+from gateway.admin.audit import ADMIN_CLAIMS
+from gateway.admin.auth import AdminAuth
 from gateway.asgi import AnyConnection, AnyRequest
 from gateway.needs import Configured
 from policies.errors import (

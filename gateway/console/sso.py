@@ -55,7 +55,7 @@ from gateway.console.session import (
 from gateway.console.signin import signin_page
 from gateway.oidc import CodeRefused, IssuerKeys, KeysUnavailable
 from policies.errors import AuthenticationFailed, PermissionDenied
-from policies.oidc_settings import ConsoleSignIn
+from policies.config.oidc import ConsoleSignIn
 
 log = logging.getLogger("gateway.console")
 

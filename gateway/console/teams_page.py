@@ -1,7 +1,7 @@
 """The teams page: every team with its active keys, budget, limits and spend this period; an admin creates a
 team and changes one (description, models, data policy, limits, budget, priority ceiling).
 
-Each act is the admin API's own team route (gateway/team_routes.py) called with the console's request, so the
+Each act is the admin API's own team route (gateway/admin/teams.py) called with the console's request, so the
 console and POST/PATCH /admin/teams cannot disagree: the same checks (a change that would leave a key above its
 team: 409 naming the keys), the same audit record. A team admin sees its own team only, read-only (the admin
 API lets it read its team, not change it), and another team's page answers it 403 as GET /admin/teams/{name}
@@ -22,7 +22,7 @@ from gateway.console.keys_page import blank, limits_and_budget, listed
 from gateway.console.pages import Page
 from gateway.console.render import page as render
 from gateway.console.session import form_of
-from gateway.team_routes import Accounts, NewTeam, TeamChanges, team_handlers
+from gateway.admin.teams import Accounts, NewTeam, TeamChanges, team_handlers
 from policies.keys import TEAM_NAME, KeyRecord
 from policies.teams import TeamRecord
 

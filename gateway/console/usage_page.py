@@ -16,7 +16,7 @@ from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of
-from gateway.report_routes import KeyBudgets, Reports, budget_status
+from gateway.admin.report import KeyBudgets, Reports, budget_status
 
 TOP = 100  # keys shown, by tokens
 

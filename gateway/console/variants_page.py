@@ -1,5 +1,5 @@
 """Model variants: weights in force, what their recent answers say, the guard's state and its reasons; an
-operator changes the weights here (variant_routes.change_weights, as PUT /admin/models/{model}/variants)."""
+operator changes the weights here (gateway/admin/variants.py change_weights, as PUT /admin/models/{model}/variants)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gateway.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.session import form_of
-from gateway.variant_routes import (
+from gateway.admin.variants import (
     AllVariants,
     Weighing,
     WeightChange,

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.audit_settings import AuditSettings
+from policies.config.audit import AuditSettings
 from policies.store import StoreError
 
 log = logging.getLogger("llm_gateway.audit")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from policies.audit.log import AuditEvent, AuditPage, AuditQuery
-from policies.audit_settings import AuditSettings
+from policies.config.audit import AuditSettings
 
 if TYPE_CHECKING:
     from policies.store.redis import RedisStore

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 
 from policies.audit.log import AuditEvent, AuditPage, AuditQuery
-from policies.audit_settings import AuditSettings
+from policies.config.audit import AuditSettings
 from policies.store.sqlite_thread import SQLiteThread
 
 SCHEMA = """

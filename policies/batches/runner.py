@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.files import FileDir
 from policies.batches.jsonl import Lines
 from policies.batches.service import add_usage, no_usage

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.files import FileDir, Incoming
 from policies.batches.jsonl import ENDPOINTS, LineCheck, Summary
 from policies.batches.store import OPEN, BatchStore

@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from policies.audit_settings import AuditSettings
+from policies.config.audit import AuditSettings
 from policies.config.base import Seconds, Strict
-from policies.oidc_settings import AdminOidc
+from policies.config.oidc import AdminOidc
 
 
 class Auth(Strict):
@@ -25,8 +25,8 @@ class Admin(Strict):
     issuer: str = "llm-gateway"
     audience: str = "llm-gateway-admin"
     leeway_seconds: float = Field(5.0, ge=0, le=300)
-    oidc: AdminOidc | None = None  # admins from an OpenID provider (policies/oidc_settings.py)
-    audit: AuditSettings = AuditSettings()  # retention of the audit log (policies/audit_settings.py)
+    oidc: AdminOidc | None = None  # admins from an OpenID provider (policies/config/oidc.py)
+    audit: AuditSettings = AuditSettings()  # retention of the audit log (policies/config/audit.py)
 
     @model_validator(mode="after")
     def key_for_algorithm(self) -> Admin:

@@ -17,7 +17,7 @@ from policies.config.providers import Overflow
 from policies.config.reliability import Ejection, Retries
 from policies.config.scaling import Autoscaling
 from policies.config.variants import Guard, Sticky, Variant
-from policies.lora_settings import Lora
+from policies.config.lora import Lora
 
 
 class Model(Strict):
@@ -37,7 +37,7 @@ class Model(Strict):
     sticky: Sticky | None = None  # variants: keep a conversation on one (default: every request drawn anew)
     guard: Guard | None = None  # variants: compare candidates with the baseline and pull back a worse one
     autoscaling: Autoscaling | None = None  # the replica-count signal's settings and scale from zero
-    lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/lora_settings.py)
+    lora: Lora | None = None  # LoRA adapters served on this model's replicas, each a model (policies/config/lora.py)
     retries: Retries = Retries()  # another replica when one fails before the first byte, within a budget
     ejection: Ejection = Ejection()  # replicas that keep failing or answer far slower than their peers sit out
     # where its calls go when no replica of its own can serve them: other owned models, then rented providers

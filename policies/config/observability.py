@@ -22,7 +22,7 @@ class Ledger(Strict):
 
 
 class Tracing(Strict):
-    """OpenTelemetry traces of every call, sent over OTLP/HTTP to the team's own collector (gateway/tracing.py).
+    """OpenTelemetry traces of every call, sent over OTLP/HTTP to the team's own collector (gateway/tracing/__init__.py).
 
     Off by default. Header values (a collector's token) come from environment variables, never from this file,
     and are never logged. A client's `traceparent` is continued and passed to owned backends whether or not this

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from policies.batch_settings import BatchSettings
-from policies.console_settings import Console
+from policies.config.batches import BatchSettings
+from policies.config.console import Console
 from policies.config.access import Admin, Auth, Network, RateLimits
 from policies.config.admission import Caps, Priorities
 from policies.config.discovery import KubernetesAccess
@@ -18,7 +18,7 @@ from policies.config.routing import Routing
 from policies.config.routing_profile import RoutingProfile
 from policies.config.server import Health, Listen, Server, Timeouts, UpstreamLimits
 from policies.config.store import Store
-from policies.lora_settings import public_adapter_names
+from policies.config.lora import public_adapter_names
 
 
 class Policy(Strict):

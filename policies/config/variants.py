@@ -9,7 +9,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from policies.config.backend import Backend
 from policies.config.base import NAME, Seconds, Strict
 from policies.config.discovery import Discovery
-from policies.lora_settings import VariantAdapter
+from policies.config.lora import VariantAdapter
 
 VARIANT = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -24,7 +24,7 @@ class Variant(Strict):
     served_name: str | None = Field(None, pattern=NAME)
     backends: list[Backend] = []
     discovery: Discovery | None = None
-    adapter: VariantAdapter | None = None  # served by this LoRA adapter on its replicas (policies/lora_settings.py)
+    adapter: VariantAdapter | None = None  # served by this LoRA adapter on its replicas (policies/config/lora.py)
 
     @model_validator(mode="after")
     def backends_or_discovery(self) -> Variant:

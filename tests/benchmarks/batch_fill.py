@@ -87,7 +87,7 @@ def start_gateway(backend_url: str, model: str, cap: int, work: Path, concurrenc
                             env={**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret}, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/ready", proc, 60, "the gateway")
-    from gateway.admin_auth import mint_token
+    from gateway.admin.auth import mint_token
     from policies.config import Admin
 
     token = mint_token(Admin(), 600, secret=secret)

@@ -83,7 +83,7 @@ def gateway(servers: list[VLLMServer], profile: str, work: Path, args: argparse.
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_http_ok(f"{url}/ready", proc, 60, "the gateway")
-    from gateway.admin_auth import mint_token
+    from gateway.admin.auth import mint_token
     from policies.config import Admin
 
     token = mint_token(Admin(), 600, secret=secret)

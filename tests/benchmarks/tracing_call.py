@@ -1,6 +1,6 @@
 """What one traced call costs the gateway's process, alone: CPU per call for the tracer's whole part of it
 (`sending`, `finished`, writing the spans, the export thread's HTTP export to a local sink), against tracing
-off in the same run. A diagnostic for gateway/tracer.py and gateway/call_spans.py; the figure that counts is
+off in the same run. A diagnostic for gateway/tracing/tracer.py and gateway/tracing/spans.py; the figure that counts is
 requests/s with and without tracing, `python -m tests.benchmarks.peers.run --tracing-compare`.
 
     python -m tests.benchmarks.tracing_call [--calls 20000]

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import TEST_KEY, one_model, running_gateway

@@ -20,7 +20,7 @@ import yaml
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, load_policy
 from tests.support.browser import AXE, assert_offers_no_change, browser_page, csrf_of, screenshot, sign_in

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.console.test_console_http import signed_in as sign_in_form
 from tests.support.faulty import Faulty

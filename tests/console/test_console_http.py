@@ -10,7 +10,7 @@ import httpx
 import jwt
 import pytest
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.gateway import TEST_KEY, one_model, running_gateway
 

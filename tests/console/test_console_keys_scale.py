@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyRecord, hash_key, new_key, new_key_id
 from tests.support.gateway import running_gateway

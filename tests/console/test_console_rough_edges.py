@@ -11,7 +11,7 @@ import pytest
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.ledger.report import recommend
 from tests.support.gateway import TEST_KEY, running_gateway

@@ -13,7 +13,7 @@ import pytest
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.console.test_console_browser import ENV, SECRET, admin_api, axe_violations, expect, token
 from tests.support.browser import assert_offers_no_change, browser_page, screenshot, sign_in

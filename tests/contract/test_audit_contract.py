@@ -9,7 +9,7 @@ import pytest
 from policies.audit import Actor, Audit, AuditQuery
 from policies.audit.redis import RedisAudit
 from policies.audit.sqlite import SQLiteAudit
-from policies.audit_settings import AuditSettings
+from policies.config.audit import AuditSettings
 from tests.support.redis_fixtures import redis_prefix, redis_server, shared_stores  # noqa: F401
 
 DAY = 86400

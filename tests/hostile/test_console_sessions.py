@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.console.test_console_http import signed_in as sign_in_form
 from tests.support.gateway import one_model, running_gateway

@@ -12,7 +12,7 @@ import pytest
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.json_depth import MAX_JSON_DEPTH
 from policies.config import Admin
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway

@@ -29,7 +29,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyBudget, KeyRecord, hash_key, new_key, new_key_id
 from tests.support.asgi import lifespan, read_body

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.needs import missing
 from tests.support.probes import wait_http_ok

@@ -15,8 +15,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from gateway import key_admin
-from gateway.admin_auth import mint_token
+from gateway.admin import keys as key_admin
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KEY_PATTERN, new_key_id
 from tests.support.gateway import one_model, running_gateway

@@ -69,7 +69,7 @@ async def test_each_role_from_the_providers_groups(provider, monkeypatch):
         assert r.status_code == 403 and r.json()["error"]["code"] == "no_admin_role"
         assert "groups" in r.json()["error"]["message"]
 
-        from gateway.admin_auth import mint_token
+        from gateway.admin.auth import mint_token
         from policies.config import Admin
 
         assert (await admin(http, gw, "GET", "/keys", mint_token(Admin(), 60, secret=secret))).status_code == 200

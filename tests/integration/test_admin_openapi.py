@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.gateway import running_gateway
 from tests.support.recorder import Recorder

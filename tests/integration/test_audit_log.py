@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from gateway.reload import OK, PolicyReloader
 from policies.config import Admin, load_policy

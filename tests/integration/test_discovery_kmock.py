@@ -19,7 +19,7 @@ from kubernetes import client, config
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, Policy
 from tests.integration.test_policy_reload import Load, sim_served, until

@@ -18,7 +18,7 @@ import httpx
 import kmock
 from kubernetes import client, config
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, Policy
 from tests.integration.test_discovery_kmock import NS, call, endpoint_slice, endpoints, kubeconfig, replica_names

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.store import open_store
 from tests.support.probes import wait_http_ok

@@ -181,7 +181,7 @@ async def test_the_trace_names_the_model_that_served_and_the_one_that_could_not(
                 key, _ = await issue(gw, "private_only")
                 sim_m.mode = "5xx"
                 await sdk(gw, key).chat.completions.create(**ASK, extra_headers={"x-request-id": "traced-1"})
-                # off the event loop: the gateway in this process writes its spans on it (gateway/tracer.py)
+                # off the event loop: the gateway in this process writes its spans on it (gateway/tracing/tracer.py)
                 root = (await asyncio.to_thread(
                     receiver.wait_for, lambda s: s.attributes.get("llm_gateway.request_id") == "traced-1"))[0]
                 assert root.attributes["llm_gateway.fallback_from"] == "m"

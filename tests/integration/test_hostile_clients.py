@@ -24,7 +24,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin, Server
 from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port, stop_processes

@@ -21,7 +21,7 @@ import orjson
 import pytest
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin, UpstreamLimits
 from tests.support.hostile_upstream import MB, MODES, hostile_upstream
 from tests.support.probes import metric_sum, wait_http_ok

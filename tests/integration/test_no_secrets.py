@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import hash_key
 from tests.support.gateway import running_gateway

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.faulty import Faulty
 from tests.support.gateway import TEST_KEY, one_model, running_gateway

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyBudget
 from tests.integration.test_overflow import issue, standin  # noqa: F401 - the stand-in provider fixture

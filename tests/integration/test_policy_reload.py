@@ -22,7 +22,7 @@ from openai import AsyncOpenAI
 
 from backends.simulator import SimConfig
 from backends.simulator import create_app as simulator
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, load_policy, parse_policy
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record

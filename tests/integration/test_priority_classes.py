@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.gateway import running_gateway
 from tests.support.recorder import Recorder

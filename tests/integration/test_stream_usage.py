@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.budget import period_bounds
 from policies.config import Admin
 from policies.keys import KeyBudget, KeyRecord, hash_key, new_key, new_key_id

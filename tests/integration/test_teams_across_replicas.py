@@ -11,7 +11,7 @@ import time
 
 import openai
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.cluster import Cluster, cluster
 

@@ -1,7 +1,7 @@
 """Traces, with real processes: `llm-gateway serve` over the simulator, exporting over OTLP/HTTP to a local
 receiver that decodes the real protobuf (tests/support/otlp_receiver.py); the client is the openai SDK.
 
-What must hold (gateway/tracing.py): one SERVER span per call with the GenAI and gateway attributes, continuing
+What must hold (gateway/tracing/__init__.py): one SERVER span per call with the GenAI and gateway attributes, continuing
 a client's traceparent; a CLIENT span per upstream attempt (first-token event on streams); a queue span for a
 call that waited; no key, admin secret or collector header value in any span; the export headers come from
 the environment. With the collector down every request still succeeds and the loss is counted and logged once.
@@ -26,7 +26,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.otlp_receiver import Receiver
@@ -211,7 +211,7 @@ async def test_traceparent_reaches_the_backend():
                 version, trace_id, span_id, flags = sent["traceparent"].split("-")
                 assert (version, trace_id, flags) == ("00", TRACE_ID, "01") and span_id != PARENT
                 assert sent["tracestate"] == "vendor=1"
-                # off the event loop: the gateway in this process writes its spans on it (gateway/tracer.py)
+                # off the event loop: the gateway in this process writes its spans on it (gateway/tracing/tracer.py)
                 upstream = (await asyncio.to_thread(receiver.wait_for, lambda s: s.kind == CLIENT))[0]
                 assert upstream.span_id == span_id and upstream.trace_id == TRACE_ID
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from backends.simulator import SimConfig, create_app
-from gateway.admin_auth import mint_token
-from gateway.variants_cli import render
+from gateway.admin.auth import mint_token
+from gateway.cli.variants import render
 from policies.config import Admin
 from policies.keys import key_id_of
 from policies.variant_guard import latency_ratio

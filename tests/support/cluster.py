@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.admin_auth import mint_token
+from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.probes import wait_http_ok
 from tests.support.redis_server import RedisServer

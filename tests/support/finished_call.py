@@ -1,5 +1,5 @@
-"""A stand-in for policies/pipeline.py's Call with the fields tracing reads (gateway/tracer.py,
-gateway/call_spans.py): for driving the tracer without a request path."""
+"""A stand-in for policies/pipeline.py's Call with the fields tracing reads (gateway/tracing/tracer.py,
+gateway/tracing/spans.py): for driving the tracer without a request path."""
 
 from __future__ import annotations
 

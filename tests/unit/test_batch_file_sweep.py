@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.runner import STALE_TEMPORARY, SWEEP_FILES, Answer, Runner
 from policies.batches.service import expires_after
 from policies.batches.sqlite import SQLiteBatches

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.runner import Answer, Runner
 from policies.batches.sqlite import SQLiteBatches
 

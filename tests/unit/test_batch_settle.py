@@ -8,7 +8,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.runner import Answer, Runner
 from policies.batches.sqlite import SQLiteBatches
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.report_cli import chart_lines
+from gateway.cli.report import chart_lines
 from policies.budget import period_bounds
 from policies.config import PolicyError, parse_policy
 from policies.ledger.report import BackendCost, ModelCosts, Prices, build_report, burstiness, costs_of
@@ -257,7 +257,7 @@ def test_steady_overflow_dearer_than_owning_more_reads_own():
 
 
 def test_the_report_says_how_many_rented_calls_were_charged_an_estimate_in_json_and_text():
-    from gateway.report_cli import render
+    from gateway.cli.report import render
 
     rows = [row(0, "owned", requests=10, prompt=1000, completion=1000), row(0, "", busy=30.0, held=30.0),
             row(0, "rented", requests=7, prompt=700, completion=70, cost=0.84, estimated=3),

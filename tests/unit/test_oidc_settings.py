@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from gateway.admin_auth import role_of
+from gateway.admin.auth import role_of
 from policies.config import Admin
 
 ROLES = {"admins": "admin", "ops": "operator", "all": "viewer",

@@ -1,8 +1,8 @@
-"""The hand-written OTLP span encoding (gateway/otlp_wire.py) read back by opentelemetry-proto's own messages."""
+"""The hand-written OTLP span encoding (gateway/tracing/wire.py) read back by opentelemetry-proto's own messages."""
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from gateway import otlp_wire as wire
+from gateway.tracing import wire
 from tests.support.otlp_receiver import value_of
 
 
@@ -41,7 +41,7 @@ def decode_span(parts: list[bytes]):
 
 
 def test_the_per_call_pieces_decode_as_written():
-    """What the tracer writes per call (gateway/call_spans.py): ids, times, string attributes short and long
+    """What the tracer writes per call (gateway/tracing/spans.py): ids, times, string attributes short and long
     (lengths of one byte and of several), doubles, cached pairs whose values compare equal across types, an
     event; and an export request whose lengths span several bytes."""
     long_id = "req-" + "é" * 200  # multi-byte UTF-8, past the one-byte lengths

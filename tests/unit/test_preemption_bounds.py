@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from backends.replicas import Replica
 from gateway.batch_calls import handled
 from policies.admission import ModelQueue
-from policies.batch_settings import BatchSettings
+from policies.config.batches import BatchSettings
 from policies.batches.runner import Answer, Preempted, Runner
 from policies.config import Priorities, PriorityClass, Queue
 from policies.metrics import GatewayMetrics

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import jwt
 import pytest
 
-from gateway.admin_auth import AdminAuth, mint_token
+from gateway.admin.auth import AdminAuth, mint_token
 from policies.config import Admin, Priorities
 from policies.errors import AuthenticationFailed
 from policies.keys import KeyBudget, KeyLimits, KeyRecord, hash_key, new_key, new_key_id

@@ -1,4 +1,4 @@
-"""The tracer sets finished calls aside and writes their spans in batches (gateway/tracer.py): at 64 calls, or
+"""The tracer sets finished calls aside and writes their spans in batches (gateway/tracing/tracer.py): at 64 calls, or
 50 ms after the first of a batch, and whatever is left when it closes; each call's spans as if written alone.
 Real SDK export to a local receiver that decodes opentelemetry-proto."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from backends.replicas import Replica
-from gateway.tracer import WRITE_EVERY, Tracer
+from gateway.tracing.tracer import WRITE_EVERY, Tracer
 from policies.config import Tracing
 from policies.metrics import GatewayMetrics
 from tests.support.finished_call import Call

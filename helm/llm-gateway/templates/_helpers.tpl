@@ -383,7 +383,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- toYaml $reads -}}
 {{- end -}}
 
-{{/* A model's LoRA adapters in the policy (policies/lora_settings.py): backend vllm reads them from the
+{{/* A model's LoRA adapters in the policy (policies/config/lora.py): backend vllm reads them from the
      adapters' volume at lora.volume.mountPath, so a relative path is made absolute there */}}
 {{- define "llm-gateway.loraMountPath" -}}
 {{- (default dict .model.lora.volume).mountPath | default "/adapters" -}}

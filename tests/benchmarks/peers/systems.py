@@ -86,7 +86,7 @@ def start_gateway(procs: Procs, work: Path, standin: StandIn, name: str = "gatew
     `policy_extra` adds top-level sections to the policy (e.g. `ledger`). `variants`: each model as two variants
     (a: 80, b: 20) of the same stand-in, so every request is assigned one. `launcher`: the command that stands
     for `llm-gateway` (e.g. a module that changes one thing before running the CLI)."""
-    from gateway.admin_auth import mint_token
+    from gateway.admin.auth import mint_token
     from policies.config import Admin
 
     dir = work / name

@@ -1,7 +1,7 @@
 """The gateway's own weight changes in the audit log, beside the admins': the variant guard's (a rollback, a
 promotion step) and weights adopted from another gateway replica.
 
-Admins' changes are recorded where they are made (gateway/variant_routes.py); these have no token behind
+Admins' changes are recorded where they are made (gateway/admin/variants.py); these have no token behind
 them, so they are recorded as the system. They arrive through Variants' `on_change` observers, as the shared
 state (policies/variant_share.py) hears them. (A refused policy reload is recorded by gateway/reload.py.)
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from gateway.admin_audit import AdminAudit
+from gateway.admin.audit import AdminAudit
 from policies.variant_guard import GUARD
 from policies.variant_share import SHARED
 

@@ -16,12 +16,12 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody, KwargDefinition, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.admin_audit import Audited
-from gateway.admin_scope import check_team, own_team
+from gateway.admin.audit import Audited
+from gateway.admin.scope import check_team, own_team
 from gateway.asgi import AnyRequest
 from gateway.needs import Configured, Stored
 from gateway.openapi import errors
-from gateway.report_routes import Budgeted, BudgetStatus, budget_status
+from gateway.admin.report import Budgeted, BudgetStatus, budget_status
 from policies.accounting import RecordUsage, by_model, merged, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound
@@ -69,7 +69,7 @@ class TeamUsage(BaseModel):
 
 
 class ManagesKeys(Configured, Stored, Audited, Protocol):
-    """What changes keys and teams (these routes, gateway/key_admin.py): the store, the policy's priority classes,
+    """What changes keys and teams (these routes, gateway/admin/keys.py): the store, the policy's priority classes,
     the audit log, the usage counters to write before a read, and every replica's cached copies to drop."""
 
     record_usage: RecordUsage

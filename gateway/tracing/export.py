@@ -1,7 +1,7 @@
 """Getting finished spans to the collector without ever slowing or failing a request.
 
 The SDK's BatchSpanProcessor holds finished calls' spans (already protobuf bytes, a few dozen calls' at a time:
-gateway/tracer.py, gateway/call_spans.py) in a bounded queue and exports them in batches from its own thread
+gateway/tracing/tracer.py, gateway/tracing/spans.py) in a bounded queue and exports them in batches from its own thread
 through the SDK's OTLP/HTTP exporter, whose HTTP client (headers, retries, timeout) sends the request built
 from those bytes. Around them this module keeps its own count of calls waiting, so calls whose spans would
 overflow the queue are dropped here and counted (`llm_gateway_trace_spans_dropped{reason="queue_full"}`), and
@@ -22,7 +22,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 from opentelemetry.trace import INVALID_SPAN_ID, SpanContext, TraceFlags
 
-from gateway.otlp_wire import export_request
+from gateway.tracing.wire import export_request
 from policies.config import Tracing
 from policies.metrics import GatewayMetrics
 

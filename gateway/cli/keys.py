@@ -136,7 +136,7 @@ def over_current_budget(body: dict[str, Any], args: argparse.Namespace, url: str
 
 
 def run_admin_token(args: argparse.Namespace) -> int:
-    from gateway.admin_auth import mint_token
+    from gateway.admin.auth import mint_token
     from policies.config import Admin, PolicyError, load_policy
 
     try:

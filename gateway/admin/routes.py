@@ -1,7 +1,7 @@
 """The admin API under /admin: issue, list, show, update, revoke and rotate API keys; read their usage and the
-audit log. Every change is recorded in the audit log (gateway/admin_audit.py) with who made it.
+audit log. Every change is recorded in the audit log (gateway/admin/audit.py) with who made it.
 
-Every route needs an admin JWT (gateway/admin_auth.py), checked before anything in the request is read;
+Every route needs an admin JWT (gateway/admin/auth.py), checked before anything in the request is read;
 `viewer` tokens may only read (GET). A key's secret is in exactly one response, the one that creates (or
 rotates) it. Listings show ids, names and policies, never secrets or hashes. The OpenAPI document at /schema
 describes every answer, errors included (gateway/openapi.py).
@@ -17,10 +17,10 @@ from litestar.enums import HttpMethod
 from litestar.handlers import BaseRouteHandler, HTTPRouteHandler
 from litestar.params import JSONBody, Parameter
 
-from gateway.admin_audit import audit_handlers
-from gateway.admin_auth import AdminAuth
-from gateway.admin_live import Live, live_handlers
-from gateway.key_admin import (
+from gateway.admin.audit import audit_handlers
+from gateway.admin.auth import AdminAuth
+from gateway.admin.live import Live, live_handlers
+from gateway.admin.keys import (
     IssuedKey,
     KeyAdmin,
     KeyChanges,
@@ -29,13 +29,13 @@ from gateway.key_admin import (
     Rotation,
     Usage,
 )
-from gateway.admin_scope import check_route, own_team, remember
+from gateway.admin.scope import check_route, own_team, remember
 from policies.json_depth import json_too_deep, too_deep
 from gateway.asgi import AnyConnection, AnyRequest
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
-from gateway.report_routes import Reporting, report_handlers
-from gateway.team_routes import Accounts, team_handlers
-from gateway.variant_routes import Weighing, variant_handlers
+from gateway.admin.report import Reporting, report_handlers
+from gateway.admin.teams import Accounts, team_handlers
+from gateway.admin.variants import Weighing, variant_handlers
 from policies.errors import BadRequest, PermissionDenied
 from policies.keys import TEAM_NAME
 

@@ -1,4 +1,4 @@
-"""A finished call's spans as OTLP protobuf bytes (gateway/tracer.py says what a trace holds and when this runs).
+"""A finished call's spans as OTLP protobuf bytes (gateway/tracing/tracer.py says what a trace holds and when this runs).
 
 What repeats from call to call (the span names, the model, backend, key id, status, request parameters, finish
 reasons...) is encoded once per distinct combination and looked up (bounded caches); only ids, times and
@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gateway import otlp_wire as wire
+from gateway.tracing import wire
 from gateway.fallbacks import FALLBACK_FROM, SERVED_MODEL
 from policies.variant_signals import FINISH_REASON, sse_events
 
@@ -39,7 +39,7 @@ class SpanWriter:
         self.shared_parts: dict[tuple[Any, ...], bytes] = {}  # what they are made of -> a server span's name, kind, attributes
 
     def spans(self, call: Any, trace: Any, offset: int) -> bytes:
-        """The call's spans (a CallTrace of gateway/tracer.py); `offset`: ns since the epoch at perf_counter 0."""
+        """The call's spans (a CallTrace of gateway/tracing/tracer.py); `offset`: ns since the epoch at perf_counter 0."""
         end = int(trace.end * 1e9) + offset
         operation = OPERATIONS.get(call.endpoint, call.endpoint)
         body = call.body if isinstance(call.body, dict) else {}

@@ -1,10 +1,10 @@
-"""What an admin does to API keys, whichever door it comes through: the admin API (gateway/admin_routes.py)
+"""What an admin does to API keys, whichever door it comes through: the admin API (gateway/admin/routes.py)
 and the console (gateway/console/) call these, so a key issued, changed, rotated or revoked in one is exactly
 what the other would have done. The request and answer models are the admin API's documented shapes.
 
-Each change is recorded in the audit log (gateway/admin_audit.py) here, whichever door it came through: the
+Each change is recorded in the audit log (gateway/admin/audit.py) here, whichever door it came through: the
 caller passes its connection, whose scope holds the verified claims of the admin acting (ADMIN_CLAIMS). A team
-admin's token (gateway/admin_scope.py) reaches only its own team's keys, and a key in a team may only narrow
+admin's token (gateway/admin/scope.py) reaches only its own team's keys, and a key in a team may only narrow
 what the team allows (policies/teams.py): 409 naming each excess, nothing stored.
 """
 
@@ -16,9 +16,9 @@ from typing import Annotated, Any
 from litestar.params import KwargDefinition
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.admin_scope import check_key, own_team
+from gateway.admin.scope import check_key, own_team
 from gateway.asgi import AnyConnection
-from gateway.team_routes import ClassName, ManagesKeys, TeamName
+from gateway.admin.teams import ClassName, ManagesKeys, TeamName
 from policies.accounting import by_model, totals
 from policies.audit import diff
 from policies.errors import Conflict, NotFound, PermissionDenied, StateUnavailable

@@ -6,8 +6,8 @@ the client's agent trace, the gateway's spans and vLLM's own OpenTelemetry spans
 off the client's `traceparent` and `tracestate` pass through unchanged. When the call is finished (`finished`,
 an observer of the proxy), it is set aside; every few dozen calls (or 50 ms after the first) the spans of
 those set aside are built after the fact from the calls' perf_counter timestamps, with the ids chosen earlier,
-written as OTLP protobuf (gateway/call_spans.py, gateway/otlp_wire.py) and handed to the export queue
-(gateway/span_export.py): nothing of the SDK runs while the request is in flight.
+written as OTLP protobuf (gateway/tracing/spans.py, gateway/tracing/wire.py) and handed to the export queue
+(gateway/tracing/export.py): nothing of the SDK runs while the request is in flight.
 
 One trace per request:
   `{operation} {model}` (SERVER): the whole call, GenAI attributes (operation, request and response model,
@@ -19,8 +19,8 @@ One trace per request:
 Prompt and completion text (`gen_ai.input.messages`, `gen_ai.output.messages`) only for the models the
 policy names in `tracing.content_models`.
 
-This module is what every gateway loads (with gateway/trace_context.py: the trace context passed through, the
-trace id for the access log); the tracer itself, with the OpenTelemetry SDK, is gateway/tracer.py, imported
+This module is what every gateway loads (with gateway/tracing/context.py: the trace context passed through, the
+trace id for the access log); the tracer itself, with the OpenTelemetry SDK, is gateway/tracing/tracer.py, imported
 only when tracing is on.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from backends.replicas import Replica
-from gateway.trace_context import passthrough
+from gateway.tracing.context import passthrough
 from policies.config import Tracing as TracingConfig
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics
@@ -37,7 +37,7 @@ from policies.pipeline import Call
 
 
 class Tracing(Protocol):
-    """Off, or the tracer (gateway/tracer.py); an observer of finished calls (policies/finished.py)."""
+    """Off, or the tracer (gateway/tracing/tracer.py); an observer of finished calls (policies/finished.py)."""
 
     name: str
     enabled: bool
@@ -72,6 +72,6 @@ def tracing_for(config: TracingConfig, metrics: GatewayMetrics) -> Tracing:
     """The policy's tracing: the SDK is loaded only when it is on."""
     if not config.enabled:
         return Off()
-    from gateway.tracer import Tracer
+    from gateway.tracing.tracer import Tracer
 
     return Tracer(config, metrics)

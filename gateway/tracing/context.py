@@ -1,6 +1,6 @@
 """The W3C trace context of a call (version 00): the client's `traceparent` and `tracestate` as read, passed on
-unchanged when tracing is off, and the trace id the access log prints. What gateway/tracing.py and the tracer
-(gateway/tracer.py) both read."""
+unchanged when tracing is off, and the trace id the access log prints. What gateway/tracing/__init__.py and the tracer
+(gateway/tracing/tracer.py) both read."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any
 
-from gateway.keys_cli import seconds, table
-from gateway.report_cli import admin_get
+from gateway.cli.keys import seconds, table
+from gateway.cli.report import admin_get
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from gateway.keys_cli import (Request, add_budget_flags, budget_table, ceilings, over_current_budget, send, table,
+from gateway.cli.keys import (Request, add_budget_flags, budget_table, ceilings, over_current_budget, send, table,
                               usage_table)
 
 

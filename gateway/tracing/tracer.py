@@ -1,4 +1,4 @@
-"""The tracer of gateway/tracing.py (read that first): a trace per call, written when the call is finished."""
+"""The tracer of gateway/tracing/__init__.py (read that first): a trace per call, written when the call is finished."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, set_span_in_context
 
-from gateway import otlp_wire as wire
-from gateway.call_spans import SpanWriter
-from gateway.span_export import Encoded, SpanPipe
-from gateway.trace_context import client_context, passthrough
+from gateway.tracing import wire
+from gateway.tracing.spans import SpanWriter
+from gateway.tracing.export import Encoded, SpanPipe
+from gateway.tracing.context import client_context, passthrough
 from policies.config import Tracing as TracingConfig
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics

@@ -1,6 +1,6 @@
 """Who is calling the admin API, and the one rule for team admins: only their own team's keys.
 
-The admin guard (gateway/admin_routes.py) verifies the token and leaves its claims in the request's scope;
+The admin guard (gateway/admin/routes.py) verifies the token and leaves its claims in the request's scope;
 the routes read them here. A `team_admin` token may reach only the routes marked `opt={"team": True}`, and on
 those only keys (and the team) its `team` claim names; every other role sees everything its role allows.
 """
@@ -12,7 +12,7 @@ from typing import Any
 from policies.errors import PermissionDenied
 from policies.keys import KeyRecord
 
-from gateway.admin_audit import ADMIN_CLAIMS as CLAIMS  # noqa: E402  # the scope entry the guard fills
+from gateway.admin.audit import ADMIN_CLAIMS as CLAIMS  # noqa: E402  # the scope entry the guard fills
 from gateway.asgi import AnyConnection  # noqa: E402
 
 

@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--log-level", default="info")
     demo.add_argument("--traffic", action="store_true", help="send a light, steady mix of calls for the console")
 
-    from gateway import audit_cli, keys_cli, knee_cli, report_cli, teams_cli, variants_cli
+    from gateway.cli import audit as audit_cli
+    from gateway.cli import keys as keys_cli
+    from gateway.cli import knee as knee_cli
+    from gateway.cli import report as report_cli
+    from gateway.cli import teams as teams_cli
+    from gateway.cli import variants as variants_cli
 
     keys_cli.add_commands(sub)
     audit_cli.add_commands(sub)

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from gateway.keys_cli import seconds, table
+from gateway.cli.keys import seconds, table
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

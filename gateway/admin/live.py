@@ -1,6 +1,6 @@
 """Admin views of what changes while the gateway serves: the live policy's version and every model's replicas.
 
-Read-only (a `viewer` token is enough); mounted under /admin with the key routes (gateway/admin_routes.py).
+Read-only (a `viewer` token is enough); mounted under /admin with the key routes (gateway/admin/routes.py).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ from gateway.oidc import IssuerKeys
 from policies.config import Admin
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 from policies.keys import TEAM_NAME as TEAM_NAME_PATTERN
-from policies.oidc_settings import AdminOidc, RoleGrant
+from policies.config.oidc import AdminOidc, RoleGrant
 
 # admin: everything; operator: reads, and changes to live traffic (variant weights), never keys; viewer: reads
 ROLES = ("admin", "operator", "viewer")
 # team_admin: the keys of the one team its `team` claim names, and that team's usage; only on routes that scope
-# it to that team (opt={"team": True}: gateway/admin_scope.py)
+# it to that team (opt={"team": True}: gateway/admin/scope.py)
 TEAM_ADMIN = "team_admin"
 TEAM_NAME = re.compile(TEAM_NAME_PATTERN)
 INVALID = "missing or invalid admin token"

@@ -15,7 +15,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.admin_scope import check_team, own_team
+from gateway.admin.scope import check_team, own_team
 from gateway.asgi import AnyConnection, AnyRequest
 from gateway.needs import Stored
 from gateway.openapi import errors

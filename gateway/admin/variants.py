@@ -20,7 +20,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.admin_audit import Audited
+from gateway.admin.audit import Audited
 from gateway.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send
 from gateway.openapi import errors
 from policies.audit import diff

@@ -14,8 +14,8 @@ from typing import Any
 import sys
 import time
 
-from gateway.keys_cli import seconds, table, when
-from gateway.report_cli import admin_get
+from gateway.cli.keys import seconds, table, when
+from gateway.cli.report import admin_get
 
 CHANGES_WIDTH = 100  # characters of a change shown in the table; --json has all of it
 
