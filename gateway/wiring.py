@@ -345,7 +345,7 @@ class Gateway:
             loops.append(asyncio.create_task(self.fleet.renew_forever(self._fleet_queues)))
         if self.key_events is not None:  # other replicas' key changes drop our cached copies
             loops.append(asyncio.create_task(self.key_events.run(self.authenticate.cache.drop,
-                                                                 self.authenticate.cache.entries.clear)))
+                                                                 self.authenticate.cache.doubt_all)))
         if self.variant_share is not None:  # weights and guard verdicts shared with the other replicas
             loops.append(asyncio.create_task(self.variant_share.run()))
         if self.policy.routing.scrape.enabled:

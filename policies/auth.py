@@ -12,6 +12,7 @@ same way when it changes; Authorize holds the call to the team's models and data
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,17 +44,25 @@ Cached = KeyRecord | TeamRecord  # a team's id is `team:<name>`, never a key's (
 
 
 class KeyCache:
-    """key id (or team:<name>) -> (record, fetched at): a small LRU with a time bound."""
+    """key id (or team:<name>) -> (record, fetched at): a small LRU with a time bound.
+
+    `doubt_all` (the key-change listener (re)connected: changes made while it was not listening are unknown)
+    makes every record fetched until then unfit to serve while the store answers (each is read again on its
+    next use), yet still the outage fallback within `keep`, as any record is: a record verified just before an
+    outage keeps serving through it (`auth.stale_seconds`), even when the listener connected in between."""
 
     def __init__(self, ttl: float, keep: float = 0.0) -> None:
         self.ttl = ttl
         self.keep = keep  # how long an entry may serve while the store is unreachable
         self.entries: OrderedDict[str, tuple[Cached, float]] = OrderedDict()
+        self.doubted_until = -math.inf  # monotonic: records fetched then or earlier are read again
 
     def get(self, key_id: str, now: float, ttl: float | None = None) -> Cached | None:
-        """The record if fetched less than `ttl` (default: the cache's own) ago."""
+        """The record if fetched less than `ttl` ago; by default, the cache's own TTL and not doubted since."""
         entry = self.entries.get(key_id)
         if entry is None or now - entry[1] >= (self.ttl if ttl is None else ttl):
+            return None
+        if ttl is None and entry[1] <= self.doubted_until:
             return None
         self.entries.move_to_end(key_id)
         return entry[0]
@@ -68,6 +77,9 @@ class KeyCache:
 
     def drop(self, key_id: str) -> None:
         self.entries.pop(key_id, None)
+
+    def doubt_all(self) -> None:
+        self.doubted_until = time.monotonic()
 
 
 class Authenticate:

@@ -5,13 +5,14 @@ The replica that writes a change publishes the key id with a fresh token on `<pr
 replica, the writer included, listens on that channel: it drops the key from its auth cache, then publishes
 the token on `<prefix>keys:dropped`. The writer counts those acknowledgements and returns once as many came
 back as PUBLISH said received the change, or after `ACK_WAIT` (it logs how many were missing). The cache's own
-TTL stays the fallback for a lost message; a listener that loses its connection drops its whole cache when
-it is back, since messages may have been missed meanwhile, and reconnects with capped, jittered backoff.
+TTL stays the fallback for a lost message; a listener that loses its connection doubts its whole cache when
+it is back, since messages may have been missed meanwhile (every record is read again on its next use, and
+serves meanwhile only as an outage's fallback: policies/auth.py), and reconnects with capped, jittered backoff.
 
 A connection can also freeze without closing (a peer or a middlebox that stops forwarding, no RST): reads
 then only time out, and changes would be missed for as long as it lasts. So a listener that heard nothing for
 `PING_AFTER` seconds pings on its pub/sub connection, and one that heard nothing, not even the pong, for
-`FROZEN_AFTER` seconds treats the connection as lost: it reconnects and drops its whole cache. A frozen
+`FROZEN_AFTER` seconds treats the connection as lost: it reconnects and doubts its whole cache. A frozen
 connection is thus noticed within FROZEN_AFTER plus one read (about 4 s), under the auth cache's TTL.
 """
 
@@ -72,18 +73,18 @@ class KeyEvents:
         finally:
             self.waiting.pop(token, None)
 
-    async def run(self, drop: Callable[[str], None], drop_all: Callable[[], None]) -> None:
+    async def run(self, drop: Callable[[str], None], doubt_all: Callable[[], None]) -> None:
         """Listen for changes until cancelled, reconnecting after an outage."""
         backoff = 0.1
         while True:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.changed, self.dropped)
-                # redis-py reconnects a pub/sub connection by itself, silently: hear of it to drop the cache
+                # redis-py reconnects a pub/sub connection by itself, silently: hear of it to doubt the cache
                 assert pubsub.connection is not None  # subscribe opened it
                 pubsub.connection.register_connect_callback(self.reconnected)
                 if not self.connected:
-                    drop_all()  # changes made while we were not listening are unknown
+                    doubt_all()  # changes made while we were not listening are unknown
                     self.connected = True
                     log.info("listening for key changes")
                 backoff = 0.1
@@ -93,8 +94,9 @@ class KeyEvents:
                     message = await pubsub.get_message(timeout=READ_WAIT)
                     if self.lost:
                         self.lost = False
-                        drop_all()
-                        log.info("key change listener reconnected to Redis; the auth cache was dropped")
+                        doubt_all()
+                        log.info("key change listener reconnected to Redis; every cached key is read again on its"
+                                 " next use")
                     if message is not None:
                         heard = clock()  # a pong too: the connection answers
                         self.handle(message, drop)
@@ -107,7 +109,7 @@ class KeyEvents:
                 raise
             except Exception as exc:  # noqa: BLE001 - any loss of the connection: reconnect
                 if self.connected:
-                    log.warning("key change listener lost Redis (%s); reconnecting, then dropping the auth cache",
+                    log.warning("key change listener lost Redis (%s); reconnecting, then reading every cached key again",
                                 type(exc).__name__)
                 self.connected = False
             finally:
