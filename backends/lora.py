@@ -26,11 +26,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 
 from backends.http1 import Client, UpstreamError
+from backends.replica_state import Held
 from backends.replicas import Replica
 
 log = logging.getLogger("gateway.lora")
@@ -62,41 +63,11 @@ class LoadFailed(Exception):
         self.timed_out = timed_out
 
 
-@dataclass(eq=False)
-class Held:
-    """What one replica holds: adapters by lora_name, least recently used first, with when each was last used
-    (time.monotonic(); 0: not by this gateway)."""
-
-    loaded: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    in_use: dict[str, int] = field(default_factory=dict)  # requests of this gateway using each adapter now
-    loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # the single flight of each load
-    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # loads (of different adapters) take turns
-    changed_at: dict[str, float] = field(default_factory=dict)  # monotonic time of our own last load/unload
-    known: bool = False  # read from vLLM at least once
-    roots: dict[str, str] = field(default_factory=dict)  # lora_name -> the path vLLM loaded it from (its `root`)
-    max_loras: int | None = None  # its slots (the policy's lora.max_loras), once this gateway used it
-    loads: int = 0  # loads this gateway made on it (for tests and benchmarks)
-    unloads: int = 0
-
-    def holds(self, name: str) -> bool:
-        return name in self.loaded
-
-    def touch(self, name: str) -> None:
-        if name in self.loaded:
-            self.loaded.move_to_end(name)
-            self.loaded[name] = time.monotonic()
-
-    def idle_since(self) -> float | None:
-        """When the adapter that a load would unload here was last used (None: every one is in use)."""
-        return next((at for n, at in self.loaded.items() if not self.in_use.get(n) and n not in self.loading), None)
-
-
 def held(replica: Replica) -> Held:
     """The replica's adapters (made on first use; kept on the replica across policy reloads)."""
     if replica.lora is None:
         replica.lora = Held()
-    adapters: Held = replica.lora  # untyped on Replica: backends/replicas.py cannot import this module
-    return adapters
+    return replica.lora
 
 
 def listed_adapters(body: bytes) -> dict[str, str | None] | None:

@@ -19,9 +19,10 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from backends.http1 import Client, UpstreamError
+from backends.replica_state import Held, Outlier
 from backends.upstream import Upstream
 
 log = logging.getLogger("gateway.health")
@@ -111,8 +112,8 @@ class Replica:
     group: str = ""  # its set in ReplicaSet.by_model and its admission queue: the model, or `model#variant`
     kv_events: KVEventSource | None = None  # set when vLLM publishes its KV cache events to this gateway
     kv_index: KVIndex | None = None  # the BlockIndex those events fill (backends/kv_events.py); kept across reloads
-    lora: Any = None  # the LoRA adapters it holds (backends/lora.py Held); kept across reloads
-    outlier: Any = None  # what outlier ejection knows of it (policies/ejection.py Outlier); kept across reloads
+    lora: Held | None = None  # the LoRA adapters it holds (backends/lora.py); kept across reloads
+    outlier: Outlier | None = None  # what outlier ejection knows of it (policies/ejection.py); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
     upstream: Upstream | None = field(default=None, init=False, repr=False)
 

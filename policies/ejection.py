@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from backends.replica_state import Outlier
 from backends.replicas import Replica, ReplicaSet
 
 FAILURES, TTFT = "consecutive_failures", "ttft"
@@ -46,26 +47,6 @@ class Rules(Protocol):
     def max_seconds(self) -> float: ...
     @property
     def max_ejected_share(self) -> float: ...
-
-
-class Outlier:
-    """What ejection knows of one replica."""
-
-    __slots__ = ("failures", "ejections", "ejected", "rule", "until", "until_unix", "returned_at", "lasted",
-                 "ttft", "samples", "timer")
-
-    def __init__(self) -> None:
-        self.failures = 0  # 5xx answers and timeouts in a row
-        self.ejections = 0  # ejections since it last served well (the backoff's exponent)
-        self.ejected = False
-        self.rule: str | None = None  # the rule that ejected it (kept after it is back, until the next one)
-        self.until = 0.0  # the clock's time its ejection ends
-        self.until_unix: float | None = None  # the same in unix seconds, while ejected
-        self.returned_at = 0.0
-        self.lasted = 0.0  # seconds its last ejection lasted
-        self.ttft = 0.0  # moving average of its time to first token, seconds
-        self.samples = 0
-        self.timer: asyncio.TimerHandle | None = None
 
 
 class Ejections:

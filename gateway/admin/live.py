@@ -94,13 +94,13 @@ def live_handlers(gateway: Live) -> list[HTTPRouteHandler]:
 
 
 def view(replica: Replica) -> ReplicaView:
-    outlier = replica.outlier  # policies/ejection.py Outlier, once it failed or streamed
-    ejected = outlier is not None and outlier.ejected
+    outlier = replica.outlier  # what ejection knows of it, once it failed or streamed
+    ejected = outlier if outlier is not None and outlier.ejected else None
     return ReplicaView(name=replica.name, url=replica.url, source=replica.source, state=replica.state,
                        draining=replica.draining, in_flight=replica.in_flight,
                        limit=None if replica.limit is None else int(replica.limit),
-                       ejected_by=outlier.rule if ejected else None,
-                       ejected_until=outlier.until_unix if ejected else None,
+                       ejected_by=ejected.rule if ejected else None,
+                       ejected_until=ejected.until_unix if ejected else None,
                        ejections=outlier.ejections if outlier is not None else 0)
 
 
