@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import sys
+from collections.abc import Callable
 
 from gateway.logs import configure_logging
 from policies.config import PolicyError, load_policy
@@ -21,51 +22,40 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
     serve.add_argument("--log-level", default="info")
+    serve.set_defaults(run=run_serve)
 
     check = sub.add_parser("check", help="validate a policy file and explain what is wrong")
     check.add_argument("file")
     check.add_argument("--no-resolve", action="store_true",
                        help="check offline: only IP-literal hosts against the egress rules (serve checks all)")
+    check.set_defaults(run=check_command)
 
     demo = sub.add_parser("demo", help="simulated vLLM backends for two models and a gateway in front")
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=8080)
     demo.add_argument("--log-level", default="info")
     demo.add_argument("--traffic", action="store_true", help="send a light, steady mix of calls for the console")
+    demo.set_defaults(run=demo_command)
 
-    from gateway.cli import audit as audit_cli
-    from gateway.cli import keys as keys_cli
-    from gateway.cli import knee as knee_cli
-    from gateway.cli import report as report_cli
-    from gateway.cli import teams as teams_cli
-    from gateway.cli import variants as variants_cli
+    from gateway.cli import audit, keys, knee, report, teams, variants
 
-    keys_cli.add_commands(sub)
-    audit_cli.add_commands(sub)
-    knee_cli.add_commands(sub)
-    report_cli.add_commands(sub)
-    teams_cli.add_commands(sub)
-    variants_cli.add_commands(sub)
+    keys.add_commands(sub)  # each module adds its commands' parsers, and each parser names its run function
+    audit.add_commands(sub)
+    knee.add_commands(sub)
+    report.add_commands(sub)
+    teams.add_commands(sub)
+    variants.add_commands(sub)
 
     args = parser.parse_args(argv)
-    if args.command == "admin-token":
-        return keys_cli.run_admin_token(args)
-    if args.command == "keys":
-        return keys_cli.run_keys(args)
-    if args.command == "audit":
-        return audit_cli.run(args)
-    if args.command == "knee":
-        return knee_cli.run(args)
-    if args.command == "report":
-        return report_cli.run(args)
-    if args.command == "teams":
-        return teams_cli.run(args)
-    if args.command == "variants":
-        return variants_cli.run(args)
-    if args.command == "check":
-        return run_check(args.file, resolve=not args.no_resolve)
-    if args.command == "serve":
-        return run_serve(args)
+    run: Callable[[argparse.Namespace], int] = args.run  # each command's parser names its own (set_defaults)
+    return run(args)
+
+
+def check_command(args: argparse.Namespace) -> int:
+    return run_check(args.file, resolve=not args.no_resolve)
+
+
+def demo_command(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
 
     return run_demo(args.host, args.port, args.log_level, args.traffic)

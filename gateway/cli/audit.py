@@ -9,29 +9,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from typing import Any
 import sys
 import time
+from typing import Any
 
-from gateway.cli.keys import seconds, table, when
-from gateway.cli.report import admin_get
+from gateway.cli.admin_api import add_connection, add_json, admin_get
+from gateway.cli.text import seconds, table, when
 
 CHANGES_WIDTH = 100  # characters of a change shown in the table; --json has all of it
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     audit = sub.add_parser("audit", help="who did what through the admin API (and policy reloads)")
-    audit.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
-    audit.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
-                       help="admin, operator or viewer JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    add_connection(audit, roles="admin, operator or viewer")
     audit.add_argument("--actor", help="only this subject (the token's sub)")
     audit.add_argument("--action", help="only this action, e.g. key.create, key.revoke, variants.weights")
     audit.add_argument("--target", help="only acts on this key id, model or file")
     audit.add_argument("--since", type=seconds, help="only this recent, e.g. 1h, 7d")
     audit.add_argument("--before", help="the page after this event id (printed at the end of a page)")
     audit.add_argument("--limit", type=int, default=50, help="events per page (at most 500; default 50)")
-    audit.add_argument("--json", action="store_true", help="print the page as JSON")
+    add_json(audit, "print the page as JSON")
+    audit.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,27 +7,12 @@ Prints tables for people and `--json` for scripts. A created or rotated key is p
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
-UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-Request = tuple[str, str, dict[str, Any] | None]  # an admin API call: method, URL, JSON body
-
-
-def seconds(text: str) -> float:
-    """'90', '90s', '15m', '1h', '30d' -> seconds."""
-    match = DURATION.match(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 15m, 1h, 30d)")
-    return float(match.group(1)) * UNITS[match.group(2)]
+from gateway.cli.admin_api import Request, add_connection, add_json, over_current_budget, send
+from gateway.cli.text import budget_table, seconds, table, usage_table, when
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,12 +23,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     token.add_argument("--team", help="the team a team_admin token manages")
     token.add_argument("--subject", default="admin")
     token.add_argument("--private-key-file", help="PEM private key, for RS256/ES256")
+    token.set_defaults(run=run_admin_token)
 
     keys = sub.add_parser("keys", help="manage API keys on a running gateway")
-    keys.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
-    keys.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
-                      help="admin JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
-    keys.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_connection(keys, roles="admin")
+    add_json(keys, "print JSON instead of tables")
+    keys.set_defaults(run=run_keys)
     actions = keys.add_subparsers(dest="action", required=True)
 
     create = actions.add_parser("create", help="issue a key; its secret is printed once")
@@ -116,23 +101,15 @@ def ceilings(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def update_body(args: argparse.Namespace, url: str, headers: dict[str, Any]) -> dict[str, Any]:
+def create_body(args: argparse.Namespace) -> dict[str, Any]:
+    expires = {} if args.expires_in is None else {"expires_in": args.expires_in}
+    return {**settings(args), **expires}
+
+
+def update_body(args: argparse.Namespace, url: str) -> dict[str, Any]:
     """The PATCH for `keys update`. The API replaces a key's whole budget, so the budget flags given are laid
     over the key's current budget: `--when-spent reject` alone must not drop its max_rented_spend."""
-    return over_current_budget(settings(args), args, url, headers)
-
-
-def over_current_budget(body: dict[str, Any], args: argparse.Namespace, url: str,
-                        headers: dict[str, Any]) -> dict[str, Any]:
-    """`body` with its budget flags laid over the current record's budget at `url` (a key's or a team's), or
-    the budget dropped with --no-budget."""
-    if args.no_budget:
-        body["budget"] = None
-    elif "budget" in body:
-        current = httpx.get(url, headers=headers, timeout=10)
-        if current.status_code == 200:  # else the PATCH reports what is wrong (no such record, bad token)
-            body["budget"] = {**(current.json().get("budget") or {}), **body["budget"]}
-    return body
+    return over_current_budget(settings(args), args, url)
 
 
 def run_admin_token(args: argparse.Namespace) -> int:
@@ -151,15 +128,10 @@ def run_admin_token(args: argparse.Namespace) -> int:
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    if not args.token:
-        print("keys: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
-              "(mint one with `llm-gateway admin-token`)", file=sys.stderr)
-        return 2
     base = args.url.rstrip("/") + "/admin/keys"
-    headers = {"authorization": f"Bearer {args.token}"}
     requests: dict[str, Callable[[], Request]] = {
-        "create": lambda: ("POST", base, {**settings(args), "expires_in": args.expires_in}),
-        "update": lambda: ("PATCH", f"{base}/{args.id}", update_body(args, f"{base}/{args.id}", headers)),
+        "create": lambda: ("POST", base, create_body(args)),
+        "update": lambda: ("PATCH", f"{base}/{args.id}", update_body(args, f"{base}/{args.id}")),
         "list": lambda: ("GET", base + (f"?team={args.team}" if args.team else ""), None),
         "show": lambda: ("GET", f"{base}/{args.id}", None),
         "usage": lambda: ("GET", f"{base}/{args.id}/usage", None),
@@ -167,48 +139,7 @@ def run_keys(args: argparse.Namespace) -> int:
         "revoke": lambda: ("POST", f"{base}/{args.id}/revoke", None),
         "rotate": lambda: ("POST", f"{base}/{args.id}/rotate", {"grace_seconds": args.grace}),
     }
-    try:
-        method, url, body = requests[args.action]()
-    except httpx.HTTPError as exc:
-        print(f"keys: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
-        return 1
-    if args.action == "create" and body is not None and body["expires_in"] is None:
-        del body["expires_in"]
-    return send(args, "keys", method, url, body, headers, render)
-
-
-def send(args: argparse.Namespace, command: str, method: str, url: str, body: dict[str, Any] | None,
-         headers: dict[str, Any],
-         show: Callable[[str, Any], str]) -> int:
-    """One admin API call; prints `show(action, answer)` (or the JSON with --json), or what went wrong."""
-    try:
-        response = httpx.request(method, url, json=body, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        print(f"{command}: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
-        return 1
-    try:
-        data = response.json() if response.content else {}
-    except ValueError:
-        data = {}
-    if response.status_code >= 400:
-        message = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        print(f"{command} {args.action}: HTTP {response.status_code}: {message or response.text[:300]}",
-              file=sys.stderr)
-        return 1
-    print(json.dumps(data, indent=2) if args.json else show(args.action, data))
-    return 0
-
-
-def when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
+    return send(args, "keys", requests[args.action], render)
 
 
 def key_row(k: dict[str, Any]) -> list[str]:
@@ -234,17 +165,3 @@ def render(action: str, data: Any) -> str:
         return (f"{table([key_row(record)], KEY_HEADER)}\n\nAPI key (shown once, store it now):\n{data['key']}"
                 f"{note}")
     return table([key_row(data)], KEY_HEADER)
-
-
-def usage_table(data: dict[str, Any]) -> str:
-    rows = [[m, c.get("requests", 0), c.get("prompt_tokens", 0), c.get("completion_tokens", 0)]
-            for m, c in sorted(data["models"].items())]
-    return table(rows, ["MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"])
-
-
-def budget_table(data: dict[str, Any]) -> str:
-    spend = f"{data['rented_spend']:g}" + (f" of {data['max_rented_spend']:g}" if data["max_rented_spend"]
-                                          is not None else "")
-    tokens = "-" if data["tokens"] is None else f"{data['tokens']} of {data['max_tokens_per_period']}"
-    return table([[data["id"], data["period"], spend, tokens, data["when_spent"], when(data["resets_at"])]],
-                 ["ID", "PERIOD", "RENTED SPEND", "TOKENS", "WHEN SPENT", "RESETS"])

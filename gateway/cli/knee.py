@@ -87,6 +87,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     knee.add_argument("--out", default=".", help="folder for the JSON and PNG (default: current folder)")
     knee.add_argument("--write-cap", metavar="POLICY_FILE", help="set the recommended cap in this policy file")
     knee.add_argument("--backend", help="with --write-cap: the backend's name (`name`, else <model>-<index>)")
+    knee.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,50 +9,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from gateway.cli.keys import seconds, table
+from gateway.cli.admin_api import add_connection, add_json, admin_get
+from gateway.cli.text import seconds, table, when
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report = sub.add_parser("report", help="own or rent: utilisation and cost per model from the gateway's ledger")
-    report.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
-    report.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
-                        help="admin or viewer JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    add_connection(report, roles="admin or viewer")
     report.add_argument("--window", type=seconds, default=86400.0, help="e.g. 1h, 7d (default 1d)")
     report.add_argument("--until", type=int, help="end of the window, unix seconds (default: now)")
     report.add_argument("--team", help="only this team's calls (a team admin token: its own team)")
-    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json(report, "print the report as JSON")
     report.add_argument("--png", type=Path, help="also write a chart of utilisation and cost over time")
-
-
-def admin_get(args: argparse.Namespace, command: str, path: str, params: dict[str, Any]) -> dict[str, Any] | int:
-    """GET an admin view with the viewer (or admin) token of `args`; the JSON, or the exit status after saying
-    what went wrong."""
-    if not args.token:
-        print(f"{command}: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
-              "(mint one with `llm-gateway admin-token --role viewer`)", file=sys.stderr)
-        return 2
-    try:
-        response = httpx.get(args.url.rstrip("/") + path, params=params, timeout=60,
-                             headers={"authorization": f"Bearer {args.token}"})
-    except httpx.HTTPError as exc:
-        print(f"{command}: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
-        return 1
-    if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        print(f"{command}: HTTP {response.status_code}: {message}", file=sys.stderr)
-        return 1
-    answer: dict[str, Any] = response.json()
-    return answer
+    report.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,10 +45,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _utc(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
 def _fmt(value: Any, kind: str = "") -> str:
     if value is None:
         return "-"
@@ -87,7 +56,7 @@ def _fmt(value: Any, kind: str = "") -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    out = [f"own or rent, {_utc(report['since'])} - {_utc(report['until'])} "
+    out = [f"own or rent, {when(report['since'])} - {when(report['until'])} "
            f"({report['window_seconds'] / 3600:.2f} h)", ""]
     rows = []
     for name, m in report["models"].items():
@@ -176,7 +145,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     cost.xaxis.set_major_locator(locator)
     cost.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     verdicts = "; ".join(f"{n}: {m['recommendation']['verdict']}" for n, m in report["models"].items())
-    fig.suptitle(f"Own or rent, {_utc(report['since'])} to {_utc(report['until'])}\n{verdicts}", fontsize=12)
+    fig.suptitle(f"Own or rent, {when(report['since'])} to {when(report['until'])}\n{verdicts}", fontsize=12)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

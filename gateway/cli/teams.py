@@ -7,23 +7,19 @@ for scripts. Keys join a team with `keys create --team NAME` (or `keys update ID
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+from gateway.cli.admin_api import Request, add_connection, add_json, over_current_budget, send
+from gateway.cli.keys import add_budget_flags, ceilings
+from gateway.cli.text import budget_table, table, usage_table
 
-from gateway.cli.keys import (Request, add_budget_flags, budget_table, ceilings, over_current_budget, send, table,
-                              usage_table)
 
-
-def add_commands(sub: Any) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     teams = sub.add_parser("teams", help="manage teams (shared limits, budget and ceiling of their keys)")
-    teams.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
-    teams.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
-                       help="admin JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
-    teams.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_connection(teams, roles="admin")
+    add_json(teams, "print JSON instead of tables")
+    teams.set_defaults(run=run)
     actions = teams.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="create a team")
     create.add_argument("name")
@@ -58,39 +54,29 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {**body, **ceilings(args)}
 
 
-def update_body(args: argparse.Namespace, url: str, headers: dict[str, Any]) -> dict[str, Any]:
+def update_body(args: argparse.Namespace, url: str) -> dict[str, Any]:
     """The PATCH for `teams update`: budget flags laid over the team's current budget (the API replaces it)."""
     body = settings(args)
     if args.all_models:
         body["models"] = None
     if args.no_max_priority_class:
         body["max_priority_class"] = None
-    return over_current_budget(body, args, url, headers)
+    return over_current_budget(body, args, url)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.token:
-        print("teams: an admin token is needed: --token or $LLM_GATEWAY_ADMIN_TOKEN "
-              "(mint one with `llm-gateway admin-token`)", file=sys.stderr)
-        return 2
     base = args.url.rstrip("/") + "/admin/teams"
-    headers = {"authorization": f"Bearer {args.token}"}
     one = f"{base}/{getattr(args, 'name', '')}"
     requests: dict[str, Callable[[], Request]] = {
         "create": lambda: ("POST", base, {"name": args.name, **settings(args)}),
-        "update": lambda: ("PATCH", one, update_body(args, one, headers)),
+        "update": lambda: ("PATCH", one, update_body(args, one)),
         "list": lambda: ("GET", base, None),
         "show": lambda: ("GET", one, None),
         "delete": lambda: ("DELETE", one, None),
         "usage": lambda: ("GET", f"{one}/usage", None),
         "budget": lambda: ("GET", f"{one}/budget", None),
     }
-    try:
-        method, url, body = requests[args.action]()
-    except httpx.HTTPError as exc:
-        print(f"teams: cannot reach the gateway at {args.url}: {type(exc).__name__}", file=sys.stderr)
-        return 1
-    return send(args, "teams", method, url, body, headers, render)
+    return send(args, "teams", requests[args.action], render)
 
 
 def team_row(t: dict[str, Any]) -> list[str]:

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
-from gateway.cli.keys import seconds, table
-from gateway.cli.report import admin_get
+from gateway.cli.admin_api import add_connection, add_json, admin_get
+from gateway.cli.text import seconds, table
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     variants = sub.add_parser("variants", help="compare each model's variants: speed, errors, structured validity")
-    variants.add_argument("--url", default=os.environ.get("LLM_GATEWAY_URL", "http://127.0.0.1:8080"))
-    variants.add_argument("--token", default=os.environ.get("LLM_GATEWAY_ADMIN_TOKEN"),
-                          help="admin, operator or viewer JWT (default: $LLM_GATEWAY_ADMIN_TOKEN)")
+    add_connection(variants, roles="admin, operator or viewer")
     variants.add_argument("--window", type=seconds, help="only calls this recent, e.g. 15m (default: the whole"
                                                          " window the gateway keeps)")
     variants.add_argument("--by-load", action="store_true", help="also TTFT and ITL per load level")
-    variants.add_argument("--json", action="store_true", help="print the view as JSON")
+    add_json(variants, "print the view as JSON")
+    variants.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
