@@ -54,14 +54,19 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 # (pytest-xdist: most of these tests wait on sockets, subprocesses and timers, not on the cores); then the few
 # that judge speed on the cores or run a benchmark step in a time budget (marked `serial`), alone; then tests/e2e, in one process, since its
 # vLLM servers start once and want both cores. Every part runs; the status is the first failure's. GATEWAY_TESTS_ALL=1: a test that needs a missing part fails (tests/support/needs.py).
+# The vLLM venv, tiny model and adapters (e2e-setup: ~2 minutes on a clean clone, mostly pip) are made beside the
+# first part, which needs none of them, and waited for before the serial part (log: build/e2e-setup.log).
 TEST_WORKERS ?= 3
-test: venv redis-setup oidc-setup browser-setup e2e-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
-	first=0; second=0; third=0; \
+test: venv redis-setup oidc-setup browser-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
+	mkdir -p build; first=0; second=0; third=0; \
+	scripts/setup_e2e.sh > build/e2e-setup.log 2>&1 & setup=$$!; \
 	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/e2e -m "not serial" \
 		|| first=$$?; \
+	wait $$setup || { third=$$?; echo "e2e-setup failed (build/e2e-setup.log):"; tail -40 build/e2e-setup.log; }; \
 	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q --ignore=tests/e2e -m serial --durations-merge \
 		--junitxml=build/junit-serial.xml || second=$$?; \
-	GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q tests/e2e --durations-merge --junitxml=build/junit-e2e.xml || third=$$?; \
+	[ $$third -ne 0 ] || GATEWAY_TESTS_ALL=1 $(VENV)/bin/pytest -q tests/e2e --durations-merge \
+		--junitxml=build/junit-e2e.xml || third=$$?; \
 	echo "the 30 slowest tests (build/durations.txt):"; head -30 build/durations.txt; \
 	for status in $$first $$second $$third; do [ $$status -eq 0 ] || exit $$status; done
 
