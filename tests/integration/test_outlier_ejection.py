@@ -1,7 +1,8 @@
 """Outlier ejection (policies/ejection.py) against simulated vLLM replicas made to fail (tests/support/faulty.py):
 a replica that answers 5xx again and again, or whose first tokens come far slower than its peers', is taken out
-of routing, /admin/replicas names the rule and until when, and never more than the allowed share of a model's replicas is out. (The backoff's end and growth are
-tested on a clock of the test's own: tests/unit/test_ejection.py.)"""
+of routing, /admin/replicas names the rule and until when, and never more than the allowed share of a model's
+replicas is out. (The backoff's end and growth are tested on a clock of the test's own:
+tests/unit/test_ejection.py.)"""
 
 from __future__ import annotations
 
