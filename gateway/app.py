@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from backends.egress import Resolver
 from backends.replicas import ReplicaSet
 from gateway.admin.routes import admin_router
-from gateway.asgi import AnyRequest, App
+from gateway.http.asgi import AnyRequest, App
 from gateway.console import console_routes, security_headers
 from gateway.console import templates as console_templates
 from gateway.openai_routes import OpenAIRoutes

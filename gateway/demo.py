@@ -342,7 +342,7 @@ def run_demo(host: str, port: int, log_level: str, traffic: bool = False) -> int
 
     from gateway.admin.auth import mint_token
     from gateway.app import create_app
-    from gateway.edge import uvicorn_options
+    from gateway.http.edge import uvicorn_options
     from gateway.logs import configure_logging
 
     configure_logging(log_level)

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, Protocol, cast
 
-from gateway.asgi import App, Message, Receive, Scope, Send
+from gateway.http.asgi import App, Message, Receive, Scope, Send
 from gateway.endpoints import Answering, Registry
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from

@@ -30,7 +30,7 @@ from gateway import migration
 from gateway.attempts import Attempts, failure_of, status_failure
 from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
 from gateway.fallbacks import Fallbacks
-from gateway.form_upload import FormUpload
+from gateway.http.form_upload import FormUpload
 from gateway.relay import EventRelay, SSERelay, model_rename
 from gateway.shadow import Shadow
 from gateway.tracing import Off, Tracing

@@ -27,7 +27,7 @@ from typing import Protocol
 from backends.egress import Resolver
 from backends.replicas import ReplicaSet
 from gateway.admin.audit import AdminAudit
-from gateway.asgi import AnyConnection
+from gateway.http.asgi import AnyConnection
 from policies.audit import scrub_text
 from policies.config import PolicyError, parse_policy
 from policies.egress import check_backends

@@ -31,7 +31,7 @@ from gateway.access_log import AccessLog
 from gateway.admin.audit import AdminAudit
 from gateway.admin.auth import AdminAuth
 from gateway.shadow import Shadow
-from gateway.shutdown import STEP_SECONDS, cancel_all, step
+from gateway.http.shutdown import STEP_SECONDS, cancel_all, step
 from gateway.background import Background
 from gateway.admin.system_audit import SystemAudit
 from gateway.batch_calls import BatchCalls
@@ -133,7 +133,7 @@ class Gateway:
         self.reloader: PolicyReloader | None = None  # watches policy_path while the app runs
         self.client: Client | None = None  # the shared upstream client, open while the app runs
         self.proxy: Proxy | None = None
-        self.draining = False  # set by SIGTERM (gateway/server.py): /ready answers 503 from then on
+        self.draining = False  # set by SIGTERM (gateway/http/server.py): /ready answers 503 from then on
         self._created = int(time.time())
 
     # What a request runs under: read from the live snapshot, which a reload replaces whole.
@@ -359,7 +359,7 @@ class Gateway:
             loops.append(asyncio.create_task(self.batch_runner.run_forever()))
         try:
             yield
-        finally:  # each step bounded (gateway/shutdown.py): one that hangs is logged and the rest still run
+        finally:  # each step bounded (gateway/http/shutdown.py): one that hangs is logged and the rest still run
             self.discovery.stop()
             await cancel_all(loops)
             if self.batch_runner is not None:  # lines in flight stop; their claims expire and they run again

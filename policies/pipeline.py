@@ -38,7 +38,7 @@ class Call:
     params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
     body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
-    upload: Any = None  # a multipart body streamed through (gateway/form_upload.py)
+    upload: Any = None  # a multipart body streamed through (gateway/http/form_upload.py)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
     asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)

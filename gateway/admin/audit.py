@@ -18,7 +18,7 @@ from litestar import get
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 
-from gateway.asgi import AnyConnection
+from gateway.http.asgi import AnyConnection
 from gateway.openapi import errors
 from policies.audit import Actor, Audit, AuditPage, AuditQuery
 from policies.network import ClientNetwork

@@ -17,7 +17,7 @@ from litestar.params import KwargDefinition
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin.scope import check_key, own_team
-from gateway.asgi import AnyConnection
+from gateway.http.asgi import AnyConnection
 from gateway.admin.teams import ClassName, ManagesKeys, TeamName
 from policies.accounting import by_model, totals
 from policies.audit import diff

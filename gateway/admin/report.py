@@ -16,7 +16,7 @@ from litestar.params import Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin.scope import check_team, own_team
-from gateway.asgi import AnyConnection, AnyRequest
+from gateway.http.asgi import AnyConnection, AnyRequest
 from gateway.needs import Stored
 from gateway.openapi import errors
 from policies.budget import Budgets, period_bounds

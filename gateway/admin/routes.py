@@ -31,7 +31,7 @@ from gateway.admin.keys import (
 )
 from gateway.admin.scope import check_route, own_team, remember
 from policies.json_depth import json_too_deep, too_deep
-from gateway.asgi import AnyConnection, AnyRequest
+from gateway.http.asgi import AnyConnection, AnyRequest
 from gateway.openapi import ADMIN_SECURITY, OptionalBody, errors
 from gateway.admin.report import Reporting, report_handlers
 from gateway.admin.teams import Accounts, team_handlers

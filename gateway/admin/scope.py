@@ -13,7 +13,7 @@ from policies.errors import PermissionDenied
 from policies.keys import KeyRecord
 
 from gateway.admin.audit import ADMIN_CLAIMS as CLAIMS  # noqa: E402  # the scope entry the guard fills
-from gateway.asgi import AnyConnection  # noqa: E402
+from gateway.http.asgi import AnyConnection  # noqa: E402
 
 
 def remember(connection: AnyConnection, claims: dict[str, Any]) -> None:

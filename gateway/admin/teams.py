@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin.audit import Audited
 from gateway.admin.scope import check_team, own_team
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.needs import Configured, Stored
 from gateway.openapi import errors
 from gateway.admin.report import Budgeted, BudgetStatus, budget_status

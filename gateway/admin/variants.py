@@ -21,7 +21,7 @@ from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin.audit import Audited
-from gateway.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send
+from gateway.http.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send
 from gateway.openapi import errors
 from policies.audit import diff
 from policies.errors import Conflict, NotFound

@@ -88,9 +88,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.edge import uvicorn_options
+    from gateway.http.edge import uvicorn_options
     from gateway.heap import keep_freed_heap
-    from gateway.server import DrainingServer
+    from gateway.http.server import DrainingServer
 
     keep_freed_heap()  # before the app's first bursts: each one reuses the heap the last one freed
     try:

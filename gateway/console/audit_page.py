@@ -14,7 +14,7 @@ from litestar.params import Parameter
 from litestar.response import Template
 
 from gateway.admin.audit import CURSOR, Audited
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page as render
 from gateway.needs import Configured

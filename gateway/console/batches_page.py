@@ -19,7 +19,7 @@ from litestar.params import Parameter
 from litestar.response import Redirect, Template
 
 from gateway.admin.audit import Audited
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import is_fragment
 from gateway.console.render import page as render

@@ -17,7 +17,7 @@ from litestar.response import Template
 from backends.replicas import split_group
 from backends.vllm_stats import Scraper
 from gateway.admin.live import WATCHES, Replicated, ReplicaView, replica_views
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.needs import Configured

@@ -18,7 +18,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Redirect, Template
 from pydantic import ValidationError
 
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.session import PREFIX, ConsoleOff, SignInNeeded
 from policies.errors import GatewayError
 from policies.store import StoreUnavailable

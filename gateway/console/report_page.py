@@ -19,7 +19,7 @@ from litestar.params import Parameter
 from litestar.response import Template
 
 from backends.lora import LoraAdapters
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.windows import WINDOWS, window_of

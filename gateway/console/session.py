@@ -45,7 +45,7 @@ from litestar.handlers import BaseRouteHandler
 
 from gateway.admin.audit import ADMIN_CLAIMS
 from gateway.admin.auth import AdminAuth
-from gateway.asgi import AnyConnection, AnyRequest
+from gateway.http.asgi import AnyConnection, AnyRequest
 from gateway.needs import Configured
 from policies.errors import (
     AuthenticationFailed,

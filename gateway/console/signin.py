@@ -10,7 +10,7 @@ from litestar import get, post
 from litestar.handlers import HTTPRouteHandler
 from litestar.response import Redirect, Template
 
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.render import page
 from gateway.console.session import (
     CSRF_FIELD,

@@ -17,7 +17,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import Parameter
 from litestar.response import Template
 
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.keys_page import blank, limits_and_budget, listed
 from gateway.console.pages import Page
 from gateway.console.render import page as render

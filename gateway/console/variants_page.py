@@ -9,7 +9,7 @@ from litestar import get, post
 from litestar.handlers import HTTPRouteHandler
 from litestar.response import Template
 
-from gateway.asgi import AnyRequest
+from gateway.http.asgi import AnyRequest
 from gateway.console.pages import Page
 from gateway.console.render import page
 from gateway.console.session import form_of

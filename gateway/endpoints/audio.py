@@ -1,7 +1,7 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations: speech to text, as vLLM serves it for a speech
 model (Whisper and the like).
 
-The body is multipart/form-data streamed through to the replica as it arrives (gateway/form_upload.py): only
+The body is multipart/form-data streamed through to the replica as it arrives (gateway/http/form_upload.py): only
 the `model` field is read, and renamed to the replica's served name; the file and every other field pass
 byte for byte. Its size limit is the policy's `server.max_upload_bytes`. The answer is relayed as the replica
 gives it: JSON, text, or, when the form asked `stream=true`, `data:` chunks ending in `[DONE]` (the token

@@ -8,30 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 
 from gateway.endpoints.base import Route, io_usage, no_usage
+from gateway.http.error_shapes import anthropic_error
 from gateway.relay import EventRelay
-from policies.auth import INVALID
-from policies.errors import GatewayError
 from policies.pipeline import Call
 from policies.routing.prompt import messages_text
 from policies.tokens import Estimate, chat_prompt, max_output
-
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-         529: "overloaded_error"}
-
-
-INVALID_KEY = ("Incorrect or missing API key. Pass one valid key as `x-api-key: sk-...` (or as `Authorization:"
-               " Bearer`, not both with different keys).")
-
-
-def anthropic_error(error: GatewayError) -> bytes:
-    kind = TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    message = INVALID_KEY if error.message == INVALID else error.message  # these clients send the key as x-api-key
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-
 
 def start_usage(frame: dict[str, Any]) -> dict[str, int] | None:
     message = frame.get("message")

@@ -46,7 +46,7 @@ class Server(Strict):
     drain_seconds: float = Field(0.0, ge=0, le=3600)
     # after the drain: how long requests in flight (streams) may take to finish before they are cut
     shutdown_timeout: Seconds = 30.0
-    # The client side of the bounded edge (gateway/edge.py). The request line and headers: 431 beyond (Envoy's
+    # The client side of the bounded edge (gateway/http/edge.py). The request line and headers: 431 beyond (Envoy's
     # default is 60 KiB, nginx's 4 x 8 KiB; an API request's head is well under 8 KiB).
     max_header_bytes: int = Field(64 * 1024, ge=4096, le=1024**2)
     # from a new connection's accept, or a request's first byte, to the end of its headers: 408 beyond (slowloris)
@@ -61,5 +61,6 @@ class Server(Strict):
     # "server disconnected" that a 5 s keep-alive gives about once in a few thousand requests)
     keepalive_seconds: Seconds = 90.0
     # client connections at once; beyond it the longest-idle one makes room, and only when all serve requests a
-    # new one gets a fast 503 (Retry-After: 1). Also kept under half the process's file limit (see gateway/edge.py).
+    # new one gets a fast 503 (Retry-After: 1). Also kept under half the process's file limit (see
+    # gateway/http/edge.py).
     max_connections: int = Field(4096, ge=1, le=1_000_000)

@@ -1,5 +1,5 @@
-"""Hostile connections against the bounded edge (gateway/edge.py): trailers, bodies that starve the connection room,
-and body bytes the app has not asked for.
+"""Hostile connections against the bounded edge (gateway/http/edge.py): trailers, bodies that starve the connection
+room, and body bytes the app has not asked for.
 
 Most cases run a real `llm-gateway serve` process over the simulator with the file limit lowered to 256 (the
 connection bound is then 96), reusing tests/integration/test_hostile_clients.py's gateway, fixture and helpers.
@@ -15,7 +15,7 @@ import time
 
 import orjson
 
-from gateway.edge import BODY_GRACE, STARVING_FACTOR, Bounds, HeldBodies, bounded_protocol
+from gateway.http.edge import BODY_GRACE, STARVING_FACTOR, Bounds, HeldBodies, bounded_protocol
 from tests.integration.test_hostile_clients import (
     CONNECTION_BOUND,
     GOOD_BOUND,

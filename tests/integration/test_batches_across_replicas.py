@@ -110,6 +110,6 @@ def test_a_gateway_stopped_mid_batch_resumes_it_when_started_again(pair, tmp_pat
         exactly_once(again, done(again, batch.id), 60, "r")
         ran = backend_successes(pair.backend_url) - before
         assert ran == 60, (ran, pair.log_text()[-6000:])  # no line ran twice, none was lost (a shutdown step cut
-        # short, gateway/shutdown.py, is logged there)
+        # short, gateway/http/shutdown.py, is logged there)
     finally:
         stop_processes([restarted])

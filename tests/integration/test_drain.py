@@ -1,6 +1,6 @@
 """A rolling update's SIGTERM, with real processes: `llm-gateway serve` over the simulator, under streaming load.
 
-What must hold (gateway/server.py): /ready answers 503 within a second of SIGTERM while /health stays 200;
+What must hold (gateway/http/server.py): /ready answers 503 within a second of SIGTERM while /health stays 200;
 every request sent during the drain window is served; every stream in flight when SIGTERM came ends with
 [DONE]; then the process exits by itself (0), having flushed its access log and the usage counters.
 

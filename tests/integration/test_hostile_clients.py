@@ -1,4 +1,4 @@
-"""Hostile clients against a real `llm-gateway serve` process (gateway/edge.py): the door stays up.
+"""Hostile clients against a real `llm-gateway serve` process (gateway/http/edge.py): the door stays up.
 
 The gateway runs over the vLLM simulator with short edge timeouts (header 1.5 s, body 2 s, keep-alive 3 s) and
 its file limit lowered to 256, so that `server.max_connections` (4096 by default) is cut to (256 - 64) / 2 = 96

@@ -1,4 +1,4 @@
-"""The multipart upload streamed through (gateway/form_upload.py) and its body source: the model renamed and
+"""The multipart upload streamed through (gateway/http/form_upload.py) and its body source: the model renamed and
 every other byte kept whatever the chunking, a boundary split across reads, malformed forms refused, the size
 limit enforced while streaming."""
 
@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.form_upload import FormUpload
+from gateway.http.form_upload import FormUpload
 from gateway.openai_routes import BodyStream
 from policies.errors import BadRequest, PayloadTooLarge
 

@@ -1,4 +1,4 @@
-"""The lifespan's shutdown in bounded steps (gateway/shutdown.py): a step or a loop that hangs is logged by
+"""The lifespan's shutdown in bounded steps (gateway/http/shutdown.py): a step or a loop that hangs is logged by
 name with where it waits and left behind; the steps after it still run."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.shutdown import cancel_all, step
+from gateway.http.shutdown import cancel_all, step
 
 
 async def waits_on_a_lock_forever(lock: asyncio.Lock) -> None:
@@ -43,7 +43,7 @@ def test_a_hung_step_is_left_behind_named_with_where_it_waits_and_the_next_still
 
         return [await step("the store's close", closes_a_store(lock), 0.2), await step("the flush", flush(), 0.2)]
 
-    with caplog.at_level(logging.ERROR, logger="gateway.shutdown"):
+    with caplog.at_level(logging.ERROR, logger="gateway.http.shutdown"):
         assert asyncio.run(asyncio.wait_for(main(), 10)) == [False, True]
     assert ran == ["flush"]
     [line] = [r.getMessage() for r in caplog.records]
@@ -55,7 +55,7 @@ def test_a_failed_step_is_logged_and_counted_as_ended(caplog):
     async def broken() -> None:
         raise RuntimeError("the socket was already closed")
 
-    with caplog.at_level(logging.ERROR, logger="gateway.shutdown"):
+    with caplog.at_level(logging.ERROR, logger="gateway.http.shutdown"):
         assert asyncio.run(step("the ledger's close", broken(), 1.0)) is True
     assert "the ledger's close failed: RuntimeError('the socket was already closed')" in caplog.text
 
@@ -72,7 +72,7 @@ def test_a_loop_that_ignores_its_cancel_is_named_and_the_others_end(caplog):
         stubborn.cancel()
         return left, ended
 
-    with caplog.at_level(logging.ERROR, logger="gateway.shutdown"):
+    with caplog.at_level(logging.ERROR, logger="gateway.http.shutdown"):
         left, polite_ended = asyncio.run(asyncio.wait_for(main(), 10))
     assert left == ["stubborn_loop"] and polite_ended
     assert "the loop stubborn_loop did not end within 0.2 s of its cancel" in caplog.text

@@ -1,12 +1,12 @@
-"""`llm-gateway` with uvicorn's own httptools protocol instead of the bounded edge (gateway/edge.py), for
+"""`llm-gateway` with uvicorn's own httptools protocol instead of the bounded edge (gateway/http/edge.py), for
 `make bench ARGS=--edge-compare`: the baseline that tells what the client-side bounds cost per request."""
 
 import sys
 
-import gateway.edge
+import gateway.http.edge
 from gateway.cli import main
 
-gateway.edge.uvicorn_options = lambda server: {"timeout_keep_alive": server.keepalive_seconds}
+gateway.http.edge.uvicorn_options = lambda server: {"timeout_keep_alive": server.keepalive_seconds}
 
 if __name__ == "__main__":
     sys.exit(main())

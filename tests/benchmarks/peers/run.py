@@ -92,7 +92,7 @@ LEDGER_COMPARE = [  # (column, policy sections): the same gateway without the co
 VARIANTS = "gateway variants 80:20"  # --variants-compare: each model split over two variants
 BASELINE = "gateway baseline tree"  # --baseline-tree: the same gateway from another source tree (a commit before)
 TRACED = "gateway tracing 1.0"
-PLAIN_EDGE = "gateway unbounded edge"  # --edge-compare: uvicorn's own httptools protocol, none of gateway/edge.py  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
+PLAIN_EDGE = "gateway unbounded edge"  # --edge-compare: uvicorn's own httptools protocol, none of gateway/http/edge.py  # --tracing-compare: every call traced, exported to a local OTLP/HTTP sink
 KNOBS = [  # (column, extra `llm-gateway serve` arguments, extra environment): settings, no code change
     ("gateway --log-level warning", ["--log-level", "warning"], {}),
     ("gateway PYTHONOPTIMIZE=1", [], {"PYTHONOPTIMIZE": "1"}),

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.http.server")
 
 CONNECTION_CLOSE = (b"connection", b"close")
 

@@ -56,7 +56,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.endpoints.messages import anthropic_error
+from gateway.http.error_shapes import anthropic_error
 from policies.config import Server
 from policies.errors import GatewayError
 

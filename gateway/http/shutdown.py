@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-log = logging.getLogger("gateway.shutdown")
+log = logging.getLogger("gateway.http.shutdown")
 
 STEP_SECONDS = 10.0  # one step's bound, past any store's or exporter's own timeout
 
