@@ -58,17 +58,25 @@ def send(args: argparse.Namespace, command: str, request: Callable[[], Request],
         response = httpx.request(method, url, json=body, headers=authorization(args), timeout=10)
     except httpx.HTTPError as exc:
         return unreachable(args, command, exc)
+    if response.status_code >= 400:
+        print(f"{command} {args.action}: HTTP {response.status_code}: {error_message(response)}", file=sys.stderr)
+        return 1
     try:
         data = response.json() if response.content else {}
     except ValueError:
         data = {}
-    if response.status_code >= 400:
-        message = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        print(f"{command} {args.action}: HTTP {response.status_code}: {message or response.text[:300]}",
-              file=sys.stderr)
-        return 1
     print(json.dumps(data, indent=2) if args.json else show(args.action, data))
     return 0
+
+
+def error_message(response: httpx.Response) -> str:
+    """The message of the gateway's error answer ({"error": {"message": ...}}), else the answer's first 300
+    characters."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    return message if isinstance(message, str) and message else response.text[:300]
 
 
 def over_current_budget(body: dict[str, Any], args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -93,11 +101,7 @@ def admin_get(args: argparse.Namespace, command: str, path: str, params: dict[st
     except httpx.HTTPError as exc:
         return unreachable(args, command, exc)
     if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:300]
-        print(f"{command}: HTTP {response.status_code}: {message}", file=sys.stderr)
+        print(f"{command}: HTTP {response.status_code}: {error_message(response)}", file=sys.stderr)
         return 1
     answer: dict[str, Any] = response.json()
     return answer

@@ -73,3 +73,18 @@ def test_main_returns_what_the_run_function_returns(monkeypatch):
     monkeypatch.setattr("gateway.cli.run_check", fake_check)
     assert main(["check", "--no-resolve", "p.yaml"]) == 7
     assert seen == [argparse.Namespace(path="p.yaml", resolve=False)]
+
+
+@pytest.mark.parametrize("body", [b'{"error": {"message": "no such key"}}', b'{"error": "boom"}', b"<html>oops</html>"])
+def test_an_error_answer_is_reported_whatever_its_shape(body, monkeypatch, capsys):
+    """keys (send) and report (admin_get) say the gateway's message, or the answer's text when it has none of
+    the expected shape, and exit 1; never a traceback."""
+    import httpx
+
+    answer = httpx.Response(500, content=body, request=httpx.Request("GET", "http://127.0.0.1:9/"))
+    monkeypatch.setattr(httpx, "request", lambda *a, **k: answer)
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: answer)
+    expected = "no such key" if b"no such key" in body else body.decode()
+    for argv in (["keys", "--token", "t", "list"], ["report", "--token", "t"]):
+        assert main(argv) == 1
+        assert f"HTTP 500: {expected}" in capsys.readouterr().err
