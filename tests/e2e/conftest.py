@@ -48,11 +48,20 @@ def pytest_collection_modifyitems(items):
     # Sweeps run before every other end-to-end test: the shared servers below (and their gateway) start on
     # first use, so a sweep's server then has the machine's cores to itself instead of sharing one with a
     # shared server, and nobody pays for stopping and restarting those (~20-55 s each).
+    # The tests on the pooling server run last: it starts in the background with the shared servers and warms
+    # up while the others run, instead of being waited for by the first test after the sweeps (~50 s).
     sweeps = [item for item in items if item.get_closest_marker("sweep")]
-    if sweeps:
-        rest = [item for item in items if not item.get_closest_marker("sweep")]
+    pooled = [item for item in items if uses_pool(item) and not item.get_closest_marker("sweep")]
+    if sweeps or pooled:
+        rest = [item for item in items if not item.get_closest_marker("sweep") and not uses_pool(item)]
         first_e2e = next((i for i, item in enumerate(rest) if "tests/e2e/" in str(item.fspath)), len(rest))
-        items[:] = rest[:first_e2e] + sweeps + rest[first_e2e:]
+        last_e2e = max((i + 1 for i, item in enumerate(rest) if "tests/e2e/" in str(item.fspath)), default=first_e2e)
+        items[:] = rest[:first_e2e] + sweeps + rest[first_e2e:last_e2e] + pooled + rest[last_e2e:]
+
+
+def uses_pool(item) -> bool:
+    """Whether the test needs the session's pooling server (start_pooling_server)."""
+    return bool({"pooling", "batch_policy"} & set(getattr(item, "fixturenames", ())))
 
 
 def need_vllm(also: Path | None = None) -> None:
@@ -84,11 +93,12 @@ def vllm_servers(tmp_path_factory, request):
     }
     for server, port in zip(servers.values(), ports):
         server.kv_events_port = port
+    stop_capped()  # the sweeps ran first (pytest_collection_modifyitems); their server gives its core back
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
         # generous: on a busy 2-core machine two servers starting together have taken ~55 s each
         start_many(servers.values(), timeout=240)
-        if any("pooling" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        if any(uses_pool(item) for item in request.session.items):
             start_pooling_server(request.config, tmp_path_factory)  # warms up while the tests on these run
     yield servers
     stop_all(servers.values())
@@ -113,12 +123,48 @@ def alone_on_core0(tmp_path_factory, name: str, extra_args: tuple[str, ...]) -> 
             other.resume()
 
 
+# The `sweep` tests' server: `--max-num-seqs 8` (a knee within a CPU's reach) under vLLM's priority scheduler (the
+# batch tests send priorities; requests without one are served in arrival order, as by the default scheduler).
+CAPPED_ARGS = ("--scheduling-policy", "priority", "--max-num-seqs", "8")
+_capped: list[VLLMServer] = []  # the one started, once per session
+
+
+def stop_capped() -> None:
+    """Stop the sweeps' server (the shared servers start after the sweeps; it must not share a core with them)."""
+    stop_all(_capped)
+    _capped.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_capped_at_the_end() -> Iterator[None]:
+    yield
+    stop_capped()
+
+
 @pytest.fixture(scope="module")
-def capped_vllm(tmp_path_factory):
-    """`--max-num-seqs 8` (a knee within a CPU's reach), alone on core 0. For `sweep` tests, which load it to
-    saturation."""
-    with alone_on_core0(tmp_path_factory, "tiny-knee", ("--max-num-seqs", "8")) as server:
+def capped_vllm(tmp_path_factory, request):
+    """The sweeps' server (CAPPED_ARGS) alone on core 0: one process for every module that asks for it (knee,
+    caps, batch fill: ~25 s of start each saved), started on first use and stopped when the shared servers start;
+    any other running server is paused while a module uses it. For `sweep` tests, which load it to saturation."""
+    need_vllm()
+    if not _capped or not _capped[0].is_running():
+        stop_capped()
+        server = VLLMServer(default_model_dir(), "tiny-knee", core=0, extra_args=CAPPED_ARGS,
+                            log_dir=tmp_path_factory.mktemp("vllm-tiny-knee-logs"), log_requests=False)
+        _capped.append(server)
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            server.start()
+            server.wait_ready(240)
+    server = _capped[0]
+    others = [other for other in running_servers() if other is not server]
+    for other in others:
+        other.pause()
+    try:
         yield server
+    finally:
+        for other in others:
+            other.resume()
 
 
 @contextlib.contextmanager

@@ -20,25 +20,21 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks import batch_fill
-from tests.e2e.conftest import alone_on_core0
+from tests.e2e.conftest import CAPPED_ARGS
 
 CAP = 8
 DRIFT = 1.3  # a loaded 2-core machine's drift between runs a few seconds apart, on top of the 1.2x target
 TAIL = 2.5  # where p99 is today (~2x) with room for a stall of the machine, until the tail target is met
 
 
-@pytest.fixture(scope="module")
-def priority_vllm(tmp_path_factory):
-    with alone_on_core0(tmp_path_factory, "tiny-fill",
-                        ("--scheduling-policy", "priority", "--max-num-seqs", str(CAP))) as server:
-        yield server
-
-
-def test_a_batch_fills_the_idle_capacity_and_leaves_interactive_ttft_alone(priority_vllm, tmp_path: Path):
-    args = batch_fill.parse(["--url", priority_vllm.base_url, "--model", "tiny-fill", "--cap", str(CAP),
+@pytest.mark.sweep  # on the sweeps' server (conftest.capped_vllm: priority scheduling, --max-num-seqs 8), alone
+def test_a_batch_fills_the_idle_capacity_and_leaves_interactive_ttft_alone(capped_vllm, tmp_path: Path):
+    model = capped_vllm.served_model_name
+    assert CAP == 8 and "priority" in CAPPED_ARGS
+    args = batch_fill.parse(["--url", capped_vllm.base_url, "--model", model, "--cap", str(CAP),
                              "--warmup", "4", "--duration", "10", "--lines", "2000", "--batch-tokens", "16",
                              "--output-tokens", "8"])
-    result = asyncio.run(batch_fill.measure(priority_vllm.base_url, "tiny-fill", CAP, args, tmp_path, priority=True))
+    result = asyncio.run(batch_fill.measure(capped_vllm.base_url, model, CAP, args, tmp_path, priority=True))
     verdict = batch_fill.report(result, args, "e2e")  # the benchmark's table in the test's output
     alone, beside, again = result["runs"]
     assert not alone.failed and not beside.failed and not again.failed, [r.failed for r in result["runs"]]

@@ -41,6 +41,7 @@ def until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.sweep  # a vLLM of its own alone on core 0: runs with the sweeps, before the shared servers start
 def test_a_batch_lines_own_priority_never_goes_ahead_of_interactive_work(priority_vllm, tmp_path: Path):
     policy = {
         "listen": {"host": "127.0.0.1", "port": free_port()},

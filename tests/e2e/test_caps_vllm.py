@@ -5,7 +5,7 @@ sampled from its /metrics 5 ms after each answer, never exceeds 8, and the throu
 gateway's at the same offered load (`make bench-caps`; 80% in `make test`, see FLEET_MIN). Then one gateway is killed
 mid-run: its leases leave Redis within the lease bound and the two left fill the backend to its cap again.
 
-Marked `sweep`: it saturates a vLLM of its own (`capped_vllm`, shared with the knee test's module scope) and
+Marked `sweep`: it saturates a vLLM of its own (`capped_vllm`, shared with the knee and batch fill tests) and
 runs before the shared servers start. Phases alternate (one, three, three, one) so that the machine's drift
 in speed falls on both sides alike.
 """

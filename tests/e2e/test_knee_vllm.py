@@ -1,6 +1,6 @@
 """`llm-gateway knee` against a real CPU vLLM with `--max-num-seqs 8`: a queue forms past 8, the knee is found.
 
-The server (tests/e2e/conftest.py, `capped_vllm`) is this module's own, not the session's shared a/b servers: a sweep loads a server to saturation
+The server (tests/e2e/conftest.py, `capped_vllm`) is the sweeps' own, not the session's shared a/b servers: a sweep loads a server to saturation
 and would disturb the state other tests rely on, and a sweep whose server shares its core with another vLLM
 measures that neighbour as much as its own server. So the test is marked `sweep`, which runs it before the
 shared servers start (tests/e2e/conftest.py); should any be running anyway, they are paused for the sweep.
