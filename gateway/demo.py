@@ -86,7 +86,7 @@ def start_simulators() -> tuple[list[subprocess.Popen[bytes]], dict[str, list[di
     owners: dict[str, list[dict[str, Any]]] = {}
     for owner, sim in SIMS:
         port = free_port()
-        cmd = [sys.executable, "-m", "backends.simulator", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "tools.simulator", "--host", "127.0.0.1", "--port", str(port),
                "--model", sim.served, "--log-level", "warning", *SIM_FLAGS, *(["--enable-lora"] if sim.lora else [])]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
         if sim.api_key_env:

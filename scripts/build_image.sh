@@ -52,7 +52,7 @@ if [[ ${1:-} == --base-only ]]; then
 fi
 
 # Every input of the build, hashed: the image is current when its label says the same.
-inputs=$( (printf '%s\n' "$base_key"; find Containerfile .containerignore pyproject.toml README.md gateway policies backends \
+inputs=$( (printf '%s\n' "$base_key"; find Containerfile .containerignore pyproject.toml README.md gateway policies backends tools \
             -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) \
           | sha256sum | cut -c1-16)
 current=$(podman image inspect --format '{{index .Config.Labels "llm-gateway.inputs"}}' "$image_ref" 2>/dev/null || true)

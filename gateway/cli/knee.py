@@ -91,15 +91,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    from backends.knee.report import (
+    from tools.knee.report import (
         build_report,
         file_stem,
         format_table,
         write_json,
         write_png,
     )
-    from backends.knee.run import run_sweep
-    from backends.knee.sweep import Progress, SweepError, SweepSpec
+    from tools.knee.run import run_sweep
+    from tools.knee.sweep import Progress, SweepError, SweepSpec
     from policies.capfile import CapFileError, locate, write_cap
 
     if args.compare:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     import time
 
-    from backends.knee.compare import CompareError, format_compare, label_of, load, write_compare_png
+    from tools.knee.compare import CompareError, format_compare, label_of, load, write_compare_png
 
     paths = [Path(p) for p in args.compare]
     labels = args.label or [label_of(p) for p in paths]

@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             label = f"real vLLM (CPU, tiny model, one core; --scheduling-policy priority --max-num-seqs {cap}; cap {cap})"
         else:
             port = free_port()
-            sim = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(port), "--model", "sim",
+            sim = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(port), "--model", "sim",
                                     "--preset", "reference-gpu", "--log-level", "warning"], cwd=REPO)
             try:
                 wait_http_ok(f"http://127.0.0.1:{port}/health", sim, 30, "the simulator")

@@ -296,7 +296,7 @@ def main() -> int:
 def run_simulator(args, work: Path) -> tuple[list[Run], str]:
     cap = args.cap or 32
     port = free_port()
-    sim = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(port), "--model", "sim",
+    sim = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(port), "--model", "sim",
                             "--preset", "reference-gpu", "--log-level", "warning"], cwd=REPO)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", sim, 30, "the simulator")
@@ -324,10 +324,10 @@ def run_vllm(args, work: Path) -> tuple[list[Run], str]:
 
 
 def measured_cap(url: str) -> int:
-    from backends.knee.analysis import find_knee
-    from backends.knee.report import points
-    from backends.knee.run import run_sweep
-    from backends.knee.sweep import SweepSpec
+    from tools.knee.analysis import find_knee
+    from tools.knee.report import points
+    from tools.knee.run import run_sweep
+    from tools.knee.sweep import SweepSpec
 
     spec = SweepSpec(url=url, model="tiny", levels=(1, 2, 4, 8, 16, 32, 64), output_tokens=32, duration=3,
                      warmup=1)

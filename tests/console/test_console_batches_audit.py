@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id

@@ -18,8 +18,8 @@ import openai
 import pytest
 import yaml
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, load_policy
@@ -233,7 +233,7 @@ async def test_viewer_reads_every_page_and_can_change_nothing(tmp_path):
 
 
 def start_simulator(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "backends.simulator", "--host", "127.0.0.1", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "tools.simulator", "--host", "127.0.0.1", "--port", str(port),
                              "--model", "served-m", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -11,8 +11,8 @@ import re
 import openai
 import pytest
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from tests.console.test_console_batches_audit import chat_line, ended, jsonl
 from tests.console.test_console_browser import ENV, SECRET, admin_api, axe_violations, expect, token
 from tests.support.browser import assert_offers_no_change, browser_page, screenshot, sign_in

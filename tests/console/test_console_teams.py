@@ -11,8 +11,8 @@ import re
 import httpx
 import pytest
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.support.gateway import one_model, running_gateway

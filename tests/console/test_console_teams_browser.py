@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from policies.config import Admin
 from tests.console.test_console_browser import ENV, SECRET, admin_api, axe_violations, expect, token

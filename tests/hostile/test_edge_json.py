@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from policies.json_depth import MAX_JSON_DEPTH
 from policies.config import Admin

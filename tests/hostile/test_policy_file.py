@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.app import create_app
 from gateway.reload import SETTLE
 from policies.config import load_policy

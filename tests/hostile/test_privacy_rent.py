@@ -19,7 +19,7 @@ import httpx
 import jwt
 import pytest
 
-from backends.simulator import create_app
+from tools.simulator import create_app
 from tests.integration.test_overflow import SLOW, issue, standin  # noqa: F401 - the stand-in provider fixture
 from tests.integration.test_overflow import policy as overflow_policy
 from tests.support.gateway import running_gateway

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from backends.replicas import Replica
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.integration import test_overflow
 from tests.integration.test_overflow import issue
 from tests.support.gateway import RunningGateway, running_gateway

@@ -87,7 +87,7 @@ def test_image_is_lean_and_unprivileged(image):
 @pytest.fixture
 def simulator() -> Iterator[int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(port), "--model", "m",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(port), "--model", "m",
                              "--log-level", "warning"])
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 60, "the simulator")

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.support.asgi import InFlight
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.probes import metric_sum

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.servers import serve_app
 

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import create_app
+from tools.simulator import create_app
 from policies.keys import key_id_of
 from tests.integration.test_batches import DEADLINE, FAST, SLOW, chat_line, finished, jsonl, other_key
 from tests.support.gateway import TEST_KEY, one_model, running_gateway

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types import Batch
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.integration.test_batch_reserve import Counting, finished, until
 from tests.support.gateway import TEST_KEY, running_gateway
 from tests.support.probes import metric_sum

@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai.types import Batch
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from gateway.app import create_app as gateway_app
 from policies.config import Policy
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id

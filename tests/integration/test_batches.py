@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.budget import period_bounds
 from policies.keys import KeyBudget, KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.integration.test_overflow import issue, standin  # noqa: F401 (a fixture)

@@ -17,8 +17,8 @@ import kmock
 import yaml
 from kubernetes import client, config
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, Policy

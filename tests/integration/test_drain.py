@@ -70,7 +70,7 @@ def test_sigterm_drains_then_exits(tmp_path):
         "health": {"interval": 0.5},
         "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{sim_port}"}]}],
     }))
-    sim = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port), "--model", "m",
+    sim = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(sim_port), "--model", "m",
                             "--log-level", "warning", "--step-base-ms", "20", "--step-ms-per-seq", "0",
                             "--max-num-seqs", "64"])
     stop_sending = threading.Event()  # ends the drain-window senders, also when an assertion fails first

@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.probes import metric_sum
 from tests.support.servers import serve_app

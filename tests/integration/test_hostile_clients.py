@@ -93,7 +93,7 @@ class Gateway:
             "health": {"interval": 0.5},
             "models": [{"name": "m", "backends": [{"url": f"http://127.0.0.1:{self.sim_port}"}]}],
         }))
-        self.sim = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(self.sim_port),
+        self.sim = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(self.sim_port),
                                      "--model", "m", "--log-level", "warning", "--step-base-ms", "20",
                                      "--step-ms-per-seq", "0", "--max-num-seqs", "256"])
         env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": self.secret, "PYTHONUNBUFFERED": "1"}

@@ -80,7 +80,7 @@ async def stack(tmp_path):
            "HOSTILE_PROVIDER_KEY": "pk-" + secrets.token_urlsafe(16)}
     async with hostile_upstream() as hostile:
         sim_port, port = free_port(), free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
+        procs.append(subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(sim_port),
                                        "--model", "good", "--log-level", "warning"]))
         try:
             # before the gateway starts: a first health check of `good` that fails (the simulator still starting)

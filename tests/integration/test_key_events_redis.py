@@ -10,8 +10,8 @@ import time
 
 import httpx
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as create_sim
+from tools.simulator import SimConfig
+from tools.simulator import create_app as create_sim
 from gateway.app import create_app as gateway_app
 from policies.config import Policy
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id

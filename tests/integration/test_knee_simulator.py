@@ -16,10 +16,10 @@ import httpx
 import matplotlib.image
 import pytest
 
-from backends.knee.report import build_report, format_table, write_json, write_png
-from backends.knee.run import run_sweep
-from backends.knee.sweep import Progress, SweepSpec
-from backends.simulator import SimConfig, create_app
+from tools.knee.report import build_report, format_table, write_json, write_png
+from tools.knee.run import run_sweep
+from tools.knee.sweep import Progress, SweepSpec
+from tools.simulator import SimConfig, create_app
 from tests.support.probes import LoopStalls, metric_sum
 from tests.support.servers import serve_app
 

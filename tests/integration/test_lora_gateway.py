@@ -1,5 +1,5 @@
 """LoRA adapters as models, through a real gateway in front of simulated vLLM replicas that load adapters at run
-time (backends/simulator/lora.py): listing, routing to the holder, loads on demand (one at a time), the least
+time (tools/simulator/lora.py): listing, routing to the holder, loads on demand (one at a time), the least
 recently used unloaded, a restarted replica, failed loads, and an adapter as a model for keys and limits."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.keys import hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import AUTH, TEST_KEY, default_key_record, running_gateway
 from tests.support.otlp_receiver import Receiver

@@ -6,7 +6,7 @@ import logging
 
 import httpx
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.finished import Finished, Observers
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.probes import eventually

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway
 from tests.support.servers import serve_app

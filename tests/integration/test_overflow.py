@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.keys import KeyRecord, hash_key, key_id_of, new_key, new_key_id
 from policies.teams import TeamRecord
 from tests.support.gateway import running_gateway

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from gateway.admin.auth import mint_token
 from policies.config import Admin
 from policies.keys import KeyBudget

@@ -20,8 +20,8 @@ import httpx
 import yaml
 from openai import AsyncOpenAI
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.admin.auth import mint_token
 from gateway.app import create_app
 from policies.config import Admin, load_policy, parse_policy
@@ -193,7 +193,7 @@ async def test_sighup_reloads_a_real_gateway_process_under_load_and_a_broken_fil
     secret = "r" * 40
     env = {**os.environ, "LLM_GATEWAY_ADMIN_SECRET": secret, "PYTHONUNBUFFERED": "1"}
     ports = [free_port() for _ in range(3)]
-    sims = [subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(p), "--model", "served",
+    sims = [subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(p), "--model", "served",
                               "--log-level", "warning", "--step-base-ms", "5"]) for p in ports[:2]]
     url = f"http://127.0.0.1:{ports[2]}"
     backends = [{"url": f"http://127.0.0.1:{p}", "name": n} for p, n in zip(ports, "ab")]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from policies.keys import KeyLimits
 from tests.support.gateway import AUTH, TEST_KEY, one_model, running_gateway, default_key_record
 from tests.support.recorder import Recorder

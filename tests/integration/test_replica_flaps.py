@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from backends.replicas import UNKNOWN
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.support.asgi import InFlight
 from tests.support.gateway import AUTH, one_model, running_gateway
 from tests.support.servers import serve_app

@@ -10,8 +10,8 @@ import time
 import httpx
 from kubernetes import client
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from gateway.app import create_app
 from policies.config import Policy
 from tests.integration.test_discovery_kmock import NS, call, cluster, endpoint_slice, endpoints

@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from backends.simulator import SimConfig
-from backends.simulator import create_app as simulator
+from tools.simulator import SimConfig
+from tools.simulator import create_app as simulator
 from tests.integration.test_policy_reload import until
 from tests.support.gateway import AUTH, running_gateway
 from tests.support.probes import metric_sum

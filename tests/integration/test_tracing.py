@@ -43,7 +43,7 @@ SERVER, CLIENT = 2, 3  # opentelemetry-proto's Span.SpanKind
 @pytest.fixture(scope="module")
 def simulator():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(port), "--model", "m",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(port), "--model", "m",
                              "--log-level", "warning", "--step-base-ms", "10", "--step-ms-per-seq", "0"])
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 60, "the simulator")

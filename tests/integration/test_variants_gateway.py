@@ -11,7 +11,7 @@ import logging
 import httpx
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from gateway.admin.auth import mint_token
 from gateway.cli.variants import render
 from policies.config import Admin

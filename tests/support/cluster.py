@@ -70,7 +70,7 @@ def cluster(tmp_path: Path, replicas: int = 2, slow: bool = False, backend: dict
         if upstream is None:
             sim_port = free_port()
             speed = ["--step-base-ms", "20", "--step-ms-per-seq", "0"] if slow else []
-            procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(sim_port),
+            procs.append(subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(sim_port),
                                            "--model", "m", "--log-level", "warning", *speed, *sim_args]))
             backend_url = f"http://127.0.0.1:{sim_port}"
         policy = {

@@ -1,4 +1,4 @@
-"""A simulated vLLM replica (backends/simulator) behind a switch that makes it fail on purpose, and counts the
+"""A simulated vLLM replica (tools/simulator) behind a switch that makes it fail on purpose, and counts the
 API requests that reach it (its health check and /metrics are never touched: a replica whose engine fails
 still answers /health, as vLLM's does).
 
@@ -17,7 +17,7 @@ import contextlib
 
 import orjson
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 
 MODES = ("ok", "5xx", "429", "hang", "break_after_first_chunk", "break_mid_stream", "error_mid_stream",
          "stall_mid_stream")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOSSARY = ROOT / "docs" / "design" / "glossary.md"
-SCANNED = ("gateway", "policies", "backends", "docs", "README.md")
+SCANNED = ("gateway", "policies", "backends", "tools", "docs", "README.md")
 SUFFIXES = {".py", ".md", ".html", ".js", ".css", ".yaml", ".yml", ".toml", ".txt", ".json"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

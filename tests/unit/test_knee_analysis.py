@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from backends.knee.analysis import Point, find_knee
+from tools.knee.analysis import Point, find_knee
 
 
 def curve(levels, throughput, ttft_ms=None, errors=None):
@@ -153,8 +153,8 @@ def test_report_form_is_json_ready(points):
 
 
 def test_levels_whose_concurrency_was_not_held_are_warned_about():
-    from backends.knee.report import concurrency_warnings
-    from backends.knee.sweep import LevelResult
+    from tools.knee.report import concurrency_warnings
+    from tools.knee.sweep import LevelResult
 
     def level(c, held, running, waiting=0.0, processes=1):
         return LevelResult(c, 10.0, 100, 0, 1000.0, 10.0, 0.1, 0.2, 0.01, 0.02, 1.0, 256.0, running_mean=running,

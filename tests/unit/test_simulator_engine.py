@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from backends.simulator import SimConfig
-from backends.simulator.engine import Engine, GenRequest
-from backends.simulator.protocol import tokenize
+from tools.simulator import SimConfig
+from tools.simulator.engine import Engine, GenRequest
+from tools.simulator.protocol import tokenize
 
 FAST = dict(step_base_ms=2.0, step_ms_per_seq=0.0, prefill_base_ms=0.0, prefill_ms_per_token=0.0)
 

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from backends.simulator import SimConfig, create_app
+from tools.simulator import SimConfig, create_app
 from tests.support.servers import serve_app
 
 MODEL = "sim-test"

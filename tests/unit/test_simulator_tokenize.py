@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from backends.simulator.protocol import tokenize
-from backends.simulator.vocab import HASHED_FROM, TIERS, detokenize, token_id, token_text
+from tools.simulator.protocol import tokenize
+from tools.simulator.vocab import HASHED_FROM, TIERS, detokenize, token_id, token_text
 from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port, stop_processes
 
@@ -32,7 +32,7 @@ def two_simulators(logs):
     try:
         for port, log in zip(ports, logs, strict=True):
             with log.open("w") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "backends.simulator", "--port", str(port),
+                procs.append(subprocess.Popen([sys.executable, "-m", "tools.simulator", "--port", str(port),
                                                "--model", "m"], stdout=out, stderr=subprocess.STDOUT))
         for port, proc in zip(ports, procs, strict=True):
             wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 60, "a simulator")
@@ -77,7 +77,7 @@ def test_pieces_beyond_the_written_tiers_get_a_stable_hash_that_reads_back_here(
     tid = token_id(piece)
     assert HASHED_FROM <= tid < 2 ** 63
     assert token_text(tid) == piece
-    code = f"from backends.simulator.vocab import token_id; print(token_id({piece!r}))"
+    code = f"from tools.simulator.vocab import token_id; print(token_id({piece!r}))"
     elsewhere = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert int(elsewhere.stdout) == tid  # the same id in another process
 

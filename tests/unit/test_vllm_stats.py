@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from backends.knee.client import parse_gauges
+from tools.knee.client import parse_gauges
 from backends.vllm_stats import parse_metrics, relevant_lines
 
 SAMPLE = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu" / "metrics.txt").read_text()

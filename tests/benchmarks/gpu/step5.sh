@@ -62,7 +62,7 @@ if [ -n "$DRY" ]; then
   # sized as the GPU servers are (--print-kv-bytes), in tokens: the pressure workload's active count follows it
   KVT=$($PY -m tests.benchmarks.routing --print-kv-tokens $W) || exit 4
   for p in $P0 $P1; do
-    $PY -m backends.simulator --port $p --model qwen3-4b --max-model-len 4096 --kv-cache-tokens $KVT \
+    $PY -m tools.simulator --port $p --model qwen3-4b --max-model-len 4096 --kv-cache-tokens $KVT \
       --log-level warning > $OUT/sim-$p.log 2>&1 & echo $! > $OUT/sim-$p.pid
   done
   trap 'for p in $P0 $P1; do kill $(cat $OUT/sim-$p.pid) 2>/dev/null; done' EXIT

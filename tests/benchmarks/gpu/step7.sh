@@ -64,7 +64,7 @@ run_all() {
 
 if [ -n "$DRY" ]; then
   P=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  $PY -m backends.simulator --port $P --model qwen3-4b --preset reference-gpu --log-level warning \
+  $PY -m tools.simulator --port $P --model qwen3-4b --preset reference-gpu --log-level warning \
     > $OUT/sim-$P.log 2>&1 & SIM=$!
   trap 'kill $SIM 2>/dev/null' EXIT
   for _ in $(seq 1 60); do $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$P/health', timeout=2)" \

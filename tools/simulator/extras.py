@@ -29,7 +29,7 @@ STORED = 1000  # responses kept for retrieval, oldest dropped first
 
 
 class Host(Protocol):
-    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+    """What these routes use of the simulator's app (tools/simulator/app.py)."""
 
     cfg: SimConfig
     engine: Engine

@@ -60,7 +60,7 @@ def _flag(fields: dict[str, str], name: str) -> bool:
 
 
 class Host(Protocol):
-    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+    """What these routes use of the simulator's app (tools/simulator/app.py)."""
 
     cfg: SimConfig
     extras: Extras

@@ -1,4 +1,4 @@
-"""Run one simulated vLLM server: python -m backends.simulator --port 8001 --model NAME [--preset reference-gpu]."""
+"""Run one simulated vLLM server: python -m tools.simulator --port 8001 --model NAME [--preset reference-gpu]."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FIELD_FLAGS = ("max_model_len", "max_num_seqs", "step_base_ms", "step_ms_per_seq
 
 
 def build_config(argv: list[str] | None = None) -> tuple[SimConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m backends.simulator", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.simulator", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--model", "--served-model-name", dest="model", help="served model name")

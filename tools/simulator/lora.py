@@ -19,7 +19,7 @@ from .protocol import ApiError
 
 
 class Host(Protocol):
-    """What these routes use of the simulator's app (backends/simulator/app.py)."""
+    """What these routes use of the simulator's app (tools/simulator/app.py)."""
 
     cfg: SimConfig
 

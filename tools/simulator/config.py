@@ -36,13 +36,13 @@ class SimConfig(BaseModel):
     # (or the one tool_choice names), its arguments made from the tool's parameters schema
     tool_calling: bool = False
     # the share of structured answers (response_format JSON, tool-call arguments) sent broken, evenly spread
-    # (backends/simulator/structured.py): a model whose quantisation breaks JSON, for the variant guard
+    # (tools/simulator/structured.py): a model whose quantisation breaks JSON, for the variant guard
     corrupt_fraction: float = Field(0.0, ge=0, le=1)
     # a response made with `background` and `stream` fails after this many output text events: an `error` frame,
     # as vLLM sends when its engine fails, and then, as vLLM, its stream (made or replayed) stays open and
     # silent (vLLM ends one only after `response.completed`). None: never
     fail_background_after: int | None = Field(None, ge=0)
-    # vLLM's --enable-lora with run-time updating (backends/simulator/lora.py); a load takes lora_load_ms
+    # vLLM's --enable-lora with run-time updating (tools/simulator/lora.py); a load takes lora_load_ms
     enable_lora: bool = False
     # each generated word a function of the whole text before it (prompt and output so far), as a model at
     # temperature 0: a request whose prompt ends with part of an answer continues that answer word for word
