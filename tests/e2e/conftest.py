@@ -98,8 +98,12 @@ def vllm_servers(tmp_path_factory, request):
     with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
         # generous: on a busy 2-core machine two servers starting together have taken ~55 s each
         start_many(servers.values(), timeout=240)
-        if any(uses_pool(item) for item in request.session.items):
-            start_pooling_server(request.config, tmp_path_factory)  # warms up while the tests on these run
+        items = request.session.items
+        if any("lora_vllms" in getattr(item, "fixturenames", ()) for item in items) \
+                and (lora_adapters_dir() / ".lora-adapters-complete").exists():
+            start_lora_servers(request.config, tmp_path_factory)  # warm up while the tests on these run
+        if any(uses_pool(item) for item in items):
+            start_pooling_server(request.config, tmp_path_factory)
     yield servers
     stop_all(servers.values())
 
@@ -194,6 +198,35 @@ def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
         with contextlib.suppress(OSError):  # its own process group: the engine processes it spawns inherit it
             os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
     return server
+
+
+LORA_ARGS = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")
+
+
+def lora_adapters_dir() -> Path:
+    """The adapters scripts/build_lora_adapters.py builds for the tiny model (setup_e2e.sh)."""
+    return default_model_dir().with_name(default_model_dir().name + "-loras")
+
+
+def start_lora_servers(config, tmp_path_factory) -> dict[str, VLLMServer]:
+    """test_lora_vllm.py's two servers (the tiny model with LORA_ARGS and run-time adapter loading, on cores 0 and
+    1), started (not waited for) once per session, as the pooling server is: in the background, niced, as soon as
+    the shared servers are ready, so their ~40 s start overlaps the tests before that module's instead of being
+    waited for. The module stops them when it ends; the session's end stops them if it never ran."""
+    servers = getattr(config, "_lora_servers", None)
+    if servers is None:
+        logs = tmp_path_factory.mktemp("vllm-lora-logs")
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        servers = {key: VLLMServer(default_model_dir(), f"tiny-lora-base-{key}", core=core, log_dir=logs,
+                                   extra_args=LORA_ARGS, env=env)
+                   for key, core in (("a", 0), ("b", 1))}
+        config._lora_servers = servers
+        config.add_cleanup(lambda: stop_all(servers.values()))
+        for server in servers.values():
+            server.start()
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
+    return servers
 
 
 def e2e_policy(servers: dict[str, VLLMServer], port: int) -> dict:

@@ -5,7 +5,8 @@ does when asked directly), loads happen on demand on one replica, the least rece
 restarted replica gets its adapter back, a key sees only its adapters, and a load that fails names the adapter.
 
 The module's two servers pause the session's shared ones while they run (as capped_vllm does), so the two
-cores serve two vLLM processes at a time.
+cores serve two vLLM processes at a time. They start in the background (conftest.start_lora_servers) as soon as
+the shared servers are ready, and are stopped when this module ends.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process, need_vllm
+from tests.e2e.conftest import gateway_process, lora_adapters_dir, need_vllm, start_lora_servers
 from tests.e2e.vllm_procs import (
     VLLMServer,
-    default_model_dir,
     free_port,
     running_servers,
     start_many,
@@ -31,28 +31,20 @@ from tests.e2e.vllm_procs import (
 )
 
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b", "tiny-lora-c")
-LORA_ARGS = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")
 PROMPT = [{"role": "user", "content": "Tell me about the standard library"}]
-
-
-def adapters_dir() -> Path:
-    return default_model_dir().with_name(default_model_dir().name + "-loras")
+adapters_dir = lora_adapters_dir
 
 
 @pytest.fixture(scope="module")
-def lora_vllms(tmp_path_factory):
+def lora_vllms(tmp_path_factory, request):
     loras = adapters_dir()
     need_vllm(also=loras / ".lora-adapters-complete")
-    others = running_servers()
+    servers = start_lora_servers(request.config, tmp_path_factory)  # usually started already, in the background
+    others = [other for other in running_servers() if other not in servers.values()]
     for other in others:
         other.pause()
-    logs = tmp_path_factory.mktemp("vllm-lora-logs")
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    servers = {key: VLLMServer(default_model_dir(), f"tiny-lora-base-{key}", core=core, log_dir=logs,
-                               extra_args=LORA_ARGS, env=env)
-               for key, core in (("a", 0), ("b", 1))}
     try:
-        start_many(servers.values(), timeout=240)
+        start_many(servers.values(), timeout=240)  # starts any not running, waits for all
         yield servers
     finally:
         stop_all(servers.values())
