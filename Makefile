@@ -7,7 +7,8 @@ VENV := .venv
 VLLM_VENV ?= .venv-vllm
 STAMP := $(VENV)/.installed
 # pip on these machines warns about every package its local mirrors lack; the noise hides real errors. The venv's
-# packages are installed by uv (from PyPI, ~10 s against pip's ~75 s on a clean clone), pip where uv fails.
+# packages are installed by uv (from PyPI, ~20 s against pip's ~75 s on a clean clone), pip where uv fails; their
+# bytecode is compiled at install, as pip does, not by the first test processes to import them, all at once.
 QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 
 .PHONY: run test check unit docs reference chart lint e2e e2e-setup redis-setup oidc-setup browser-setup helm-setup container-setup image bench console bench-caps bench-overload bench-routing bench-lora venv clean
@@ -15,7 +16,7 @@ QUIET_PIP := grep -v 'is ignored: it is neither a file nor a directory' || true
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip uv 2>&1 | $(QUIET_PIP)
-	$(VENV)/bin/uv pip install -q --python $(VENV)/bin/python -e '.[test]' \
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(VENV)/bin/python -e '.[test]' \
 		|| $(VENV)/bin/pip install -q -e '.[test]' 2>&1 | $(QUIET_PIP)
 	$(VENV)/bin/python -c 'import gateway, litestar, httpx, openai, anthropic, importlinter, mypy'
 	test -x $(VENV)/bin/ruff
