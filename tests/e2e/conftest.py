@@ -109,22 +109,36 @@ def vllm_servers(tmp_path_factory, request):
 
 
 @contextlib.contextmanager
+def others_paused(*keep: VLLMServer) -> Iterator[None]:
+    """Every running server but `keep` paused (SIGSTOP) for the block, and resumed however it ends."""
+    others = [other for other in running_servers() if other not in keep]
+    for other in others:
+        other.pause()
+    try:
+        yield
+    finally:
+        for other in others:
+            other.resume()
+
+
+def start_niced(server: VLLMServer) -> None:
+    """Start `server` (not waited for) at nice 10, its whole process group: it warms up on the cores' idle time."""
+    server.start()
+    with contextlib.suppress(OSError):  # its own process group: the engine processes it spawns inherit it
+        os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
+
+
+@contextlib.contextmanager
 def alone_on_core0(tmp_path_factory, name: str, extra_args: tuple[str, ...]) -> Iterator[VLLMServer]:
     """A vLLM of the test module's own (the tiny model served as `name` with `extra_args`) on core 0 alone: the
     shared servers, should any run, are paused while it does, and resumed however it ends."""
     need_vllm()
     model = default_model_dir()
-    others = running_servers()
-    for other in others:
-        other.pause()
-    server = VLLMServer(model, name, core=0, extra_args=extra_args,
-                        log_dir=tmp_path_factory.mktemp(f"vllm-{name}-logs"), log_requests=False)
-    try:
+    with others_paused():
+        server = VLLMServer(model, name, core=0, extra_args=extra_args,
+                            log_dir=tmp_path_factory.mktemp(f"vllm-{name}-logs"), log_requests=False)
         with started(server):
             yield server
-    finally:
-        for other in others:
-            other.resume()
 
 
 # The `sweep` tests' server: `--max-num-seqs 8` (a knee within a CPU's reach) under vLLM's priority scheduler (the
@@ -160,15 +174,8 @@ def capped_vllm(tmp_path_factory, request):
         with capture.global_and_fixture_disabled():
             server.start()
             server.wait_ready(240)
-    server = _capped[0]
-    others = [other for other in running_servers() if other is not server]
-    for other in others:
-        other.pause()
-    try:
-        yield server
-    finally:
-        for other in others:
-            other.resume()
+    with others_paused(_capped[0]):
+        yield _capped[0]
 
 
 @contextlib.contextmanager
@@ -194,9 +201,7 @@ def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
                             log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), extra_args=POOLING_ARGS)
         config._pooling_server = server
         config.add_cleanup(lambda: stop_all([server]))
-        server.start()
-        with contextlib.suppress(OSError):  # its own process group: the engine processes it spawns inherit it
-            os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
+        start_niced(server)
     return server
 
 
@@ -223,9 +228,7 @@ def start_lora_servers(config, tmp_path_factory) -> dict[str, VLLMServer]:
         config._lora_servers = servers
         config.add_cleanup(lambda: stop_all(servers.values()))
         for server in servers.values():
-            server.start()
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PGRP, server.proc.pid, 10)
+            start_niced(server)
     return servers
 
 

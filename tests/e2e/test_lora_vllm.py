@@ -21,44 +21,38 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process, lora_adapters_dir, need_vllm, start_lora_servers
+from tests.e2e.conftest import gateway_process, lora_adapters_dir, need_vllm, others_paused, start_lora_servers
 from tests.e2e.vllm_procs import (
     VLLMServer,
     free_port,
-    running_servers,
     start_many,
     stop_all,
 )
 
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b", "tiny-lora-c")
 PROMPT = [{"role": "user", "content": "Tell me about the standard library"}]
-adapters_dir = lora_adapters_dir
 
 
 @pytest.fixture(scope="module")
 def lora_vllms(tmp_path_factory, request):
-    loras = adapters_dir()
+    loras = lora_adapters_dir()
     need_vllm(also=loras / ".lora-adapters-complete")
     servers = start_lora_servers(request.config, tmp_path_factory)  # usually started already, in the background
-    others = [other for other in running_servers() if other not in servers.values()]
-    for other in others:
-        other.pause()
-    try:
-        start_many(servers.values(), timeout=240)  # starts any not running, waits for all
-        yield servers
-    finally:
-        stop_all(servers.values())
-        for other in others:
-            other.resume()
+    with others_paused(*servers.values()):
+        try:
+            start_many(servers.values(), timeout=240)  # starts any not running, waits for all
+            yield servers
+        finally:
+            stop_all(servers.values())
 
 
 @pytest.fixture(scope="module")
 def lora_gateway(lora_vllms, tmp_path_factory):
-    adapters = [{"name": name, "path": str(adapters_dir() / name)} for name in ADAPTERS]
-    adapters.append({"name": "tiny-lora-missing", "path": str(adapters_dir() / "no-such-adapter")})
+    adapters = [{"name": name, "path": str(lora_adapters_dir() / name)} for name in ADAPTERS]
+    adapters.append({"name": "tiny-lora-missing", "path": str(lora_adapters_dir() / "no-such-adapter")})
     wide = tmp_path_factory.mktemp("tiny-lora-wide")  # an adapter whose rank is above the servers' --max-lora-rank
-    shutil.copy(adapters_dir() / "tiny-lora-a" / "adapter_model.safetensors", wide)
-    config = json.loads((adapters_dir() / "tiny-lora-a" / "adapter_config.json").read_text())
+    shutil.copy(lora_adapters_dir() / "tiny-lora-a" / "adapter_model.safetensors", wide)
+    config = json.loads((lora_adapters_dir() / "tiny-lora-a" / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**config, "r": 64, "lora_alpha": 128}))
     adapters.append({"name": "tiny-lora-wide", "path": str(wide)})
     policy = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import started
-from tests.e2e.vllm_procs import VLLMServer, default_model_dir, running_servers
+from tests.e2e.conftest import others_paused, started
+from tests.e2e.vllm_procs import VLLMServer, default_model_dir
 from tests.integration.test_policy_reload import until
 from tests.integration.test_scaling_signal_gateway import Ramp, first, read_all, sample_ramp
 from tests.support.gateway import AUTH, running_gateway
@@ -25,17 +25,10 @@ STEP = 4.0
 
 @pytest.mark.sweep
 async def test_the_signal_leads_a_real_vllms_waiting_count(tmp_path):
-    others = running_servers()
-    for other in others:
-        other.pause()
     server = VLLMServer(default_model_dir(), "tiny-scale", core=0, extra_args=("--max-num-seqs", str(BATCH)),
                         log_dir=tmp_path, log_requests=False)
-    try:
-        with started(server):
-            await ramp_both(server.base_url)
-    finally:
-        for other in others:
-            other.resume()
+    with others_paused(), started(server):
+        await ramp_both(server.base_url)
 
 
 async def ramp_both(vllm: str) -> None:
