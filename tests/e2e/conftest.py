@@ -48,19 +48,15 @@ def pytest_collection_modifyitems(items):
     # Sweeps run before every other end-to-end test: the shared servers below (and their gateway) start on
     # first use, so a sweep's server then has the machine's cores to itself instead of sharing one with a
     # shared server, and nobody pays for stopping and restarting those (~20-55 s each).
-    # The tests on the pooling server run last: it starts in the background with the shared servers and warms
-    # up while the others run, instead of being waited for by the first test after the sweeps (~50 s).
     sweeps = [item for item in items if item.get_closest_marker("sweep")]
-    pooled = [item for item in items if uses_pool(item) and not item.get_closest_marker("sweep")]
-    if sweeps or pooled:
-        rest = [item for item in items if not item.get_closest_marker("sweep") and not uses_pool(item)]
+    if sweeps:
+        rest = [item for item in items if not item.get_closest_marker("sweep")]
         first_e2e = next((i for i, item in enumerate(rest) if "tests/e2e/" in str(item.fspath)), len(rest))
-        last_e2e = max((i + 1 for i, item in enumerate(rest) if "tests/e2e/" in str(item.fspath)), default=first_e2e)
-        items[:] = rest[:first_e2e] + sweeps + rest[first_e2e:last_e2e] + pooled + rest[last_e2e:]
+        items[:] = rest[:first_e2e] + sweeps + rest[first_e2e:]
 
 
 def uses_pool(item) -> bool:
-    """Whether the test needs the session's pooling server (start_pooling_server)."""
+    """Whether the test needs the session's pooling server (pooling_server)."""
     return bool({"pooling", "batch_policy"} & set(getattr(item, "fixturenames", ())))
 
 
@@ -96,14 +92,15 @@ def vllm_servers(tmp_path_factory, request):
     stop_capped()  # the sweeps ran first (pytest_collection_modifyitems); their server gives its core back
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # the run's log shows each `vllm serve` starting
-        # generous: on a busy 2-core machine two servers starting together have taken ~55 s each
-        start_many(servers.values(), timeout=240)
         items = request.session.items
+        # The pooling server starts with them, when a test needs it: in the background it met every pause the
+        # timing tests make and was still starting (a niced hog on core 1) when the canary guards judged TTFT
+        pool = [pooling_server(request.config, tmp_path_factory)] if any(map(uses_pool, items)) else []
+        # generous: on a busy 2-core machine two servers starting together have taken ~55 s each
+        start_many([*servers.values(), *pool], timeout=240)
         if any("lora_vllms" in getattr(item, "fixturenames", ()) for item in items) \
                 and (lora_adapters_dir() / ".lora-adapters-complete").exists():
-            start_lora_servers(request.config, tmp_path_factory)  # warm up while the tests on these run
-        if any(uses_pool(item) for item in items):
-            start_pooling_server(request.config, tmp_path_factory)
+            start_lora_servers(request.config, tmp_path_factory)  # warm up while the tests before theirs run
     yield servers
     stop_all(servers.values())
 
@@ -189,19 +186,31 @@ def started(server: VLLMServer, timeout: float = 240) -> Iterator[VLLMServer]:
         server.stop()
 
 
-def start_pooling_server(config, tmp_path_factory) -> VLLMServer:
-    """The tiny model as a pooling model, started (not waited for) once per session; stopped when the session
-    ends. It is started in the background as soon as the shared generation servers are ready (not before: the
-    sweeps that run first need the cores to themselves, and the shared servers start sooner alone), so its
-    ~50 s start overlaps the tests on those; only the `pooling` fixture waits for it. It runs niced, so it
-    warms up on the cores' idle time and never slows the restarts that the tests before it wait on."""
+def pooling_server(config, tmp_path_factory) -> VLLMServer:
+    """The tiny model as a pooling model on core 1, made once per session (not started) and stopped when the
+    session ends. `vllm_servers` starts it with the shared servers when a test in the run needs it;
+    `ready_pooling_server` starts it where that did not happen."""
     server = getattr(config, "_pooling_server", None)
     if server is None:
         server = VLLMServer(default_model_dir(), "tiny-pool", core=1,
                             log_dir=tmp_path_factory.mktemp("vllm-pool-logs"), extra_args=POOLING_ARGS)
         config._pooling_server = server
         config.add_cleanup(lambda: stop_all([server]))
-        start_niced(server)
+    return server
+
+
+def ready_pooling_server(config, tmp_path_factory) -> VLLMServer:
+    """The pooling server, started if it is not running and waited for (bounded: a server that never answers
+    fails the test, not the run)."""
+    server = pooling_server(config, tmp_path_factory)
+    server.start()  # a no-op where it runs
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        try:
+            server.wait_ready(timeout=240)
+        except BaseException:
+            stop_all([server])
+            raise
     return server
 
 
@@ -306,16 +315,9 @@ def gateway(vllm_servers, tmp_path_factory):
 @pytest.fixture(scope="session")
 def pooling(tmp_path_factory, request):
     """The tiny model served as a pooling model (embeddings, /pooling, /score, /rerank) and a gateway in front
-    (model `pool`): one more server, once per session, usually started already (start_pooling_server)."""
+    (model `pool`): one more server, once per session, usually started already with the shared servers."""
     need_vllm()
-    server = start_pooling_server(request.config, tmp_path_factory)
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        try:
-            server.wait_ready(timeout=240)  # bounded: a server that never answers fails the test, not the run
-        except BaseException:
-            stop_all([server])
-            raise
+    server = ready_pooling_server(request.config, tmp_path_factory)
     policy = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "health": {"interval": 1, "backoff_initial": 0.5, "backoff_max": 2},

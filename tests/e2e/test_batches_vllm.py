@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import gateway_process, start_pooling_server
+from tests.e2e.conftest import gateway_process, ready_pooling_server
 from tests.e2e.vllm_procs import free_port
 
 DEADLINE = 240  # seconds for a few tens of short lines on two loaded CPU cores
@@ -19,8 +19,7 @@ DEADLINE = 240  # seconds for a few tens of short lines on two loaded CPU cores
 
 @pytest.fixture(scope="module")
 def batch_policy(vllm_servers, tmp_path_factory, request):
-    pool = start_pooling_server(request.config, tmp_path_factory)
-    pool.wait_ready(timeout=240)
+    pool = ready_pooling_server(request.config, tmp_path_factory)
     work = tmp_path_factory.mktemp("batch-gateway")
     policy = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
