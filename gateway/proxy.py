@@ -249,12 +249,12 @@ class Proxy:
     async def load_adapter(self, call: Call, replica: Replica) -> None:
         """Make sure the chosen replica holds the call's LoRA adapter, waiting (bounded) for its load; the call
         holds its slot meanwhile, so a load counts against the cap like the request it is for."""
-        loras = self.loras
-        assert loras is not None  # the caller checked
+        loras, adapter = self.loras, call.adapter
+        assert loras is not None and adapter is not None  # the caller checked
         call.replica, call.holds_replica = replica, True  # released by finish() whatever happens below
-        loras.using(replica, call.adapter.lora_name)
+        loras.using(replica, adapter.lora_name)
         try:
-            if await loras.ensure(self.client, replica, call.adapter):
+            if await loras.ensure(self.client, replica, adapter):
                 call.response_headers["x-gateway-lora-load"] = replica.name
         except LoadFailed as exc:
             error = UpstreamTimeout if exc.timed_out else UpstreamFailed
@@ -264,10 +264,10 @@ class Proxy:
         """vLLM does not know the adapter it was said to hold (it restarted since its /v1/models was read):
         load it again and send once more."""
         response.close()
-        loras = self.loras
-        assert loras is not None  # the caller checked
-        loras.forget(replica, call.adapter.lora_name)
-        loras.done(replica, call.adapter.lora_name)  # load_adapter counts the call in again
+        loras, adapter = self.loras, call.adapter
+        assert loras is not None and adapter is not None  # the caller checked
+        loras.forget(replica, adapter.lora_name)
+        loras.done(replica, adapter.lora_name)  # load_adapter counts the call in again
         await self.load_adapter(call, replica)
         return await self.send(call, replica, holds=True)
 

@@ -18,6 +18,7 @@ from backends.replicas import Replica
 from policies.tokens import FREE, Estimate
 
 if TYPE_CHECKING:  # the steps' own types
+    from backends.lora import AdapterTarget
     from policies.keys import KeyRecord
     from policies.ratelimit.base import Ticket
     from policies.teams import TeamRecord
@@ -56,7 +57,7 @@ class Call:
     streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
     variant: str | None = None  # the model's variant that serves it, when the model has variants
-    adapter: Any = None  # the LoRA adapter that serves it, when its model is one (backends/lora.py AdapterTarget)
+    adapter: AdapterTarget | None = None  # the LoRA adapter that serves it, when its model is one
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
     load_matched: bool = False  # assigned its variant while the variant guard matched the load (policies/variant_guard.py)
