@@ -239,7 +239,10 @@ async def test_a_failed_background_response_ends_its_streams_at_its_error_frame(
     `response.completed`): the gateway ends it after the `error` frame, as it is made and as it is replayed,
     instead of at its read timeout (minutes)."""
     failing = SimConfig(model="served-m", step_base_ms=2, step_ms_per_seq=0, fail_background_after=2)
-    async with serve_app(create_app(failing)) as sim, running_gateway(one_model(sim)) as gw, \
+    # (a generous health check: one that took over the default 2 s on a starved machine once took the only
+    # replica down, and the request got a 503 before the behaviour under test began)
+    async with serve_app(create_app(failing)) as sim, \
+            running_gateway(one_model(sim, timeouts={"health_check": 15})) as gw, \
             httpx.AsyncClient(base_url=gw.url, headers=AUTH, timeout=120) as http:
         body = {"model": "m", "input": "fail me", "max_output_tokens": 8, "background": True, "stream": True}
 
