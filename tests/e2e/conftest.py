@@ -203,14 +203,9 @@ def ready_pooling_server(config, tmp_path_factory) -> VLLMServer:
     """The pooling server, started if it is not running and waited for (bounded: a server that never answers
     fails the test, not the run)."""
     server = pooling_server(config, tmp_path_factory)
-    server.start()  # a no-op where it runs
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
-        try:
-            server.wait_ready(timeout=240)
-        except BaseException:
-            stop_all([server])
-            raise
+        start_many([server], timeout=240)  # starts it unless it runs, waits for it, stops it if it never answers
     return server
 
 

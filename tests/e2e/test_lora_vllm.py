@@ -48,11 +48,12 @@ def lora_vllms(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def lora_gateway(lora_vllms, tmp_path_factory):
-    adapters = [{"name": name, "path": str(lora_adapters_dir() / name)} for name in ADAPTERS]
-    adapters.append({"name": "tiny-lora-missing", "path": str(lora_adapters_dir() / "no-such-adapter")})
+    loras = lora_adapters_dir()
+    adapters = [{"name": name, "path": str(loras / name)} for name in ADAPTERS]
+    adapters.append({"name": "tiny-lora-missing", "path": str(loras / "no-such-adapter")})
     wide = tmp_path_factory.mktemp("tiny-lora-wide")  # an adapter whose rank is above the servers' --max-lora-rank
-    shutil.copy(lora_adapters_dir() / "tiny-lora-a" / "adapter_model.safetensors", wide)
-    config = json.loads((lora_adapters_dir() / "tiny-lora-a" / "adapter_config.json").read_text())
+    shutil.copy(loras / "tiny-lora-a" / "adapter_model.safetensors", wide)
+    config = json.loads((loras / "tiny-lora-a" / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**config, "r": 64, "lora_alpha": 128}))
     adapters.append({"name": "tiny-lora-wide", "path": str(wide)})
     policy = {
