@@ -6,19 +6,16 @@ revoked, wrong secret), and never echoes the key. Verified records are cached pe
 so the TTL is only the bound when such a message is lost. While the
 store cannot be reached (an outage, a Redis failover) a record verified within `auth.stale_seconds` is used
 as it was, so keys issued before the failover keep working; a key never seen by this process gets a 503.
-Calls that miss the cache together (its entry expired under load: 64 calls in flight at one moment) share one
-store read per id, instead of one each.
 A key's team (policies/teams.py) is looked up and cached the same way, under `team:<name>`, and announced the
 same way when it changes; Authorize holds the call to the team's models and data policy as well as the key's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from backends.egress import inside, networks
 from policies.background import Background
@@ -59,7 +56,6 @@ class KeyCache:
         self.keep = keep  # how long an entry may serve while the store is unreachable
         self.entries: OrderedDict[str, tuple[Cached, float]] = OrderedDict()
         self.doubted_until = -math.inf  # monotonic: records fetched then or earlier are read again
-        self.reading: dict[str, asyncio.Future[Cached | None]] = {}  # id -> the store read under way for it
 
     def get(self, key_id: str, now: float, ttl: float | None = None) -> Cached | None:
         """The record if fetched less than `ttl` ago; by default, the cache's own TTL and not doubted since."""
@@ -79,39 +75,11 @@ class KeyCache:
         while len(self.entries) > CACHE_ENTRIES:
             self.entries.popitem(last=False)
 
-    async def read(self, entry: str, fetch: Callable[[], Awaitable[Cached | None]]) -> Cached | None:
-        """`fetch()` from the store, one at a time per id: a call that misses while a read of its id is under
-        way awaits that read's answer (or its StoreUnavailable) rather than starting another. A read shared
-        this way outlives a caller that gives up on it (the client went away): the others still await it."""
-        reading = self.reading.get(entry)
-        if reading is None:
-            reading = asyncio.ensure_future(fetch())
-            self.reading[entry] = reading
-            started = time.monotonic()
-            reading.add_done_callback(lambda done: self.read_done(entry, done, started))
-        return await asyncio.shield(reading)
-
-    def read_done(self, entry: str, done: asyncio.Future[Cached | None], started: float) -> None:
-        """A read ended: its record is cached (as fetched when the read began) unless the record changed (drop,
-        doubt_all) while it was read."""
-        current = self.reading.get(entry) is done
-        if current:
-            del self.reading[entry]
-        if done.cancelled() or done.exception() is not None:  # retrieved here too: its callers may have gone
-            return
-        record = done.result()
-        if current and record is not None:
-            self.put(record, started)
-
     def drop(self, key_id: str) -> None:
-        """The record changed: forget it, and any read of it under way (it may predate the change), so the
-        next call reads it again."""
         self.entries.pop(key_id, None)
-        self.reading.pop(key_id, None)
 
     def doubt_all(self) -> None:
         self.doubted_until = time.monotonic()
-        self.reading.clear()
 
 
 class Authenticate:
@@ -139,14 +107,16 @@ class Authenticate:
         mono = time.monotonic()
         team = self.cache.get(entry, mono)
         if team is None:
-            name = key.team
             try:
-                team = await self.cache.read(entry, lambda: self.store.get_team(name))
+                team = await self.store.get_team(key.team)
             except StoreUnavailable:
                 team = self.cache.get(entry, mono, self.cache.keep)
                 self.on_outage("refused" if team is None else "cached")
                 if team is None:
                     raise StateUnavailable("the key store is unavailable; try again shortly") from None
+            else:
+                if team is not None:
+                    self.cache.put(team, mono)
         if not isinstance(team, TeamRecord):
             raise PermissionDenied(f"this API key's team {key.team} no longer exists", code="team_not_found")
         return team
@@ -161,12 +131,15 @@ class Authenticate:
         record = self.cache.get(key_id, mono)
         if record is None:
             try:
-                record = await self.cache.read(key_id, lambda: self.store.get_key(key_id))
+                record = await self.store.get_key(key_id)
             except StoreUnavailable:
                 record = self.cache.get(key_id, mono, self.cache.keep)
                 self.on_outage("refused" if record is None else "cached")
                 if record is None:
                     raise StateUnavailable("the key store is unavailable; try again shortly") from None
+            else:
+                if record is not None:
+                    self.cache.put(record, mono)
         if not isinstance(record, KeyRecord) or not record.matches(key, now) or not record.usable(now):
             raise AuthenticationFailed(INVALID)
         if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:
