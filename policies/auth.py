@@ -8,14 +8,17 @@ store cannot be reached (an outage, a Redis failover) a record verified within `
 as it was, so keys issued before the failover keep working; a key never seen by this process gets a 503.
 A key's team (policies/teams.py) is looked up and cached the same way, under `team:<name>`, and announced the
 same way when it changes; Authorize holds the call to the team's models and data policy as well as the key's.
+Calls that miss the cache together (its entry expired under load: 64 calls in flight at one moment) share one
+store read per id, instead of one each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from backends.egress import inside, networks
 from policies.background import Background
@@ -56,6 +59,9 @@ class KeyCache:
         self.keep = keep  # how long an entry may serve while the store is unreachable
         self.entries: OrderedDict[str, tuple[Cached, float]] = OrderedDict()
         self.doubted_until = -math.inf  # monotonic: records fetched then or earlier are read again
+        self.reading: dict[str, asyncio.Future[Cached | None]] = {}  # id -> the read a call may join
+        self.in_flight: dict[asyncio.Future[Cached | None], str] = {}  # every read under way -> its id
+        self.dropped: set[asyncio.Future[Cached | None]] = set()  # reads of a record that changed under them
 
     def get(self, key_id: str, now: float, ttl: float | None = None) -> Cached | None:
         """The record if fetched less than `ttl` ago; by default, the cache's own TTL and not doubted since."""
@@ -75,11 +81,47 @@ class KeyCache:
         while len(self.entries) > CACHE_ENTRIES:
             self.entries.popitem(last=False)
 
+    async def read(self, entry: str, fetch: Callable[[], Awaitable[Cached | None]]) -> Cached | None:
+        """`fetch()` from the store, one at a time per id: a call that misses while a read of its id is under
+        way awaits that read's answer (or its StoreUnavailable) rather than starting another. A read shared
+        this way outlives a caller that gives up on it (the client went away): the others still await it."""
+        reading = self.reading.get(entry)
+        if reading is None:
+            started = time.monotonic()
+            reading = self.reading[entry] = asyncio.ensure_future(fetch())
+            self.in_flight[reading] = entry
+            reading.add_done_callback(lambda done: self.read_done(entry, done, started))
+        return await asyncio.shield(reading)
+
+    def read_done(self, entry: str, done: asyncio.Future[Cached | None], started: float) -> None:
+        """A read ended: its record is cached as fetched when the read began, so a `doubt_all` since leaves it
+        doubted (read again on its next use, yet the outage fallback), as a read of one's own would be; a
+        read of a record dropped under it is not cached at all, nor one older than the entry already held."""
+        del self.in_flight[done]
+        if self.reading.get(entry) is done:
+            del self.reading[entry]
+        if done in self.dropped:
+            self.dropped.discard(done)
+            return
+        if done.cancelled() or done.exception() is not None:  # retrieved here too: its callers may have gone
+            return
+        record = done.result()
+        held = self.entries.get(entry)
+        if record is not None and (held is None or held[1] < started):
+            self.put(record, started)
+
     def drop(self, key_id: str) -> None:
+        """The record changed: forget it, and any read of it under way (it may predate the change), so the
+        next call reads it again."""
         self.entries.pop(key_id, None)
+        self.reading.pop(key_id, None)
+        self.dropped.update(reading for reading, entry in self.in_flight.items() if entry == key_id)
 
     def doubt_all(self) -> None:
+        """Changes may have been missed: every record fetched until now is read again on its next use, and
+        a call from now on starts a read of its own rather than join one that began before."""
         self.doubted_until = time.monotonic()
+        self.reading.clear()
 
 
 class Authenticate:
@@ -107,16 +149,14 @@ class Authenticate:
         mono = time.monotonic()
         team = self.cache.get(entry, mono)
         if team is None:
+            name = key.team
             try:
-                team = await self.store.get_team(key.team)
+                team = await self.cache.read(entry, lambda: self.store.get_team(name))
             except StoreUnavailable:
                 team = self.cache.get(entry, mono, self.cache.keep)
                 self.on_outage("refused" if team is None else "cached")
                 if team is None:
                     raise StateUnavailable("the key store is unavailable; try again shortly") from None
-            else:
-                if team is not None:
-                    self.cache.put(team, mono)
         if not isinstance(team, TeamRecord):
             raise PermissionDenied(f"this API key's team {key.team} no longer exists", code="team_not_found")
         return team
@@ -131,15 +171,12 @@ class Authenticate:
         record = self.cache.get(key_id, mono)
         if record is None:
             try:
-                record = await self.store.get_key(key_id)
+                record = await self.cache.read(key_id, lambda: self.store.get_key(key_id))
             except StoreUnavailable:
                 record = self.cache.get(key_id, mono, self.cache.keep)
                 self.on_outage("refused" if record is None else "cached")
                 if record is None:
                     raise StateUnavailable("the key store is unavailable; try again shortly") from None
-            else:
-                if record is not None:
-                    self.cache.put(record, mono)
         if not isinstance(record, KeyRecord) or not record.matches(key, now) or not record.usable(now):
             raise AuthenticationFailed(INVALID)
         if mono - self.touched.get(key_id, -TOUCH_EVERY) >= TOUCH_EVERY:
