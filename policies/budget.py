@@ -43,6 +43,7 @@ from functools import partial
 from typing import Protocol
 
 from policies.background import Background
+from policies.budget_holds import Hold, Pledge
 from policies.config import Policy
 from policies.errors import RateLimited
 from policies.finished import RENTED, Finished
@@ -53,7 +54,7 @@ from policies.ledger.sums import COMPLETION, COST, PROMPT
 from policies.pipeline import Call
 from policies.store import StoreError, StoreUnavailable
 from policies.store.redis import RedisStore
-from policies.store.sqlite_holds import HoldRow, SQLiteHolds
+from policies.store.sqlite_holds import SQLiteHolds
 
 log = logging.getLogger("gateway.budget")
 
@@ -88,37 +89,6 @@ class Verdict:
     rent_ok: bool  # spent + reserved was below max_rented_spend (the cost estimate is now reserved)
     spent: float
     tokens: float
-
-
-@dataclass(slots=True)
-class Pledge:
-    """A call's reservation as written to the store before the call leaves (where the store asks for it:
-    `Budgets.durable`): the call as the ledger would record it, at its reserved bound. One per call, whatever
-    number of budgets it counts against (the ledger's rows of a team's keys are the team's)."""
-
-    bucket: int
-    model: str
-    key_id: str
-    prompt: int
-    output: int
-    backend: str = ""
-    served: str = "owned"
-    cost: float = 0.0
-    id: int | None = None  # the store's, once written
-
-    def row(self) -> HoldRow:
-        return HoldRow(self.bucket, self.model, self.backend, self.key_id, self.served, self.prompt, self.output,
-                       self.cost)
-
-
-@dataclass(slots=True)
-class Hold:
-    key_id: str  # the budget's owner: a key id, or a team's `team:<name>`
-    start: int
-    end: int
-    cost: float
-    tokens: int
-    pledge: Pledge | None = None  # the call's written reservation (the same for each of its holds)
 
 
 class Budgets(Protocol):

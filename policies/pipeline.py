@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.replicas import Replica
+from policies.routing.request import Prompt, RoutingRequest
 from policies.tokens import FREE, Estimate
 
 if TYPE_CHECKING:  # the steps' own types
     from backends.lora import AdapterTarget
+    from policies.budget_holds import Hold
+    from policies.config.admission import PriorityClass
     from policies.keys import KeyRecord
     from policies.ratelimit.base import Ticket
     from policies.teams import TeamRecord
@@ -49,7 +52,7 @@ class Call:
     claims: list[tuple[str, str, Exception]] = field(default_factory=list)
     mints_ids: bool = False  # it will mint ids its key owns: the owners step sets tag_owner
     tag_owner: Callable[[str], str] | None = None  # (rest of an id) -> its owner tag, for this call's key
-    priority: Any = None  # its PriorityClass (policies/priority.py; config imports the steps); None: the default
+    priority: PriorityClass | None = None  # its class (policies/priority.py); None: the default class
     client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     ticket: Ticket | None = None  # what the rate limiter took, to give back
@@ -72,7 +75,7 @@ class Call:
     queue_wait: float = 0.0  # seconds it waited for a slot on an owned backend
     rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
     before_rent: Callable[[], Awaitable[bool]] | None = None  # set by a step: may it spill to a rented provider now?
-    budget_hold: Any = None  # what the budget step reserved, to settle when the call ends (budget.py's Hold)
+    budget_hold: list[Hold] | None = None  # what the budget step reserved, to settle when the call ends
     error: BaseException | None = None  # why the call ended badly, if it did (a started stream: set as it ends)
     finished: bool = False
     entered: list[Step] = field(default_factory=list)
@@ -83,6 +86,12 @@ class Call:
     answer: StreamAnswer | None = None  # a variant's signals (policies/variant_signals.py): fed the streamed events
     trace: Any = None  # the call's trace ids, once it has some (gateway/tracing/tracer.py: a type of the HTTP shell)
     batch: str | None = None  # the batch it is a line of (its key is set before it enters: policies/batches/)
+
+    def routing(self) -> RoutingRequest:
+        """The request as routing sees it, for one pick (nothing is copied: the call's own headers and body are
+        read)."""
+        return RoutingRequest(self.model, self.endpoint, self.headers, self.adapter,
+                              Prompt(self.body, getattr(self.route, "prompt", None)))
 
 
 class Step(Protocol):

@@ -17,11 +17,10 @@ from time import perf_counter
 from typing import Any
 
 from backends.replicas import Replica
-from policies.pipeline import Call
 from policies.routing.base import Filter, Note, Picker, Scorer, Stats
 from policies.routing.filters import NotEjected
 from policies.routing.registry import FILTERS, PICKERS, SCORERS
-from policies.routing.request import NO_REQUEST, RoutingRequest
+from policies.routing.request import NO_REQUEST, Routable, RoutingRequest
 
 
 class Profile:
@@ -45,8 +44,8 @@ class Profile:
         self.learn_timers = [timer(s.name, "learn") if timer else None for s in self.learners]
         self.pick_timer = timer(self.picker.name, "pick") if timer else None
 
-    def pick(self, call: Call | None, replicas: Sequence[Replica], exclude: Sequence[Replica] = ()) -> Replica | None:
-        request = RoutingRequest.of(call) if call is not None else NO_REQUEST
+    def pick(self, call: Routable | None, replicas: Sequence[Replica], exclude: Sequence[Replica] = ()) -> Replica | None:
+        request = call.routing() if call is not None else NO_REQUEST
         candidates = [r for r in replicas if r.routable and r not in exclude]
         for f, timed in zip(self.filters, self.filter_timers):
             if len(candidates) <= 1:

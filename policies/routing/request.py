@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from backends.lora import AdapterTarget
-
-if TYPE_CHECKING:
-    from policies.pipeline import Call
 
 
 class Prompt:
@@ -65,14 +62,16 @@ class RoutingRequest:
         _SET_ADAPTER(self, adapter)
         _SET_PROMPT(self, prompt)
 
-    @classmethod
-    def of(cls, call: Call) -> RoutingRequest:
-        """The view of one call, for one pick (nothing is copied: the call's own headers and body are read)."""
-        return cls(call.model, call.endpoint, call.headers, call.adapter,
-                   Prompt(call.body, getattr(call.route, "prompt", None)))
-
 
 _SET_MODEL, _SET_ENDPOINT, _SET_HEADERS, _SET_ADAPTER, _SET_PROMPT = (
     vars(RoutingRequest)[name].__set__ for name in ("model", "endpoint", "headers", "adapter", "prompt"))
+
+class Routable(Protocol):
+    """What a pick is made for: a call (policies/pipeline.py), which makes its own view. Routing knows no more of
+    the call than this, so the pipeline may name routing's types and routing never the pipeline's."""
+
+    def routing(self) -> RoutingRequest:
+        """The view of this request, for one pick."""
+
 
 NO_REQUEST = RoutingRequest("", "", {}, None, Prompt({}))  # a pick made without a call (an admission that names none)

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from policies.budget import Budgets, Hold, MemoryBudgets, Pledge, RedisBudgets, period_bounds
+from policies.budget import Budgets, MemoryBudgets, RedisBudgets, period_bounds
+from policies.budget_holds import Hold, Pledge
 from policies.ledger.sqlite import SQLiteLedger
 from policies.ledger.sums import COST, ESTIMATED, REQUESTS, Sums
 from tests.support.redis_fixtures import redis_prefix, redis_server, shared_stores  # noqa: F401

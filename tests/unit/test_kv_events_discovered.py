@@ -198,7 +198,7 @@ def blind_index() -> BlockIndex:
 
 def routed(user: str = "tell me about the sea") -> RoutingRequest:
     """What a pick of chat(user) hands its plugins, for the tests that call a scorer directly."""
-    return RoutingRequest.of(chat(user))
+    return chat(user).routing()
 
 
 def tokens_of(directory, request: RoutingRequest) -> list[int]:

@@ -17,7 +17,6 @@ from policies.routing.pickers import MaxScore
 from policies.routing.prefix_affinity import PrefixAffinityParams as PrefixParams
 from policies.routing.prefix_affinity import PrefixAffinity
 from policies.routing.profile import Profile
-from policies.routing.request import RoutingRequest
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
 
@@ -45,7 +44,7 @@ def chat(system, *turns, headers=None):
                 arrived=0.0, body={"model": "m", "messages": messages}, model="m", route=CHAT)
 
 
-routed = RoutingRequest.of  # what a pick hands its plugins: tests that call a plugin directly hand it the same
+routed = Call.routing  # what a pick hands its plugins: tests that call a plugin directly hand it the same
 
 
 def test_picks_fewest_in_flight():

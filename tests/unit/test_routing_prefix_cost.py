@@ -17,7 +17,6 @@ from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
 from policies.routing.prefix_cost import PrefixCost, PrefixCostParams
 from policies.routing.profile import Profile
-from policies.routing.request import RoutingRequest
 from policies.routing.vllm_queue import VLLMQueue
 
 SYSTEM = "You are a careful agent. " * 320  # ~8,000 characters: ~2,000 tokens at 4 characters a token
@@ -56,7 +55,7 @@ def setup(seen, **params):
     p = Profile([(scorer, 4.0), (VLLMQueue(), 2.0), (LeastInFlight(), 1.0)], (), MaxScore(random.Random(0)),
                 Stats(lambda r: seen.get(r.name)), metrics, "m")
     for n in range(4):
-        scorer.picked(RoutingRequest.of(conversation(n)), rs[0], Note())
+        scorer.picked(conversation(n).routing(), rs[0], Note())
     return rs, scorer, p, metrics
 
 
@@ -139,7 +138,7 @@ def test_a_new_conversation_leans_to_the_shorter_queue_and_load_settles_it():
     seen = {"r0": vllm(waiting=2, queue=(20.0, 100)), "r1": vllm()}
     rs, scorer, p, metrics = setup(seen)
     note = Note()
-    scores = scorer.score(RoutingRequest.of(conversation(9)), rs, Stats(lambda r: seen[r.name]), note)
+    scores = scorer.score(conversation(9).routing(), rs, Stats(lambda r: seen[r.name]), note)
     assert note.outcome == "miss" and scores[1] == 1.0 and 0.0 < scores[0] < 1.0
     assert p.pick(conversation(9), rs) is rs[1]
 
