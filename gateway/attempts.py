@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from backends.http1 import Broken, ConnectFailed, ReadTimedOut, UpstreamError
 from backends.replicas import Replica, ReplicaSet
+from gateway.http.form_upload import UPLOAD
 from policies.config import Ejection, Model, Retries
 from policies.ejection import Ejections
 from policies.metrics import GatewayMetrics
@@ -78,7 +79,7 @@ class Attempts:
         settings = self.settings.get(call.model, DEFAULT)
         if len(tried) > settings.attempts:
             return False
-        if reason != CONNECT and call.upload is not None:
+        if reason != CONNECT and UPLOAD.get(call) is not None:
             return False  # an upload's body went out as it came: there is none to send again
         group = self.replicas.by_model.get(call.group or call.model, ())
         if not any(r.routable and r not in exclude for r in group):

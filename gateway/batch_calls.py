@@ -82,8 +82,7 @@ class BatchCalls:
             return Answer(401, {"error": {"message": INVALID, "type": "invalid_request_error", "param": None,
                                           "code": "invalid_api_key"}}, request_id)
         route = ROUTES[line["url"]]
-        call = Call(request_id=request_id, endpoint=route.name, headers={}, client_host=batch["_client"],
-                    arrived=time.perf_counter(), route=route, batch=batch["id"])
+        call = route.call(request_id, {}, batch["_client"], time.perf_counter(), batch=batch["id"])
         call.key = key
         call.rent_allowed = gateway.policy.batch.allow_rented
         proxy = gateway.proxy

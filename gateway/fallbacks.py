@@ -26,6 +26,8 @@ from backends.http1 import Client, Response
 from backends.rented import RentedProviders
 from backends.replicas import UP, Replica
 from backends.upstream import Upstream
+from gateway.endpoints.base import ROUTE
+from gateway.http.form_upload import UPLOAD
 from policies.config import Model, Provider, RentedStep
 from policies.errors import (
     GatewayError,
@@ -127,7 +129,7 @@ class Fallbacks:
         original = failure
         reason = reason_of(original)
         chain = self.chains.get(call.model)
-        if reason is None or chain is None or call.pinned is not None or call.upload is not None:
+        if reason is None or chain is None or call.pinned is not None or UPLOAD.get(call) is not None:
             raise original
         asked, group, adapter, variant = call.model, call.group, call.adapter, call.variant
         for step in chain:  # bounded: a chain has at most 16 steps, each tried once
@@ -176,7 +178,7 @@ class Fallbacks:
         step offers that only for a model with an overflow, once per call). The store's current record is asked by
         `rent`."""
         key, team = call.key, call.team
-        if key is None or key.data_policy != "allow_rented" or not call.rent_allowed or not call.route.rentable:
+        if key is None or key.data_policy != "allow_rented" or not call.rent_allowed or not ROUTE.of(call).rentable:
             return False
         if team is not None and team.data_policy == "private_only":
             return False

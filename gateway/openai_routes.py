@@ -300,15 +300,7 @@ class OpenAIRoutes:
         proxy = self.gateway.proxy
         assert proxy is not None  # the lifespan builds it before the first request
         client = scope.get("client")
-        call = Call(
-            request_id=request_id_from(headers),
-            endpoint=route.name,
-            headers=headers,
-            client_host=client[0] if client else "",
-            arrived=time.perf_counter(),
-            route=route,
-            params=params,
-        )
+        call = route.call(request_id_from(headers), headers, client[0] if client else "", time.perf_counter(), params)
         policy = self.gateway.policy
         limit = route.max_body(policy) if route.max_body is not None else policy.server.max_body_bytes
         loop = self.loop or self._bind_loop()

@@ -28,9 +28,9 @@ from backends.replicas import Replica, ReplicaSet
 from backends.upstream import UpstreamError
 from gateway import migration
 from gateway.attempts import Attempts, failure_of, status_failure
-from gateway.endpoints.base import JSON, MULTIPART, NONE, parse_json
+from gateway.endpoints.base import JSON, MULTIPART, NONE, ROUTE, parse_json
 from gateway.fallbacks import Fallbacks
-from gateway.http.form_upload import FormUpload
+from gateway.http.form_upload import UPLOAD, FormUpload
 from gateway.relay import EventRelay, SSERelay, model_rename
 from gateway.shadow import Shadow
 from gateway.tracing import Off, Tracing
@@ -115,7 +115,7 @@ class Proxy:
         """Serve one request of `call.route`; raises GatewayError for anything the client must see as an error.
         A multipart route's body comes as its chunks (it is streamed through), any other's whole; `raw_query`,
         the client's query string, matters only to a route that forwards it."""
-        route = call.route
+        route = ROUTE.of(call)
         try:
             if route.query is not None:
                 call.query = route.query(raw_query)
@@ -124,8 +124,9 @@ class Proxy:
                 call.body = parse_json(raw_body)
             elif route.body == MULTIPART:
                 assert not isinstance(raw_body, bytes)  # a multipart route's comes as its chunks
-                call.upload = FormUpload(raw_body, call.headers.get("content-type", ""))
-                call.body = await call.upload.read_head()
+                upload = FormUpload(raw_body, call.headers.get("content-type", ""))
+                UPLOAD.put(call, upload)
+                call.body = await upload.read_head()
             if route.pin is not None:
                 call.pinned = route.pin(call, self.replicas)
             call.asked_model = route.model(call)
@@ -275,7 +276,7 @@ class Proxy:
         """Only keys whose data policy allows it (and whose budget does), only for models with a rented overflow,
         only on routes OpenAI's API has, and never for a call pinned to its replica."""
         return (call.key is not None and call.key.data_policy == "allow_rented" and call.rent_allowed
-                and call.model in self.overflow and call.route.rentable and call.pinned is None)
+                and call.model in self.overflow and ROUTE.of(call).rentable and call.pinned is None)
 
     async def rent(self, call: Call, since: float, target: Replica | None = None) -> Response:
         """Serve from the model's rented provider (or `target`, a fallback chain's rented step): one attempt, no
@@ -305,7 +306,7 @@ class Proxy:
         """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
-        route = call.route
+        route = ROUTE.of(call)
         path = route.upstream_path(call.params)
         if call.query:
             path += call.query
@@ -317,7 +318,7 @@ class Proxy:
         if route.body == MULTIPART:
             served = target.served_name if "model" in call.body else None
             return await upstream.open(path, b"", call.request_id, content_type=call.headers[
-                "content-type"], stream=call.upload.upload(served), extra=trace_headers)
+                "content-type"], stream=UPLOAD.of(call).upload(served), extra=trace_headers)
         body = self.upstream_body(call, target) if route.body == JSON else b""
         method = "POST" if route.body != NONE else route.methods[0]
         return await upstream.open(path, body, call.request_id, method, extra=trace_headers)
@@ -338,7 +339,7 @@ class Proxy:
         vLLM's `priority` for a backend that schedules by it (the Classify step already dropped a `priority` the
         key may not send; a rented API never gets one)."""
         body = call.body
-        route = call.route
+        route = ROUTE.of(call)
         if "model" in body:
             body["model"] = call.adapter.lora_name if call.adapter is not None and not target.rented \
                 else target.served_name
@@ -376,7 +377,7 @@ class Proxy:
             raise UpstreamFailed(f"the backend for model {call.model} failed (HTTP {status}): {upstream_text(raw)[1]}")
         if status >= 400:
             raise UpstreamStatus(status, raw)
-        if call.route.plain_text and not response.headers.get("content-type", "").startswith("application/json"):
+        if ROUTE.of(call).plain_text and not response.headers.get("content-type", "").startswith("application/json"):
             return Reply(status, self.reply_headers(call, response), body=raw)  # text, srt, vtt transcripts
         try:
             data = orjson.loads(raw)
@@ -385,7 +386,7 @@ class Proxy:
                 from None
         if isinstance(data, dict):
             call.response = data
-            call.usage = call.route.usage(data)
+            call.usage = ROUTE.of(call).usage(data)
             if call.usage is None and call.replica.rented:  # paid for all the same
                 call.usage = estimated_usage(call, len(raw) // CHARS_PER_TOKEN)
             if self.rename(call) is not None and data.get("model") == self.served_names(call)[0]:
@@ -398,7 +399,7 @@ class Proxy:
         """The upstream's SSE bytes as they come; a backend failure mid-stream goes on from another replica where
         the model and the request allow it (gateway/migration.py), else becomes a final error event."""
         assert call.replica is not None  # sent: the call holds its replica
-        relay = call.route.relay(call, self.rename(call))
+        relay = ROUTE.of(call).relay_of(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
         answer = call.answer  # a variant's signals, read from the events as they pass
         # a rented provider may quote its key back: scrubbed from whole events (a key cut between two chunks is
@@ -406,7 +407,7 @@ class Proxy:
         scrub = self.rented.scrub if call.replica.rented else None
         # what went to the client, kept only where the stream may move (None: the hot path as it was)
         moving = None if scrub is not None or relay.replay else \
-            migration.watch(call.route, call.body, self.attempts.migrations(call.model))
+            migration.watch(ROUTE.of(call), call.body, self.attempts.migrations(call.model))
         first = True
         try:
             while True:  # bounded: a pass per attempt, each a move that Migration.left allows (at most 5)
@@ -474,7 +475,7 @@ class Proxy:
             else:
                 self.upstream_failed(call.replica, exc, str(exc))
                 call.error = upstream_error(exc, f"the {_side(call)} for model {call.model}", "broke off the stream")
-            yield relay.error_frame(call.route.errors(call.error))
+            yield relay.error_frame(ROUTE.of(call).errors(call.error))
         finally:
             call.usage = relay.usage if moving is None or relay.usage is None else moving.summed(relay.usage)
             call.streamed_events = relay.events
@@ -518,7 +519,7 @@ class Proxy:
         moving.moved(relay.usage)
         call.response_headers[migration.MIGRATIONS_HEADER] = str(moving.moves)
         self.metrics.stream_migrations.labels(call.model, migration.CONTINUED).inc()
-        moved = call.route.relay(call, self.rename(call))
+        moved = ROUTE.of(call).relay_of(call, self.rename(call))
         moved.max_event = self.client.limits.event_bytes
         return response, moved
 

@@ -30,6 +30,7 @@ import orjson
 
 from backends.replicas import Replica
 from backends.upstream import UpstreamError
+from gateway.endpoints.base import ROUTE
 from gateway.relay import SSERelay
 from policies.admission import Admission
 from policies.finished import Finished
@@ -96,9 +97,8 @@ class Shadow:
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
             self.dropped(live.model, name)
             return
-        copy = Call(f"{live.request_id}-shadow", live.endpoint, {}, "", time.perf_counter())
-        copy.model, copy.stream, copy.route, copy.replica, copy.load = live.model, live.stream, live.route, \
-            replica, replica.in_flight
+        copy = ROUTE.of(live).call(f"{live.request_id}-shadow", {}, "", time.perf_counter())
+        copy.model, copy.stream, copy.replica, copy.load = live.model, live.stream, replica, replica.in_flight
         body["model"] = replica.served_name
         body.pop("priority", None)
         if live.stream:
@@ -130,7 +130,7 @@ class Shadow:
         if upstream is None:  # not connected yet: the app connects the live set before serving
             raise UpstreamError(f"replica {replica.name} has no connection yet")
         copy.sent_at = time.perf_counter()
-        response = await upstream.open(copy.route.upstream_path(params), orjson.dumps(body), copy.request_id)
+        response = await upstream.open(ROUTE.of(copy).upstream_path(params), orjson.dumps(body), copy.request_id)
         try:
             copy.status = response.status if response.status < 500 else 502
             if copy.stream and response.status == 200:

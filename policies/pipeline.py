@@ -12,10 +12,10 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from backends.replicas import Replica
-from policies.routing.request import Prompt, RoutingRequest
+from policies.routing.request import Prompt, PromptReader, RoutingRequest
 from policies.tokens import FREE, Estimate
 
 if TYPE_CHECKING:  # the steps' own types
@@ -38,11 +38,10 @@ class Call:
     client_host: str
     arrived: float  # perf_counter() when the request arrived
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
-    route: Any = None  # its declaration in the gateway's endpoint registry (a type of the HTTP shell)
+    prompt_of: PromptReader | None = None  # how its route reads the prompt of its body (prefix routing reads it)
     params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
     body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
-    upload: Any = None  # a multipart body streamed through (gateway/http/form_upload.py)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
     asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
@@ -84,14 +83,42 @@ class Call:
     response: dict[str, Any] | None = None  # the parsed JSON answer of a call that was not streamed
     tap: list[bytes] | deque[bytes] | None = None  # when a trace wants them, the streamed chunks are appended here
     answer: StreamAnswer | None = None  # a variant's signals (policies/variant_signals.py): fed the streamed events
-    trace: Any = None  # the call's trace ids, once it has some (gateway/tracing/tracer.py: a type of the HTTP shell)
     batch: str | None = None  # the batch it is a line of (its key is set before it enters: policies/batches/)
+    # what a layer above keeps on the call (its route, its upload, its trace: the HTTP shell's), by Slot
+    state: dict[object, object] = field(default_factory=dict)
 
     def routing(self) -> RoutingRequest:
         """The request as routing sees it, for one pick (nothing is copied: the call's own headers and body are
         read)."""
         return RoutingRequest(self.model, self.endpoint, self.headers, self.adapter,
-                              Prompt(self.body, getattr(self.route, "prompt", None)))
+                              Prompt(self.body, self.prompt_of))
+
+
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    """One module's own state on a call (as llm-d's CycleState): the module that makes the slot writes it, and a
+    reader gets it typed through the slot. For what a layer above the policies keeps on a call (the HTTP shell's
+    route, upload and trace), so that the call names no type of that layer and still holds nothing untyped."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get(self, call: Call) -> T | None:
+        return call.state.get(self)  # type: ignore[return-value]  # only `put` writes it, with a T
+
+    def of(self, call: Call) -> T:
+        """The value, which this call must have (a slot its maker always fills)."""
+        value = call.state.get(self)
+        if value is None:
+            raise LookupError(f"the call has no {self.name}")
+        return value  # type: ignore[return-value]  # only `put` writes it, with a T
+
+    def put(self, call: Call, value: T) -> None:
+        call.state[self] = value
 
 
 class Step(Protocol):

@@ -10,7 +10,7 @@ proxy (gateway/proxy.py) runs it; neither knows any route by name.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -21,7 +21,8 @@ from backends.replicas import Replica
 from gateway.relay import EventRelay, SSERelay
 from policies.errors import BadRequest, GatewayError
 from policies.json_depth import json_too_deep, nests_past_bound
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
+from policies.routing.request import PromptReader
 from policies.tokens import FREE, Estimate
 
 JSON, MULTIPART, NONE = "json", "multipart", "none"
@@ -205,7 +206,7 @@ class Route:
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
     query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped
     stream_by_answer: bool = False  # it streams when its answer is an event stream (a form's or a query's `stream`)
-    prompt: Callable[[dict[str, Any]], str] | None = None  # the text its prompt starts with (prefix routing reads it)
+    prompt: PromptReader | None = None  # the text its prompt starts with (prefix routing reads it)
     pattern: re.Pattern[str] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -213,11 +214,28 @@ class Route:
             regex = PARAM.sub(lambda m: f"(?P<{m[1]}>{MODEL_PATH if m[2] else SEGMENT})", self.path)
             object.__setattr__(self, "pattern", re.compile(f"^{regex}$"))
 
+    def call(self, request_id: str, headers: Mapping[str, str], client_host: str, arrived: float,
+             params: dict[str, str] | None = None, batch: str | None = None) -> Call:
+        """A call of this route: its name, how it reads its prompt, and the route itself in the call's ROUTE slot."""
+        call = Call(request_id, self.name, headers, client_host, arrived, params=params or {}, batch=batch,
+                    prompt_of=self.prompt)
+        ROUTE.put(call, self)
+        return call
+
+    def relay_of(self, call: Call, rename: tuple[bytes, bytes] | None) -> SSERelay | EventRelay:
+        """The relay of the call's streamed answer: only a route that streams has one."""
+        if self.relay is None:
+            raise TypeError(f"the route {self.name} never streams")
+        return self.relay(call, rename)
+
     def upstream_path(self, params: dict[str, str]) -> str:
         return (self.upstream or self.path).format(**params)
 
     def streams(self, body: dict[str, Any]) -> bool:
         return self.relay is not None and body.get("stream") is True
+
+
+ROUTE: Slot[Route] = Slot("route")  # the route a call is served by (Route.call fills it)
 
 
 def _int(value: Any) -> int:

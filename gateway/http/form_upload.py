@@ -22,6 +22,7 @@ from typing import Any
 from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 
 from policies.errors import BadRequest
+from policies.pipeline import Slot
 
 READ_FIELDS = ("model", "stream")  # the text fields the gateway reads (when they come before the model's end)
 FIELD_LIMIT = 1024  # bytes of one of those fields' values the gateway reads
@@ -132,3 +133,6 @@ class FormUpload:
                              code="invalid_multipart") from None
         if segment.name == "model":
             self.model_part, self.model_value = self.parts, raw
+
+
+UPLOAD: Slot[FormUpload] = Slot("upload")  # a multipart body streamed through, on the call that carries it

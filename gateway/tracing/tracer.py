@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
@@ -17,10 +16,12 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 from gateway.tracing import wire
 from gateway.tracing.spans import SpanWriter
 from gateway.tracing.export import Encoded, SpanPipe
-from gateway.tracing.context import client_context, passthrough
+from gateway.tracing.context import TRACE, CallTrace, client_context, passthrough
+from backends.replicas import Replica
 from policies.config import Tracing as TracingConfig
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics
+from policies.pipeline import Call
 
 log = logging.getLogger("gateway.tracing")
 
@@ -32,20 +33,6 @@ WRITE_EVERY = 64
 WRITE_AFTER = 0.05
 SAMPLED, NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
 getrandbits, perf_counter = random.getrandbits, time.perf_counter  # per call: no module attribute lookups
-
-
-class CallTrace:
-    """The ids of one call's trace, fixed before anything is sent, and its upstream attempts."""
-
-    __slots__ = ("trace_id", "parent", "span_id", "sampled", "state", "attempts", "tap", "end", "count")
-
-    def __init__(self, trace_id: int, parent: int, sampled: bool, state: str) -> None:
-        self.trace_id, self.parent, self.sampled, self.state = trace_id, parent, sampled, state
-        self.span_id = getrandbits(64) or 1
-        self.attempts: list[tuple[int, Any, float, int, float | None]] = []  # span id, replica, sent, in flight, limit
-        self.tap: Any = None
-        self.end = 0.0  # perf_counter() when the call finished
-        self.count = 0  # spans written for it
 
 
 class Tracer:
@@ -62,11 +49,11 @@ class Tracer:
                              self.write_every)
         self.timeout = config.export_timeout
         self.writer = SpanWriter(frozenset(config.content_models))
-        self.done: list[Any] = []  # finished sampled calls whose spans are not written yet
+        self.done: list[Call] = []  # finished sampled calls whose spans are not written yet
         self.timer: asyncio.TimerHandle | None = None
         self.writing = threading.Lock()
 
-    def start(self, call: Any) -> CallTrace:
+    def start(self, call: Call) -> CallTrace:
         """The call's trace ids, when the gateway first needs them: the client's trace continued, or a new one."""
         found = client_context(call.headers)
         if found is None:  # a new trace: TraceIdRatioBased's own test, without building a SamplingResult
@@ -78,13 +65,13 @@ class Tracer:
             decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
                                                   call.endpoint, SpanKind.SERVER)
             trace = CallTrace(trace_id, parent, decision.decision is Decision.RECORD_AND_SAMPLE, state)
-        call.trace = trace
+        TRACE.put(call, trace)
         return trace
 
-    def sending(self, call: Any, replica: Any) -> bytes:
+    def sending(self, call: Call, replica: Replica) -> bytes:
         """The headers that carry the trace upstream; records the attempt for its span."""
         try:
-            trace = call.trace or self.start(call)
+            trace = TRACE.get(call) or self.start(call)
             span_id = getrandbits(64) or 1
             trace.attempts.append((span_id, replica, perf_counter(), replica.in_flight, replica.limit))
             if trace.sampled:
@@ -96,7 +83,7 @@ class Tracer:
             return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
         except Exception:  # a tracing bug must never fail a request: the call goes on untraced
             log.exception("tracing: could not start the trace of request %s", call.request_id)
-            call.trace = CallTrace(1, 0, False, "")  # not sampled: nothing more is recorded for it
+            TRACE.put(call, CallTrace(1, 0, False, ""))  # not sampled: nothing more is recorded for it
             return passthrough(call.headers)
 
     name = "tracing"  # as an observer of finished calls (policies/finished.py)
@@ -105,9 +92,9 @@ class Tracer:
         if record.call is not None:
             self.finished(record.call)
 
-    def finished(self, call: Any) -> None:
+    def finished(self, call: Call) -> None:
         try:
-            trace = call.trace or self.start(call)
+            trace = TRACE.get(call) or self.start(call)
             if not trace.sampled:
                 return
             trace.end = perf_counter()
@@ -134,8 +121,9 @@ class Tracer:
         spans, count = [], 0
         for call in done:
             try:
-                spans.append(self.writer.spans(call, call.trace, offset))
-                count += call.trace.count
+                trace = TRACE.of(call)
+                spans.append(self.writer.spans(call, trace, offset))
+                count += trace.count
             except Exception:  # a tracing bug must never fail a request: this call's trace is lost
                 log.exception("tracing: could not record the trace of request %s", call.request_id)
         if spans:

@@ -21,6 +21,9 @@ from typing import Any, Protocol
 from backends.lora import AdapterTarget
 
 
+PromptReader = Callable[[Mapping[str, Any]], str]  # a route's: the text a JSON body's prompt starts with
+
+
 class Prompt:
     """A request's prompt, read lazily: `text` is what the route's reader makes of the body (empty when the route
     declares no prompt), computed on first use and kept; `body` is the JSON body it comes from. Neither is for
@@ -28,7 +31,7 @@ class Prompt:
 
     __slots__ = ("body", "_read", "_text")
 
-    def __init__(self, body: Mapping[str, Any], read: Callable[[Mapping[str, Any]], str] | None = None) -> None:
+    def __init__(self, body: Mapping[str, Any], read: PromptReader | None = None) -> None:
         self.body = body
         self._read = read
         self._text: str | None = None

@@ -31,4 +31,4 @@ class Call:
     response: Any = None
     usage: Any = None
     tap: Any = None
-    trace: Any = None
+    state: dict = field(default_factory=dict)  # the trace, in gateway/tracing/context.py's TRACE slot

@@ -41,7 +41,7 @@ def chat(system, *turns, headers=None):
     for i, text in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
     return Call(request_id="r", endpoint="chat/completions", headers=headers or {}, client_host="127.0.0.1",
-                arrived=0.0, body={"model": "m", "messages": messages}, model="m", route=CHAT)
+                arrived=0.0, body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 
 routed = Call.routing  # what a pick hands its plugins: tests that call a plugin directly hand it the same
@@ -385,10 +385,10 @@ def test_the_prompt_is_read_as_the_route_declares_it():
     call.endpoint = "renamed"  # the route's name plays no part
     assert scorer.blocks(routed(call)) == scorer.blocks(routed(conversation(0)))
     anthropic = Call(request_id="r", endpoint="messages", headers={}, client_host="127.0.0.1", arrived=0.0,
-                     model="m", route=messages.MESSAGES,
+                     model="m", prompt_of=messages.MESSAGES.prompt,
                      body={"model": "m", "system": SYSTEM, "messages": [{"role": "user", "content": "hi"}]})
     assert len(scorer.blocks(routed(anthropic))) == len(SYSTEM) // 64
-    call.route = embeddings.ROUTE  # a route that declares no prompt
+    call.prompt_of = embeddings.ROUTE.prompt  # a route that declares no prompt
     assert scorer.blocks(routed(call)) == []
 
 

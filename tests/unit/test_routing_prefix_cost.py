@@ -32,7 +32,7 @@ def conversation(n, turns=1):
     for t in range(2 * turns - 1):
         messages.append({"role": "user" if t % 2 == 0 else "assistant", "content": f"turn {t} " + "y" * 200})
     return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="127.0.0.1", arrived=0.0,
-                body={"model": "m", "messages": messages}, model="m", route=CHAT)
+                body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 
 def vllm(at=1.0, waiting=0, running=10, queue=(0.0, 0), prefill=(10.0, 100), computed=100_000.0, ttft=None):

@@ -34,7 +34,7 @@ def call(route=None, **fields):
     body = {"model": "m", "messages": [{"role": "system", "content": "You are a careful agent. " * 40},
                                        {"role": "user", "content": "list the files"}]}
     return Call(request_id="r", endpoint="chat/completions", headers={"x-session-id": "s1"}, client_host="127.0.0.1",
-                arrived=0.0, body=body, model="m", route=route or CountingRoute(), **fields)
+                arrived=0.0, body=body, model="m", prompt_of=(route or CountingRoute()).prompt, **fields)
 
 
 def replicas(n=3):
