@@ -59,7 +59,7 @@ lint: venv  # bugs ruff finds, the layers of the design (imports go down only), 
 # vLLM servers start once and want both cores. Every part runs; the status is the first failure's. GATEWAY_TESTS_ALL=1: a test that needs a missing part fails (tests/support/needs.py).
 # The vLLM venv, tiny model and adapters (e2e-setup: ~2 minutes on a clean clone, mostly pip) are made beside the
 # first part, which needs none of them, and waited for before the serial part (log: build/e2e-setup.log).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: venv redis-setup oidc-setup browser-setup helm-setup container-setup lint docs  # tests/image builds the image (or reuses it) and runs it
 	mkdir -p build; first=0; second=0; third=0; \
 	scripts/setup_e2e.sh > build/e2e-setup.log 2>&1 & setup=$$!; \

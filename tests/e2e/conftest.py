@@ -159,7 +159,7 @@ def _stop_capped_at_the_end() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def capped_vllm(tmp_path_factory, request):
     """The sweeps' server (CAPPED_ARGS) alone on core 0: one process for every module that asks for it (knee,
-    caps, batch fill: ~25 s of start each saved), started on first use and stopped when the shared servers start;
+    caps, batch fill, scaling: ~15-30 s of start each saved), started on first use and stopped when the shared servers start;
     any other running server is paused while a module uses it. For `sweep` tests, which load it to saturation."""
     need_vllm()
     if not _capped or not _capped[0].is_running():

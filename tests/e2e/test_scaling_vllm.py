@@ -1,9 +1,10 @@
-"""The replicas-needed signal against a real CPU vLLM: on a ramp from zero through twice one replica's cap and
+"""The replicas-needed signal against a real CPU vLLM: on a ramp from zero through six times one replica's cap and
 back, it asks for a second replica before vLLM's own waiting count rises (vLLM alone, on the same ramp, first
 queues past its batch limit; behind the gateway's cap it never does), and falls back to 0.
 
-vLLM runs with `--max-num-seqs 16` (its batch limit, above the knee as vLLM's default 256 is above an H200's)
-and the gateway caps it at 4. Marked `sweep`: it loads a vLLM of its own before the shared servers start.
+On the sweeps' server (conftest.capped_vllm: `--max-num-seqs 8`, its batch limit, above the knee as vLLM's default
+256 is above an H200's; priority scheduling, which serves requests that name no priority in arrival order), with
+the gateway capping it at 2. Marked `sweep`: it loads the server alone, before the shared servers start.
 """
 
 from __future__ import annotations
@@ -11,34 +12,31 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import others_paused, started
-from tests.e2e.vllm_procs import VLLMServer, default_model_dir
+from tests.e2e.conftest import CAPPED_ARGS
 from tests.integration.test_policy_reload import until
 from tests.integration.test_scaling_signal_gateway import Ramp, first, read_all, sample_ramp
 from tests.support.gateway import AUTH, running_gateway
 from tests.support.probes import metric_sum
 
-CAP, BATCH = 4, 16
-LEVELS = [0, 2, CAP, 2 * CAP, 6 * CAP, 2 * CAP, 0]
+CAP, BATCH = 2, 8
+LEVELS = [0, 1, CAP, 2 * CAP, 6 * CAP, 2 * CAP, 0]
 STEP = 4.0
 
 
 @pytest.mark.sweep
-async def test_the_signal_leads_a_real_vllms_waiting_count(tmp_path):
-    server = VLLMServer(default_model_dir(), "tiny-scale", core=0, extra_args=("--max-num-seqs", str(BATCH)),
-                        log_dir=tmp_path, log_requests=False)
-    with others_paused(), started(server):
-        await ramp_both(server.base_url)
+async def test_the_signal_leads_a_real_vllms_waiting_count(capped_vllm):
+    assert CAPPED_ARGS[-2:] == ("--max-num-seqs", str(BATCH))
+    await ramp_both(capped_vllm.base_url, capped_vllm.served_model_name)
 
 
-async def ramp_both(vllm: str) -> None:
+async def ramp_both(vllm: str, served: str) -> None:
     async with httpx.AsyncClient(timeout=120) as http:
         async def waiting() -> float:
             return metric_sum((await http.get(f"{vllm}/metrics")).text, "vllm:num_requests_waiting")
 
-        alone = Ramp(http, vllm, "tiny-scale")
+        alone = Ramp(http, vllm, served)
         direct = await sample_ramp(alone, lambda: read_all(waiting=waiting), LEVELS, STEP)
-        policy = {"models": [{"name": "m", "served_name": "tiny-scale", "backends": [{"url": vllm, "cap": CAP}],
+        policy = {"models": [{"name": "m", "served_name": served, "backends": [{"url": vllm, "cap": CAP}],
                               "autoscaling": {"headroom": 0.1, "smoothing_seconds": 1}}],
                   "health": {"interval": 1}, "timeouts": {"read": 120}}
         async with running_gateway(policy) as gw:
