@@ -60,8 +60,8 @@ class KeyCache:
         self.entries: OrderedDict[str, tuple[Cached, float]] = OrderedDict()
         self.doubted_until = -math.inf  # monotonic: records fetched then or earlier are read again
         self.reading: dict[str, asyncio.Future[Cached | None]] = {}  # id -> the read a call may join
-        self.in_flight: dict[asyncio.Future[Cached | None], str] = {}  # every read under way -> its id
-        self.dropped: set[asyncio.Future[Cached | None]] = set()  # reads of a record that changed under them
+        # every read under way whose record may still be cached -> its id (`drop` takes a changed record's out)
+        self.in_flight: dict[asyncio.Future[Cached | None], str] = {}
 
     def get(self, key_id: str, now: float, ttl: float | None = None) -> Cached | None:
         """The record if fetched less than `ttl` ago; by default, the cache's own TTL and not doubted since."""
@@ -97,11 +97,9 @@ class KeyCache:
         """A read ended: its record is cached as fetched when the read began, so a `doubt_all` since leaves it
         doubted (read again on its next use, yet the outage fallback), as a read of one's own would be; a
         read of a record dropped under it is not cached at all, nor one older than the entry already held."""
-        del self.in_flight[done]
         if self.reading.get(entry) is done:
             del self.reading[entry]
-        if done in self.dropped:
-            self.dropped.discard(done)
+        if self.in_flight.pop(done, None) is None:  # dropped while it was read
             return
         if done.cancelled() or done.exception() is not None:  # retrieved here too: its callers may have gone
             return
@@ -115,7 +113,8 @@ class KeyCache:
         next call reads it again."""
         self.entries.pop(key_id, None)
         self.reading.pop(key_id, None)
-        self.dropped.update(reading for reading, entry in self.in_flight.items() if entry == key_id)
+        for reading in [reading for reading, entry in self.in_flight.items() if entry == key_id]:
+            del self.in_flight[reading]
 
     def doubt_all(self) -> None:
         """Changes may have been missed: every record fetched until now is read again on its next use, and

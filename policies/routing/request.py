@@ -69,6 +69,7 @@ class RoutingRequest:
 _SET_MODEL, _SET_ENDPOINT, _SET_HEADERS, _SET_ADAPTER, _SET_PROMPT = (
     vars(RoutingRequest)[name].__set__ for name in ("model", "endpoint", "headers", "adapter", "prompt"))
 
+
 class Routable(Protocol):
     """What a pick is made for: a call (policies/pipeline.py), which makes its own view. Routing knows no more of
     the call than this, so the pipeline may name routing's types and routing never the pipeline's."""

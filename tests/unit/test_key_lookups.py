@@ -60,6 +60,13 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def verifying(auth: Authenticate, key: str) -> asyncio.Future[KeyRecord]:
+    """A call verifying `key`, let run until it waits on the store."""
+    call = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
+    await settle()
+    return call
+
+
 async def test_64_calls_that_miss_together_share_one_read_and_the_next_is_served_from_the_cache():
     key, record = a_key()
     store = SlowStore(record)
@@ -117,12 +124,10 @@ async def test_a_change_announced_during_a_read_is_not_hidden_by_it():
     key, record = a_key()
     store = SlowStore(record)
     auth = authenticate(store)
-    before = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    before = await verifying(auth, key)
     store.record = record.model_copy(update={"revoked": True})  # revoked while the first read is under way
     auth.cache.drop(record.id)  # as the admin API and the key-change listener do
-    after = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    after = await verifying(auth, key)
     assert store.key_reads == 2  # the call after the change did not join the read from before it
     store.go.set()
     assert (await before).id == record.id  # it was in flight before the change, as it would have been alone
@@ -136,11 +141,9 @@ async def test_a_read_under_way_when_the_listener_reconnects_is_still_the_outage
     key, record = a_key()
     store = SlowStore(record)
     auth = authenticate(store, stale_seconds=60.0)
-    before = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    before = await verifying(auth, key)
     auth.cache.doubt_all()  # the key-change listener reconnected while the read was under way
-    after = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    after = await verifying(auth, key)
     assert store.key_reads == 2  # the call after the doubt did not join the read from before it
     store.go.set()
     assert (await before).id == record.id and (await after).id == record.id
@@ -155,8 +158,7 @@ async def test_a_doubted_read_is_read_again_while_the_store_answers_yet_serves_a
     key, record = a_key()
     store = SlowStore(record)
     auth = authenticate(store, stale_seconds=60.0)
-    only = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    only = await verifying(auth, key)
     auth.cache.doubt_all()  # no call after it: the read from before is the only one
     store.go.set()
     assert (await only).id == record.id
@@ -165,8 +167,7 @@ async def test_a_doubted_read_is_read_again_while_the_store_answers_yet_serves_a
     auth.cache.doubt_all()
     store.go.clear()
     store.down = True
-    outage = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    outage = await verifying(auth, key)
     store.go.set()
     assert (await outage).id == record.id  # served from the doubted record: the outage fallback
 
@@ -175,14 +176,13 @@ async def test_a_change_to_a_record_whose_read_began_before_a_reconnect_is_not_h
     key, record = a_key()
     store = SlowStore(record)
     auth = authenticate(store)
-    before = asyncio.ensure_future(auth.verify(f"Bearer {key}"))
-    await settle()
+    before = await verifying(auth, key)
     auth.cache.doubt_all()  # the read is no longer one a call may join, yet still under way
     store.record = record.model_copy(update={"revoked": True})
     auth.cache.drop(record.id)  # then the key is revoked
     store.go.set()
     await before
-    assert auth.cache.dropped == set()
+    assert auth.cache.in_flight == {}
     store.down = True  # not even as the outage fallback: an outage now refuses the key, never serves it unrevoked
     with pytest.raises(StateUnavailable):
         await auth.verify(f"Bearer {key}")
