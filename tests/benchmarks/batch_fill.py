@@ -61,10 +61,20 @@ sys.path.insert(0, str(REPO))
 
 from policies.admission import reserve_for  # noqa: E402
 from tests.benchmarks.overload import closed_loop, issue_key  # noqa: E402
+from tests.benchmarks.routing import VLLM_HISTOGRAMS, histogram, histogram_delta, histogram_figures  # noqa: E402
+from tests.e2e.vllm_procs import parse_metrics  # noqa: E402
 from tests.support.probes import metric_sum, wait_http_ok  # noqa: E402
 from tests.support.servers import free_port  # noqa: E402
 
 BUCKET = 1  # ledger seconds per bucket: the report's windows line up with the runs (short ones too)
+# Where a request's time goes in each run, from each side's /metrics before and after it (means): vLLM's own
+# (from its engine's arrival of a request: interactive and batch together), and the gateway's (arrival to the
+# first streamed chunk, so interactive requests only; the queue wait of each class).
+VLLM_TIMES = {**VLLM_HISTOGRAMS, "decode": "vllm:request_decode_time_seconds",
+              "itl": "vllm:inter_token_latency_seconds"}
+GATEWAY_TIMES = {"ttft": "llm_gateway_time_to_first_token_seconds",
+                 "queue": ("llm_gateway_queue_wait_seconds", {"class": "interactive"}),
+                 "batch queue": ("llm_gateway_queue_wait_seconds", {"class": "batch"})}
 
 
 def start_gateway(backend_url: str, model: str, cap: int, work: Path, concurrency: int, reserve: int | None,
@@ -106,6 +116,64 @@ def utilisation(url: str, token: str, model: str, since: float, until: float) ->
     return figures["utilisation"], figures["batch_fill"]
 
 
+def histogram_of(m: dict, name: str, labels: dict[str, str]) -> dict:
+    """routing.histogram over the label sets that carry `labels` only."""
+    return histogram({key: value for key, value in m.items() if labels.items() <= dict(key[1]).items()}, name)
+
+
+async def snapshot(url: str, names: dict) -> dict:
+    """The histograms `names` of the server at `url` ({} when it does not answer: the figures are then left out);
+    read in a thread, so the client's event loop (timing the interactive requests) is not held."""
+    def read() -> str:
+        return httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+
+    try:
+        text = await asyncio.to_thread(read)
+    except httpx.HTTPError:
+        return {}
+    m = parse_metrics(text)
+    return {key: histogram(m, name) if isinstance(name, str) else histogram_of(m, *name) for key, name in names.items()}
+
+
+def mean_times(before: dict, after: dict) -> dict[str, float | None]:
+    """Each histogram's mean (ms) over what it counted between the two snapshots (None: nothing counted)."""
+    return {key: histogram_figures(histogram_delta([before[key]], [after[key]]))["mean_ms"]
+            for key in after if key in before}
+
+
+class Times:
+    """vLLM's and the gateway's histograms read when a run's measured window starts and when it ends; `by_run`
+    keeps each run's means under its name."""
+
+    def __init__(self, backend_url: str, gateway_url: str) -> None:
+        self.urls = {"vllm": (backend_url, VLLM_TIMES), "gateway": (gateway_url, GATEWAY_TIMES)}
+        self.by_run: dict[str, dict] = {}
+        self.before: dict = {}
+
+    async def read(self) -> dict:
+        return {side: await snapshot(url, names) for side, (url, names) in self.urls.items()}
+
+    async def start(self) -> None:
+        self.before = await self.read()
+
+    async def take(self, run: str) -> None:
+        after = await self.read()
+        self.by_run[run] = {side: mean_times(self.before.get(side, {}), after[side]) for side in after}
+
+    async def during(self, loop, warmup: float):
+        """Awaits the closed loop `loop` (a coroutine that warms up for `warmup` seconds, then measures), reading
+        the histograms after its warm-up and at its end; returns its run."""
+        async def after_warmup() -> None:
+            await asyncio.sleep(warmup)
+            await self.start()
+
+        starting = asyncio.create_task(after_warmup())
+        run = await loop
+        await starting
+        await self.take(run.name)
+        return run
+
+
 def batch_lines(count: int, model: str, output_tokens: int) -> bytes:
     return b"".join(json.dumps({"custom_id": f"line-{n}", "method": "POST", "url": "/v1/chat/completions",
                                 "body": {"model": model, "max_tokens": output_tokens, "ignore_eos": True,
@@ -125,8 +193,9 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path, prio
                                           priority, preempt=not args.no_preempt)
     try:
         began = time.time()
-        alone = await closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup, args.duration,
-                                  "interactive alone")
+        times = Times(backend_url, url)
+        alone = await times.during(closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup,
+                                               args.duration, "interactive alone"), args.warmup)
         ended = time.time()
         await asyncio.sleep(1.0)  # the requests the run's end cut off end in the gateway too, and are counted
         util_alone = utilisation(url, token, model, began + args.warmup, ended)
@@ -145,11 +214,14 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path, prio
                 await asyncio.sleep(0.5)
 
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(args.warmup + args.duration)  # the batch alone
+        await asyncio.sleep(args.warmup)
+        await times.start()
+        await asyncio.sleep(args.duration)  # the batch alone
+        await times.take("batch alone")
         between = time.time()
         rate_alone = rate_between(counts, began + args.warmup, between)
-        beside = await closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup, args.duration,
-                                   "interactive beside the batch")
+        beside = await times.during(closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup,
+                                                args.duration, "interactive beside the batch"), args.warmup)
         until = time.time()
         rate = rate_between(counts, between + args.warmup, until)
         final = await sdk.batches.retrieve(batch.id)
@@ -164,8 +236,8 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path, prio
         while (await sdk.batches.retrieve(batch.id)).status == "cancelling" and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         await sdk.close()
-        again = await closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup, args.duration,
-                                  "interactive alone again")
+        again = await times.during(closed_loop(url, model, key, args.interactive, args.output_tokens, args.warmup,
+                                               args.duration, "interactive alone again"), args.warmup)
         preempted = preemptions(url, model)
     finally:
         proc.terminate()
@@ -174,7 +246,7 @@ async def measure(backend_url: str, model: str, cap: int, args, work: Path, prio
             "lines_per_second_alone": rate_alone, "lines_per_second": rate, "cap": cap,
             "reserve": reserve_for(cap, args.reserve), "interactive": args.interactive, "lines": args.lines,
             "lines_answered": final.request_counts.completed, "lines_failed": final.request_counts.failed,
-            "preempt": not args.no_preempt, "preemptions": preempted}
+            "preempt": not args.no_preempt, "preemptions": preempted, "times": times.by_run}
 
 
 def preemptions(url: str, model: str) -> float:
@@ -231,10 +303,32 @@ def table(result: dict) -> str:
                      "-" if rate is None else f"{rate:,.1f}"])
     rows.append([again.name, str(again.concurrency), f"{again.throughput:,.0f}", ms(again.p(again.ttft, 50)),
                  ms(again.p(again.ttft, 99)), str(again.ok), str(len(again.failed)), "-", "-", "-"])
+    return render(rows)
+
+
+def render(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def times_table(result: dict) -> str:
+    """Where the time goes, each run's means in ms: the client's interactive TTFT; the gateway's (arrival to the
+    first streamed chunk: interactive only) and the queue wait of each class; vLLM's own TTFT, queue, prefill,
+    decode and inter-token latency (from its engine's arrival of a request: batch lines and interactive
+    requests together)."""
+    runs = {run.name: run for run in result["runs"]}
+    rows = [["run", "client TTFT", "gateway TTFT", "gateway queue", "batch queue", "vLLM TTFT", "vLLM queue", "vLLM prefill",
+             "vLLM decode", "vLLM ITL"]]
+    for name, sides in result.get("times", {}).items():
+        run = runs.get(name)
+        client = sum(run.ttft) / len(run.ttft) * 1000 if run is not None and run.ttft else None
+        gw, vllm = sides.get("gateway", {}), sides.get("vllm", {})
+        figures = [client, gw.get("ttft"), gw.get("queue"), gw.get("batch queue"), *(vllm.get(k) for k in ("ttft", "queue", "prefill",
+                                                                                     "decode", "itl"))]
+        rows.append([name, *("-" if v is None else f"{v:,.1f}" for v in figures)])
+    return render(rows)
 
 
 def checks(result: dict, bound: float, fill: float) -> list[tuple[str, bool]]:
@@ -297,7 +391,7 @@ def report(result: dict, args: argparse.Namespace, label: str) -> list[tuple[str
           f" {share:.0%} of the idle slot-seconds (the reserve allows {allowed:.0%}) and ran at {done:.0%} of its"
           f" lines/s alone (the load leaves it {left:.0%} of its slots); interactive TTFT p50"
           f" {ttft_ratio(result, 50):.2f}x, p99 {ttft_ratio(result, 99):.2f}x without the batch; lines preempted:"
-          f" {result['preemptions']:,.0f}\n", flush=True)
+          f" {result['preemptions']:,.0f}\n\nwhere the time goes (means, ms):\n\n{times_table(result)}\n", flush=True)
     verdict = checks(result, args.bound, args.fill)
     for text, ok in verdict:
         print(f"{'PASS' if ok else 'FAIL'}  {text}", flush=True)
