@@ -10,6 +10,16 @@ was generated. The continuation's chunks are passed on with the first's id, crea
 dropped (the client had one), and its usage summed with the first attempt's: what both replicas computed.
 At most `retries.migrations` times per request (policies/config/reliability.py).
 
+Token-exact where the replica says its tokens: a stream that may move is asked for them (vLLM's
+`return_token_ids`, added by `ask_for_ids` where the client did not ask; the ids are then put back to vLLM's
+`null` before the client sees a chunk, so its bytes are what it asked for). The continuation is then the prompt's
+token ids plus the generated ones, sent as a completion's token prompt (a chat's continuation goes to
+/v1/completions, its chunks told back as chat chunks): nothing is re-tokenized, so at temperature 0 the text is
+the one an uninterrupted run gives, to its end. Tokens whose text was held back when the replica failed (the
+tail of a character cut between tokens) are left out and made again. The text continuation above stays for
+replicas that send no ids, and for requests with `stop` strings (vLLM holds back text that may begin one, so the
+text relayed can end inside a token).
+
 Where the continuation would not be the same stream, the stream is not moved and ends with the error event as
 before (`unfaithful` and `Migration.feed` say why; docs/guides/reliability.md tells users):
 - several choices (`n` > 1, `best_of` > 1): their texts are interleaved, each would need its own continuation;
@@ -33,11 +43,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import re
+
 import orjson
 
 from backends.http1 import Broken, ReadTimedOut, UpstreamError
 from gateway.endpoints import chat, completions
 from gateway.endpoints.base import Route
+from policies.pipeline import Call, Slot
 
 MIGRATIONS_HEADER = "x-gateway-migrations"  # kept on the call for its record (the stream's head went long ago)
 CONTINUED, UNFAITHFUL, EXHAUSTED, FAILED = "continued", "unfaithful", "exhausted", "failed"  # the metric's outcomes
@@ -45,6 +58,16 @@ SEP = b"\n\n"
 DONE = b"data: [DONE]"
 ERROR_KEY = b'"error"'
 KEEP_BYTES = 64 * 1024  # events a stream keeps unread; past it they are read (a JSON parse each) into the text
+IDS = "return_token_ids"  # vLLM's: each chunk says its token ids, the first the prompt's
+IDS_KEY = b'token_ids":['  # in a chunk that carries ids (and only there: vLLM's null otherwise)
+ID_LISTS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9, ]*\]')  # put back to null for a client that did not ask
+ASKED: Slot[bool] = Slot("ids asked")  # the gateway asked for the ids (the client did not): the client never sees them
+# what a completion request takes of a chat's body when a chat goes on as a completion of its prompt's tokens
+# (the sampling settings both share; the rest is the chat's own or was refused by `unfaithful`)
+SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "length_penalty", "logit_bias", "ignore_eos", "min_tokens",
+            "stop_token_ids", "bad_words", "allowed_token_ids", "skip_special_tokens",
+            "spaces_between_special_tokens", "priority", "user", "cache_salt", "vllm_xargs")
 
 
 class ErrorEvent(Broken):
@@ -138,13 +161,41 @@ def unfaithful(body: dict[str, Any]) -> str | None:
     return None
 
 
+def ask_for_ids(call: Call, body: dict[str, Any], route: Route, allowed: int, rented: bool) -> None:
+    """Before a stream is sent: ask the replica for its token ids where the stream may move token-exactly (the
+    model allows migrations, the route continues, the request is faithful, no `stop` strings), unless the client
+    asked (or refused) itself; never a rented API, which would refuse the field."""
+    if ASKED.get(call):
+        if rented:
+            body.pop(IDS, None)
+        else:
+            body[IDS] = True
+        return
+    if rented or allowed <= 0 or route not in SHAPES or IDS in body or body.get("stop") or \
+            unfaithful(body) is not None:
+        return
+    body[IDS] = True
+    ASKED.put(call, True)
+
+
+def _says_ids(events: bytes) -> bool:
+    """Whether the stream's first event carries token ids (vLLM's, asked for, always does: the prompt's)."""
+    end = events.find(SEP)
+    return events.find(IDS_KEY, 0, len(events) if end < 0 else end) >= 0
+
+
+def null_ids(events: bytes) -> bytes:
+    """The events with every token id list put back to vLLM's `null`, as a client that did not ask gets them."""
+    return ID_LISTS.sub(rb"\1null", events) if IDS_KEY in events else events
+
+
 class Migration:
     """One stream's record of what went to the client, and how it goes on elsewhere. Made by `watch`."""
 
     __slots__ = ("shape", "left", "moves", "text", "chunks", "head", "refused", "rewrite", "before", "relayed",
-                 "kept")
+                 "kept", "hide", "prompt_ids", "ids", "shown", "exact", "attempt_prompt", "attempt_ids", "as_chat", "first")
 
-    def __init__(self, shape: Shape, allowed: int, refused: str | None) -> None:
+    def __init__(self, shape: Shape, allowed: int, refused: str | None, hide: bool = False) -> None:
         self.shape = shape
         self.left = allowed  # moves still allowed
         self.moves = 0
@@ -156,6 +207,15 @@ class Migration:
         self.refused = refused  # why it cannot move (the request, or what was relayed), or None
         self.rewrite = False  # the current attempt is a continuation: its chunks take the first's head
         self.before: dict[str, int] = {}  # the tokens of the attempts before the current one
+        self.hide = hide  # the gateway asked for the token ids: they go back to null before the client
+        self.prompt_ids: list[int] | None = None  # the first attempt's prompt, as the replica tokenized it
+        self.ids: list[int] = []  # the generated tokens relayed, in order
+        self.shown = 0  # how many of `ids` the client has the text of (the tail's may be held back)
+        self.exact = True  # every text chunk so far said its ids
+        self.attempt_prompt: int | None = None  # the current attempt's prompt tokens, where it said them
+        self.attempt_ids = 0  # tokens the current attempt made
+        self.as_chat = False  # the current attempt is a chat's continuation as a completion: told back as chat
+        self.first = True  # nothing relayed yet
 
     def feed(self, events: bytes) -> bytes:
         """Complete events on their way to the client -> what goes to the client: the same bytes, kept aside
@@ -163,8 +223,12 @@ class Migration:
         chunks under the first's head, its role chunk dropped, its usage summed. Raises ErrorEvent at an error
         event."""
         if not self.rewrite:
+            if self.first:
+                self.first = False
+                if self.hide and not _says_ids(events):
+                    self.hide = False  # a replica that does not say its tokens: nothing to put back, nothing to scan
             if self.refused is not None:
-                return events  # it cannot move: nothing to keep (an error event goes on as it came)
+                return null_ids(events) if self.hide else events  # nothing to keep
             # rare: a quoted "error" is a key or a value, never inside a JSON string (rfind: ~2x faster than `in`)
             if events.rfind(ERROR_KEY) >= 0:
                 self._error_in(events)
@@ -172,7 +236,7 @@ class Migration:
             self.kept += len(events)
             if self.kept > KEEP_BYTES:  # a long stream: read what it kept, so it holds its text, not its events
                 self.read_relayed()
-            return events
+            return null_ids(events) if self.hide else events
         out: list[bytes] = []
         for begin, end, data in _events(events):
             if isinstance(data, dict):
@@ -188,7 +252,8 @@ class Migration:
         for begin, _end, data in _events(events):
             if isinstance(data, dict) and _is_error(data):
                 self.relayed.append(events[:begin])
-                raise ErrorEvent(events[:begin], events[begin:])
+                passed = null_ids(events[:begin]) if self.hide else events[:begin]
+                raise ErrorEvent(passed, events[begin:])
 
     def read_relayed(self) -> None:
         """Read the events relayed so far: the text, its chunks, the first chunk's head, and whether anything
@@ -204,16 +269,26 @@ class Migration:
             self.head = {k: data[k] for k in ("id", "created", "model") if k in data}
         choices = data.get("choices")
         usage = data.get("usage")
+        self._prompt_of(data, choices)
         if self.rewrite:
             data.update(self.head)
             if isinstance(usage, dict):
                 data["usage"] = self.summed(usage)
+            if self.as_chat:
+                _as_chat(data, keep_ids=not self.hide)
+                choices = data.get("choices")
+            elif self.hide:
+                _drop_ids(data)
         if not isinstance(choices, list):
             return True
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 self.refused = "n"
                 continue
+            ids = choice.pop("__ids", None) if self.as_chat else choice.get("token_ids")
+            if isinstance(ids, list):
+                self.ids += ids
+                self.attempt_ids += len(ids)
             text = self.shape.text_of(choice)
             if text is None:
                 if self.refused is None:
@@ -222,9 +297,22 @@ class Migration:
             if text:
                 self.text.append(text)
                 self.chunks += 1
+                self.shown = len(self.ids)  # the client has the text of every token so far
+                if not isinstance(ids, list):
+                    self.exact = False
             elif self.rewrite and choice.get("finish_reason") is None and not choice.get("logprobs"):
                 return False  # the continuation's role chunk (or an empty delta): the client had its own
         return True
+
+    def _prompt_of(self, data: dict[str, Any], choices: Any) -> None:
+        """The prompt's token ids where this chunk says them (a chat's first chunk; a completion's first choice)."""
+        prompt = data.get("prompt_token_ids")
+        if prompt is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            prompt = choices[0].get("prompt_token_ids")
+        if isinstance(prompt, list):
+            self.attempt_prompt = len(prompt)
+            if self.prompt_ids is None and not self.rewrite:  # a continuation's prompt is not the client's
+                self.prompt_ids = prompt
 
     def stop(self) -> None:
         """No more moves: what follows goes on as it comes (a continuation's chunks still under the first's
@@ -239,42 +327,66 @@ class Migration:
             self.read_relayed()
         return self.refused is None and self.left > 0
 
+    def token_exact(self) -> bool:
+        """Whether the stream goes on from its token ids: every text chunk said its ids, and the first its prompt's."""
+        if self.relayed:
+            self.read_relayed()
+        return self.exact and self.prompt_ids is not None
+
     def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """The request that goes on from what was relayed (None: there is nothing left to generate)."""
+        """The request that goes on from what was relayed (None: there is nothing left to generate). Token-exact
+        (`token_exact`): a completion whose prompt is the first prompt's token ids and the ids the client has the
+        text of, with the budget lowered by those; for a chat, sent to /v1/completions (`as_chat`)."""
         if self.relayed:
             self.read_relayed()
         shape = self.shape
-        continued = shape.continued(body, "".join(self.text))
-        if continued is None:
+        if self.token_exact():
+            assert self.prompt_ids is not None  # token_exact says so
+            if shape is SHAPES[chat.ROUTE]:
+                continued = {k: body[k] for k in SAMPLING if k in body}
+                # a completion's own default is 16 tokens; null is vLLM's "what the context leaves", as a chat's
+                continued["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+            else:
+                continued = dict(body)
+            continued["prompt"] = self.prompt_ids + self.ids[:self.shown]
+            continued[IDS] = True
+            return _lowered(continued, ("max_tokens", "min_tokens"), self.shown)
+        text_continued = shape.continued(body, "".join(self.text))
+        if text_continued is None:
             return None
-        done = self.chunks
-        for name in shape.budget_fields:
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if name != "min_tokens" and value - done < 1:
-                    return None
-                continued[name] = max(0, value - done)
-        return continued
+        return _lowered(text_continued, shape.budget_fields, self.chunks, body)
 
-    def moved(self, usage: dict[str, Any] | None) -> None:
-        """The stream goes on from another replica. `usage` is what the failed attempt reported: mostly None (it
-        broke before its usage chunk); then its output is the chunks it relayed, and its prompt is found later
-        from the last attempt's, which holds the same prompt and all the text relayed before it."""
+    def sent_as(self, route: Route) -> Route:
+        """The route the continuation goes to: a chat that goes on token-exactly is a completion of its tokens."""
+        return completions.ROUTE if route is chat.ROUTE and self.token_exact() else route
+
+    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
+        """The stream goes on from another replica (`as_chat`: a chat continued as a completion, whose chunks are
+        told back as chat chunks). `usage` is what the failed attempt reported: mostly None (it broke before its
+        usage chunk); then its output is the tokens it said (else the chunks it relayed), and its prompt the one
+        it said, else is found later from the last attempt's, which holds the same prompt and all the text
+        relayed before it."""
         if self.relayed:
             self.read_relayed()
         self.left -= 1
         self.moves += 1
         self.rewrite = True
+        self.as_chat = as_chat
         before = self.before or {"prompt_tokens": 0, "completion_tokens": 0, "chunks": 0, "unknown": 0, "offsets": 0}
         since = before["chunks"]  # chunks relayed before the failed attempt began
-        before["completion_tokens"] += _count(usage, "completion_tokens") if usage else self.chunks - since
+        said = self.attempt_prompt is not None  # it said its tokens
+        before["completion_tokens"] += _count(usage, "completion_tokens") if usage else \
+            self.attempt_ids if said else self.chunks - since
         if usage and _count(usage, "prompt_tokens"):
             before["prompt_tokens"] += _count(usage, "prompt_tokens")
+        elif self.attempt_prompt is not None:
+            before["prompt_tokens"] += self.attempt_prompt
         else:
             before["unknown"] += 1
             before["offsets"] += since
         before["chunks"] = self.chunks
         self.before = before
+        self.attempt_prompt, self.attempt_ids = None, 0
 
     def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The current attempt's usage plus the attempts' before it: the tokens all the replicas computed. An
@@ -294,16 +406,66 @@ class Migration:
         return summed
 
 
-def watch(route: Route, body: dict[str, Any], allowed: int) -> Migration | None:
+def _lowered(continued: dict[str, Any], fields: tuple[str, ...], done: int,
+             source: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """`continued` with each budget field of `source` (itself by default) lowered by the `done` tokens; None when
+    nothing is left to generate."""
+    for name in fields:
+        value = (continued if source is None else source).get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if name != "min_tokens" and value - done < 1:
+                return None
+            continued[name] = max(0, value - done)
+    return continued
+
+
+def _as_chat(data: dict[str, Any], keep_ids: bool) -> None:
+    """A completion chunk told back as the chat chunk it continues: each choice's text as a content delta (its
+    token ids kept aside under `__ids` for the migration's count, and in the chunk only where the client asked)."""
+    data["object"] = "chat.completion.chunk"
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        return
+    told = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        text = choice.get("text")
+        ids = choice.get("token_ids")
+        out: dict[str, Any] = {"index": choice.get("index", 0),
+                               "delta": {"content": text if isinstance(text, str) else ""},
+                               "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        if choice.get("stop_reason") is not None:
+            out["stop_reason"] = choice["stop_reason"]
+        if keep_ids:
+            out["token_ids"] = ids
+        out["__ids"] = ids
+        told.append(out)
+    data["choices"] = told
+
+
+def _drop_ids(data: dict[str, Any]) -> None:
+    """A continuation's chunk as a client that did not ask for token ids gets it: vLLM's nulls."""
+    if "prompt_token_ids" in data:
+        data["prompt_token_ids"] = None
+    for choice in data.get("choices") or ():
+        if isinstance(choice, dict):
+            for name in ("token_ids", "prompt_token_ids"):
+                if choice.get(name) is not None:
+                    choice[name] = None
+
+
+def watch(route: Route, body: dict[str, Any], allowed: int, hide: bool = False) -> Migration | None:
     """A stream's Migration, or None where it never moves: the model allows no migrations, the route has no
     continuation (only Chat Completions and Completions do), or the request cannot be continued faithfully
-    (then one is still made, refused, so the metric counts it when its replica fails)."""
+    (then one is still made, refused, so the metric counts it when its replica fails). `hide`: the gateway
+    asked for the token ids (`ask_for_ids`), which the client then never sees."""
     if allowed <= 0:
         return None
     shape = SHAPES.get(route)
     if shape is None:
         return None
-    return Migration(shape, allowed, unfaithful(body))
+    return Migration(shape, allowed, unfaithful(body), hide)
 
 
 def _events(events: bytes) -> Iterator[tuple[int, int, Any]]:

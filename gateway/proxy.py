@@ -350,6 +350,8 @@ class Proxy:
                 body["priority"] = call.priority.vllm_priority
             else:
                 body.pop("priority", None)
+        if call.stream:  # a stream that may move token-exactly asks the replica for its token ids
+            migration.ask_for_ids(call, body, route, self.attempts.migrations(call.model), bool(target.rented))
         if call.stream and route.stream_usage:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
@@ -407,7 +409,8 @@ class Proxy:
         scrub = self.rented.scrub if call.replica.rented else None
         # what went to the client, kept only where the stream may move (None: the hot path as it was)
         moving = None if scrub is not None or relay.replay else \
-            migration.watch(ROUTE.of(call), call.body, self.attempts.migrations(call.model))
+            migration.watch(ROUTE.of(call), call.body, self.attempts.migrations(call.model),
+                            hide=migration.ASKED.get(call) is True)
         first = True
         try:
             while True:  # bounded: a pass per attempt, each a move that Migration.left allows (at most 5)
@@ -497,18 +500,21 @@ class Proxy:
         self.release(call)
         owner = call.key.id if call.key is not None else call.client_host
         response = None
-        original = call.body
+        original, route = call.body, ROUTE.of(call)
+        sent_as = moving.sent_as(route)  # a chat that goes on token-exactly: a completion of its tokens
         try:
             replica = await self.admission.acquire(call.group or call.model, owner, exclude=[failed], call=call)
             if call.adapter is not None and self.loras is not None:
                 await self.load_adapter(call, replica)  # the LoRA adapter, on the replica that goes on
             call.body = body
+            ROUTE.put(call, sent_as)
             response = await self.send(call, replica, holds=True)
         except (GatewayError, UpstreamError) as exc:
             if isinstance(exc, UpstreamError):
                 self.upstream_failed(call.replica, exc, str(exc))
         finally:
             call.body = original
+            ROUTE.put(call, route)
         if response is None or response.status != 200:
             if response is not None:
                 response.close()
@@ -516,7 +522,7 @@ class Proxy:
             call.replica = failed  # the record names the replica that failed the stream
             self.metrics.stream_migrations.labels(call.model, migration.FAILED).inc()
             return None
-        moving.moved(relay.usage)
+        moving.moved(relay.usage, as_chat=sent_as is not route)
         call.response_headers[migration.MIGRATIONS_HEADER] = str(moving.moves)
         self.metrics.stream_migrations.labels(call.model, migration.CONTINUED).inc()
         moved = ROUTE.of(call).relay_of(call, self.rename(call))

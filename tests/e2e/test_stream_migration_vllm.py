@@ -1,11 +1,10 @@
 """Streams that survive on real vLLM servers (gateway/migration.py): the session's two servers serve one model
 (`duo`) through a gateway of this module's own, with a short read timeout and one migration allowed. At
 temperature 0, a stream whose replica is stopped (SIGSTOP, past the read timeout) half-way goes on from the other
-replica, and the client reads, through the unmodified openai SDK, one stream under one response id: the text
-before the cut exactly as an uninterrupted run gives it, then the continuation. (Word for word to the end is not
-asserted here: the continuation re-tokenizes the text so far, and where the tokens it makes differ from the
-ones generated, so can the last tokens of the answer; docs/guides/reliability.md says so. The simulator's
-continuation is exact and tests/integration/test_stream_migration.py holds it to that.) A call that is not streamed needs no migration: stopped mid-generation, its replica
+replica, and the client reads, through the unmodified openai SDK, one stream under one response id with, word for
+word, the text of an uninterrupted run: the continuation is the prompt's token ids and the generated ones as vLLM
+said them (nothing re-tokenized), and the ids the gateway asked for never reach the client. A call that is not
+streamed needs no migration: stopped mid-generation, its replica
 sends no head, and the call is retried on the other (the same text again). The stopped server is resumed
 (SIGCONT) however the test ends."""
 
@@ -73,41 +72,77 @@ def stream_chat(client: openai.OpenAI, on_chunk=None) -> tuple[str, set[str], li
     return "".join(parts), ids, chunks
 
 
-def test_a_stream_whose_replica_stops_half_way_gives_the_text_of_an_uninterrupted_run(migrating, vllm_servers):
+def stream_completion(client: openai.OpenAI, on_chunk=None) -> tuple[str, set[str], list]:
+    stream = client.completions.create(model="duo", prompt=PROMPT[0]["content"], max_tokens=MAX, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    parts, ids, chunks = [], set(), []
+    for i, chunk in enumerate(stream):
+        chunks.append(chunk)
+        ids.add(chunk.id)
+        parts.extend(c.text or "" for c in chunk.choices)
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(parts), ids, chunks
+
+
+def cut_half_way(client: openai.OpenAI, servers: list[VLLMServer], stream) -> tuple[str, str, set[str], list]:
+    """(the uninterrupted run's text, then the text, ids and chunks of a run whose replica is stopped at chunk
+    CUT), through `stream` (stream_chat or stream_completion)."""
+    references = {stream(client)[0] for _ in range(2)}  # both replicas, at random: the same text
+    assert len(references) == 1
+    reference = references.pop()
+    assert len(reference) > 200
+    wait_idle(servers)
+    stopped: list[VLLMServer] = []
+
+    def stop_the_server_half_way(i: int) -> None:
+        if i == CUT and not stopped:
+            server = running_on(servers)
+            assert server is not None, "no single server was running the stream"
+            server.pause()  # SIGSTOP: its socket stays open and silent, as a hung replica's
+            stopped.append(server)
+
+    started = time.monotonic()
+    try:
+        text, ids, chunks = stream(client, stop_the_server_half_way)
+    finally:
+        for server in stopped:
+            server.resume()  # SIGCONT, and waits until it answers again
+    assert stopped, "the stream ended before it could be cut"
+    assert time.monotonic() - started < 90
+    return reference, text, ids, chunks
+
+
+def test_a_completion_stream_cut_half_way_gives_the_text_of_an_uninterrupted_run(migrating, vllm_servers):
     servers = [vllm_servers["a"], vllm_servers["b"]]
     with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
-        references = {stream_chat(client)[0] for _ in range(2)}  # both replicas, at random: the same text
-        assert len(references) == 1
-        reference = references.pop()
-        assert len(reference) > 200
-        wait_idle(servers)
-        stopped: list[VLLMServer] = []
+        reference, text, ids, chunks = cut_half_way(client, servers, stream_completion)
+    assert text == reference and len(ids) == 1
+    assert all((c.model_extra or {}).get("token_ids") is None and (c.model_extra or {}).get("prompt_token_ids")
+               is None for chunk in chunks for c in chunk.choices)
 
-        def stop_the_server_half_way(i: int) -> None:
-            if i == CUT and not stopped:
-                server = running_on(servers)
-                assert server is not None, "no single server was running the stream"
-                server.pause()  # SIGSTOP: its socket stays open and silent, as a hung replica's
-                stopped.append(server)
 
-        started = time.monotonic()
-        try:
-            text, ids, chunks = stream_chat(client, stop_the_server_half_way)
-        finally:
-            for server in stopped:
-                server.resume()  # SIGCONT, and waits until it answers again
-        assert stopped, "the stream ended before it could be cut"
-        assert time.monotonic() - started < 90
+def test_a_stream_whose_replica_stops_half_way_gives_the_text_of_an_uninterrupted_run(migrating, vllm_servers):
+    servers = [vllm_servers["a"], vllm_servers["b"]]
+    moved = migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued")
+    with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
+        reference, text, ids, chunks = cut_half_way(client, servers, stream_chat)
     before_cut = "".join(c.delta.content or "" for chunk in chunks[:CUT + 1] for c in chunk.choices)
     assert len(before_cut) > 20 and reference.startswith(before_cut) and text.startswith(before_cut)
     assert len(text) > len(before_cut) + 100  # it went on from the other replica
-    print(f"migrated text {'equals' if text == reference else 'differs from'} the uninterrupted run's "
-          f"({len(text)} and {len(reference)} characters)")
+    assert text == reference  # token-exact: to the last word
     assert len(ids) == 1
+    # the token ids the gateway asked for went back to vLLM's null: the client did not ask for them
+    assert all((c.model_extra or {}).get("token_ids") is None for chunk in chunks for c in chunk.choices)
+    assert all((chunk.model_extra or {}).get("prompt_token_ids") is None for chunk in chunks)
     assert [c.delta.role for chunk in chunks for c in chunk.choices if c.delta.role] == ["assistant"]
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens >= MAX  # both replicas' output
-    assert migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued") == 1
+    assert migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued") == moved + 1
+    for _ in range(50):  # the access line is written once the call is over, through the log's queue: bounded, 5 s
+        if "migrations=1" in migrating.log.read_text():
+            break
+        time.sleep(0.1)
     assert "migrations=1" in migrating.log.read_text()
 
 

@@ -172,3 +172,96 @@ def test_a_long_stream_keeps_its_text_not_its_events():
     body = moving.continuation({**CHAT, "max_tokens": 100_000})
     assert body is not None
     assert body["messages"][-1]["content"] == " word" * 2000 and body["max_tokens"] == 100_000 - 2000
+
+
+def with_ids(chunk: dict, ids: list[int], prompt: list[int] | None = None) -> dict:
+    """A chunk as vLLM sends it when asked for token ids (`return_token_ids`)."""
+    chunk = {**chunk, "choices": [{**c, "token_ids": ids} for c in chunk["choices"]]}
+    if prompt is not None:
+        chunk["prompt_token_ids"] = prompt
+    return chunk
+
+
+def test_a_chat_with_token_ids_goes_on_as_a_completion_of_its_tokens_and_the_client_never_sees_them():
+    moving = watch(chat.ROUTE, {**CHAT, "return_token_ids": True}, 1, hide=True)
+    assert moving is not None
+    out = moving.feed(sse(with_ids(chat_chunk(role=True), [], prompt=[1, 2, 3]), with_ids(chat_chunk("He"), [7]),
+                          with_ids(chat_chunk("llo"), [8])))
+    assert b"token_ids\":[" not in out  # vLLM's null, as for a client that did not ask
+    assert [e["choices"][0].get("token_ids") for e in events(out)] == [None, None, None]
+    assert events(out)[0]["prompt_token_ids"] is None
+    assert moving.token_exact() and moving.sent_as(chat.ROUTE) is completions.ROUTE
+    body = moving.continuation({**CHAT, "temperature": 0, "seed": 5, "return_token_ids": True})
+    # nothing re-tokenized: the prompt's ids and the generated ones, the budget less those two tokens
+    assert body == {"model": "m", "stream": True, "temperature": 0, "seed": 5, "max_tokens": 8,
+                    "prompt": [1, 2, 3, 7, 8], "return_token_ids": True}
+
+
+def test_a_completion_continued_from_ids_is_told_back_as_chat_chunks_under_the_first_head():
+    moving = watch(chat.ROUTE, CHAT, 1, hide=True)
+    assert moving is not None
+    moving.feed(sse(with_ids(chat_chunk(role=True, cid="chatcmpl-a", created=7), [], prompt=[1, 2]),
+                    with_ids(chat_chunk("a", cid="chatcmpl-a", created=7), [5])))
+    moving.moved(None, as_chat=True)
+    first = {**with_ids(cmpl_chunk("b", cid="cmpl-x"), [6]), "object": "text_completion"}
+    first["choices"][0]["prompt_token_ids"] = [1, 2, 5]
+    usage = {**cmpl_chunk("", cid="cmpl-x"), "choices": [],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    out = events(moving.feed(sse(first, usage)))
+    assert [(e["id"], e["created"], e["object"]) for e in out] == [("chatcmpl-a", 7, "chat.completion.chunk")] * 2
+    choice = out[0]["choices"][0]
+    assert choice["delta"] == {"content": "b"} and "text" not in choice and "token_ids" not in choice
+    # both replicas' work: the first's prompt (2) and token (1), the continuation's prompt (3) and tokens (2)
+    assert out[1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert moving.ids == [5, 6]
+
+
+def test_tokens_whose_text_was_held_back_are_made_again_not_skipped():
+    moving = watch(completions.ROUTE, {"model": "m", "stream": True, "prompt": "x", "max_tokens": 10}, 1)
+    assert moving is not None
+    head = with_ids(cmpl_chunk("a"), [5])
+    head["choices"][0]["prompt_token_ids"] = [1]
+    # the third token is half a character: vLLM holds its text back until the next completes it
+    moving.feed(sse(head, with_ids(cmpl_chunk("b"), [6]), with_ids(cmpl_chunk(""), [7])))
+    body = moving.continuation({"model": "m", "stream": True, "prompt": "x", "max_tokens": 10})
+    assert body is not None and body["prompt"] == [1, 5, 6] and body["max_tokens"] == 8
+
+
+def test_without_ids_from_every_chunk_the_stream_goes_on_from_its_text():
+    moving = chat_stream(CHAT)
+    moving.feed(sse(with_ids(chat_chunk(role=True), [], prompt=[1]), with_ids(chat_chunk("a"), [5]),
+                    chat_chunk(" b")))  # a chunk that did not say its ids
+    assert not moving.token_exact() and moving.sent_as(chat.ROUTE) is chat.ROUTE
+    body = moving.continuation(CHAT)
+    assert body is not None and body["messages"][-1] == {"role": "assistant", "content": "a b"}
+
+
+def call_of(body: dict):
+    from policies.pipeline import Call
+
+    return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="127.0.0.1", arrived=0.0,
+                body=body, stream=True)
+
+
+@pytest.mark.parametrize("extra, rented, asked", [
+    ({}, False, True), ({}, True, False), ({"stop": ["\n"]}, False, False), ({"return_token_ids": False}, False, False),
+    ({"n": 2}, False, False), ({"logprobs": True}, False, False)])
+def test_the_ids_are_asked_for_only_where_a_stream_can_go_on_from_them(extra, rented, asked):
+    from gateway.migration import IDS, ask_for_ids
+
+    body = {**CHAT, **extra}
+    call = call_of(body)
+    ask_for_ids(call, body, chat.ROUTE, 1, rented)
+    assert (body.get(IDS) is True and "return_token_ids" not in extra) is asked
+    if asked:  # the same call sent on to a rented API later: the field it would refuse goes
+        ask_for_ids(call, body, chat.ROUTE, 1, True)
+        assert IDS not in body
+
+
+def test_a_replica_that_does_not_say_its_tokens_is_relayed_as_it_came_and_not_scanned_again():
+    moving = watch(chat.ROUTE, CHAT, 1, hide=True)
+    assert moving is not None
+    raw = sse(chat_chunk(role=True), chat_chunk("a"))
+    assert moving.feed(raw) == raw and not moving.hide  # not vLLM (no ids in its first event): nothing to put back
+    body = moving.continuation(CHAT)
+    assert body is not None and body["messages"][-1]["content"] == "a"  # from the text
