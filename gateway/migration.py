@@ -57,6 +57,9 @@ CONTINUED, UNFAITHFUL, EXHAUSTED, FAILED = "continued", "unfaithful", "exhausted
 SEP = b"\n\n"
 DONE = b"data: [DONE]"
 ERROR_KEY = b'"error"'
+# how far from a read's end its error event is looked for: vLLM ends a stream that fails with the error event and
+# [DONE], a few hundred bytes; a read of many events (a fast replica) is not searched whole for a rare key
+ERROR_TAIL = 16 * 1024
 KEEP_BYTES = 64 * 1024  # events a stream keeps unread; past it they are read (a JSON parse each) into the text
 IDS = "return_token_ids"  # vLLM's: each chunk says its token ids, the first the prompt's
 IDS_KEY = b'token_ids":['  # in a chunk that carries ids (and only there: vLLM's null otherwise)
@@ -230,7 +233,7 @@ class Migration:
             if self.refused is not None:
                 return null_ids(events) if self.hide else events  # nothing to keep
             # rare: a quoted "error" is a key or a value, never inside a JSON string (rfind: ~2x faster than `in`)
-            if events.rfind(ERROR_KEY) >= 0:
+            if events.rfind(ERROR_KEY, max(0, len(events) - ERROR_TAIL)) >= 0:
                 self._error_in(events)
             self.relayed.append(events)
             self.kept += len(events)

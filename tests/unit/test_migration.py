@@ -128,6 +128,15 @@ def test_an_error_event_mid_body_is_raised_with_what_came_before_it():
     assert info.value.passed == before and info.value.rest == error
 
 
+def test_an_error_event_ending_a_long_read_is_found_where_vllm_puts_it():
+    moving = chat_stream({**CHAT, "max_tokens": 5000})
+    before = sse(*[chat_chunk("tok") for _ in range(400)])  # ~60 KB in one read (a fast replica)
+    error = b'data: {"error": {"message": "engine dead", "code": 500}}\n\ndata: [DONE]\n\n'
+    with pytest.raises(ErrorEvent) as info:
+        moving.feed(before + error)
+    assert info.value.passed == before and info.value.rest == error
+
+
 @pytest.mark.parametrize("extra, why", [
     ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"echo": True}, "echo"), ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
