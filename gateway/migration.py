@@ -1,5 +1,6 @@
 """Streams that survive: a Chat Completions or Completions stream whose replica fails mid-body (a reset, a stall
-past the read timeout, an error event) goes on from another replica, and the client sees one stream.
+past the read timeout, an error event) goes on from another replica, and the client sees one stream (a Messages
+stream is asked again and cut instead: gateway/stream_replay.py).
 
 While a stream is relayed, `Migration.feed` reads the events that went to the client: the text generated so far,
 how many chunks carried it (vLLM streams one token a chunk), and the first chunk's `id`, `created` and `model`.

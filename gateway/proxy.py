@@ -26,7 +26,7 @@ from backends.lora import LoadFailed, LoraAdapters
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import UpstreamError
-from gateway import migration
+from gateway import migration, stream_replay
 from gateway.attempts import Attempts, failure_of, status_failure
 from gateway.endpoints.base import JSON, MULTIPART, NONE, ROUTE, parse_json
 from gateway.fallbacks import Fallbacks
@@ -408,9 +408,11 @@ class Proxy:
         # whole again there), before the client, the tap (spans) or a variant's signals see them
         scrub = self.rented.scrub if call.replica.rented else None
         # what went to the client, kept only where the stream may move (None: the hot path as it was)
-        moving = None if scrub is not None or relay.replay else \
-            migration.watch(ROUTE.of(call), call.body, self.attempts.migrations(call.model),
-                            hide=migration.ASKED.get(call) is True)
+        moving: migration.Migration | stream_replay.Replay | None = None
+        if scrub is None and not relay.replay:
+            allowed = self.attempts.migrations(call.model)
+            moving = migration.watch(ROUTE.of(call), call.body, allowed, hide=migration.ASKED.get(call) is True) \
+                or stream_replay.watch(ROUTE.of(call), call.body, allowed)
         first = True
         try:
             while True:  # bounded: a pass per attempt, each a move that Migration.left allows (at most 5)
@@ -486,7 +488,7 @@ class Proxy:
                 call.usage = estimated_usage(call, relay.events)
             response.close()  # a continuation's (the first attempt's is closed by close_stream as well)
 
-    async def move_stream(self, call: Call, moving: migration.Migration,
+    async def move_stream(self, call: Call, moving: migration.Migration | stream_replay.Replay,
                           relay: SSERelay | EventRelay) -> tuple[Response, SSERelay | EventRelay] | None:
         """The stream's replica failed mid-body: send the continuation to another replica (gateway/migration.py).
         Returns its answer and relay, or None where the stream cannot move (each outcome counted)."""

@@ -1,0 +1,264 @@
+"""Streams that survive, for Anthropic's Messages API: a /v1/messages stream whose replica fails mid-body (a reset,
+a stall past the read timeout, an error frame) is asked again of another replica, and what the client already
+has is skipped in the new stream, so the client reads one stream.
+
+vLLM's /v1/messages cannot continue a partial assistant message (it renders every request with a new assistant
+turn) and does not say its token ids, so the continuation of gateway/migration.py has nothing to stand on here.
+Asked again at temperature 0, the other replica of the same model makes the same tokens; its frames are compared
+with what was relayed and passed on from where the client's text ends: its `message_start` and the content
+blocks the client has begun are dropped, each text delta is cut by the text the client has of its block, and
+the frames after it go on as they come. Where the new text is not the client's (a replica that answers
+otherwise), the stream ends with an error frame, as it did before, never with text the client would read twice
+or not at all. Only requests that replay to the same text are moved: temperature 0 (or top_k 1), no tools (a
+half-written call), no extended thinking. The client waits while the other replica makes the text again; usage
+counts both replicas' work (each prompt, each output), in the last `message_delta` as in the record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.endpoints import messages
+from gateway.endpoints.base import Route
+from gateway.migration import ERROR_TAIL, KEEP_BYTES, SEP, ErrorEvent
+from gateway.relay import event_fields
+
+ERROR_FRAME = b"event: error"
+
+
+def unfaithful(body: dict[str, Any]) -> str | None:
+    """Why a Messages stream asked for with `body` would not replay to the same text elsewhere, or None."""
+    if body.get("tools") and (body.get("tool_choice") or {}).get("type") != "none":
+        return "tools"
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return "thinking"
+    if body.get("temperature") != 0 and body.get("top_k") != 1:
+        return "temperature"
+    return None
+
+
+class Replay:
+    """One Messages stream's record of what went to the client, and how a replay of it is cut. Made by `watch`."""
+
+    __slots__ = ("left", "moves", "refused", "rewrite", "relayed", "kept", "shown", "skip", "begun", "stopped",
+                 "deltas", "deltas_before", "ended", "before")
+
+    def __init__(self, allowed: int, refused: str | None) -> None:
+        self.left = allowed  # moves still allowed
+        self.moves = 0
+        self.refused = refused  # why it cannot move, or None
+        self.rewrite = False  # the current attempt is a replay: its frames are cut by what the client has
+        self.relayed: list[bytes] = []  # the frames relayed and not yet read
+        self.kept = 0  # bytes in `relayed`
+        self.shown: dict[int, str] = {}  # the text the client has, by content block
+        self.skip: dict[int, str] = {}  # of that, what the current replay has still to make again
+        self.begun = 0  # content blocks the client has seen begin
+        self.stopped: set[bytes] = set()  # the frames the client has that end something (a block's, the message's)
+        self.deltas = 0  # text deltas the client has (a token each, on vLLM)
+        self.deltas_before = 0  # of those, the ones relayed before the current attempt began
+        self.ended = False  # a replay's text was not the client's: the stream ended with an error frame
+        self.before = {"prompt_tokens": 0, "completion_tokens": 0}  # the earlier attempts' work
+
+    def feed(self, frames: bytes) -> bytes:
+        """Complete frames on their way to the client -> what goes to the client. Raises ErrorEvent at an error
+        frame (the frames before it are the client's)."""
+        if not self.rewrite:
+            if frames.rfind(ERROR_FRAME, max(0, len(frames) - ERROR_TAIL)) >= 0:
+                at = _error_at(frames)
+                if at >= 0:
+                    self.relayed.append(frames[:at])
+                    raise ErrorEvent(frames[:at], frames[at:])
+            if self.refused is None:
+                self.relayed.append(frames)
+                self.kept += len(frames)
+                if self.kept > KEEP_BYTES:  # a long stream: read what it kept, so it holds its text, not its frames
+                    self.read_relayed()
+            return frames
+        if self.ended:
+            return b""  # what the replica still sends after the stream ended for the client
+        out: list[bytes] = []
+        at = 0
+        while at < len(frames):  # bounded: each pass moves past one frame
+            end = frames.find(SEP, at)
+            end = len(frames) if end < 0 else end + len(SEP)
+            frame = frames[at:end]
+            kind, data = _parsed(frame)
+            if kind == b"error":
+                raise ErrorEvent(b"".join(out), frames[at:])
+            passed = self._replayed(kind, data, frame)
+            if passed:
+                out.append(passed)
+            if self.ended:
+                break
+            at = end
+        return b"".join(out)
+
+    def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
+        """One frame of a replay: dropped, cut, or passed as it came."""
+        if not isinstance(data, dict):
+            return frame
+        index = data.get("index")
+        if kind == b"message_start":
+            return None  # the client has the first attempt's
+        if kind == b"content_block_start" and isinstance(index, int):
+            if index < self.begun:
+                return None
+            self.begun = index + 1
+        if kind in (b"content_block_stop", b"message_delta"):
+            key = (kind or b"") + str(index).encode()
+            if key in self.stopped:
+                return None  # the client had this block's end (or the message's delta) before the replica failed
+            self.stopped.add(key)
+        if kind == b"message_delta":
+            usage = data.get("usage")
+            if isinstance(usage, dict):
+                data["usage"] = self._summed_anthropic(usage)
+                return _frame(kind, data)
+            return frame
+        if kind != b"content_block_delta" or not isinstance(index, int):
+            return frame
+        delta = data.get("delta")
+        text = delta.get("text") if isinstance(delta, dict) and delta.get("type") == "text_delta" else None
+        if not isinstance(text, str):
+            return frame
+        owed = self.skip.get(index, "")
+        if owed:
+            if not (owed.startswith(text) or text.startswith(owed)):
+                self.refused, self.ended = "the replay's text is not the client's", True
+                return _diverged()
+            cut = min(len(owed), len(text))
+            self.skip[index], text = owed[cut:], text[cut:]
+            if not text:
+                return None
+            assert isinstance(delta, dict)  # a text delta, found above
+            delta["text"] = text
+            frame = _frame(kind, data)
+        self.shown[index] = self.shown.get(index, "") + text
+        self.deltas += 1
+        return frame
+
+    def read_relayed(self) -> None:
+        """What the client has: each text block's text, how many blocks began; refused at anything else."""
+        relayed, self.relayed, self.kept = b"".join(self.relayed), [], 0
+        at = 0
+        while at < len(relayed):  # bounded: each pass moves past one frame
+            end = relayed.find(SEP, at)
+            end = len(relayed) if end < 0 else end + len(SEP)
+            kind, data = _parsed(relayed[at:end])
+            at = end
+            if not isinstance(data, dict):
+                continue
+            index = data.get("index")
+            if kind in (b"content_block_stop", b"message_delta"):
+                self.stopped.add((kind or b"") + str(index).encode())
+            if kind == b"content_block_start" and isinstance(index, int):
+                block = data.get("content_block")
+                if not isinstance(block, dict) or block.get("type") != "text":
+                    self.refused = "a tool call or thinking"
+                self.begun = max(self.begun, index + 1)
+            elif kind == b"content_block_delta" and isinstance(index, int):
+                delta = data.get("delta")
+                if isinstance(delta, dict) and delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
+                    self.shown[index] = self.shown.get(index, "") + delta["text"]
+                    self.deltas += 1
+                else:
+                    self.refused = "a tool call or thinking"
+
+    def may_move(self) -> bool:
+        if self.relayed:
+            self.read_relayed()
+        return self.refused is None and self.left > 0
+
+    def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The request again, as it came (the replay is cut as it streams)."""
+        return body
+
+    def sent_as(self, route: Route) -> Route:
+        return route
+
+    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
+        """The stream is asked again of another replica; `usage` is the failed attempt's (its prompt, from its
+        `message_start`; its output, where it said it, else the text deltas the client has of it)."""
+        if self.relayed:
+            self.read_relayed()
+        self.left -= 1
+        self.moves += 1
+        self.rewrite = True
+        self.skip = dict(self.shown)
+        usage = usage or {}
+        self.before["prompt_tokens"] += _count(usage, "prompt_tokens")
+        self.before["completion_tokens"] += _count(usage, "completion_tokens") or self.deltas - self.deltas_before
+        self.deltas_before = self.deltas
+
+    def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last attempt's usage (the gateway's terms) plus the earlier attempts'."""
+        if not self.moves:
+            return usage
+        prompt = _count(usage, "prompt_tokens") + self.before["prompt_tokens"]
+        completion = _count(usage, "completion_tokens") + self.before["completion_tokens"]
+        return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _summed_anthropic(self, usage: dict[str, Any]) -> dict[str, Any]:
+        out = dict(usage)
+        if isinstance(usage.get("input_tokens"), int):
+            out["input_tokens"] = usage["input_tokens"] + self.before["prompt_tokens"]
+        if isinstance(usage.get("output_tokens"), int):
+            out["output_tokens"] = usage["output_tokens"] + self.before["completion_tokens"]
+        return out
+
+    def stop(self) -> None:
+        """No more moves: what follows goes on as it comes (a replay still cut)."""
+        self.left = 0
+        self.relayed = []
+        if not self.rewrite and self.refused is None:
+            self.refused = "stopped"
+
+
+def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
+    """A Messages stream's Replay, or None where it never moves (another route, or no migrations allowed);
+    refused (so the metric counts it) where a replay would not give the same text."""
+    if allowed <= 0 or route is not messages.MESSAGES:
+        return None
+    return Replay(allowed, unfaithful(body))
+
+
+def _error_at(frames: bytes) -> int:
+    """Where the first error frame begins in `frames`, or -1."""
+    at = 0
+    while at < len(frames):  # bounded: each pass moves past one frame
+        end = frames.find(SEP, at)
+        end = len(frames) if end < 0 else end + len(SEP)
+        if _parsed(frames[at:end])[0] == b"error":
+            return at
+        at = end
+    return -1
+
+
+def _parsed(frame: bytes) -> tuple[bytes | None, Any]:
+    """(its type: the `event:` field, else its JSON's `type`; its JSON or None)."""
+    kind, raw = event_fields(frame)
+    try:
+        data = orjson.loads(raw) if raw is not None else None
+    except orjson.JSONDecodeError:
+        data = None
+    if kind is None and isinstance(data, dict) and isinstance(data.get("type"), str):
+        kind = data["type"].encode()
+    return kind, data
+
+
+def _frame(kind: bytes | None, data: dict[str, Any]) -> bytes:
+    return (b"event: " + kind + b"\n" if kind else b"") + b"data: " + orjson.dumps(data) + SEP
+
+
+def _diverged() -> bytes:
+    body = {"type": "error", "error": {"type": "api_error", "message": "the backend failed mid-stream and another "
+                                       "replica's answer was not the same text: the stream ends here"}}
+    return b"event: error\ndata: " + orjson.dumps(body) + SEP
+
+
+def _count(usage: dict[str, Any], name: str) -> int:
+    value = usage.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
