@@ -40,11 +40,10 @@ is above 0 on these two routes (the proxy asks `watch`, which says None for ever
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import re
 
 import orjson
 
@@ -197,7 +196,8 @@ class Migration:
     """One stream's record of what went to the client, and how it goes on elsewhere. Made by `watch`."""
 
     __slots__ = ("shape", "left", "moves", "text", "chunks", "head", "refused", "rewrite", "before", "relayed",
-                 "kept", "hide", "prompt_ids", "ids", "shown", "exact", "attempt_prompt", "attempt_ids", "as_chat", "first")
+                 "kept", "hide", "prompt_ids", "ids", "shown", "exact", "attempt_prompt", "attempt_ids", "as_chat",
+                 "first")
 
     def __init__(self, shape: Shape, allowed: int, refused: str | None, hide: bool = False) -> None:
         self.shape = shape
@@ -281,15 +281,14 @@ class Migration:
             if self.as_chat:
                 _as_chat(data, keep_ids=not self.hide)
                 choices = data.get("choices")
-            elif self.hide:
-                _drop_ids(data)
         if not isinstance(choices, list):
-            return True
+            return self._passed(data)
         for choice in choices:
+            ids = choice.pop("__ids", None) if self.as_chat and isinstance(choice, dict) else \
+                choice.get("token_ids") if isinstance(choice, dict) else None
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 self.refused = "n"
                 continue
-            ids = choice.pop("__ids", None) if self.as_chat else choice.get("token_ids")
             if isinstance(ids, list):
                 self.ids += ids
                 self.attempt_ids += len(ids)
@@ -306,6 +305,13 @@ class Migration:
                     self.exact = False
             elif self.rewrite and choice.get("finish_reason") is None and not choice.get("logprobs"):
                 return False  # the continuation's role chunk (or an empty delta): the client had its own
+        return self._passed(data)
+
+    def _passed(self, data: dict[str, Any]) -> bool:
+        """A continuation's chunk that goes on, its token ids (read above) put back to null where the client did
+        not ask for them."""
+        if self.rewrite and self.hide and not self.as_chat:
+            _drop_ids(data)
         return True
 
     def _prompt_of(self, data: dict[str, Any], choices: Any) -> None:

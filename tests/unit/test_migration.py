@@ -274,3 +274,20 @@ def test_a_replica_that_does_not_say_its_tokens_is_relayed_as_it_came_and_not_sc
     assert moving.feed(raw) == raw and not moving.hide  # not vLLM (no ids in its first event): nothing to put back
     body = moving.continuation(CHAT)
     assert body is not None and body["messages"][-1]["content"] == "a"  # from the text
+
+
+def test_a_completion_continuation_keeps_counting_its_ids_for_a_second_move_and_hides_them():
+    body = {"model": "m", "stream": True, "prompt": "x", "max_tokens": 10, "return_token_ids": True}
+    moving = watch(completions.ROUTE, body, 2, hide=True)
+    assert moving is not None
+    head = with_ids(cmpl_chunk("a"), [5])
+    head["choices"][0]["prompt_token_ids"] = [1]
+    moving.feed(sse(head))
+    moving.moved(None)
+    second = with_ids(cmpl_chunk("b", cid="cmpl-2"), [6])
+    second["choices"][0]["prompt_token_ids"] = [1, 5]
+    out = events(moving.feed(sse(second)))
+    assert out[0]["choices"][0]["token_ids"] is None and out[0]["choices"][0]["prompt_token_ids"] is None
+    assert moving.ids == [5, 6] and moving.token_exact()
+    again = moving.continuation(body)
+    assert again is not None and again["prompt"] == [1, 5, 6] and again["max_tokens"] == 8
