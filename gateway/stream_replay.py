@@ -30,7 +30,8 @@ ERROR_FRAME = b"event: error"
 
 def unfaithful(body: dict[str, Any]) -> str | None:
     """Why a Messages stream asked for with `body` would not replay to the same text elsewhere, or None."""
-    if body.get("tools") and (body.get("tool_choice") or {}).get("type") != "none":
+    choice = body.get("tool_choice")
+    if body.get("tools") and not (isinstance(choice, dict) and choice.get("type") == "none"):
         return "tools"
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":

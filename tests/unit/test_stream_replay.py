@@ -97,6 +97,7 @@ def test_an_error_frame_mid_body_is_raised_with_what_came_before_it():
 @pytest.mark.parametrize("extra, why", [
     ({"temperature": 0.7}, "temperature"), ({"temperature": None}, "temperature"),
     ({"tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+    ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": "auto"}, "tools"),  # not Anthropic's shape
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking")])
 def test_requests_that_would_not_replay_to_the_same_text_are_refused(extra, why):
     assert unfaithful({**BODY, **extra}) == why
@@ -115,3 +116,4 @@ def test_only_messages_streams_are_replayed_and_only_with_migrations_allowed():
     assert watch(chat.ROUTE, BODY, 1) is None
     assert watch(messages.MESSAGES, BODY, 0) is None
     assert unfaithful({**BODY, "top_k": 1, "temperature": 1.0}) is None  # greedy either way
+    assert unfaithful({**BODY, "tools": [{"name": "f"}], "tool_choice": {"type": "none"}}) is None
