@@ -64,7 +64,8 @@ KEEP_BYTES = 64 * 1024  # events a stream keeps unread; past it they are read (a
 IDS = "return_token_ids"  # vLLM's: each chunk says its token ids, the first the prompt's
 IDS_KEY = b'token_ids":['  # in a chunk that carries ids (and only there: vLLM's null otherwise)
 ID_LISTS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9, ]*\]')  # put back to null for a client that did not ask
-ASKED: Slot[bool] = Slot("ids asked")  # the gateway asked for the ids (the client did not): the client never sees them
+# the gateway asked for the ids (the client did not): the client never sees them
+ASKED: Slot[bool] = Slot("ids asked")
 # what a completion request takes of a chat's body when a chat goes on as a completion of its prompt's tokens
 # (the sampling settings both share; the rest is the chat's own or was refused by `unfaithful`)
 SAMPLING = ("model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
@@ -279,16 +280,15 @@ class Migration:
             if isinstance(usage, dict):
                 data["usage"] = self.summed(usage)
             if self.as_chat:
-                _as_chat(data, keep_ids=not self.hide)
+                _as_chat(data)
                 choices = data.get("choices")
         if not isinstance(choices, list):
             return self._passed(data)
         for choice in choices:
-            ids = choice.pop("__ids", None) if self.as_chat and isinstance(choice, dict) else \
-                choice.get("token_ids") if isinstance(choice, dict) else None
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 self.refused = "n"
                 continue
+            ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.ids += ids
                 self.attempt_ids += len(ids)
@@ -308,10 +308,15 @@ class Migration:
         return self._passed(data)
 
     def _passed(self, data: dict[str, Any]) -> bool:
-        """A continuation's chunk that goes on, its token ids (read above) put back to null where the client did
-        not ask for them."""
-        if self.rewrite and self.hide and not self.as_chat:
-            _drop_ids(data)
+        """A continuation's chunk that goes on, its token ids (read above) gone where the client did not ask for
+        them: vLLM's nulls, or, on a completion told back as chat, no field."""
+        if self.rewrite and self.hide:
+            if self.as_chat:
+                choices = data.get("choices")
+                for choice in choices if isinstance(choices, list) else ():
+                    choice.pop("token_ids", None)  # _as_chat made a list of choices one of dicts
+            else:
+                _drop_ids(data)
         return True
 
     def _prompt_of(self, data: dict[str, Any], choices: Any) -> None:
@@ -338,7 +343,7 @@ class Migration:
         return self.refused is None and self.left > 0
 
     def token_exact(self) -> bool:
-        """Whether the stream goes on from its token ids: every text chunk said its ids, and the first its prompt's."""
+        """Whether the stream goes on from its token ids: every text chunk said its ids, the first its prompt's."""
         if self.relayed:
             self.read_relayed()
         return self.exact and self.prompt_ids is not None
@@ -429,9 +434,9 @@ def _lowered(continued: dict[str, Any], fields: tuple[str, ...], done: int,
     return continued
 
 
-def _as_chat(data: dict[str, Any], keep_ids: bool) -> None:
-    """A completion chunk told back as the chat chunk it continues: each choice's text as a content delta (its
-    token ids kept aside under `__ids` for the migration's count, and in the chunk only where the client asked)."""
+def _as_chat(data: dict[str, Any]) -> None:
+    """A completion chunk told back as the chat chunk it continues: each choice's text as a content delta, with
+    its token ids (counted by the migration, then taken out where the client did not ask for them)."""
     data["object"] = "chat.completion.chunk"
     choices = data.get("choices")
     if not isinstance(choices, list):
@@ -441,15 +446,12 @@ def _as_chat(data: dict[str, Any], keep_ids: bool) -> None:
         if not isinstance(choice, dict):
             continue
         text = choice.get("text")
-        ids = choice.get("token_ids")
         out: dict[str, Any] = {"index": choice.get("index", 0),
                                "delta": {"content": text if isinstance(text, str) else ""},
                                "logprobs": None, "finish_reason": choice.get("finish_reason")}
         if choice.get("stop_reason") is not None:
             out["stop_reason"] = choice["stop_reason"]
-        if keep_ids:
-            out["token_ids"] = ids
-        out["__ids"] = ids
+        out["token_ids"] = choice.get("token_ids")
         told.append(out)
     data["choices"] = told
 
@@ -475,7 +477,8 @@ def watch(route: Route, body: dict[str, Any], allowed: int, hide: bool = False) 
     shape = SHAPES.get(route)
     if shape is None:
         return None
-    return Migration(shape, allowed, unfaithful(body), hide)
+    # the ids were asked for only where the request is faithful (ask_for_ids): not judged twice
+    return Migration(shape, allowed, None if hide else unfaithful(body), hide)
 
 
 def _events(events: bytes) -> Iterator[tuple[int, int, Any]]:

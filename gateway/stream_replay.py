@@ -16,6 +16,7 @@ counts both replicas' work (each prompt, each output), in the last `message_delt
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -68,10 +69,10 @@ class Replay:
         frame (the frames before it are the client's)."""
         if not self.rewrite:
             if frames.rfind(ERROR_FRAME, max(0, len(frames) - ERROR_TAIL)) >= 0:
-                at = _error_at(frames)
-                if at >= 0:
-                    self.relayed.append(frames[:at])
-                    raise ErrorEvent(frames[:at], frames[at:])
+                for at, _end, kind, _data in _frames(frames):
+                    if kind == b"error":
+                        self.relayed.append(frames[:at])
+                        raise ErrorEvent(frames[:at], frames[at:])
             if self.refused is None:
                 self.relayed.append(frames)
                 self.kept += len(frames)
@@ -81,20 +82,14 @@ class Replay:
         if self.ended:
             return b""  # what the replica still sends after the stream ended for the client
         out: list[bytes] = []
-        at = 0
-        while at < len(frames):  # bounded: each pass moves past one frame
-            end = frames.find(SEP, at)
-            end = len(frames) if end < 0 else end + len(SEP)
-            frame = frames[at:end]
-            kind, data = _parsed(frame)
+        for at, end, kind, data in _frames(frames):
             if kind == b"error":
                 raise ErrorEvent(b"".join(out), frames[at:])
-            passed = self._replayed(kind, data, frame)
+            passed = self._replayed(kind, data, frames[at:end])
             if passed:
                 out.append(passed)
             if self.ended:
                 break
-            at = end
         return b"".join(out)
 
     def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
@@ -144,12 +139,7 @@ class Replay:
     def read_relayed(self) -> None:
         """What the client has: each text block's text, how many blocks began; refused at anything else."""
         relayed, self.relayed, self.kept = b"".join(self.relayed), [], 0
-        at = 0
-        while at < len(relayed):  # bounded: each pass moves past one frame
-            end = relayed.find(SEP, at)
-            end = len(relayed) if end < 0 else end + len(SEP)
-            kind, data = _parsed(relayed[at:end])
-            at = end
+        for _at, _end, kind, data in _frames(relayed):
             if not isinstance(data, dict):
                 continue
             index = data.get("index")
@@ -226,16 +216,14 @@ def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
     return Replay(allowed, unfaithful(body))
 
 
-def _error_at(frames: bytes) -> int:
-    """Where the first error frame begins in `frames`, or -1."""
+def _frames(frames: bytes) -> Iterator[tuple[int, int, bytes | None, Any]]:
+    """(begin, end, type, JSON or None) of each frame in `frames` (see _parsed)."""
     at = 0
     while at < len(frames):  # bounded: each pass moves past one frame
         end = frames.find(SEP, at)
         end = len(frames) if end < 0 else end + len(SEP)
-        if _parsed(frames[at:end])[0] == b"error":
-            return at
+        yield (at, end, *_parsed(frames[at:end]))
         at = end
-    return -1
 
 
 def _parsed(frame: bytes) -> tuple[bytes | None, Any]:

@@ -132,7 +132,8 @@ async def snapshot(url: str, names: dict) -> dict:
     except httpx.HTTPError:
         return {}
     m = parse_metrics(text)
-    return {key: histogram(m, name) if isinstance(name, str) else histogram_of(m, *name) for key, name in names.items()}
+    return {key: histogram(m, name) if isinstance(name, str) else histogram_of(m, *name)
+            for key, name in names.items()}
 
 
 def mean_times(before: dict, after: dict) -> dict[str, float | None]:
@@ -319,14 +320,14 @@ def times_table(result: dict) -> str:
     decode and inter-token latency (from its engine's arrival of a request: batch lines and interactive
     requests together)."""
     runs = {run.name: run for run in result["runs"]}
-    rows = [["run", "client TTFT", "gateway TTFT", "gateway queue", "batch queue", "vLLM TTFT", "vLLM queue", "vLLM prefill",
-             "vLLM decode", "vLLM ITL"]]
+    rows = [["run", "client TTFT", "gateway TTFT", "gateway queue", "batch queue", "vLLM TTFT", "vLLM queue",
+             "vLLM prefill", "vLLM decode", "vLLM ITL"]]
     for name, sides in result.get("times", {}).items():
         run = runs.get(name)
         client = sum(run.ttft) / len(run.ttft) * 1000 if run is not None and run.ttft else None
         gw, vllm = sides.get("gateway", {}), sides.get("vllm", {})
-        figures = [client, gw.get("ttft"), gw.get("queue"), gw.get("batch queue"), *(vllm.get(k) for k in ("ttft", "queue", "prefill",
-                                                                                     "decode", "itl"))]
+        figures = [client, gw.get("ttft"), gw.get("queue"), gw.get("batch queue"),
+                   *(vllm.get(k) for k in ("ttft", "queue", "prefill", "decode", "itl"))]
         rows.append([name, *("-" if v is None else f"{v:,.1f}" for v in figures)])
     return render(rows)
 
