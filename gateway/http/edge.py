@@ -36,6 +36,9 @@ A refused request is answered in its route's own error shape (Anthropic's on /v1
 then the connection is half-closed and what the client still sends is read and dropped for a moment, so that the
 answer is not lost to a reset. Nothing here logs a header or a body.
 
+Writes to the client go out once per turn of the event loop (gateway/http/corked.py): a response's head, body
+and last chunk in one system call, not three.
+
 Normal requests pay one length check per read: timers and the trailer count start only when a head or body is
 still incomplete after a read, and bodies are counted process-wide only past `HELD_MARK`, which a client that
 sends a small request in one piece never causes.
@@ -56,6 +59,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from gateway.http.corked import CorkedTransport
 from gateway.http.error_shapes import anthropic_error
 from policies.config import Server
 from policies.errors import GatewayError
@@ -142,7 +146,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- connections ------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CorkedTransport(transport, self.loop))  # a response's pieces in one write
         self.flow = self.releasing = ReleasingFlow(transport, self._release)
         if len(self.connections) > self.bounds.max_connections and not self._evict_idle() \
                 and not self._evict_starving():
