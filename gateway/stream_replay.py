@@ -23,7 +23,7 @@ import orjson
 
 from gateway.endpoints import messages
 from gateway.endpoints.base import Route
-from gateway.migration import ERROR_TAIL, KEEP_BYTES, SEP, ErrorEvent
+from gateway.migration import KEEP_BYTES, SEP, ErrorEvent, last_events
 from gateway.relay import event_fields
 
 ERROR_FRAME = b"event: error"
@@ -68,7 +68,7 @@ class Replay:
         """Complete frames on their way to the client -> what goes to the client. Raises ErrorEvent at an error
         frame (the frames before it are the client's)."""
         if not self.rewrite:
-            if frames.rfind(ERROR_FRAME, max(0, len(frames) - ERROR_TAIL)) >= 0:
+            if frames.find(ERROR_FRAME, last_events(frames)) >= 0:  # where vLLM puts it: a read's last frame
                 for at, _end, kind, _data in _frames(frames):
                     if kind == b"error":
                         self.relayed.append(frames[:at])

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from gateway.endpoints import chat, completions, embeddings, messages, responses
-from gateway.migration import ErrorEvent, Migration, unfaithful, watch
+from gateway.migration import ErrorEvent, Migration, last_events, unfaithful, watch
 
 
 def sse(*objs: dict) -> bytes:
@@ -135,6 +135,24 @@ def test_an_error_event_ending_a_long_read_is_found_where_vllm_puts_it():
     with pytest.raises(ErrorEvent) as info:
         moving.feed(before + error)
     assert info.value.passed == before and info.value.rest == error
+
+
+@pytest.mark.parametrize("tail", [
+    b"",  # the error event ends the read; its [DONE] comes in the next
+    b"data: [DONE]\n\n",
+])
+def test_an_error_event_is_looked_for_in_a_reads_last_event_or_the_one_before_done(tail):
+    error = b'data: {"error": {"message": "engine dead", "code": 500}}\n\n'
+    for before in (b"", sse(chat_chunk("a"))):
+        with pytest.raises(ErrorEvent) as info:
+            chat_stream(CHAT).feed(before + error + tail)
+        assert info.value.passed == before and info.value.rest == error + tail
+
+
+def test_an_error_event_with_text_after_it_in_the_same_read_goes_on_to_the_client_as_it_came():
+    moving = chat_stream(CHAT)
+    read = sse(chat_chunk("a")) + b'data: {"error": {"message": "a warning"}}\n\n' + sse(chat_chunk("b"))
+    assert moving.feed(read) == read
 
 
 @pytest.mark.parametrize("extra, why", [
@@ -291,3 +309,12 @@ def test_a_completion_continuation_keeps_counting_its_ids_for_a_second_move_and_
     assert moving.ids == [5, 6] and moving.token_exact()
     again = moving.continuation(body)
     assert again is not None and again["prompt"] == [1, 5, 6] and again["max_tokens"] == 8
+
+
+def test_the_last_events_of_a_read_begin_after_the_blank_line_before_them():
+    one, done = b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"
+    assert last_events(one) == 0
+    assert last_events(one + one) == len(one)
+    assert last_events(one + one + done) == len(one)
+    assert last_events(one + done) == 0
+    assert last_events(b"data: {}") == 0  # a tail at the stream's end, with no blank line
