@@ -12,17 +12,21 @@ the stream with TooLarge, holding no more than that.
 An event that carries usage is read as the SSE grammar reads it (WHATWG's event-stream), as the client's SDK
 will: CRLF, CR and LF all end a line (CR and CRLF are passed on as LF, so every stream is cut and metered
 alike), `id:`, `event:`, `retry:` and `:` comment lines may come before or between `data:` lines, and several
-`data:` lines are one payload joined with "\\n". Usage is merged across all the events of a stream, each count
-taken once at the largest value any event reported: a provider that sends the prompt's tokens and the output's
-in separate events is charged for both, one that repeats a running total on every chunk for the total only.
-The cost stays where it was for the plain stream (one `data:` line an event, most with no usage in them): a
-chunk is looked into only when it holds a `"usage"` key whose value is not `null`.
+`data:` lines are one payload joined with "\\n". Usage is merged across the events of a stream in their order:
+a usage that counts both the prompt's tokens and the output's is the provider's total so far and stands for
+everything before it (a running total on every chunk, a final usage sent twice: the total, once); one that
+counts only some is merged into what came before, each count at the largest value reported (a provider that
+sends the prompt's tokens and the output's in separate events is charged for both). So within one read only
+the usage events from the last total on are looked into, found from the read's end: a stream that arrives whole
+in one read (a fast replica) is not searched through for the usage events its total already stands for. The
+cost stays where it was for the plain stream (one `data:` line an event, most with no usage in them): a chunk
+is looked into only when it holds a `"usage"` key whose value is not `null`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -131,20 +135,19 @@ def rfind_usage(events: bytes, end: int | None = None) -> int:
     return mark - 1 if mark > 0 else -1
 
 
-def usage_events(events: bytes) -> list[tuple[int, int]]:
+def usage_events(events: bytes) -> Iterator[tuple[int, int]]:
     """(begin, end) of each event in `events` (complete ones, each with its blank line; a tail at flush may have
-    none) that holds a `"usage"` key, in order. Found from the usage keys (rfind), not by splitting every event:
-    a chunk of hundreds of events with one usage among them costs a few searches, not a pass over each."""
-    spans: list[tuple[int, int]] = []
+    none) that holds a `"usage"` key whose value is not `null`, from the last to the first. Found from the usage
+    keys (rfind), not by splitting every event: a chunk of hundreds of events with one usage among them costs a
+    few searches, not a pass over each; a caller that stops early searches no further."""
     mark = rfind_usage(events)
-    while mark >= 0:
+    while mark >= 0:  # bounded: each pass moves back past one event
         begin = events.rfind(SEP, 0, mark)
         begin = 0 if begin < 0 else begin + len(SEP)
-        end = events.find(SEP, mark)
-        spans.append((begin, len(events) if end < 0 else end + len(SEP)))
+        if not events.startswith(b":null", mark + 7):  # OpenAI's "usage":null on every chunk: nothing to read
+            end = events.find(SEP, mark)
+            yield begin, len(events) if end < 0 else end + len(SEP)
         mark = rfind_usage(events, begin)
-    spans.reverse()
-    return spans
 
 
 def event_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
@@ -192,13 +195,20 @@ def counts(usage: dict[str, Any]) -> bool:
     return False
 
 
+def total(usage: dict[str, Any]) -> bool:
+    """Whether `usage` counts both the prompt's tokens and the output's: the provider's total so far."""
+    prompt, output = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return prompt.__class__ is int and prompt > 0 and output.__class__ is int and output > 0
+
+
 def merged_usage(seen: dict[str, Any] | None, usage: dict[str, Any]) -> dict[str, Any] | None:
-    """The stream's usage so far with one more event's: each count at the largest value reported (a running
-    total, or the same usage repeated, counts once; counts sent in separate events are all kept), the other
-    fields as last sent. A usage that counts nothing is no usage: such a stream is still estimated."""
+    """The stream's usage so far with one more event's: a total (`total`) stands for everything before it (a
+    running total, or the same usage repeated, counts once); else each count at the largest value reported
+    (counts sent in separate events are all kept), the other fields as last sent. A usage that counts nothing is
+    no usage: such a stream is still estimated."""
     if usage == seen:
         return seen
-    if seen is None:
+    if seen is None or total(usage):
         return usage if counts(usage) else None
     merged = {**seen, **usage}
     for name in COUNTED:
@@ -244,7 +254,15 @@ class SSERelay(Frames):
             except orjson.JSONDecodeError:
                 return events
             return b"" if self._merge(data) else events
-        cut = [(begin, end) for begin, end in usage_events(events) if self._merge(event_json(events[begin:end]))]
+        found: list[tuple[int, int, Any]] = []
+        for begin, end in usage_events(events):  # from the read's last total on (merged_usage: it stands for all)
+            data = event_json(events[begin:end])
+            usage = data.get("usage") if isinstance(data, dict) else None
+            if isinstance(usage, dict):
+                found.append((begin, end, data))
+                if total(usage):
+                    break
+        cut = [(begin, end) for begin, end, data in reversed(found) if self._merge(data)]
         if not cut:
             return events
         kept, at = [], 0
@@ -315,7 +333,8 @@ class EventRelay(Frames):
         return at if frames[at:at + 6] == EVENT and (at == 0 or frames[at - 1:at] == b"\n") else -1
 
     def _take_usage(self, frames: bytes) -> None:
-        for begin, end in usage_events(frames):
+        found: list[dict[str, Any]] = []
+        for begin, end in usage_events(frames):  # from the read's last total on (merged_usage: it stands for all)
             kind, raw = event_fields(frames[begin:end])
             data = json_of(raw) if raw is not None else None
             if not isinstance(data, dict):
@@ -323,9 +342,13 @@ class EventRelay(Frames):
             extract = self.usage_events.get(kind) if kind is not None else None
             if extract is None and isinstance(data.get("type"), str):
                 extract = self.usage_events.get(data["type"].encode())
-            found = extract(data) if extract is not None else None
-            if found:
-                self.usage = merged_usage(self.usage, found)
+            usage = extract(data) if extract is not None else None
+            if usage:
+                found.append(usage)
+                if total(usage):
+                    break
+        for usage in reversed(found):
+            self.usage = merged_usage(self.usage, usage)
 
     @staticmethod
     def error_frame(body: bytes) -> bytes:

@@ -124,3 +124,42 @@ def test_crlf_framing_is_cut_into_events_and_its_usage_metered(seed):
     relay = SSERelay(strip_usage=False)
     first = crlf.index(b"\r\n\r\n") + 4
     assert relay.feed(crlf[:first]) == CHAT[: CHAT.index(b"\n\n") + 2]  # the first event goes on at once
+
+
+def usage_stream(usages: list[dict]) -> bytes:
+    """A chat stream whose every chunk but the last two carries one of `usages` (OpenAI's `null` where None)."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    return b"".join(b"data: " + orjson.dumps({**chunk, "usage": u}) + b"\n\n" for u in usages) + \
+        b'data: {"id":"c","choices":[{"index":0,"delta":{}}]}\n\ndata: [DONE]\n\n'
+
+
+def relayed_usage(stream: bytes, cuts: list[int]) -> dict | None:
+    relay = SSERelay(strip_usage=False)
+    at = 0
+    for cut in [*cuts, len(stream)]:
+        relay.feed(stream[at:cut])
+        at = cut
+    relay.flush()
+    return relay.usage
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_usage_is_the_same_however_the_stream_is_cut_into_reads(seed):
+    rng = random.Random(seed)
+    shapes = [None, {"prompt_tokens": 300}, {"completion_tokens": 40}, {"prompt_tokens": 0, "completion_tokens": 7},
+              {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+              {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21}, {"total_tokens": 50}, {}]
+    stream = usage_stream([rng.choice(shapes) for _ in range(rng.randint(1, 8))])
+    whole = relayed_usage(stream, [])  # one read: searched from its end, down to its last total only
+    by_event = relayed_usage(stream, [i + 2 for i in range(len(stream)) if stream.startswith(b"\n\n", i)][:-1])
+    by_bytes = relayed_usage(stream, sorted(rng.sample(range(1, len(stream)), min(12, len(stream) - 1))))
+    assert whole == by_event == by_bytes
+
+
+def test_a_total_stands_for_the_usage_before_it_and_separate_counts_are_all_kept():
+    separate = usage_stream([{"prompt_tokens": 300}, None, {"completion_tokens": 40, "total_tokens": 340}])
+    repeated = usage_stream([{"prompt_tokens": 300, "completion_tokens": n} for n in (0, 10, 40, 40)])
+    anthropic_like = usage_stream([{"prompt_tokens": 300, "completion_tokens": 1}, {"completion_tokens": 40}])
+    for stream in (separate, repeated, anthropic_like):
+        usage = relayed_usage(stream, [])
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (300, 40)
