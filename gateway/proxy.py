@@ -26,7 +26,7 @@ from backends.lora import LoadFailed, LoraAdapters
 from backends.rented import RentedProviders
 from backends.replicas import Replica, ReplicaSet
 from backends.upstream import UpstreamError
-from gateway import migration, stream_replay
+from gateway import migration, responses_replay, stream_replay
 from gateway.attempts import Attempts, failure_of, status_failure
 from gateway.endpoints.base import JSON, MULTIPART, NONE, ROUTE, parse_json
 from gateway.fallbacks import Fallbacks
@@ -59,6 +59,9 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 SECRET_SHAPE = re.compile(r"(?i:(?:^|[^a-z0-9])(?:sk|rk|pk)-[a-z0-9_-]{8,})|eyJ[A-Za-z0-9_-]{8,}"
                           r"|(?=[A-Za-z0-9]{24})(?=[a-z0-9]*[A-Z])(?=[A-Z0-9]*[a-z])[A-Za-z]*[0-9]")
 TIMED_OUT = (ReadTimedOut, WriteTimedOut)
+# a stream's record of what went to the client, by how it goes on elsewhere: continued (chat, completions) or
+# asked again and cut (Messages, Responses)
+Moving = migration.Migration | stream_replay.Replay | responses_replay.ResponsesReplay
 
 
 @dataclass(slots=True)
@@ -408,11 +411,12 @@ class Proxy:
         # whole again there), before the client, the tap (spans) or a variant's signals see them
         scrub = self.rented.scrub if call.replica.rented else None
         # what went to the client, kept only where the stream may move (None: the hot path as it was)
-        moving: migration.Migration | stream_replay.Replay | None = None
+        moving: Moving | None = None
         if scrub is None and not relay.replay:
             allowed = self.attempts.migrations(call.model)
             moving = migration.watch(ROUTE.of(call), call.body, allowed, hide=migration.ASKED.get(call) is True) \
-                or stream_replay.watch(ROUTE.of(call), call.body, allowed)
+                or stream_replay.watch(ROUTE.of(call), call.body, allowed) \
+                or responses_replay.watch(ROUTE.of(call), call.body, allowed)
         first = True
         try:
             while True:  # bounded: a pass per attempt, each a move that Migration.left allows (at most 5)
@@ -488,7 +492,7 @@ class Proxy:
                 call.usage = estimated_usage(call, relay.events)
             response.close()  # a continuation's (the first attempt's is closed by close_stream as well)
 
-    async def move_stream(self, call: Call, moving: migration.Migration | stream_replay.Replay,
+    async def move_stream(self, call: Call, moving: Moving,
                           relay: SSERelay | EventRelay) -> tuple[Response, SSERelay | EventRelay] | None:
         """The stream's replica failed mid-body: send the continuation to another replica (gateway/migration.py).
         Returns its answer and relay, or None where the stream cannot move (each outcome counted)."""

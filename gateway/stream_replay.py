@@ -42,11 +42,13 @@ def unfaithful(body: dict[str, Any]) -> str | None:
     return None
 
 
-class Replay:
-    """One Messages stream's record of what went to the client, and how a replay of it is cut. Made by `watch`."""
+class Asked:
+    """What every stream that is asked again keeps (a Messages stream here, a Responses stream in
+    gateway/responses_replay.py): the frames relayed, read only if the stream moves, and the moves left; a
+    subclass says what the client has (`read_relayed`) and how a replay's frame is cut (`_replayed`)."""
 
-    __slots__ = ("left", "moves", "refused", "rewrite", "relayed", "kept", "shown", "skip", "begun", "stopped",
-                 "deltas", "deltas_before", "ended", "before")
+    __slots__ = ("left", "moves", "refused", "rewrite", "relayed", "kept", "deltas", "deltas_before", "ended",
+                 "before", "unsaid_prompts")
 
     def __init__(self, allowed: int, refused: str | None) -> None:
         self.left = allowed  # moves still allowed
@@ -55,21 +57,18 @@ class Replay:
         self.rewrite = False  # the current attempt is a replay: its frames are cut by what the client has
         self.relayed: list[bytes] = []  # the frames relayed and not yet read
         self.kept = 0  # bytes in `relayed`
-        self.shown: dict[int, str] = {}  # the text the client has, by content block
-        self.skip: dict[int, str] = {}  # of that, what the current replay has still to make again
-        self.begun = 0  # content blocks the client has seen begin
-        self.stopped: set[bytes] = set()  # the frames the client has that end something (a block's, the message's)
         self.deltas = 0  # text deltas the client has (a token each, on vLLM)
         self.deltas_before = 0  # of those, the ones relayed before the current attempt began
         self.ended = False  # a replay's text was not the client's: the stream ended with an error frame
         self.before = {"prompt_tokens": 0, "completion_tokens": 0}  # the earlier attempts' work
+        self.unsaid_prompts = 0  # earlier attempts that failed before saying their prompt's tokens
 
     def feed(self, frames: bytes) -> bytes:
         """Complete frames on their way to the client -> what goes to the client. Raises ErrorEvent at an error
         frame (the frames before it are the client's)."""
         if not self.rewrite:
             if frames.find(ERROR_FRAME, last_events(frames)) >= 0:  # where vLLM puts it: a read's last frame
-                for at, _end, kind, _data in _frames(frames):
+                for at, _end, kind, _data in frames_in(frames):
                     if kind == b"error":
                         self.relayed.append(frames[:at])
                         raise ErrorEvent(frames[:at], frames[at:])
@@ -82,7 +81,7 @@ class Replay:
         if self.ended:
             return b""  # what the replica still sends after the stream ended for the client
         out: list[bytes] = []
-        for at, end, kind, data in _frames(frames):
+        for at, end, kind, data in frames_in(frames):
             if kind == b"error":
                 raise ErrorEvent(b"".join(out), frames[at:])
             passed = self._replayed(kind, data, frames[at:end])
@@ -91,6 +90,75 @@ class Replay:
             if self.ended:
                 break
         return b"".join(out)
+
+    def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
+        raise NotImplementedError
+
+    def read_relayed(self) -> None:
+        raise NotImplementedError
+
+    def _restart(self) -> None:
+        """A replay begins: what it has to make again is what the client has."""
+        raise NotImplementedError
+
+    def may_move(self) -> bool:
+        if self.relayed:
+            self.read_relayed()
+        return self.refused is None and self.left > 0
+
+    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
+        """The stream is asked again of another replica; `usage` is the failed attempt's where it said it: its
+        prompt (a Messages stream says it in `message_start`; a Responses stream only at its end, so a failed
+        one's prompt is counted as the replay's: the same request), its output (else the text deltas the client
+        has of it)."""
+        if self.relayed:
+            self.read_relayed()
+        self.left -= 1
+        self.moves += 1
+        self.rewrite = True
+        self._restart()
+        usage = usage or {}
+        prompt = count_of(usage, "prompt_tokens")
+        self.before["prompt_tokens"] += prompt
+        self.unsaid_prompts += prompt == 0
+        self.before["completion_tokens"] += count_of(usage, "completion_tokens") or self.deltas - self.deltas_before
+        self.deltas_before = self.deltas
+
+    def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last attempt's usage (the gateway's terms) plus the earlier attempts'."""
+        if not self.moves:
+            return usage
+        own = count_of(usage, "prompt_tokens")
+        prompt = own + self.before["prompt_tokens"] + own * self.unsaid_prompts
+        completion = count_of(usage, "completion_tokens") + self.before["completion_tokens"]
+        return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The request again, as it came (the replay is cut as it streams)."""
+        return body
+
+    def sent_as(self, route: Route) -> Route:
+        return route
+
+    def stop(self) -> None:
+        """No more moves: what follows goes on as it comes (a replay still cut)."""
+        self.left = 0
+        self.relayed = []
+        if not self.rewrite and self.refused is None:
+            self.refused = "stopped"
+
+
+class Replay(Asked):
+    """One Messages stream's record of what went to the client, and how a replay of it is cut. Made by `watch`."""
+
+    __slots__ = ("shown", "skip", "begun", "stopped")
+
+    def __init__(self, allowed: int, refused: str | None) -> None:
+        super().__init__(allowed, refused)
+        self.shown: dict[int, str] = {}  # the text the client has, by content block
+        self.skip: dict[int, str] = {}  # of that, what the current replay has still to make again
+        self.begun = 0  # content blocks the client has seen begin
+        self.stopped: set[bytes] = set()  # the frames the client has that end something (a block's, the message's)
 
     def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
         """One frame of a replay: dropped, cut, or passed as it came."""
@@ -112,7 +180,7 @@ class Replay:
             usage = data.get("usage")
             if isinstance(usage, dict):
                 data["usage"] = self._summed_anthropic(usage)
-                return _frame(kind, data)
+                return frame_of(kind, data)
             return frame
         if kind != b"content_block_delta" or not isinstance(index, int):
             return frame
@@ -131,7 +199,7 @@ class Replay:
                 return None
             assert isinstance(delta, dict)  # a text delta, found above
             delta["text"] = text
-            frame = _frame(kind, data)
+            frame = frame_of(kind, data)
         self.shown[index] = self.shown.get(index, "") + text
         self.deltas += 1
         return frame
@@ -139,7 +207,7 @@ class Replay:
     def read_relayed(self) -> None:
         """What the client has: each text block's text, how many blocks began; refused at anything else."""
         relayed, self.relayed, self.kept = b"".join(self.relayed), [], 0
-        for _at, _end, kind, data in _frames(relayed):
+        for _at, _end, kind, data in frames_in(relayed):
             if not isinstance(data, dict):
                 continue
             index = data.get("index")
@@ -158,39 +226,8 @@ class Replay:
                 else:
                     self.refused = "a tool call or thinking"
 
-    def may_move(self) -> bool:
-        if self.relayed:
-            self.read_relayed()
-        return self.refused is None and self.left > 0
-
-    def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        """The request again, as it came (the replay is cut as it streams)."""
-        return body
-
-    def sent_as(self, route: Route) -> Route:
-        return route
-
-    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
-        """The stream is asked again of another replica; `usage` is the failed attempt's (its prompt, from its
-        `message_start`; its output, where it said it, else the text deltas the client has of it)."""
-        if self.relayed:
-            self.read_relayed()
-        self.left -= 1
-        self.moves += 1
-        self.rewrite = True
+    def _restart(self) -> None:
         self.skip = dict(self.shown)
-        usage = usage or {}
-        self.before["prompt_tokens"] += _count(usage, "prompt_tokens")
-        self.before["completion_tokens"] += _count(usage, "completion_tokens") or self.deltas - self.deltas_before
-        self.deltas_before = self.deltas
-
-    def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The last attempt's usage (the gateway's terms) plus the earlier attempts'."""
-        if not self.moves:
-            return usage
-        prompt = _count(usage, "prompt_tokens") + self.before["prompt_tokens"]
-        completion = _count(usage, "completion_tokens") + self.before["completion_tokens"]
-        return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _summed_anthropic(self, usage: dict[str, Any]) -> dict[str, Any]:
         out = dict(usage)
@@ -200,12 +237,6 @@ class Replay:
             out["output_tokens"] = usage["output_tokens"] + self.before["completion_tokens"]
         return out
 
-    def stop(self) -> None:
-        """No more moves: what follows goes on as it comes (a replay still cut)."""
-        self.left = 0
-        self.relayed = []
-        if not self.rewrite and self.refused is None:
-            self.refused = "stopped"
 
 
 def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
@@ -216,7 +247,7 @@ def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
     return Replay(allowed, unfaithful(body))
 
 
-def _frames(frames: bytes) -> Iterator[tuple[int, int, bytes | None, Any]]:
+def frames_in(frames: bytes) -> Iterator[tuple[int, int, bytes | None, Any]]:
     """(begin, end, type, JSON or None) of each frame in `frames` (see _parsed)."""
     at = 0
     while at < len(frames):  # bounded: each pass moves past one frame
@@ -238,7 +269,7 @@ def _parsed(frame: bytes) -> tuple[bytes | None, Any]:
     return kind, data
 
 
-def _frame(kind: bytes | None, data: dict[str, Any]) -> bytes:
+def frame_of(kind: bytes | None, data: dict[str, Any]) -> bytes:
     return (b"event: " + kind + b"\n" if kind else b"") + b"data: " + orjson.dumps(data) + SEP
 
 
@@ -248,6 +279,6 @@ def _diverged() -> bytes:
     return b"event: error\ndata: " + orjson.dumps(body) + SEP
 
 
-def _count(usage: dict[str, Any], name: str) -> int:
+def count_of(usage: dict[str, Any], name: str) -> int:
     value = usage.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -6,7 +6,8 @@ word, the text of an uninterrupted run: the continuation is the prompt's token i
 said them (nothing re-tokenized), and the ids the gateway asked for never reach the client. A call that is not
 streamed needs no migration: stopped mid-generation, its replica
 sends no head, and the call is retried on the other (the same text again). The stopped server is resumed
-(SIGCONT) however the test ends."""
+(SIGCONT) however the test ends. A Messages or Responses stream is asked again of the other replica and cut
+where the client's text ends (gateway/stream_replay.py, gateway/responses_replay.py)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,39 @@ def test_a_messages_stream_cut_half_way_is_asked_again_and_the_client_reads_one_
     assert kinds.count("message_delta") == 1 and kinds[-1] == "message_stop"
     delta = next(e for e in events if e.type == "message_delta")
     assert delta.usage.output_tokens >= MAX + CUT // 2  # both replicas' output: the replay made the cut part again
+
+
+def stream_response(client: openai.OpenAI, on_chunk=None) -> tuple[str, set[str], list]:
+    """(the text, the response ids, the events) of a streamed Responses answer (the openai SDK's events)."""
+    stream = client.responses.create(model="duo", input=PROMPT[0]["content"], max_output_tokens=MAX, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+    parts, ids, events = [], set(), []
+    for i, event in enumerate(stream):
+        events.append(event)
+        if event.type in ("response.created", "response.completed"):
+            ids.add(event.response.id)
+        elif event.type == "response.output_text.delta":
+            parts.append(event.delta)
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(parts), ids, events
+
+
+def test_a_responses_stream_cut_half_way_is_asked_again_and_the_client_reads_one_stream(migrating, vllm_servers):
+    servers = [vllm_servers["a"], vllm_servers["b"]]
+    moved = migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued")
+    with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
+        reference, text, ids, events = cut_half_way(client, servers, stream_response)
+    assert text == reference and len(ids) == 1  # the replay's first part skipped, under the first response's id
+    kinds = [e.type for e in events]
+    assert kinds.count("response.created") == 1 and kinds.count("response.output_item.added") == 1
+    assert kinds.count("response.output_text.done") == 1 and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # one sequence, no gap, no repeat
+    assert len({e.item_id for e in events if e.type == "response.output_text.delta"}) == 1
+    done = events[-1].response
+    assert done.output_text == reference
+    assert done.usage.output_tokens >= MAX + CUT // 2  # both replicas' output: the replay made the cut part again
+    assert migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued") == moved + 1
 
 
 def test_a_whole_answer_whose_replica_stops_mid_generation_is_retried_before_its_head(migrating, vllm_servers):
