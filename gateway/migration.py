@@ -32,10 +32,11 @@ before (`unfaithful` and `Migration.feed` say why; docs/guides/reliability.md te
 - `include_stop_str_in_output`: otherwise vLLM holds back the text that could begin a stop string, so a stop
   string never straddles the cut; with it, one could.
 
-The per-event cost when nothing fails: the relayed bytes are kept aside (a list append) and searched for a
-quoted `"error"`; they are parsed only when the stream moves, or once a stream has kept `KEEP_BYTES` of them
-(then they are read into the text, so that a long stream holds its text, not its events). Only for the calls of a model whose `migrations`
-is above 0 on these two routes (the proxy asks `watch`, which says None for every other call).
+The per-event cost when nothing fails: the relayed bytes are kept aside (a list append) and a read's last event
+(or the one before `[DONE]`) is searched for a quoted `"error"`; they are parsed only when the stream moves, or
+once a stream has kept `KEEP_BYTES` of them (then they are read into the text, so that a long stream holds its
+text, not its events). Only for the calls of a model whose `migrations` is above 0 on these two routes (the
+proxy asks `watch`, which says None for every other call).
 """
 
 from __future__ import annotations

@@ -245,9 +245,11 @@ class SSERelay(Frames):
         return events
 
     def _take_usage(self, events: bytes) -> bytes:
-        """Merge the usage of every event in `events` that has one (with continuous usage stats every chunk has a
-        running total). A usage event proper (`choices: []`) is cut out when the client did not ask for usage;
-        no other event is touched."""
+        """Merge the usage of the events in `events` from the last total on (with continuous usage stats every
+        chunk has a running total: only the last is read). A usage event proper (`choices: []`) among them is
+        cut out when the client did not ask for usage; no other event is touched. (A provider that sent its
+        final usage event twice in one read would pass the first copy on: the total stands for it, so it is not
+        looked into.)"""
         if events.find(b"\n") == len(events) - 2 and events[-1] == 10 and events.startswith(b"data:"):
             try:  # one event of one data line, as most chunks are
                 data = orjson.loads(events[5:])  # JSON allows the space and the newlines around it
