@@ -22,17 +22,17 @@ import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import orjson
 import uvicorn
 
 from tests.support.asgi import lifespan, read_body
-from tests.support.probes import wait_http_ok
 from tests.support.servers import free_port
 
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # logged, so tests see what trace context got out
 
 
-def make_app(key: str, log_path: str, usage_style: str = "compact"):
+def make_app(key: str, log_path: str, usage_style: str = "compact", name: str = ""):
     def dumps(value: dict) -> bytes:
         if usage_style == "compact":
             return orjson.dumps(value)
@@ -45,7 +45,7 @@ def make_app(key: str, log_path: str, usage_style: str = "compact"):
             await lifespan(receive, send)
             return
         if scope["path"] == "/health":
-            await respond(send, 200, {})
+            await respond(send, 200, {"standin": name})  # its name: a starter knows it is this process that answers
             return
         raw = await read_body(receive)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
@@ -109,15 +109,39 @@ def running_standin(monkeypatch, log: str, *extra: str) -> Iterator[tuple[str, s
     a test's policy names as the provider's key), logging to `log`: its /v1 URL and the key; stopped on exit."""
     key = "rk-" + secrets.token_urlsafe(24)
     monkeypatch.setenv("STANDIN_KEY", key)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
-                             "--key-env", "STANDIN_KEY", "--log", log, *extra], env={**os.environ})
+    port, proc = started(log, extra)
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", proc, 20, "the rented stand-in")
         yield f"http://127.0.0.1:{port}/v1", key
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def started(log: str, extra: tuple[str, ...], tries: int = 5) -> tuple[int, subprocess.Popen]:
+    """The stand-in's process and port, once it answers there under its own name. A free port can be taken by
+    another test's server before the stand-in binds it (the stand-in then exits, and the other server would
+    answer /health): such a start is tried again on another port, `tries` times at most."""
+    for _ in range(tries):
+        name, port = secrets.token_hex(8), free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.rented_standin", "--port", str(port),
+                                 "--key-env", "STANDIN_KEY", "--log", log, "--name", name, *extra], env={**os.environ})
+        if answers_as(port, proc, name, 20):
+            return port, proc
+        proc.terminate()
+        proc.wait(10)
+    raise AssertionError(f"the rented stand-in did not start on any of {tries} ports")
+
+
+def answers_as(port: int, proc: subprocess.Popen, name: str, timeout: float) -> bool:
+    """Whether the stand-in `name` answers on `port` within `timeout` (False once its process exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            reply = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            if reply.status_code == 200 and reply.json().get("standin") == name:
+                return True
+        time.sleep(0.1)
+    return False
 
 
 if __name__ == "__main__":
@@ -126,5 +150,7 @@ if __name__ == "__main__":
     parser.add_argument("--key-env", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--usage", choices=("compact", "spaced", "omitted"), default="compact")
+    parser.add_argument("--name", default="")
     args = parser.parse_args()
-    uvicorn.run(make_app(os.environ[args.key_env], args.log, args.usage), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(make_app(os.environ[args.key_env], args.log, args.usage, args.name), host="127.0.0.1", port=args.port,
+                log_level="warning")
