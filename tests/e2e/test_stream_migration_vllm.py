@@ -1,13 +1,13 @@
 """Streams that survive on real vLLM servers (gateway/migration.py): the session's two servers serve one model
 (`duo`) through a gateway of this module's own, with a short read timeout and one migration allowed. At
-temperature 0, a stream whose replica is stopped (SIGSTOP, past the read timeout) half-way goes on from the other
-replica, and the client reads, through the unmodified openai SDK, one stream under one response id with, word for
-word, the text of an uninterrupted run: the continuation is the prompt's token ids and the generated ones as vLLM
-said them (nothing re-tokenized), and the ids the gateway asked for never reach the client. A call that is not
-streamed needs no migration: stopped mid-generation, its replica
-sends no head, and the call is retried on the other (the same text again). The stopped server is resumed
-(SIGCONT) however the test ends. A Messages or Responses stream is asked again of the other replica and cut
-where the client's text ends (gateway/stream_replay.py, gateway/responses_replay.py)."""
+temperature 0, a stream whose replica is stopped half-way (SIGSTOP, past the read timeout) or killed (SIGKILL:
+its connection resets) goes on from the other replica, and the client reads, through the unmodified openai SDK,
+one stream under one response id with, word for word, the text of an uninterrupted run: the continuation is the
+prompt's token ids and the generated ones as vLLM said them (nothing re-tokenized), and the ids the gateway
+asked for never reach the client. A call that is not streamed needs no migration: stopped mid-generation, its
+replica sends no head, and the call is retried on the other (the same text again). A stopped server is resumed
+(SIGCONT), a killed one started again, however the test ends. A Messages or Responses stream is asked again of
+the other replica and cut where the client's text ends (gateway/stream_replay.py, gateway/responses_replay.py)."""
 
 from __future__ import annotations
 
@@ -87,9 +87,11 @@ def stream_completion(client: openai.OpenAI, on_chunk=None) -> tuple[str, set[st
     return "".join(parts), ids, chunks
 
 
-def cut_half_way(client: openai.OpenAI, servers: list[VLLMServer], stream) -> tuple[str, str, set[str], list]:
+def cut_half_way(client: openai.OpenAI, servers: list[VLLMServer], stream,
+                 kill: bool = False) -> tuple[str, str, set[str], list]:
     """(the uninterrupted run's text, then the text, ids and chunks of a run whose replica is stopped at chunk
-    CUT), through `stream` (stream_chat or stream_completion)."""
+    CUT), through `stream` (stream_chat or stream_completion). `kill`: SIGKILL instead of SIGSTOP (a crashed
+    replica: its connection resets at once), and the server is started again afterwards."""
     references = {stream(client)[0] for _ in range(2)}  # both replicas, at random: the same text
     assert len(references) == 1
     reference = references.pop()
@@ -101,15 +103,21 @@ def cut_half_way(client: openai.OpenAI, servers: list[VLLMServer], stream) -> tu
         if i == CUT and not stopped:
             server = running_on(servers)
             assert server is not None, "no single server was running the stream"
-            server.pause()  # SIGSTOP: its socket stays open and silent, as a hung replica's
             stopped.append(server)
+            if kill:
+                server.kill()  # SIGKILL: the process group is gone, its connections reset
+            else:
+                server.pause()  # SIGSTOP: its socket stays open and silent, as a hung replica's
 
     started = time.monotonic()
     try:
         text, ids, chunks = stream(client, stop_the_server_half_way)
     finally:
         for server in stopped:
-            server.resume()  # SIGCONT, and waits until it answers again
+            if kill:
+                server.restart()  # the session's servers serve the tests after this one
+            else:
+                server.resume()  # SIGCONT, and waits until it answers again
     assert stopped, "the stream ended before it could be cut"
     assert time.monotonic() - started < 90
     return reference, text, ids, chunks
@@ -146,6 +154,16 @@ def test_a_stream_whose_replica_stops_half_way_gives_the_text_of_an_uninterrupte
             break
         time.sleep(0.1)
     assert "migrations=1" in migrating.log.read_text()
+
+
+def test_a_stream_whose_replica_is_killed_half_way_gives_the_text_of_an_uninterrupted_run(migrating, vllm_servers):
+    servers = [vllm_servers["a"], vllm_servers["b"]]
+    moved = migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued")
+    with openai.OpenAI(base_url=f"{migrating.url}/v1", api_key=migrating.key, max_retries=0, timeout=120) as client:
+        reference, text, ids, chunks = cut_half_way(client, servers, stream_chat, kill=True)
+    assert text == reference and len(ids) == 1  # token-exact from the other replica, under one id
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= MAX
+    assert migrating.metric("llm_gateway_stream_migrations_total", model="duo", outcome="continued") == moved + 1
 
 
 def stream_message(client: anthropic.Anthropic, on_chunk=None) -> tuple[str, set[str], list]:
