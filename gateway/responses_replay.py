@@ -31,7 +31,7 @@ import orjson
 from gateway.endpoints import responses
 from gateway.endpoints.base import Route
 from gateway.migration import SEP
-from gateway.stream_replay import Asked, count_of, frame_of, frames_in
+from gateway.stream_replay import Asked, frame_of, frames_in
 
 SKIPPED = (b"response.created", b"response.in_progress")  # the client has the first attempt's
 DONE = (b"response.output_text.done", b"response.content_part.done", b"response.output_item.done")
@@ -147,10 +147,7 @@ class ResponsesReplay(Asked):
                 item["id"] = self.ids[item["id"]]
         usage = response.get("usage")
         if isinstance(usage, dict):
-            prompt = count_of(usage, "input_tokens")
-            summed = self.summed({"prompt_tokens": prompt, "completion_tokens": count_of(usage, "output_tokens")})
-            response["usage"] = {**usage, "input_tokens": summed["prompt_tokens"],
-                                 "output_tokens": summed["completion_tokens"], "total_tokens": summed["total_tokens"]}
+            response["usage"] = self.summed_named(usage)
 
     def _diverged(self) -> bytes:
         self.sequence += 1

@@ -133,6 +133,19 @@ class Asked:
         completion = count_of(usage, "completion_tokens") + self.before["completion_tokens"]
         return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def summed_named(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """A replay's usage as its API names it (`input_tokens`, `output_tokens`, `total_tokens`: Anthropic's and
+        the Responses API's), each count it sent summed with the earlier attempts' as `summed` sums the record's,
+        so the client reads what the record says."""
+        summed = self.summed({"prompt_tokens": count_of(usage, "input_tokens"),
+                              "completion_tokens": count_of(usage, "output_tokens")})
+        out = dict(usage)
+        for name, key in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens"),
+                          ("total_tokens", "total_tokens")):
+            if isinstance(usage.get(name), int):
+                out[name] = summed[key]
+        return out
+
     def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """The request again, as it came (the replay is cut as it streams)."""
         return body
@@ -179,7 +192,7 @@ class Replay(Asked):
         if kind == b"message_delta":
             usage = data.get("usage")
             if isinstance(usage, dict):
-                data["usage"] = self._summed_anthropic(usage)
+                data["usage"] = self.summed_named(usage)
                 return frame_of(kind, data)
             return frame
         if kind != b"content_block_delta" or not isinstance(index, int):
@@ -228,16 +241,6 @@ class Replay(Asked):
 
     def _restart(self) -> None:
         self.skip = dict(self.shown)
-
-    def _summed_anthropic(self, usage: dict[str, Any]) -> dict[str, Any]:
-        out = dict(usage)
-        if isinstance(usage.get("input_tokens"), int):
-            out["input_tokens"] = usage["input_tokens"] + self.before["prompt_tokens"]
-        if isinstance(usage.get("output_tokens"), int):
-            out["output_tokens"] = usage["output_tokens"] + self.before["completion_tokens"]
-        return out
-
-
 
 def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
     """A Messages stream's Replay, or None where it never moves (another route, or no migrations allowed);

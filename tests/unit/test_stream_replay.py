@@ -117,3 +117,14 @@ def test_only_messages_streams_are_replayed_and_only_with_migrations_allowed():
     assert watch(messages.MESSAGES, BODY, 0) is None
     assert unfaithful({**BODY, "top_k": 1, "temperature": 1.0}) is None  # greedy either way
     assert unfaithful({**BODY, "tools": [{"name": "f"}], "tool_choice": {"type": "none"}}) is None
+
+
+def test_the_usage_the_client_reads_is_the_records_when_the_failed_attempt_never_said_its_prompt():
+    moving = replay()
+    moving.feed(block() + text("Once"))  # no message_start came before the replica failed: its prompt unsaid
+    moving.moved(None)
+    out = moving.feed(start("msg-2") + block() + text("Once") + text(" more") + end(2))
+    usage = orjson.loads(out.split(b"event: message_delta\ndata: ")[1].split(b"\n\n")[0])["usage"]
+    record = moving.summed({"prompt_tokens": 9, "completion_tokens": 2})
+    assert (usage["input_tokens"], usage["output_tokens"]) == (record["prompt_tokens"], record["completion_tokens"])
+    assert usage == {"input_tokens": 18, "output_tokens": 3}  # the replay's prompt for the failed attempt's too
