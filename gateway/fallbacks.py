@@ -28,6 +28,7 @@ from backends.replicas import UP, Replica
 from backends.upstream import Upstream
 from gateway.endpoints.base import ROUTE
 from gateway.http.form_upload import UPLOAD
+from policies.budget import BEFORE_RENT
 from policies.config import Model, Provider, RentedStep
 from policies.errors import (
     GatewayError,
@@ -41,6 +42,7 @@ from policies.errors import (
 )
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
+from policies.variants import SHADOW
 
 SERVED_MODEL = "x-gateway-served-model"  # on an answer a fallback served: the public model that served it
 FALLBACK_FROM = "x-gateway-fallback-from"  # ... and the model whose replicas could not
@@ -137,7 +139,8 @@ class Fallbacks:
                 break
             proxy.release(call)  # whatever the failed attempt held
             self.metrics.fallbacks.labels(asked, step.label, reason).inc()
-            call.model, call.group, call.adapter, call.variant, call.shadow = step.model, "", None, None, None
+            call.model, call.group, call.adapter, call.variant = step.model, "", None, None
+            SHADOW.take(call)
             call.response_headers[SERVED_MODEL], call.response_headers[FALLBACK_FROM] = step.model, asked
             try:
                 if step.target is None:
@@ -188,4 +191,4 @@ class Fallbacks:
             return True
         # reserved once per call: not when the budget step offers none, nor again after the model's own overflow
         # rented (and failed)
-        return call.before_rent is not None and not (call.replica is not None and call.replica.rented)
+        return BEFORE_RENT.get(call) is not None and not (call.replica is not None and call.replica.rented)

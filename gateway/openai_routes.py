@@ -32,7 +32,8 @@ from policies.errors import (
 from policies.finished import answered
 from policies.keys import KeyRecord
 from policies.network import ClientNetwork
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
+from policies.rate_limit import TICKET
 from policies.snapshot import Snapshot
 from policies.teams import effective_models
 
@@ -249,7 +250,7 @@ class OpenAIRoutes:
             check_key_source(key, host)
             team = await self.gateway.authenticate.team_of(key)
             if route.limited:
-                limits = Call(request_id, route.name, headers, host, arrived, key=key, team=team)
+                limits = Call(Request(request_id, route.name, headers, host, arrived), key=key, team=team)
                 await self.count_against_limits(limits)
             if team is not None:  # the models it lists are the key's inside its team's
                 key = key.model_copy(update={"models": effective_models(key, team)})
@@ -281,7 +282,7 @@ class OpenAIRoutes:
             else:
                 await send_bytes(send, 200, headers, body)
         finally:
-            if limits is not None and limits.ticket is not None:
+            if limits is not None and TICKET.get(limits) is not None:
                 rate_limit = self.gateway.snapshot.rate_limit
                 assert rate_limit is not None  # the ticket was taken from it (count_against_limits)
                 await rate_limit.leave(limits)  # the concurrency slot back
@@ -318,7 +319,7 @@ class OpenAIRoutes:
         except ClientGone:
             return
         except GatewayError as exc:
-            await send_error(send, exc, call.request_id, render=route.errors)
+            await send_error(send, exc, call.request.id, render=route.errors)
             return
 
         reply: Reply | None = None
@@ -330,7 +331,7 @@ class OpenAIRoutes:
             else:
                 await send_stream(send, reply)
         except GatewayError as exc:
-            await send_error(send, exc, call.request_id, call.response_headers, render=route.errors)
+            await send_error(send, exc, call.request.id, call.response_headers, render=route.errors)
         except asyncio.CancelledError as exc:
             error = exc
             if isinstance(raw, BodyStream) and raw.gone:
@@ -341,8 +342,8 @@ class OpenAIRoutes:
                 task.uncancel()
         except Exception as exc:
             error = exc
-            log.exception("request %s failed inside the gateway", call.request_id)
-            await send_error(send, InternalError("the gateway failed to handle the request"), call.request_id,
+            log.exception("request %s failed inside the gateway", call.request.id)
+            await send_error(send, InternalError("the gateway failed to handle the request"), call.request.id,
                              render=route.errors)
         except BaseException as exc:
             error = exc
@@ -359,8 +360,8 @@ class OpenAIRoutes:
         gets its 401 (or a refused network its 403) at once, and never has a body buffered for it. The pipeline's
         network and key steps run again on the call as they always do (the key step keeps this record)."""
         network = self.gateway.client_network
-        network.admit(network.client_address(call.client_host, call.headers.get("x-forwarded-for")))
-        return await self.gateway.authenticate.verify(call.headers.get("authorization"))
+        network.admit(network.client_address(call.client_host, call.request.headers.get("x-forwarded-for")))
+        return await self.gateway.authenticate.verify(call.request.headers.get("authorization"))
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         self.loop = asyncio.get_running_loop()

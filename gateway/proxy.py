@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -35,6 +35,7 @@ from gateway.relay import EventRelay, SSERelay, model_rename
 from gateway.shadow import Shadow
 from gateway.tracing import Off, Tracing
 from policies.admission import Admission, WouldWait
+from policies.budget import BEFORE_RENT
 from policies.config import Overflow
 from policies.errors import (
     BadRequest,
@@ -51,7 +52,10 @@ from policies.finished import Observers, record_of
 from policies.ids import unique_id
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
+from policies.priority import CLIENT_PRIORITY
 from policies.tokens import CHARS_PER_TOKEN
+from policies.variant_signals import ANSWER
+from policies.variants import SHADOW
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 # what a secret looks like: an API key (ours `sk-<id>-<secret>`, a provider's sk-/rk-/pk- ones), a JWT, or a long run
@@ -73,7 +77,7 @@ class Reply:
     close: Callable[[BaseException | None], Awaitable[None]] | None = None
 
 
-def request_id_from(headers: Any) -> str:
+def request_id_from(headers: Mapping[str, str]) -> str:
     """The client's X-Request-Id when it is a plain id; a new one when it is missing, malformed, or looks like a
     secret (a key pasted in the wrong header must not reach the access log, traces or the backend)."""
     given: str | None = headers.get("x-request-id")
@@ -127,7 +131,7 @@ class Proxy:
                 call.body = parse_json(raw_body)
             elif route.body == MULTIPART:
                 assert not isinstance(raw_body, bytes)  # a multipart route's comes as its chunks
-                upload = FormUpload(raw_body, call.headers.get("content-type", ""))
+                upload = FormUpload(raw_body, call.request.headers.get("content-type", ""))
                 UPLOAD.put(call, upload)
                 call.body = await upload.read_head()
             if route.pin is not None:
@@ -152,7 +156,7 @@ class Proxy:
                     stream=self.relay(call, response),
                     close=partial(self.close_stream, call, response),
                 )
-            if call.shadow is not None and response.status == 200 and self.shadow is not None:
+            if response.status == 200 and self.shadow is not None and SHADOW.get(call) is not None:
                 self.shadow.start(call)  # the live answer is under way: its copy may go now
             reply = await self.read_whole(call, response)
         except BaseException as exc:
@@ -189,7 +193,7 @@ class Proxy:
         owner = call.key.id if call.key is not None else call.client_host
         overflow = self.overflow.get(call.model) if rent and self.may_rent(call) else None
         attempts = self.attempts
-        attempts.started(call.model, call.arrived)
+        attempts.started(call.model, call.request.arrived)
         # bounded: each pass sends to a replica not tried before, at most 1 + retries.attempts of them (Attempts.retry);
         # a pass that sends nothing either returns, raises, or drops the overflow (at most once)
         while True:
@@ -215,7 +219,7 @@ class Proxy:
             call.queue_wait += waited
             call.response_headers["x-gateway-queue-ms"] = f"{waited * 1000:.1f}"
             if not tried and not call.sent_at:  # the gateway's own time before the first send, not the queue
-                call.overhead += before - call.arrived
+                call.overhead += before - call.request.arrived
             tried.append(replica)
             call.load = replica.in_flight
             try:
@@ -291,10 +295,11 @@ class Proxy:
             self.metrics.rent_refused.labels(call.model, "data_policy").inc()
             raise NotRentable(f"no backend of model {call.model} is available, and this API key may no longer "
                               "use a rented provider")
-        if call.before_rent is not None and not await call.before_rent():
+        before_rent = BEFORE_RENT.get(call)
+        if before_rent is not None and not await before_rent():
             raise OverBudget(f"no backend of model {call.model} has room and this key's rented budget is spent")
         if call.overhead == 0:
-            call.overhead += since - call.arrived
+            call.overhead += since - call.request.arrived
         try:
             response = await self.send(call, target, holds=False)
         except UpstreamError as exc:
@@ -310,7 +315,7 @@ class Proxy:
         raises UpstreamError. The response's status and headers are in when it returns."""
         call.replica, call.holds_replica = target, holds
         route = ROUTE.of(call)
-        path = route.upstream_path(call.params)
+        path = route.upstream_path(call.request.params)
         if call.query:
             path += call.query
         trace_headers = self.tracing.sending(call, target)  # records the attempt's span either way
@@ -320,11 +325,11 @@ class Proxy:
         upstream = target.upstream or target.connect(self.client)
         if route.body == MULTIPART:
             served = target.served_name if "model" in call.body else None
-            return await upstream.open(path, b"", call.request_id, content_type=call.headers[
+            return await upstream.open(path, b"", call.request.id, content_type=call.request.headers[
                 "content-type"], stream=UPLOAD.of(call).upload(served), extra=trace_headers)
         body = self.upstream_body(call, target) if route.body == JSON else b""
         method = "POST" if route.body != NONE else route.methods[0]
-        return await upstream.open(path, body, call.request_id, method, extra=trace_headers)
+        return await upstream.open(path, body, call.request.id, method, extra=trace_headers)
 
     def rename(self, call: Call) -> tuple[bytes, bytes] | None:
         """How the served model name (the replica's, or the call's LoRA adapter's) is told back as the public
@@ -348,7 +353,7 @@ class Proxy:
                 else target.served_name
         if target.rented:
             body.pop("priority", None)
-        elif not call.client_priority:  # ours to set (or to take back after a retry on another replica)
+        elif not CLIENT_PRIORITY.get(call):  # ours to set (or to take back after a retry on another replica)
             if target.priority_scheduling and call.priority is not None:
                 body["priority"] = call.priority.vllm_priority
             else:
@@ -406,7 +411,7 @@ class Proxy:
         assert call.replica is not None  # sent: the call holds its replica
         relay = ROUTE.of(call).relay_of(call, self.rename(call))
         relay.max_event = self.client.limits.event_bytes
-        answer = call.answer  # a variant's signals, read from the events as they pass
+        answer = ANSWER.get(call)  # a variant's signals, read from the events as they pass
         # a rented provider may quote its key back: scrubbed from whole events (a key cut between two chunks is
         # whole again there), before the client, the tap (spans) or a variant's signals see them
         scrub = self.rented.scrub if call.replica.rented else None
@@ -426,10 +431,10 @@ class Proxy:
                             first = False
                             now = call.first_token_at = time.perf_counter()
                             if not relay.replay:  # stored events come at once: no measure of the backend's pace
-                                self.metrics.first_token(call.model, now - call.arrived)
+                                self.metrics.first_token(call.model, now - call.request.arrived)
                                 self.admission.observe(call.replica, now - call.sent_at)
                                 self.attempts.ejections.ttft(call.replica, now - call.sent_at)
-                            if call.shadow is not None and self.shadow is not None:
+                            if self.shadow is not None and SHADOW.get(call) is not None:
                                 self.shadow.start(call)  # the live answer is under way: its copy may go now
                         if call.tap is not None and scrub is None:
                             call.tap.append(chunk)
@@ -590,7 +595,7 @@ class Proxy:
 
     def reply_headers(self, call: Call, response: Response) -> dict[str, str]:
         assert call.replica is not None  # answered by its replica
-        headers = {"x-request-id": call.request_id, **call.response_headers,
+        headers = {"x-request-id": call.request.id, **call.response_headers,
                    "x-gateway-served-by": "rented" if call.replica.rented else "owned"}
         content_type = response.headers.get("content-type")
         if content_type:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -36,8 +37,8 @@ from policies.admission import Admission
 from policies.finished import Finished
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call
-from policies.variant_signals import StreamAnswer, agreement, answer_of, compared, sample_of
-from policies.variants import Variants
+from policies.variant_signals import ANSWER, StreamAnswer, agreement, answer_of, compared, sample_of
+from policies.variants import SHADOW, Variants
 
 log = logging.getLogger("gateway.variants")
 
@@ -62,10 +63,9 @@ class Shadow:
     def start(self, live: Call) -> None:
         """Called once a live call copied to a shadow has its answer under way: send the copy now, in the
         background, unless it would wait."""
-        if live.endpoint not in COMPARED or live in self.live:
+        if live.request.route not in COMPARED or live in self.live:
             return
-        assert live.shadow is not None  # only a call copied to a shadow is told its answer is under way
-        name, group = live.shadow
+        name, group = SHADOW.of(live)  # only a call copied to a shadow is told its answer is under way
         if len(self.tasks) >= MAX_PENDING:
             self.live[live] = None
             self.dropped(live.model, name)
@@ -79,10 +79,10 @@ class Shadow:
         """A live call copied to a shadow has ended: its copy may compare; a copy never sent (the live call
         failed before its answer was under way) is counted as dropped."""
         live = record.call
-        if live is None or live.shadow is None or live.endpoint not in COMPARED:
+        if live is None or SHADOW.get(live) is None or live.request.route not in COMPARED:
             return
         if live not in self.live:
-            self.dropped(live.model, live.shadow[0])
+            self.dropped(live.model, SHADOW.of(live)[0])
             return
         done = self.live.pop(live)
         if done is not None and not done.done():
@@ -97,20 +97,20 @@ class Shadow:
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
             self.dropped(live.model, name)
             return
-        copy = ROUTE.of(live).call(f"{live.request_id}-shadow", {}, "", time.perf_counter())
+        copy = ROUTE.of(live).call(f"{live.request.id}-shadow", {}, "", time.perf_counter())
         copy.model, copy.stream, copy.replica, copy.load = live.model, live.stream, replica, replica.in_flight
         body["model"] = replica.served_name
         body.pop("priority", None)
         if live.stream:
             body["stream_options"] = {"include_usage": True}
-            copy.answer = StreamAnswer(whole=True)
+            ANSWER.put(copy, StreamAnswer(whole=True))
         copy.body = body
         try:
-            await self.exchange(copy, replica, body, live.params)
+            await self.exchange(copy, replica, body, live.request.params)
         except UpstreamError:
             copy.status = 502
         except Exception:  # noqa: BLE001 - a shadow's failure must never reach anyone
-            log.exception("shadow copy of request %s failed", live.request_id)
+            log.exception("shadow copy of request %s failed", live.request.id)
             copy.status = 500
         finally:
             self.admission.release(replica)
@@ -125,18 +125,17 @@ class Shadow:
                     sample.exact, sample.agreed = agreement(answer_of(live), answer_of(copy))
         self.variants.record(live.model, name, sample, copy.status)
 
-    async def exchange(self, copy: Call, replica: Replica, body: dict[str, Any], params: dict[str, Any]) -> None:
+    async def exchange(self, copy: Call, replica: Replica, body: dict[str, Any], params: Mapping[str, str]) -> None:
         upstream = replica.upstream
         if upstream is None:  # not connected yet: the app connects the live set before serving
             raise UpstreamError(f"replica {replica.name} has no connection yet")
         copy.sent_at = time.perf_counter()
-        response = await upstream.open(ROUTE.of(copy).upstream_path(params), orjson.dumps(body), copy.request_id)
+        response = await upstream.open(ROUTE.of(copy).upstream_path(params), orjson.dumps(body), copy.request.id)
         try:
             copy.status = response.status if response.status < 500 else 502
             if copy.stream and response.status == 200:
                 relay = SSERelay(strip_usage=False)  # cut at event boundaries, its usage taken
-                answer = copy.answer
-                assert answer is not None  # a copy always reads its answer's signals
+                answer = ANSWER.of(copy)  # a copy always reads its answer's signals
                 while chunk := await response.next_chunk():
                     if not copy.first_token_at:
                         copy.first_token_at = time.perf_counter()

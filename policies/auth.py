@@ -125,6 +125,7 @@ class KeyCache:
 
 class Authenticate:
     name = "authenticate"
+    writes = ()  # only the call's own fields
 
     def __init__(self, store: Store, cache_seconds: float, background: Background, stale_seconds: float = 0.0,
                  on_outage: Callable[[str], None] | None = None) -> None:
@@ -136,7 +137,7 @@ class Authenticate:
 
     async def enter(self, call: Call) -> None:
         if call.key is None:  # a batch's line comes with its key's record, checked as it was read; a request
-            call.key = await self.verify(call.headers.get("authorization"))  # with its head's (gateway/)
+            call.key = await self.verify(call.request.headers.get("authorization"))  # with its head's (gateway/)
         if call.key.team is not None:  # most keys have none: no coroutine made for them
             call.team = await self.team_of(call.key)
 
@@ -215,6 +216,7 @@ class Authorize:
     """The key may use this model, from this client address."""
 
     name = "authorize"
+    writes = ()  # only the call's own fields
 
     async def enter(self, call: Call) -> None:
         key = call.key

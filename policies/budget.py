@@ -1,7 +1,7 @@
 """Pipeline step: budgets per period, a key's and its team's: rented spend (`max_rented_spend`) and tokens
 (`max_tokens_per_period`).
 
-Rented spend is reserved at the moment a call is about to spill (the proxy asks `call.before_rent`): its rented
+Rented spend is reserved at the moment a call is about to spill (the proxy asks BEFORE_RENT): its rented
 price at the estimated prompt and max_tokens. Token budgets reserve the token estimate at admission. Each
 reservation is one atomic step (one Lua call on one Redis hash when the store is shared, so N replicas enforce
 one budget); the call's end settles it against the real cost and tokens, as its finished-call record counted them
@@ -51,7 +51,7 @@ from policies.keys import KeyBudget
 from policies.teams import OWNER_PREFIX
 from policies.ledger.sqlite import SQLiteLedger
 from policies.ledger.sums import COMPLETION, COST, PROMPT
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
 from policies.store import StoreError, StoreUnavailable
 from policies.store.redis import RedisStore
 from policies.store.sqlite_holds import SQLiteHolds
@@ -285,6 +285,12 @@ class RedisBudgets:
         """Nothing written, nothing to drop."""
 
 
+HOLDS: Slot[list[Hold]] = Slot("budget holds")  # what the budget step reserved, to settle when the call ends
+# may the call spill to a rented provider now? (its rented cost reserved in each budget, or False): the proxy asks
+# at the moment it would rent
+BEFORE_RENT: Slot[Callable[[], Awaitable[bool]]] = Slot("before renting")
+
+
 class Budget:
     """A pipeline step (it reserves on entry) and an observer of finished calls (it settles from the record, whose
     tokens and rented cost are counted once for every observer). Each call counts against its key's budget and,
@@ -292,6 +298,7 @@ class Budget:
     none, and a call rents only while both have room."""
 
     name = "budget"
+    writes = (HOLDS, BEFORE_RENT)
 
     def __init__(self, policy: Policy, budgets: Budgets, rented_cost: Callable[[str, int, int], float],
                  background: Background) -> None:
@@ -332,7 +339,7 @@ class Budget:
         except BaseException:  # a later budget refused: give back what the earlier ones reserved
             await asyncio.gather(*(self.budgets.settle(hold, 0.0, 0) for hold, _ in holds if hold.tokens))
             raise
-        call.budget_hold = [hold for hold, _ in holds]
+        HOLDS.put(call, [hold for hold, _ in holds])
         if self.durable and any(hold.tokens for hold, _ in holds):
             await self.write_pledge(call, [hold for hold, _ in holds], None, 0.0)
         provider = self.overflow.get(call.model) if call.key is not None and call.key.data_policy == "allow_rented" \
@@ -340,7 +347,7 @@ class Budget:
             else None
         rented = [(hold, budget) for hold, budget in holds if budget.max_rented_spend is not None]
         if rented and provider is not None:
-            call.before_rent = partial(self.reserve_rents, call, rented, provider)
+            BEFORE_RENT.put(call, partial(self.reserve_rents, call, rented, provider))
 
     async def enter_one(self, call: Call, owner: str, budget: KeyBudget, who: str) -> Hold:
         """Reserve the call's tokens in one owner's budget (or refuse it, holding nothing)."""
@@ -358,7 +365,7 @@ class Budget:
                         "token_budget_exceeded", end)
         hold.tokens = want
         if budget.when_spent == "reject" and budget.max_rented_spend is not None and not verdict.rent_ok:
-            call.budget_hold = None  # settled here: the refused call's record has nothing to settle
+            HOLDS.take(call)  # settled here: the refused call's record has nothing to settle
             await self.budgets.settle(hold, 0.0, 0)
             self.refuse(f"{who} has spent its rented budget of {budget.max_rented_spend:g} for the "
                         f"{budget.period}", "budget_exceeded", end)
@@ -423,7 +430,7 @@ class Budget:
                 self.outage_logged = True
                 log.warning("budget store unavailable: budgeted keys stay on owned backends, token budgets admit")
             return False
-        for hold in call.budget_hold or holds:
+        for hold in HOLDS.get(call) or holds:
             hold.pledge = pledge
         return True
 
@@ -441,10 +448,9 @@ class Budget:
         tokens (never below 0, so a provider cannot refund a budget) and its rented cost, for an answer a rented
         provider served."""
         call = record.call
-        if call is None or not call.budget_hold:
+        holds = HOLDS.take(call) if call is not None else None
+        if not holds:
             return
-        holds: list[Hold] = call.budget_hold
-        call.budget_hold = None
         cost = record.cost if record.served_by == RENTED else 0.0
         used = record.prompt_tokens + record.completion_tokens
         for hold in holds:

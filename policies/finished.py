@@ -68,10 +68,10 @@ def record_of(call: Call, cost: Callable[[str, int, int], float]) -> Finished:
     replica, status, key = call.replica, call.status, call.key
     rented = replica.rented if replica is not None else None
     served_by = (RENTED if rented else OWNED) if replica is not None and status < 400 else None
-    return Finished(call.request_id, call.endpoint, call.model, call.group or call.model, call.variant,
+    return Finished(call.request.id, call.request.route, call.model, call.group or call.model, call.variant,
                     key.id if key is not None else None, replica, served_by, status, call.stream, prompt, completion,
                     usage.get("estimated") is True, cost(rented, prompt, completion) if rented else 0.0,
-                    now - call.arrived, call.overhead, call.queue_wait, call.sent_at, now, call)
+                    now - call.request.arrived, call.overhead, call.queue_wait, call.sent_at, now, call)
 
 
 def answered(request_id: str, endpoint: str, status: int, arrived: float) -> Finished:

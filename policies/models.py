@@ -18,6 +18,7 @@ from policies.pipeline import Call
 
 class ResolveModel:
     name = "resolve-model"
+    writes = ()  # only the call's own fields
 
     def __init__(self, policy: Policy, found: Callable[[str], Mapping[str, AdapterTarget]] | None = None) -> None:
         self.public: dict[str, str] = {}

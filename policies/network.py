@@ -32,6 +32,7 @@ def normalized(peer: str) -> str:
 
 class ClientNetwork:
     name = "client-network"
+    writes = ()  # only the call's own fields
 
     def __init__(self, network: Network) -> None:
         self.trusted = networks(network.trusted_proxies)
@@ -42,7 +43,7 @@ class ClientNetwork:
                                  limit=PEER_CACHE)  # asked only when there is a list (admit)
 
     async def enter(self, call: Call) -> None:
-        call.client_host = self.client_address(call.client_host, call.headers.get("x-forwarded-for"))
+        call.client_host = self.client_address(call.client_host, call.request.headers.get("x-forwarded-for"))
         self.admit(call.client_host)
 
     async def leave(self, call: Call) -> None:

@@ -16,14 +16,38 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 from policies.errors import StateUnavailable
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
 from policies.store import Store, StoreError, StoreUnavailable
 
 TAG = 16  # hex characters of an owner tag (64 bits: a guess is right once in 2**64)
 SECRET_NAME = "owner-tags"
+
+
+@dataclass(slots=True)
+class Claims:
+    """What a call's route found in its request before the pipeline: ids it names that must be its key's, and
+    whether it will mint ids its key owns."""
+
+    ids: list[tuple[str, str, Exception]] = field(default_factory=list)  # (what the tag covers, the tag, the refusal)
+    mints: bool = False  # the owners step gives it TAG_OWNER
+
+
+CLAIMS: Slot[Claims] = Slot("ownership claims")  # its route fills it (gateway/endpoints/responses.py)
+TAG_OWNER: Slot[Callable[[str], str]] = Slot("owner tag")  # (rest of an id) -> its owner tag, for this call's key
+
+
+def claims_of(call: Call) -> Claims:
+    """The call's claims, made empty on first use."""
+    claims = CLAIMS.get(call)
+    if claims is None:
+        claims = Claims()
+        CLAIMS.put(call, claims)
+    return claims
 
 
 def owner_tag(secret: bytes, key_id: str, rest: str) -> str:
@@ -32,9 +56,10 @@ def owner_tag(secret: bytes, key_id: str, rest: str) -> str:
 
 class Owners:
     """Pipeline step, right after authentication: refuses a call naming an id its key did not create
-    (`call.claims`), and gives a call that will mint ids the function that tags them (`call.tag_owner`)."""
+    (its CLAIMS), and gives a call that will mint ids the function that tags them (TAG_OWNER)."""
 
     name = "owners"
+    writes = (TAG_OWNER,)
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -52,7 +77,8 @@ class Owners:
         return self.secret
 
     async def enter(self, call: Call) -> None:
-        if not call.claims and not call.mints_ids:
+        claims = CLAIMS.get(call)
+        if claims is None or not (claims.ids or claims.mints):
             return
         try:
             secret = await self.load()
@@ -60,10 +86,10 @@ class Owners:
             raise StateUnavailable("the store is unavailable; try again shortly") from None
         assert call.key is not None  # the key step ran first
         tag = partial(owner_tag, secret, call.key.id)
-        for rest, carried, refusal in call.claims:
+        for rest, carried, refusal in claims.ids:
             if not hmac.compare_digest(tag(rest), carried):
                 raise refusal
-        call.tag_owner = tag
+        TAG_OWNER.put(call, tag)
 
     async def leave(self, call: Call) -> None:
         pass

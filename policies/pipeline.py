@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -20,26 +20,34 @@ from policies.tokens import FREE, Estimate
 
 if TYPE_CHECKING:  # the steps' own types
     from backends.lora import AdapterTarget
-    from policies.budget_holds import Hold
     from policies.config.admission import PriorityClass
     from policies.keys import KeyRecord
-    from policies.ratelimit.base import Ticket
     from policies.teams import TeamRecord
-    from policies.variant_signals import StreamAnswer
 
 log = logging.getLogger("gateway.pipeline")
 
 
+NO_PARAMS: Mapping[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the client asked, as the edge read it: fixed for the call's life (steps read it, none writes it)."""
+
+    id: str  # the request id (x-request-id)
+    route: str  # the route's name: "chat/completions", "responses", "tokenize"... (gateway/endpoints/)
+    headers: Mapping[str, str]  # the client's request headers, names in lower case
+    peer: str  # the address its connection came from (the network step finds the client behind a proxy)
+    arrived: float  # perf_counter() when the request arrived
+    params: Mapping[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
+
+
 @dataclass(slots=True, eq=False)
 class Call:
-    request_id: str
-    endpoint: str  # the route's name: "chat/completions", "responses", "tokenize"... (gateway/endpoints/)
-    headers: Mapping[str, str]  # the client's request headers, names in lower case
-    client_host: str
-    arrived: float  # perf_counter() when the request arrived
+    request: Request
+    client_host: str = ""  # the client's address: its peer's, or who a trusted proxy says it forwards
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     prompt_of: PromptReader | None = None  # how its route reads the prompt of its body (prefix routing reads it)
-    params: dict[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
     body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
@@ -47,23 +55,14 @@ class Call:
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     key: KeyRecord | None = None  # the caller's key, once authenticated
     team: TeamRecord | None = None  # its key's team, when it has one (policies/teams.py)
-    # ids it names that must be its key's (policies/ownership.py): (what the tag covers, the tag, the refusal)
-    claims: list[tuple[str, str, Exception]] = field(default_factory=list)
-    mints_ids: bool = False  # it will mint ids its key owns: the owners step sets tag_owner
-    tag_owner: Callable[[str], str] | None = None  # (rest of an id) -> its owner tag, for this call's key
     priority: PriorityClass | None = None  # its class (policies/priority.py); None: the default class
-    client_priority: bool = False  # the body's vLLM `priority` is the client's own (its key may set it)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
-    ticket: Ticket | None = None  # what the rate limiter took, to give back
-    prompt_estimate: int = 0
     streamed_events: int = 0
     model: str = ""  # the public model name, after alias resolution
     variant: str | None = None  # the model's variant that serves it, when the model has variants
     adapter: AdapterTarget | None = None  # the LoRA adapter that serves it, when its model is one
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
     load: int = 0  # requests in flight to its replica when it was sent (itself included)
-    load_matched: bool = False  # assigned its variant while the variant guard matched the load (policies/variant_guard.py)
-    shadow: tuple[str, str] | None = None  # (variant, replica set) of a shadow variant it is copied to once under way
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream
     replica: Replica | None = None
@@ -73,8 +72,6 @@ class Call:
     overhead: float = 0.0  # seconds the gateway itself spent on this call
     queue_wait: float = 0.0  # seconds it waited for a slot on an owned backend
     rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
-    before_rent: Callable[[], Awaitable[bool]] | None = None  # set by a step: may it spill to a rented provider now?
-    budget_hold: list[Hold] | None = None  # what the budget step reserved, to settle when the call ends
     error: BaseException | None = None  # why the call ended badly, if it did (a started stream: set as it ends)
     finished: bool = False
     entered: list[Step] = field(default_factory=list)
@@ -82,30 +79,44 @@ class Call:
     first_token_at: float = 0.0  # perf_counter() of the first streamed chunk
     response: dict[str, Any] | None = None  # the parsed JSON answer of a call that was not streamed
     tap: list[bytes] | deque[bytes] | None = None  # when a trace wants them, the streamed chunks are appended here
-    answer: StreamAnswer | None = None  # a variant's signals (policies/variant_signals.py): fed the streamed events
     batch: str | None = None  # the batch it is a line of (its key is set before it enters: policies/batches/)
     # what a layer above keeps on the call (its route, its upload, its trace: the HTTP shell's), by Slot
     state: dict[object, object] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.client_host:
+            self.client_host = self.request.peer
+
     def routing(self) -> RoutingRequest:
         """The request as routing sees it, for one pick (nothing is copied: the call's own headers and body are
         read)."""
-        return RoutingRequest(self.model, self.endpoint, self.headers, self.adapter,
+        request = self.request
+        return RoutingRequest(self.model, request.route, request.headers, self.adapter,
                               Prompt(self.body, self.prompt_of))
 
 
 T = TypeVar("T")
 
 
-class Slot(Generic[T]):
-    """One module's own state on a call (as llm-d's CycleState): the module that makes the slot writes it, and a
-    reader gets it typed through the slot. For what a layer above the policies keeps on a call (the HTTP shell's
-    route, upload and trace), so that the call names no type of that layer and still holds nothing untyped."""
+class StateKey:
+    """The name of one piece of state a call carries in `Call.state` (a Slot, typed by what it holds)."""
 
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    def __repr__(self) -> str:
+        return f"<slot {self.name}>"
+
+
+class Slot(StateKey, Generic[T]):
+    """One module's own state on a call (as llm-d's CycleState): the module that makes the slot writes it, and a
+    reader gets it typed through the slot. A pipeline step names the slots it writes in its `writes` (the
+    pipeline refuses two steps writing one slot); a layer above the policies (the HTTP shell's route, upload and
+    trace) keeps its state the same way, so the call names no type of that layer and holds nothing untyped."""
+
+    __slots__ = ()
 
     def get(self, call: Call) -> T | None:
         return call.state.get(self)  # type: ignore[return-value]  # only `put` writes it, with a T
@@ -120,9 +131,17 @@ class Slot(Generic[T]):
     def put(self, call: Call, value: T) -> None:
         call.state[self] = value
 
+    def take(self, call: Call) -> T | None:
+        """The value, removed from the call (what is settled once is not settled again)."""
+        return call.state.pop(self, None)  # type: ignore[return-value]  # only `put` writes it, with a T
+
 
 class Step(Protocol):
     name: str
+
+    @property
+    def writes(self) -> tuple[StateKey, ...]:
+        """The slots of the call it fills: its own state, which no other step writes."""
 
     async def enter(self, call: Call) -> None:
         """Check or prepare the call; raise a GatewayError to refuse it."""
@@ -133,7 +152,14 @@ class Step(Protocol):
 
 class Pipeline:
     def __init__(self, steps: list[Step]) -> None:
+        writers: dict[StateKey, str] = {}
+        for step in steps:
+            for slot in step.writes:
+                if slot in writers:
+                    raise ValueError(f"pipeline steps {writers[slot]} and {step.name} both write {slot.name}")
+                writers[slot] = step.name
         self.steps = steps
+        self.writers = writers  # slot -> the step that writes it
 
     async def enter(self, call: Call) -> None:
         for step in self.steps:
@@ -146,4 +172,4 @@ class Pipeline:
             try:
                 await step.leave(call)
             except Exception:  # one step's bug must not stop the others from releasing
-                log.exception("pipeline step %s failed to leave request %s", step.name, call.request_id)
+                log.exception("pipeline step %s failed to leave request %s", step.name, call.request.id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from policies.config import Policy, Priorities, PriorityClass
 from policies.errors import BadRequest
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
 from policies.teams import ClassOrder, TeamRecord
 
 
@@ -43,8 +43,13 @@ def within_ceiling(chosen: PriorityClass, team: TeamRecord | None, priorities: P
     return priorities.classes[top] if priorities.classes.index(chosen) < top else chosen
 
 
+# the body's vLLM `priority` is the client's own (its key may set it): the proxy leaves it, clamped to its class
+CLIENT_PRIORITY: Slot[bool] = Slot("client's own priority")
+
+
 class Classify:
     name = "priority"
+    writes = (CLIENT_PRIORITY,)
 
     def __init__(self, policy: Policy) -> None:
         self.config = policy.priorities
@@ -67,7 +72,7 @@ class Classify:
             return self.batch
         assert key is not None  # the key step ran first
         if key.client_priority:
-            asked = call.headers.get(self.config.header)
+            asked = call.request.headers.get(self.config.header)
             if asked:
                 chosen = self.config.named(asked.strip())
                 if chosen is None:
@@ -82,8 +87,8 @@ class Classify:
         call.priority = self.of(call)
         assert call.key is not None  # the key step ran first (a batch's line comes with its key)
         if call.key.client_priority and self.own_priority_fits(call):
-            call.client_priority = "priority" in call.body
-            if call.client_priority:
+            if "priority" in call.body:
+                CLIENT_PRIORITY.put(call, True)
                 self.clamp(call)
         else:
             call.body.pop("priority", None)

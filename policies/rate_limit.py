@@ -20,7 +20,7 @@ from policies.errors import RateLimited, StateUnavailable
 from policies.ids import unique_id
 from policies.keys import KeyLimits
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
 from policies.ratelimit.base import (
     CONCURRENCY,
     REQUESTS,
@@ -42,8 +42,12 @@ RELEASE_RETRY_SECONDS = 30.0  # a failover is over well within this; an outage l
 WHAT = {REQUESTS: "requests per minute", TOKENS: "tokens per minute", CONCURRENCY: "concurrent requests"}
 
 
+TICKET: Slot[Ticket] = Slot("rate-limit ticket")  # what the limiter took for the call, to give back as it leaves
+
+
 class RateLimit:
     name = "rate-limit"
+    writes = (TICKET,)
 
     def __init__(self, policy: Policy, limiter: Limiter, background: Background, metrics: GatewayMetrics) -> None:
         self.config = policy.rate_limits
@@ -95,9 +99,9 @@ class RateLimit:
         if not scopes:
             return
         estimate = call.tokens
-        call.prompt_estimate = estimate.prompt(call.body)
-        cost = call.prompt_estimate + estimate.output(call.body, self.config.default_max_tokens)
-        member = f"{call.request_id}:{unique_id()}"
+        prompt = estimate.prompt(call.body)
+        cost = prompt + estimate.output(call.body, self.config.default_max_tokens)
+        member = f"{call.request.id}:{unique_id()}"
         limiter = self.limiter
         try:
             asked = limiter.acquire(scopes, cost, member, self.config.lease_seconds)
@@ -111,7 +115,7 @@ class RateLimit:
         call.response_headers.update(headers(call.key.limits, decision))
         if not decision.allowed:
             self.refuse(call, decision)
-        call.ticket = Ticket(scopes, member, cost, limiter=limiter)
+        TICKET.put(call, Ticket(scopes, member, cost, prompt, limiter=limiter))
 
     async def outage(self, scopes: tuple[Scope, ...], cost: int, member: str) -> Decision:
         modes = self.config.on_store_failure
@@ -149,14 +153,14 @@ class RateLimit:
         )
 
     async def leave(self, call: Call) -> None:
-        ticket: Ticket | None = call.ticket
+        ticket = TICKET.get(call)
         if ticket is None or ticket.released:
             return
         ticket.released = True
         usage = call.usage if isinstance(call.usage, dict) else {}
         used = sum(used_tokens(usage))  # never below 0: a backend cannot give a token limit back
         if not usage:  # ended early: what was sent so far is the best measure we have
-            used = call.prompt_estimate + call.streamed_events
+            used = ticket.prompt + call.streamed_events
         if ticket.limiter is self.local:
             await self.local.release(ticket, used)
         else:

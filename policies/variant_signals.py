@@ -34,6 +34,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.protocols import Validator
 
 from policies.memo import Memo
+from policies.pipeline import Call, Slot
 
 FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
 FINISH_MARK = b'"finish_reason":"'  # a finish_reason that is not null
@@ -220,10 +221,15 @@ class StreamAnswer:
         return "".join(self.text), [self.calls[i] for i in sorted(self.calls)]
 
 
-def answer_of(call: Any) -> tuple[Any, list[dict[str, Any]]]:
+# a streamed call's answer as its signals need it, fed the events as they pass (the variant step makes it)
+ANSWER: Slot[StreamAnswer] = Slot("stream answer")
+
+
+def answer_of(call: Call) -> tuple[Any, list[dict[str, Any]]]:
     """The content and tool calls of a finished chat call, streamed (gathered whole) or not."""
     if call.stream:
-        return call.answer.answer() if call.answer is not None else (None, [])
+        answer = ANSWER.get(call)
+        return answer.answer() if answer is not None else (None, [])
     content, calls, _, _ = whole_answer(call.response)
     return content, calls
 
@@ -262,11 +268,12 @@ def compared(body: Any) -> bool:
     return temperature == 0 and not isinstance(temperature, bool)
 
 
-def sample_of(call: Any, now: float) -> Sample:
-    """`now`: perf_counter() as the call finished."""
+def sample_of(call: Call, now: float, load_matched: bool = False) -> Sample:
+    """`now`: perf_counter() as the call finished; `load_matched`: its variant was assigned while the guard
+    matched the load (policies/variants.py LOAD_MATCHED)."""
     status = call.status
     at = time.monotonic()
-    sample = Sample(at, error_kind(status), load_level(call.load), load_matched=call.load_matched,
+    sample = Sample(at, error_kind(status), load_level(call.load), load_matched=load_matched,
                     began=at - (now - call.sent_at) if call.sent_at else None)
     if status >= 400:
         return sample
@@ -280,14 +287,15 @@ def sample_of(call: Any, now: float) -> Sample:
             if completion > 1 and after > 0:
                 sample.itl = after / (completion - 1)
                 sample.tokens_per_second = (completion - 1) / after
-        answer = call.answer
+        answer = ANSWER.get(call)
         finish = answer.finish if answer is not None else None
         if answer is not None and answer.whole:
             content, tool_calls = answer.answer()
             sample.structured = structured_validity(call.body, content, tool_calls, finish, answer.refused)
     else:
         content, tool_calls, finish, refused = whole_answer(call.response)
-        if call.answer.whole if call.answer is not None else wants_structure(call.body):  # decided as it came in
+        answer = ANSWER.get(call)
+        if answer.whole if answer is not None else wants_structure(call.body):  # decided as it came in
             sample.structured = structured_validity(call.body, content, tool_calls, finish, refused)
     sample.length = finish == "length"
     return sample

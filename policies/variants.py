@@ -38,9 +38,9 @@ from policies.config import Model, Policy
 from policies.finished import Finished
 from policies.memo import Memo
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import Call, Slot
 from policies.variant_guard import VariantGuard
-from policies.variant_signals import Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
+from policies.variant_signals import ANSWER, Sample, StreamAnswer, Window, compared, sample_of, summary, wants_structure
 
 log = logging.getLogger("gateway.variants")
 WeightsChanged = Callable[[str, dict[str, float], dict[str, float], str], None]  # (model, before, after, why)
@@ -261,10 +261,17 @@ class Variants:
                              for v in config.variants]}
 
 
+# the call's variant was assigned while the variant guard matched the load (policies/variant_guard.py)
+LOAD_MATCHED: Slot[bool] = Slot("assigned while load-matched")
+# (variant, replica set) of a shadow variant the call is copied to once its answer is under way (gateway/shadow.py)
+SHADOW: Slot[tuple[str, str]] = Slot("shadow variant")
+
+
 class AssignVariant:
     """Pipeline step (after the model is resolved): the variant, hence the replica set, of a request."""
 
     name = "assign-variant"
+    writes = (LOAD_MATCHED, SHADOW, ANSWER)
 
     def __init__(self, variants: Variants, load: Callable[[str], float] = lambda group: 0.0) -> None:
         self.variants = variants
@@ -282,7 +289,7 @@ class AssignVariant:
             if pinned.variant is not None:
                 call.response_headers[HEADER] = pinned.variant
             return
-        value = call.headers.get(plan.header) if plan.header is not None and call.headers is not None else None
+        value = call.request.headers.get(plan.header) if plan.header is not None and call.request.headers is not None else None
         if not value and plan.key and call.key is not None:
             value = call.key.id
         if value:
@@ -293,15 +300,17 @@ class AssignVariant:
             match = self.variants.load_match_on(call.model) if self.variants.load_matches else None
             if match is not None and plan.names[i] in (match.candidate, match.baseline):  # the guard matches their load
                 i = self.lighter(plan, match)
-                call.load_matched = True
+                LOAD_MATCHED.put(call, True)
         call.variant = call.response_headers[HEADER] = plan.names[i]
         call.group = plan.groups[i]
         if plan.adapters:
             call.adapter = plan.adapters[i]
-        call.shadow = shadow = plan.shadow() if plan.shadows else None
+        shadow = plan.shadow() if plan.shadows else None
+        if shadow is not None:
+            SHADOW.put(call, shadow)
         body = call.body
         if body.get("stream"):  # what its signals need, gathered as it passes: text only for structure or a comparison
-            call.answer = StreamAnswer(wants_structure(body) or (shadow is not None and compared(body)))
+            ANSWER.put(call, StreamAnswer(wants_structure(body) or (shadow is not None and compared(body))))
 
     def lighter(self, plan: Plan, match: LoadMatch) -> int:
         """The index of the pair's variant with fewer in flight per replica (ties: the baseline)."""
@@ -322,7 +331,9 @@ class VariantSignals:
 
     def observe(self, record: Finished) -> None:
         if record.variant is not None and record.call is not None:
-            self.variants.record(record.model, record.variant, sample_of(record.call, record.ended_at), record.status)
+            matched = LOAD_MATCHED.get(record.call) or False
+            self.variants.record(record.model, record.variant, sample_of(record.call, record.ended_at, matched),
+                                 record.status)
 
 
 class Signals:

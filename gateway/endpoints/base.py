@@ -10,7 +10,7 @@ proxy (gateway/proxy.py) runs it; neither knows any route by name.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -19,9 +19,11 @@ import orjson
 
 from backends.replicas import Replica
 from gateway.relay import EventRelay, SSERelay
+from policies.config import Policy
 from policies.errors import BadRequest, GatewayError
 from policies.json_depth import json_too_deep, nests_past_bound
-from policies.pipeline import Call, Slot
+from policies.keys import KeyRecord
+from policies.pipeline import NO_PARAMS, Call, Request, Slot
 from policies.routing.request import PromptReader
 from policies.tokens import FREE, Estimate
 
@@ -194,15 +196,17 @@ class Route:
     usage: Callable[[dict[str, Any]], dict[str, Any] | None] = openai_usage  # from a whole JSON answer
     relay: Callable[[Call, tuple[bytes, bytes] | None], SSERelay | EventRelay] | None = None  # None: never streams
     stream_usage: bool = False  # ask the backend for the usage chunk (stripped again when the client did not)
-    pin: Callable[[Call, Any], Replica | None] | None = None  # affinity: the replica it must go to (or None)
+    pin: Callable[[Call, Iterable[Replica]], Replica | None] | None = None  # affinity: the replica it must go to (or None)
     prepare: Callable[[Call, dict[str, Any], Replica], None] | None = None  # last touches for the chosen replica
     rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
     errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
-    answer: Callable[[Any, Any, Asked], Awaitable[bytes | Download]] | None = None  # answered by the gateway
+    # answered by the gateway: (the gateway, as the route's own Protocol in gateway/endpoints/ names it; the key;
+    # what was asked)
+    answer: Callable[[Any, KeyRecord, Asked], Awaitable[bytes | Download]] | None = None
     answer_type: str = "application/json"  # the content type of what `answer` returns
     limited: bool = True  # an answered route counts against its key's requests per minute and concurrency
-    max_body: Callable[[Any], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
+    max_body: Callable[[Policy], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
     plain_text: bool = False  # a 200 answer may be text, not JSON (passed on as it is)
     query: Callable[[bytes], str] | None = None  # the client's query string into the one sent upstream; None: dropped
     stream_by_answer: bool = False  # it streams when its answer is an event stream (a form's or a query's `stream`)
@@ -215,9 +219,9 @@ class Route:
             object.__setattr__(self, "pattern", re.compile(f"^{regex}$"))
 
     def call(self, request_id: str, headers: Mapping[str, str], client_host: str, arrived: float,
-             params: dict[str, str] | None = None, batch: str | None = None) -> Call:
+             params: Mapping[str, str] | None = None, batch: str | None = None) -> Call:
         """A call of this route: its name, how it reads its prompt, and the route itself in the call's ROUTE slot."""
-        call = Call(request_id, self.name, headers, client_host, arrived, params=params or {}, batch=batch,
+        call = Call(Request(request_id, self.name, headers, client_host, arrived, params or NO_PARAMS), batch=batch,
                     prompt_of=self.prompt)
         ROUTE.put(call, self)
         return call
@@ -228,7 +232,7 @@ class Route:
             raise TypeError(f"the route {self.name} never streams")
         return self.relay(call, rename)
 
-    def upstream_path(self, params: dict[str, str]) -> str:
+    def upstream_path(self, params: Mapping[str, str]) -> str:
         return (self.upstream or self.path).format(**params)
 
     def streams(self, body: dict[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from gateway.endpoints.base import (NONE, Route, forward_query, io_usage, no_usa
 from gateway.relay import EventRelay, ReplayRelay
 from policies.errors import NotFound
 from policies.ownership import TAG as OWNER_TAG
+from policies.ownership import TAG_OWNER, claims_of
 from policies.pipeline import Call
 from policies.routing.prompt import responses_text
 from policies.tokens import RESPONSES
@@ -60,18 +61,18 @@ def pinned(call: Call, response_id: Any, replicas: Iterable[Replica], unknown: N
     if replica is None:
         raise unknown
     replica_tag = response_id[len(PREFIX):len(PREFIX) + TAG]
-    call.claims.append((replica_tag + response_id[START:], response_id[len(PREFIX) + TAG:START], unknown))
+    claims_of(call).ids.append((replica_tag + response_id[START:], response_id[len(PREFIX) + TAG:START], unknown))
     return replica
 
 
 def pin_by_path(call: Call, replicas: Iterable[Replica]) -> Replica:
-    response_id = call.params["id"]
+    response_id = call.request.params["id"]
     return pinned(call, response_id, replicas, NotFound(f"No response found with id '{response_id}'.",
                                                         param="response_id", code="response_not_found"))
 
 
 def pin_previous(call: Call, replicas: Iterable[Replica]) -> Replica | None:
-    call.mints_ids = True  # the new response's id is tagged with its key
+    claims_of(call).mints = True  # the new response's id is tagged with its key
     previous = call.body.get("previous_response_id")
     if previous is None:
         return None
@@ -86,8 +87,8 @@ def pinned_model(call: Call) -> str | None:
 
 def assign_id(call: Call, body: dict[str, Any], replica: Replica) -> None:
     if replica.rented is None:
-        assert call.tag_owner is not None  # set by the owners step: pin_previous marks the call as minting ids
-        body["request_id"] = new_id(replica, call.tag_owner)
+        # set by the owners step: pin_previous marks the call as minting ids
+        body["request_id"] = new_id(replica, TAG_OWNER.of(call))
     else:
         body.pop("request_id", None)
 

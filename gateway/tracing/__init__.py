@@ -59,7 +59,7 @@ class Off:
     enabled = False
 
     def sending(self, call: Call, replica: Replica) -> bytes:
-        return passthrough(call.headers)
+        return passthrough(call.request.headers)
 
     def observe(self, record: Finished) -> None:
         pass

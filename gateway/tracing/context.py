@@ -66,5 +66,5 @@ def trace_id_of(call: Call) -> str:
     trace = TRACE.get(call)
     if trace is not None:
         return f"{trace.trace_id:032x}"
-    found = client_context(call.headers)
+    found = client_context(call.request.headers)
     return f"{found[1]:032x}" if found else ""

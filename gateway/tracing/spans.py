@@ -41,7 +41,7 @@ class SpanWriter:
     def spans(self, call: Any, trace: Any, offset: int) -> bytes:
         """The call's spans (a CallTrace of gateway/tracing/tracer.py); `offset`: ns since the epoch at perf_counter 0."""
         end = int(trace.end * 1e9) + offset
-        operation = OPERATIONS.get(call.endpoint, call.endpoint)
+        operation = OPERATIONS.get(call.request.route, call.request.route)
         body = call.body if isinstance(call.body, dict) else {}
         given = body.get("model")
         model: str = call.model or (given if isinstance(given, str) else "")
@@ -49,8 +49,8 @@ class SpanWriter:
         response = call.response if isinstance(call.response, dict) else None
         parts = [wire.span_head(trace_id, root, trace.parent, trace.state),
                  self.shared(call, trace, operation, model, body, response),
-                 wire.times(int(call.arrived * 1e9) + offset, end),
-                 wire.string_attribute("llm_gateway.request_id", call.request_id),
+                 wire.times(int(call.request.arrived * 1e9) + offset, end),
+                 wire.string_attribute("llm_gateway.request_id", call.request.id),
                  wire.double_attribute("llm_gateway.queue.wait_s", call.queue_wait)]
         if attempts:
             _, _, _, in_flight, limit = attempts[-1]
@@ -137,7 +137,7 @@ class SpanWriter:
             reasons = tuple(m.decode() for m in FINISH_REASON.findall(b"".join(trace.tap)))
             if call.status < 400 and model:
                 response_model = model
-        key = (operation, call.endpoint, model, call.status, call.stream,
+        key = (operation, call.request.route, model, call.status, call.stream,
                call.key.id if call.key is not None else None, error, attempts[-1][1] if attempts else None,
                len(attempts), params, response_model, reasons)
         try:

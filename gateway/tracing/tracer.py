@@ -55,7 +55,7 @@ class Tracer:
 
     def start(self, call: Call) -> CallTrace:
         """The call's trace ids, when the gateway first needs them: the client's trace continued, or a new one."""
-        found = client_context(call.headers)
+        found = client_context(call.request.headers)
         if found is None:  # a new trace: TraceIdRatioBased's own test, without building a SamplingResult
             trace_id = getrandbits(128) or 1
             trace = CallTrace(trace_id, 0, trace_id & self.id_limit < self.bound, "")
@@ -63,7 +63,7 @@ class Tracer:
             _, trace_id, parent, sampled, state = found
             remote = SpanContext(trace_id, parent, True, SAMPLED if sampled else NOT_SAMPLED)
             decision = self.sampler.should_sample(set_span_in_context(NonRecordingSpan(remote)), trace_id,
-                                                  call.endpoint, SpanKind.SERVER)
+                                                  call.request.route, SpanKind.SERVER)
             trace = CallTrace(trace_id, parent, decision.decision is Decision.RECORD_AND_SAMPLE, state)
         TRACE.put(call, trace)
         return trace
@@ -82,9 +82,9 @@ class Tracer:
                 out = b"traceparent: 00-%032x-%016x-00\r\n" % (trace.trace_id, span_id)
             return out + b"tracestate: %s\r\n" % trace.state.encode("latin-1") if trace.state else out
         except Exception:  # a tracing bug must never fail a request: the call goes on untraced
-            log.exception("tracing: could not start the trace of request %s", call.request_id)
+            log.exception("tracing: could not start the trace of request %s", call.request.id)
             TRACE.put(call, CallTrace(1, 0, False, ""))  # not sampled: nothing more is recorded for it
-            return passthrough(call.headers)
+            return passthrough(call.request.headers)
 
     name = "tracing"  # as an observer of finished calls (policies/finished.py)
 
@@ -108,7 +108,7 @@ class Tracer:
                 except RuntimeError:  # not on an event loop (an embedding program's thread): now, then
                     self.write()
         except Exception:  # a tracing bug must never fail a request: this call's trace is lost
-            log.exception("tracing: could not record the trace of request %s", call.request_id)
+            log.exception("tracing: could not record the trace of request %s", call.request.id)
 
     def write(self) -> None:
         """The spans of the calls finished since the last time, in one go, handed to the export queue."""
@@ -125,7 +125,7 @@ class Tracer:
                 spans.append(self.writer.spans(call, trace, offset))
                 count += trace.count
             except Exception:  # a tracing bug must never fail a request: this call's trace is lost
-                log.exception("tracing: could not record the trace of request %s", call.request_id)
+                log.exception("tracing: could not record the trace of request %s", call.request.id)
         if spans:
             self.pipe.put(Encoded(b"".join(spans), count, len(spans)))
 

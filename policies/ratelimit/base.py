@@ -53,6 +53,7 @@ class Ticket:
     scopes: tuple[Scope, ...]
     member: str
     reserved: int
+    prompt: int = 0  # the prompt's tokens as estimated: what an answer that ends early is counted at, with its events
     released: bool = False
     limiter: Limiter | None = field(default=None, repr=False)  # the one that took it
 

@@ -205,7 +205,7 @@ async def test_requests_that_go_away_while_admitted_leave_no_slot(redis_server, 
     from policies.config import parse_policy
     from policies.keys import KeyLimits
     from policies.metrics import GatewayMetrics
-    from policies.pipeline import Call
+    from policies.pipeline import Call, Request
     from policies.rate_limit import RateLimit
 
     store = open_store("redis", url=redis_server.url, prefix=redis_prefix)
@@ -216,7 +216,7 @@ async def test_requests_that_go_away_while_admitted_leave_no_slot(redis_server, 
     rng = random.Random(5)
 
     async def one(i: int) -> None:
-        call = Call(f"r{i}", "chat/completions", {}, "127.0.0.1", 0.0)
+        call = Call(Request(f"r{i}", "chat/completions", {}, "127.0.0.1", 0.0))
         call.model, call.key = "m", key
         entered = asyncio.create_task(step.enter(call))
         await asyncio.sleep(rng.uniform(0, 0.003))  # often while the script's reply is on its way

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from policies.pipeline import Request
+
 
 @dataclass
 class Key:
@@ -32,3 +34,7 @@ class Call:
     usage: Any = None
     tap: Any = None
     state: dict = field(default_factory=dict)  # the trace, in gateway/tracing/context.py's TRACE slot
+    request: Request = field(init=False)  # what the client asked, made of the fields above as the edge makes it
+
+    def __post_init__(self) -> None:
+        self.request = Request(self.request_id, self.endpoint, self.headers, "127.0.0.1", self.arrived)

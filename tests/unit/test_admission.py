@@ -143,9 +143,9 @@ def test_adaptive_limit_moves_between_floor_and_cap():
 def classed(name: str):
     """A call of priority class `name`, as the Classify step leaves it."""
     from policies.config import Priorities
-    from policies.pipeline import Call
+    from policies.pipeline import Call, Request
 
-    call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
     call.priority = Priorities().named(name)
     return call
 

@@ -13,8 +13,8 @@ from backends.replicas import Replica
 from policies.admission import ModelQueue
 from policies.config import Policy, Priorities, Queue
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
-from policies.priority import Classify
+from policies.pipeline import Call, Request
+from policies.priority import CLIENT_PRIORITY, Classify
 from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
 from policies.routing.profile import Profile
@@ -30,7 +30,7 @@ def make(cap: int = 4, metrics: GatewayMetrics | None = None, **queue) -> tuple[
 
 
 def classed(name: str, priorities: Priorities | None = None) -> Call:
-    call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
     call.priority = (priorities or Priorities()).named(name)
     return call
 
@@ -74,7 +74,7 @@ async def test_the_reserve_is_a_setting_never_the_whole_cap():
 async def classify(priorities: Priorities, klass: str, own, batch: bool = False) -> Call:
     policy = Policy.model_validate({"models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}]}],
                                     "priorities": priorities.model_dump()})
-    call = Call("r", "chat/completions", {"x-priority-class": klass}, "10.0.0.2", 0.0, model="m",
+    call = Call(Request("r", "chat/completions", {"x-priority-class": klass}, "10.0.0.2", 0.0), model="m",
                 key=default_key_record(client_priority=True), body={"priority": own},
                 batch="batch_1" if batch else None)
     await Classify(policy).enter(call)
@@ -84,7 +84,7 @@ async def classify(priorities: Priorities, klass: str, own, batch: bool = False)
 async def test_a_clients_own_priority_is_never_ahead_of_a_better_class():
     default = Priorities()  # interactive (vllm_priority 0), batch (10)
     line = await classify(default, "interactive", -100, batch=True)  # a batch line: always the batch class
-    assert line.priority.name == "batch" and line.client_priority and line.body["priority"] == 1
+    assert line.priority.name == "batch" and CLIENT_PRIORITY.get(line) and line.body["priority"] == 1
     assert (await classify(default, "batch", 0)).body["priority"] == 1  # a tie with interactive: behind it
     assert (await classify(default, "batch", 50)).body["priority"] == 50  # within its range: as sent
     assert (await classify(default, "interactive", -100)).body["priority"] == -100  # the first class: any

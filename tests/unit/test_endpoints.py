@@ -13,7 +13,7 @@ from gateway.endpoints.base import Route, parse_json
 from gateway.endpoints.messages import anthropic_error
 from gateway.relay import EventRelay
 from policies.errors import BadRequest, NotFound, UpstreamStatus
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
 
@@ -87,7 +87,7 @@ def relay_all(relay: EventRelay, raw: bytes, size: int) -> bytes:
 
 
 def a_call(**body) -> Call:
-    return Call(request_id="r", endpoint="responses", headers={}, client_host="127.0.0.1", arrived=0.0, body=body)
+    return Call(Request("r", "responses", {}, "127.0.0.1", 0.0), body=body)
 
 
 def test_a_background_responses_stream_ends_at_its_last_frame_even_if_the_backend_keeps_it_open():

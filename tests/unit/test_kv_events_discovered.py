@@ -15,7 +15,7 @@ from backends.replicas import DOWN, UP, HealthTimings, Replica, ReplicaSet
 from backends.sources.base import Endpoint
 from policies.config import PolicyError, parse_policy
 from policies.discovery import Discovery
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.routing import Stats
 from policies.routing.base import Note
 from policies.routing.precise_prefix import PrecisePrefix, load_prompt_tokenizer
@@ -178,7 +178,7 @@ def test_offloaded_copies_are_forgotten_first_past_the_bound():
 
 
 def chat(user: str = "tell me about the sea") -> Call:
-    return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="", arrived=0.0, model="m",
+    return Call(Request("r", "chat/completions", {}, "", 0.0), model="m",
                 body={"messages": [{"role": "system", "content": "you are a helpful agent"},
                                    {"role": "user", "content": user}]})
 

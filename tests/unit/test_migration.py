@@ -264,9 +264,9 @@ def test_without_ids_from_every_chunk_the_stream_goes_on_from_its_text():
 
 
 def call_of(body: dict):
-    from policies.pipeline import Call
+    from policies.pipeline import Call, Request
 
-    return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="127.0.0.1", arrived=0.0,
+    return Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0),
                 body=body, stream=True)
 
 

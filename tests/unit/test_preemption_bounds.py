@@ -20,7 +20,7 @@ from policies.config.batches import BatchSettings
 from policies.batches.runner import Answer, Preempted, Runner
 from policies.config import Priorities, PriorityClass, Queue
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.preemption import PREEMPTIBLE, RUNNING, stoppable
 from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
@@ -40,7 +40,7 @@ def make(cap: int = 2, replicas: int = 1) -> tuple[ModelQueue, list[Replica], Ga
 
 
 def classed(name: str) -> Call:
-    call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
     call.priority = THREE.named(name)
     return call
 

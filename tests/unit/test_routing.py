@@ -1,4 +1,5 @@
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -7,7 +8,7 @@ from backends.vllm_stats import Scraper, VLLMStats
 from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import BUILTIN_PROFILES, RoutingProfile
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.routing import Stats, build_profile
 from policies.routing.base import Note
 from policies.routing.filters import KVHeadroom
@@ -40,8 +41,8 @@ def chat(system, *turns, headers=None):
     messages = [{"role": "system", "content": system}]
     for i, text in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
-    return Call(request_id="r", endpoint="chat/completions", headers=headers or {}, client_host="127.0.0.1",
-                arrived=0.0, body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
+    return Call(Request("r", "chat/completions", headers or {}, "127.0.0.1", 0.0),
+                body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 
 routed = Call.routing  # what a pick hands its plugins: tests that call a plugin directly hand it the same
@@ -382,9 +383,9 @@ def test_the_prompt_is_read_as_the_route_declares_it():
     scorer = PrefixAffinity()
     call = conversation(0)
     assert scorer.blocks(routed(call))
-    call.endpoint = "renamed"  # the route's name plays no part
+    call.request = replace(call.request, route="renamed")  # the route's name plays no part
     assert scorer.blocks(routed(call)) == scorer.blocks(routed(conversation(0)))
-    anthropic = Call(request_id="r", endpoint="messages", headers={}, client_host="127.0.0.1", arrived=0.0,
+    anthropic = Call(Request("r", "messages", {}, "127.0.0.1", 0.0),
                      model="m", prompt_of=messages.MESSAGES.prompt,
                      body={"model": "m", "system": SYSTEM, "messages": [{"role": "user", "content": "hi"}]})
     assert len(scorer.blocks(routed(anthropic))) == len(SYSTEM) // 64

@@ -10,7 +10,7 @@ from backends.vllm_stats import VLLMStats
 from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import RoutingProfile
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.routing import Stats
 from policies.routing.base import Note
 from policies.routing.least_in_flight import LeastInFlight
@@ -31,7 +31,7 @@ def conversation(n, turns=1):
     messages = [{"role": "system", "content": f"agent {n}. " + SYSTEM}]
     for t in range(2 * turns - 1):
         messages.append({"role": "user" if t % 2 == 0 else "assistant", "content": f"turn {t} " + "y" * 200})
-    return Call(request_id="r", endpoint="chat/completions", headers={}, client_host="127.0.0.1", arrived=0.0,
+    return Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0),
                 body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 

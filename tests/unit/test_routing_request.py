@@ -8,7 +8,7 @@ import pytest
 from backends.lora import AdapterTarget
 from backends.replicas import Replica
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.routing import Stats
 from policies.routing.pickers import MaxScore
 from policies.routing.prefix_affinity import PrefixAffinity
@@ -33,8 +33,8 @@ class CountingRoute:
 def call(route=None, **fields):
     body = {"model": "m", "messages": [{"role": "system", "content": "You are a careful agent. " * 40},
                                        {"role": "user", "content": "list the files"}]}
-    return Call(request_id="r", endpoint="chat/completions", headers={"x-session-id": "s1"}, client_host="127.0.0.1",
-                arrived=0.0, body=body, model="m", prompt_of=(route or CountingRoute()).prompt, **fields)
+    return Call(Request("r", "chat/completions", {"x-session-id": "s1"}, "127.0.0.1", 0.0), body=body, model="m",
+                prompt_of=(route or CountingRoute()).prompt, **fields)
 
 
 def replicas(n=3):

@@ -116,11 +116,11 @@ async def test_team_admin_tokens_carry_their_team(monkeypatch: pytest.MonkeyPatc
 async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_room(tmp_path) -> None:
     """Each rented call costs 1; the key may spend 5, its team 2: the third call stays owned, and the key's
     reservation for it is given back (its spend stays what was really rented)."""
-    from policies.budget import Budget, MemoryBudgets, period_bounds
+    from policies.budget import BEFORE_RENT, Budget, MemoryBudgets, period_bounds
     from policies.config import Policy
     from policies.finished import record_of
     from policies.ledger.sqlite import SQLiteLedger
-    from policies.pipeline import Call
+    from policies.pipeline import Call, Request
 
     ledger = SQLiteLedger(str(tmp_path / "ledger.db"))
     budgets = MemoryBudgets(ledger, members=lambda team: asyncio.sleep(0, []))
@@ -131,10 +131,10 @@ async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_
     member = key(data_policy="allow_rented", budget=KeyBudget(max_rented_spend=5.0))
     rented = []
     for i in range(3):
-        call = Call(request_id=str(i), endpoint="chat/completions", headers={}, client_host="10.0.0.2", arrived=0.0,
+        call = Call(Request(str(i), "chat/completions", {}, "10.0.0.2", 0.0),
                     model="m", key=member, team=team)
         await step.enter(call)
-        rented.append(await call.before_rent())
+        rented.append(await BEFORE_RENT.of(call)())
         call.usage = {"prompt_tokens": 1, "completion_tokens": 1}
         call.status, call.replica = 200, SimpleNamespace(rented="rented" if rented[-1] else None)
         await step.leave(call)
@@ -149,8 +149,8 @@ async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_
 
 async def test_the_classify_step_clamps_a_header_pick_and_a_clients_own_priority_to_the_ceiling() -> None:
     from policies.config import Policy
-    from policies.pipeline import Call
-    from policies.priority import Classify
+    from policies.pipeline import Call, Request
+    from policies.priority import CLIENT_PRIORITY, Classify
 
     policy = Policy.model_validate({"models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}]}],
                                     "priorities": CLASSES.model_dump()})
@@ -159,8 +159,8 @@ async def test_the_classify_step_clamps_a_header_pick_and_a_clients_own_priority
     capped = TEAM.model_copy(update={"max_priority_class": "batch"})
 
     async def classified(team: TeamRecord | None, header: str | None, body: dict) -> Call:
-        call = Call(request_id="r", endpoint="chat/completions", headers={"x-priority-class": header} if header
-                    else {}, client_host="10.0.0.2", arrived=0.0, model="m", key=picker, team=team, body=dict(body))
+        call = Call(Request("r", "chat/completions", {"x-priority-class": header} if header
+                    else {}, "10.0.0.2", 0.0), model="m", key=picker, team=team, body=dict(body))
         await step.enter(call)
         return call
 
@@ -171,8 +171,8 @@ async def test_the_classify_step_clamps_a_header_pick_and_a_clients_own_priority
     assert (await classified(TEAM, "batch", {})).priority.name == "batch"  # below the ceiling: as asked
     # vLLM's own `priority` (lower is sooner): kept at or after the ceiling's, dropped when ahead of it
     kept = await classified(capped, None, {"priority": 10})
-    assert kept.client_priority and kept.body["priority"] == 10
+    assert CLIENT_PRIORITY.get(kept) and kept.body["priority"] == 10
     for ahead in (9, -100, 9.5, True):
         dropped = await classified(capped, None, {"priority": ahead})
-        assert not dropped.client_priority and "priority" not in dropped.body
+        assert not CLIENT_PRIORITY.get(dropped) and "priority" not in dropped.body
     assert (await classified(None, None, {"priority": -100})).body["priority"] == -100

@@ -15,10 +15,10 @@ import pytest
 
 from policies import variant_guard, variant_signals
 from policies.config import parse_policy
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.variant_guard import ROLLED_BACK, WATCHING
 from policies.variant_signals import Sample, load_level
-from policies.variants import AssignVariant, Variants
+from policies.variants import LOAD_MATCHED, AssignVariant, Variants
 
 POLICY = """
 models:
@@ -83,7 +83,7 @@ def closed_loop(clock: Clock, guard: str, clients: int, calls: int, speed: float
 
     def send() -> None:
         nonlocal n
-        call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+        call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
         call.model = "m"
         call.body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         run(step.enter(call))
@@ -95,7 +95,7 @@ def closed_loop(clock: Clock, guard: str, clients: int, calls: int, speed: float
         token = (speed if call.variant == "cand" else 1.0) * (0.004 + per_seq * k) * (drift(clock.now) if drift else 1)
         n += 1
         at = clock.now + TOKENS * token * rng.lognormvariate(0, 0.1)
-        heapq.heappush(heap, (math.ceil(at / engine_step) * engine_step if engine_step else at, n, call.variant, k, call.load_matched,
+        heapq.heappush(heap, (math.ceil(at / engine_step) * engine_step if engine_step else at, n, call.variant, k, bool(LOAD_MATCHED.get(call)),
                               clock.now, token))
 
     for _ in range(clients):
@@ -232,7 +232,7 @@ def test_a_load_matching_moves_only_requests_drawn_for_its_pair_and_ends_by_the_
     v.match_load("m", "cand", "base", 30, 1_000)
 
     def pick() -> str:
-        call = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+        call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
         call.model, call.body = "m", {"model": "m"}
         run(step.enter(call))
         return call.variant

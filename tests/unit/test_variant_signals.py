@@ -6,8 +6,9 @@ import orjson
 import pytest
 
 from gateway.relay import SSERelay
-from policies.pipeline import Call
+from policies.pipeline import Call, Request
 from policies.variant_signals import (
+    ANSWER,
     StreamAnswer,
     Window,
     load_level,
@@ -49,8 +50,11 @@ def test_a_broken_schema_is_the_clients_not_the_variants():
 
 
 def call(body: dict, stream: bool, **fields) -> Call:
-    c = Call("r", "chat/completions", {}, "127.0.0.1", 0.0)
+    c = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
     c.model, c.variant, c.body, c.stream, c.status = "m", "a", body, stream, 200
+    answer = fields.pop("answer", None)
+    if answer is not None:
+        ANSWER.put(c, answer)
     for name, value in fields.items():
         setattr(c, name, value)
     return c
@@ -86,7 +90,7 @@ def test_a_streamed_tool_call_is_assembled_from_its_deltas():
     s = sample_of(c, now=2.25)
     assert s.structured is True and s.length is False and s.load == "4"
     assert s.ttft == pytest.approx(0.25) and s.itl == pytest.approx(0.1) and s.tokens_per_second == pytest.approx(10)
-    assert c.answer.answer() == ("", [{"name": "weather", "arguments": '{"city": "Oslo", "days": 4}'}])
+    assert ANSWER.of(c).answer() == ("", [{"name": "weather", "arguments": '{"city": "Oslo", "days": 4}'}])
 
 
 def test_a_streamed_json_answer_cut_at_the_length_limit():

@@ -12,8 +12,9 @@ from policies.admission import Admission
 from policies.compile import replica_set
 from policies.config import PolicyError, parse_policy
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
-from policies.variants import HEADER, AssignVariant, NoLiveWeight, UnknownVariant, Variants, plan_of, point_of
+from policies.pipeline import Call, Request
+from policies.variant_signals import ANSWER
+from policies.variants import HEADER, SHADOW, AssignVariant, NoLiveWeight, UnknownVariant, Variants, plan_of, point_of
 
 POLICY = """
 models:
@@ -41,7 +42,7 @@ def policy(text: str = POLICY):
 
 
 def call(model="chat", headers=None, key=None) -> Call:
-    c = Call("r", "chat/completions", headers or {}, "127.0.0.1", 0.0)
+    c = Call(Request("r", "chat/completions", headers or {}, "127.0.0.1", 0.0))
     c.model, c.key = model, key
     return c
 
@@ -229,14 +230,14 @@ def test_a_streams_text_is_gathered_only_when_structured_output_or_a_shadows_com
         c = call()
         c.body = {**body, "stream": True}
         assign(v, c)
-        assert c.shadow == ("shadowed", "chat#shadowed")
-        kept[label] = c.answer.whole
+        assert SHADOW.get(c) == ("shadowed", "chat#shadowed")
+        kept[label] = ANSWER.of(c).whole
     assert kept == {"plain": False, "json": True, "tools": True, "compared": True, "sampled": False}
     c = call()
     c.body = {"temperature": 0, "stream": True}
     assign(configured(POLICY.replace("weight: 5\n", "weight: 0\n")), c)  # a shadow at weight 0 gets no copy
-    assert c.shadow is None and c.answer.whole is False
+    assert SHADOW.get(c) is None and ANSWER.of(c).whole is False
     c = call()
     c.body = {"tools": [{"type": "function", "function": {"name": "f"}}]}
     assign(v, c)
-    assert c.answer is None  # not streamed: its whole answer is read once it is in
+    assert ANSWER.get(c) is None  # not streamed: its whole answer is read once it is in
