@@ -44,13 +44,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
 from backends.http1 import Broken, ReadTimedOut, UpstreamError
 from gateway.endpoints import chat, completions
 from gateway.endpoints.base import Route
+from gateway.relay import Usage
+from policies.json_types import JSON, JSONObject
 from policies.pipeline import Call, Slot
 
 MIGRATIONS_HEADER = "x-gateway-migrations"  # kept on the call for its record (the stream's head went long ago)
@@ -93,12 +94,12 @@ def movable(error: UpstreamError) -> bool:
 class Shape:
     """How one route's stream is read and continued."""
 
-    text_of: Callable[[dict[str, Any]], str | None]  # the generated text in a choice (None: a delta of another kind)
-    continued: Callable[[dict[str, Any], str], dict[str, Any] | None]  # the continuation body (None: cannot)
+    text_of: Callable[[JSONObject], str | None]  # the generated text in a choice (None: a delta of another kind)
+    continued: Callable[[JSONObject, str], JSONObject | None]  # the continuation body (None: cannot)
     budget_fields: tuple[str, ...]  # the fields that bound the output, lowered by what was generated
 
 
-def chat_text(choice: dict[str, Any]) -> str | None:
+def chat_text(choice: JSONObject) -> str | None:
     delta = choice.get("delta")
     if not isinstance(delta, dict):
         return None
@@ -108,12 +109,12 @@ def chat_text(choice: dict[str, Any]) -> str | None:
     return content if isinstance(content, str) else ""
 
 
-def completion_text(choice: dict[str, Any]) -> str | None:
+def completion_text(choice: JSONObject) -> str | None:
     text = choice.get("text")
     return text if isinstance(text, str) else None
 
 
-def chat_continued(body: dict[str, Any], text: str) -> dict[str, Any] | None:
+def chat_continued(body: JSONObject, text: str) -> JSONObject | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -128,7 +129,7 @@ def chat_continued(body: dict[str, Any], text: str) -> dict[str, Any] | None:
     return {**body, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
 
 
-def completion_continued(body: dict[str, Any], text: str) -> dict[str, Any] | None:
+def completion_continued(body: JSONObject, text: str) -> JSONObject | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -145,7 +146,7 @@ NEVER = ("logprobs", "top_logprobs", "echo", "prompt_logprobs", "include_stop_st
          "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def unfaithful(body: dict[str, Any]) -> str | None:
+def unfaithful(body: JSONObject) -> str | None:
     """Why a stream asked for with `body` could not be continued faithfully elsewhere, or None: it can."""
     for name in ("n", "best_of"):
         value = body.get(name)
@@ -163,7 +164,7 @@ def unfaithful(body: dict[str, Any]) -> str | None:
     return None
 
 
-def ask_for_ids(call: Call, body: dict[str, Any], route: Route, allowed: int, rented: bool) -> None:
+def ask_for_ids(call: Call, body: JSONObject, route: Route, allowed: int, rented: bool) -> None:
     """Before a stream is sent: ask the replica for its token ids where the stream may move token-exactly (the
     model allows migrations, the route continues, the request is faithful, no `stop` strings), unless the client
     asked (or refused) itself; never a rented API, which would refuse the field."""
@@ -206,7 +207,7 @@ class Migration:
         self.kept = 0  # bytes in `relayed`
         self.text: list[str] = []  # the generated text relayed so far (once read)
         self.chunks = 0  # chunks that carried generated text (tokens, on vLLM)
-        self.head: dict[str, Any] | None = None  # id, created and model of the stream's first chunk
+        self.head: JSONObject | None = None  # id, created and model of the stream's first chunk
         self.refused = refused  # why it cannot move (the request, or what was relayed), or None
         self.rewrite = False  # the current attempt is a continuation: its chunks take the first's head
         self.before: dict[str, int] = {}  # the tokens of the attempts before the current one
@@ -266,7 +267,7 @@ class Migration:
             if isinstance(data, dict):
                 self._read(data)
 
-    def _read(self, data: dict[str, Any]) -> bool:
+    def _read(self, data: JSONObject) -> bool:
         """Note one chunk's text and head; on a continuation, put the first's head on it. Whether it goes on."""
         if self.head is None:
             self.head = {k: data[k] for k in ("id", "created", "model") if k in data}
@@ -288,7 +289,11 @@ class Migration:
                 continue
             ids = choice.get("token_ids")
             if isinstance(ids, list):
-                self.ids += ids
+                read = token_ids(ids)
+                if read is None:
+                    self.exact = False  # goes on from the text, as for a chunk that said no ids
+                else:
+                    self.ids += read
                 self.attempt_ids += len(ids)
             text = self.shape.text_of(choice)
             if text is None:
@@ -305,19 +310,20 @@ class Migration:
                 return False  # the continuation's role chunk (or an empty delta): the client had its own
         return self._passed(data)
 
-    def _passed(self, data: dict[str, Any]) -> bool:
+    def _passed(self, data: JSONObject) -> bool:
         """A continuation's chunk that goes on, its token ids (read above) gone where the client did not ask for
         them: vLLM's nulls, or, on a completion told back as chat, no field."""
         if self.rewrite and self.hide:
             if self.as_chat:
                 choices = data.get("choices")
                 for choice in choices if isinstance(choices, list) else ():
-                    choice.pop("token_ids", None)  # _as_chat made a list of choices one of dicts
+                    if isinstance(choice, dict):  # as _as_chat made each
+                        choice.pop("token_ids", None)
             else:
                 _drop_ids(data)
         return True
 
-    def _prompt_of(self, data: dict[str, Any], choices: Any) -> None:
+    def _prompt_of(self, data: JSONObject, choices: JSON) -> None:
         """The prompt's token ids where this chunk says them (a chat's first chunk; a completion's first choice)."""
         prompt = data.get("prompt_token_ids")
         if prompt is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
@@ -325,7 +331,7 @@ class Migration:
         if isinstance(prompt, list):
             self.attempt_prompt = len(prompt)
             if self.prompt_ids is None and not self.rewrite:  # a continuation's prompt is not the client's
-                self.prompt_ids = prompt
+                self.prompt_ids = token_ids(prompt)
 
     def stop(self) -> None:
         """No more moves: what follows goes on as it comes (a continuation's chunks still under the first's
@@ -346,7 +352,7 @@ class Migration:
             self.read_relayed()
         return self.exact and self.prompt_ids is not None
 
-    def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def continuation(self, body: JSONObject) -> JSONObject | None:
         """The request that goes on from what was relayed (None: there is nothing left to generate). Token-exact
         (`token_exact`): a completion whose prompt is the first prompt's token ids and the ids the client has the
         text of, with the budget lowered by those; for a chat, sent to /v1/completions (`as_chat`)."""
@@ -361,7 +367,8 @@ class Migration:
                 continued["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
             else:
                 continued = dict(body)
-            continued["prompt"] = self.prompt_ids + self.ids[:self.shown]
+            prompt: list[JSON] = [*self.prompt_ids, *self.ids[:self.shown]]
+            continued["prompt"] = prompt
             continued[IDS] = True
             return _lowered(continued, ("max_tokens", "min_tokens"), self.shown)
         text_continued = shape.continued(body, "".join(self.text))
@@ -373,7 +380,7 @@ class Migration:
         """The route the continuation goes to: a chat that goes on token-exactly is a completion of its tokens."""
         return completions.ROUTE if route is chat.ROUTE and self.token_exact() else route
 
-    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
+    def moved(self, usage: Usage | None, as_chat: bool = False) -> None:
         """The stream goes on from another replica (`as_chat`: a chat continued as a completion, whose chunks are
         told back as chat chunks). `usage` is what the failed attempt reported: mostly None (it broke before its
         usage chunk); then its output is the tokens it said (else the chunks it relayed), and its prompt the one
@@ -401,13 +408,13 @@ class Migration:
         self.before = before
         self.attempt_prompt, self.attempt_ids = None, 0
 
-    def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def summed(self, usage: Usage) -> JSONObject:
         """The current attempt's usage plus the attempts' before it: the tokens all the replicas computed. An
         earlier attempt's unknown prompt is the first prompt (the current one less the chunks relayed before the
         current attempt) plus the chunks relayed before that attempt began."""
         before = self.before
         if not before:
-            return usage
+            return dict(usage)
         prompt = _count(usage, "prompt_tokens")
         completion = _count(usage, "completion_tokens")
         first = max(0, prompt - before["chunks"])
@@ -419,8 +426,8 @@ class Migration:
         return summed
 
 
-def _lowered(continued: dict[str, Any], fields: tuple[str, ...], done: int,
-             source: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def _lowered(continued: JSONObject, fields: tuple[str, ...], done: int,
+             source: JSONObject | None = None) -> JSONObject | None:
     """`continued` with each budget field of `source` (itself by default) lowered by the `done` tokens; None when
     nothing is left to generate."""
     for name in fields:
@@ -432,19 +439,26 @@ def _lowered(continued: dict[str, Any], fields: tuple[str, ...], done: int,
     return continued
 
 
-def _as_chat(data: dict[str, Any]) -> None:
+def token_ids(ids: list[JSON]) -> list[int] | None:
+    """A replica's token ids, or None where one of them is not an integer (no vLLM sends that): a stream is never
+    continued from ids it could not read."""
+    kept = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    return kept if len(kept) == len(ids) else None
+
+
+def _as_chat(data: JSONObject) -> None:
     """A completion chunk told back as the chat chunk it continues: each choice's text as a content delta, with
     its token ids (counted by the migration, then taken out where the client did not ask for them)."""
     data["object"] = "chat.completion.chunk"
     choices = data.get("choices")
     if not isinstance(choices, list):
         return
-    told = []
+    told: list[JSON] = []
     for choice in choices:
         if not isinstance(choice, dict):
             continue
         text = choice.get("text")
-        out: dict[str, Any] = {"index": choice.get("index", 0),
+        out: JSONObject = {"index": choice.get("index", 0),
                                "delta": {"content": text if isinstance(text, str) else ""},
                                "logprobs": None, "finish_reason": choice.get("finish_reason")}
         if choice.get("stop_reason") is not None:
@@ -454,18 +468,19 @@ def _as_chat(data: dict[str, Any]) -> None:
     data["choices"] = told
 
 
-def _drop_ids(data: dict[str, Any]) -> None:
+def _drop_ids(data: JSONObject) -> None:
     """A continuation's chunk as a client that did not ask for token ids gets it: vLLM's nulls."""
     if "prompt_token_ids" in data:
         data["prompt_token_ids"] = None
-    for choice in data.get("choices") or ():
+    choices = data.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             for name in ("token_ids", "prompt_token_ids"):
                 if choice.get(name) is not None:
                     choice[name] = None
 
 
-def watch(route: Route, body: dict[str, Any], allowed: int, hide: bool = False) -> Migration | None:
+def watch(route: Route, body: JSONObject, allowed: int, hide: bool = False) -> Migration | None:
     """A stream's Migration, or None where it never moves: the model allows no migrations, the route has no
     continuation (only Chat Completions and Completions do), or the request cannot be continued faithfully
     (then one is still made, refused, so the metric counts it when its replica fails). `hide`: the gateway
@@ -491,7 +506,7 @@ def last_events(events: bytes) -> int:
     return at + len(SEP) if at >= 0 else 0
 
 
-def _events(events: bytes) -> Iterator[tuple[int, int, Any]]:
+def _events(events: bytes) -> Iterator[tuple[int, int, JSON]]:
     """(begin, end, JSON of its data or None) of each event in `events`."""
     at = 0
     while at < len(events):  # bounded: each pass moves past one event
@@ -501,7 +516,7 @@ def _events(events: bytes) -> Iterator[tuple[int, int, Any]]:
         at = end
 
 
-def _chunks(relayed: list[bytes]) -> list[Any]:
+def _chunks(relayed: list[bytes]) -> list[JSON]:
     """The JSON of every `data:` event in `relayed`: parsed at once as one JSON array where they are all one-line
     `data:` events (vLLM's, but for `[DONE]`), else one by one."""
     joined = b"".join(relayed)
@@ -517,20 +532,21 @@ def _chunks(relayed: list[bytes]) -> list[Any]:
     return [data for events in relayed for _begin, _end, data in _events(events)]
 
 
-def _is_error(data: dict[str, Any]) -> bool:
+def _is_error(data: JSONObject) -> bool:
     return data.get("error") is not None or data.get("object") == "error"
 
 
-def _data(event: bytes) -> Any:
+def _data(event: bytes) -> JSON:
     """The JSON of a `data:` event (None for `[DONE]`, a comment or anything else)."""
     if not event.startswith(b"data:") or event.startswith(DONE):
         return None
     try:
-        return orjson.loads(event[5:])
+        value: JSON = orjson.loads(event[5:])
     except orjson.JSONDecodeError:
         return None
+    return value
 
 
-def _count(usage: dict[str, Any] | None, name: str) -> int:
+def _count(usage: Usage | None, name: str) -> int:
     value = usage.get(name) if usage else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

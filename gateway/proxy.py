@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import orjson
 
@@ -50,6 +49,7 @@ from policies.errors import (
 )
 from policies.finished import Observers, record_of
 from policies.ids import unique_id
+from policies.json_types import JSONObject
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
 from policies.priority import CLIENT_PRIORITY
@@ -627,7 +627,7 @@ def what_failed(exc: UpstreamError) -> str:
     return "broke off the exchange"
 
 
-def estimated_usage(call: Call, completion: int) -> dict[str, Any]:
+def estimated_usage(call: Call, completion: int) -> JSONObject:
     """A rented answer without usage is still paid for: charge the prompt's estimate and `completion` tokens
     (one per event relayed, or per 4 bytes of a whole answer; at least one), marked `estimated` so the ledger
     says so. Never zero."""

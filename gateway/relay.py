@@ -26,12 +26,14 @@ is looked into only when it holds a `"usage"` key whose value is not `null`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import orjson
 
 from backends.http1 import Limits, TooLarge
+from policies.json_types import JSON, JSONObject
+
+Usage = Mapping[str, JSON]  # a usage object as a backend reported it (read, never written)
 
 SEP = b"\n\n"
 USAGE_KEY = b'"usage"'  # a key (or the whole string "usage": parsed, no harm); never inside a longer JSON string
@@ -168,7 +170,7 @@ def event_fields(event: bytes) -> tuple[bytes | None, bytes | None]:
     return kind, b"\n".join(data) if data else None
 
 
-def event_json(event: bytes) -> Any:
+def event_json(event: bytes) -> JSON:
     """The JSON of one event's data (its blank line may follow), or None where there is none or it is not JSON."""
     line_end = event.find(b"\n")
     if event.startswith(b"data:") and (line_end < 0 or line_end == len(event) - 2 and event[-1] == 10):
@@ -178,15 +180,16 @@ def event_json(event: bytes) -> Any:
     return json_of(data) if data is not None else None
 
 
-def json_of(data: bytes) -> Any:
+def json_of(data: bytes) -> JSON:
     """`data` as JSON, or None where it is not JSON."""
     try:
-        return orjson.loads(data)
+        value: JSON = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
+    return value
 
 
-def counts(usage: dict[str, Any]) -> bool:
+def counts(usage: Usage) -> bool:
     """Whether `usage` counts any token (`{}` and zeros count none)."""
     for name in COUNTED:
         value = usage.get(name)
@@ -195,13 +198,13 @@ def counts(usage: dict[str, Any]) -> bool:
     return False
 
 
-def total(usage: dict[str, Any]) -> bool:
+def total(usage: Usage) -> bool:
     """Whether `usage` counts both the prompt's tokens and the output's: the provider's total so far."""
     prompt, output = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return prompt.__class__ is int and prompt > 0 and output.__class__ is int and output > 0
 
 
-def merged_usage(seen: dict[str, Any] | None, usage: dict[str, Any]) -> dict[str, Any] | None:
+def merged_usage(seen: Usage | None, usage: Usage) -> Usage | None:
     """The stream's usage so far with one more event's: a total (`total`) stands for everything before it (a
     running total, or the same usage repeated, counts once); else each count at the largest value reported
     (counts sent in separate events are all kept), the other fields as last sent. A usage that counts nothing is
@@ -224,7 +227,7 @@ class SSERelay(Frames):
     def __init__(self, strip_usage: bool, rename: tuple[bytes, bytes] | None = None) -> None:
         self.strip_usage = strip_usage
         self.rename = rename
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.pending = b""
         self.events = 0  # events passed on before any usage: a stand-in for tokens when a stream ends without it
 
@@ -256,7 +259,7 @@ class SSERelay(Frames):
             except orjson.JSONDecodeError:
                 return events
             return b"" if self._merge(data) else events
-        found: list[tuple[int, int, Any]] = []
+        found: list[tuple[int, int, JSON]] = []
         for begin, end in usage_events(events):  # from the read's last total on (merged_usage: it stands for all)
             data = event_json(events[begin:end])
             usage = data.get("usage") if isinstance(data, dict) else None
@@ -274,9 +277,11 @@ class SSERelay(Frames):
         kept.append(events[at:])
         return b"".join(kept)
 
-    def _merge(self, data: Any) -> bool:
+    def _merge(self, data: JSON) -> bool:
         """Merge the usage of an event's JSON, if it has one; whether the event is to be cut out."""
-        usage = data.get("usage") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return False
+        usage = data.get("usage")
         if not isinstance(usage, dict):
             return False
         self.usage = merged_usage(self.usage, usage)  # (a usage repeated is the same usage: merged_usage says so)
@@ -300,12 +305,12 @@ class EventRelay(Frames):
     or, as the SDKs read it, its JSON's `type`. There is no `[DONE]`; `ends` names the frames after which the
     stream is over even if the upstream keeps it open (vLLM does, on a background response that failed)."""
 
-    def __init__(self, usage_events: dict[bytes, Callable[[dict[str, Any]], dict[str, Any] | None]],
+    def __init__(self, usage_events: dict[bytes, Callable[[JSONObject], Usage | None]],
                  rename: tuple[bytes, bytes] | None = None, ends: tuple[bytes, ...] = ()) -> None:
         self.usage_events = usage_events
         self.rename = rename
         self.ends = ends
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.pending = b""
         self.events = 0
 
@@ -335,15 +340,16 @@ class EventRelay(Frames):
         return at if frames[at:at + 6] == EVENT and (at == 0 or frames[at - 1:at] == b"\n") else -1
 
     def _take_usage(self, frames: bytes) -> None:
-        found: list[dict[str, Any]] = []
+        found: list[Usage] = []
         for begin, end in usage_events(frames):  # from the read's last total on (merged_usage: it stands for all)
             kind, raw = event_fields(frames[begin:end])
             data = json_of(raw) if raw is not None else None
             if not isinstance(data, dict):
                 continue
             extract = self.usage_events.get(kind) if kind is not None else None
-            if extract is None and isinstance(data.get("type"), str):
-                extract = self.usage_events.get(data["type"].encode())
+            named = data.get("type")
+            if extract is None and isinstance(named, str):
+                extract = self.usage_events.get(named.encode())
             usage = extract(data) if extract is not None else None
             if usage:
                 found.append(usage)

@@ -24,7 +24,6 @@ the 404 of a response whose replica is gone.
 
 from __future__ import annotations
 
-from typing import Any
 
 import orjson
 
@@ -32,6 +31,7 @@ from gateway.endpoints import responses
 from gateway.endpoints.base import Route
 from gateway.migration import SEP
 from gateway.stream_replay import Asked, frame_of, frames_in
+from policies.json_types import JSON, JSONObject
 
 SKIPPED = (b"response.created", b"response.in_progress")  # the client has the first attempt's
 DONE = (b"response.output_text.done", b"response.content_part.done", b"response.output_item.done")
@@ -39,7 +39,7 @@ FINAL = (b"response.completed", b"response.incomplete", b"response.failed")
 TEXT_PARTS = ("output_text",)
 
 
-def unfaithful(body: dict[str, Any]) -> str | None:
+def unfaithful(body: JSONObject) -> str | None:
     """Why a Responses stream asked for with `body` would not replay to the same text elsewhere, or None."""
     if body.get("previous_response_id") is not None:
         return "previous_response_id"
@@ -57,7 +57,7 @@ def unfaithful(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _at(data: dict[str, Any]) -> tuple[int, int]:
+def _at(data: JSONObject) -> tuple[int, int]:
     """(output_index, content_index) of a frame (-1 where it has none)."""
     output, content = data.get("output_index"), data.get("content_index")
     return (output if isinstance(output, int) else -1, content if isinstance(content, int) else -1)
@@ -80,7 +80,7 @@ class ResponsesReplay(Asked):
         self.sequence = -1  # the last sequence_number the client read
         self.ids: dict[str, str] = {}  # the current replay's item ids -> the client's
 
-    def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
+    def _replayed(self, kind: bytes | None, data: JSON, frame: bytes) -> bytes | None:
         """One frame of a replay: dropped, cut, or passed on under the client's ids and sequence."""
         if not isinstance(data, dict) or kind is None:
             return frame
@@ -90,12 +90,13 @@ class ResponsesReplay(Asked):
         item = data.get("item")
         if kind == b"response.output_item.added":
             known = self.items.get(at[0])
+            item_id = item.get("id") if isinstance(item, dict) else None
             if known is not None:
-                if isinstance(item, dict) and isinstance(item.get("id"), str):
-                    self.ids[item["id"]] = known
+                if isinstance(item_id, str):
+                    self.ids[item_id] = known
                 return None
-            if isinstance(item, dict) and isinstance(item.get("id"), str):
-                self.items[at[0]] = item["id"]
+            if isinstance(item_id, str):
+                self.items[at[0]] = item_id
         elif kind == b"response.content_part.added":
             if at in self.parts:
                 return None
@@ -126,16 +127,21 @@ class ResponsesReplay(Asked):
         data["sequence_number"] = self.sequence
         return frame_of(kind, data)
 
-    def _renamed(self, data: dict[str, Any]) -> None:
+    def _renamed(self, data: JSONObject) -> None:
         """The first attempt's item ids in a frame of the replay (its own item ids where the client has none)."""
         item_id = data.get("item_id")
         if isinstance(item_id, str) and item_id in self.ids:
             data["item_id"] = self.ids[item_id]
         item = data.get("item")
-        if isinstance(item, dict) and item.get("id") in self.ids:
-            item["id"] = self.ids[item["id"]]
+        if isinstance(item, dict):
+            self._renamed_item(item)
 
-    def _final(self, response: Any) -> None:
+    def _renamed_item(self, item: JSONObject) -> None:
+        item_id = item.get("id")
+        if isinstance(item_id, str) and item_id in self.ids:
+            item["id"] = self.ids[item_id]
+
+    def _final(self, response: JSON) -> None:
         """The final response object of a replay: the client's response id and item ids, both attempts' usage."""
         if not isinstance(response, dict):
             return
@@ -143,8 +149,8 @@ class ResponsesReplay(Asked):
             response["id"] = self.response_id
         output = response.get("output")
         for item in output if isinstance(output, list) else []:
-            if isinstance(item, dict) and item.get("id") in self.ids:
-                item["id"] = self.ids[item["id"]]
+            if isinstance(item, dict):
+                self._renamed_item(item)
         usage = response.get("usage")
         if isinstance(usage, dict):
             response["usage"] = self.summed_named(usage)
@@ -169,21 +175,23 @@ class ResponsesReplay(Asked):
             at = _at(data)
             if kind == b"response.created":
                 response = data.get("response")
-                if isinstance(response, dict) and isinstance(response.get("id"), str):
-                    self.response_id = response["id"]
+                response_id = response.get("id") if isinstance(response, dict) else None
+                if isinstance(response_id, str):
+                    self.response_id = response_id
             elif kind == b"response.output_item.added":
                 item = data.get("item")
-                if not isinstance(item, dict) or item.get("type") != "message" or not isinstance(item.get("id"), str):
+                item_id = item.get("id") if isinstance(item, dict) and item.get("type") == "message" else None
+                if not isinstance(item_id, str):
                     self.refused = "a tool call or reasoning"
                 else:
-                    self.items[at[0]] = item["id"]
+                    self.items[at[0]] = item_id
             elif kind == b"response.content_part.added":
                 part = data.get("part")
                 if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
                     self.refused = "a part that is not text"
                 self.parts.add(at)
-            elif kind == b"response.output_text.delta" and isinstance(data.get("delta"), str):
-                self.shown[at] = self.shown.get(at, "") + data["delta"]
+            elif kind == b"response.output_text.delta" and isinstance(delta := data.get("delta"), str):
+                self.shown[at] = self.shown.get(at, "") + delta
                 self.deltas += 1
             elif kind in DONE:
                 self.done.add((kind, *at))
@@ -196,7 +204,7 @@ class ResponsesReplay(Asked):
 
 
 
-def watch(route: Route, body: dict[str, Any], allowed: int) -> ResponsesReplay | None:
+def watch(route: Route, body: JSONObject, allowed: int) -> ResponsesReplay | None:
     """A Responses stream's replay record, or None where it never moves (another route, or no migrations
     allowed); refused (so the metric counts it) where a replay would not give the same text."""
     if allowed <= 0 or route is not responses.CREATE:

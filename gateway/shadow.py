@@ -145,7 +145,9 @@ class Shadow:
             else:
                 raw = await response.read()
                 if response.status == 200:
-                    copy.response = orjson.loads(raw)
-                    copy.usage = copy.response.get("usage") if isinstance(copy.response, dict) else None
+                    answer_json = orjson.loads(raw)
+                    copy.response = answer_json if isinstance(answer_json, dict) else None
+                    usage = copy.response.get("usage") if copy.response is not None else None
+                    copy.usage = usage if isinstance(usage, dict) else None
         finally:
             response.close()

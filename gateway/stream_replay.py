@@ -17,19 +17,19 @@ counts both replicas' work (each prompt, each output), in the last `message_delt
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import orjson
 
 from gateway.endpoints import messages
 from gateway.endpoints.base import Route
 from gateway.migration import KEEP_BYTES, SEP, ErrorEvent, last_events
-from gateway.relay import event_fields
+from gateway.relay import Usage, event_fields
+from policies.json_types import JSON, JSONObject
 
 ERROR_FRAME = b"event: error"
 
 
-def unfaithful(body: dict[str, Any]) -> str | None:
+def unfaithful(body: JSONObject) -> str | None:
     """Why a Messages stream asked for with `body` would not replay to the same text elsewhere, or None."""
     choice = body.get("tool_choice")
     if body.get("tools") and not (isinstance(choice, dict) and choice.get("type") == "none"):
@@ -91,7 +91,7 @@ class Asked:
                 break
         return b"".join(out)
 
-    def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
+    def _replayed(self, kind: bytes | None, data: JSON, frame: bytes) -> bytes | None:
         raise NotImplementedError
 
     def read_relayed(self) -> None:
@@ -106,7 +106,7 @@ class Asked:
             self.read_relayed()
         return self.refused is None and self.left > 0
 
-    def moved(self, usage: dict[str, Any] | None, as_chat: bool = False) -> None:
+    def moved(self, usage: Usage | None, as_chat: bool = False) -> None:
         """The stream is asked again of another replica; `usage` is the failed attempt's where it said it: its
         prompt (a Messages stream says it in `message_start`; a Responses stream only at its end, so a failed
         one's prompt is counted as the replay's: the same request), its output (else the text deltas the client
@@ -124,16 +124,16 @@ class Asked:
         self.before["completion_tokens"] += count_of(usage, "completion_tokens") or self.deltas - self.deltas_before
         self.deltas_before = self.deltas
 
-    def summed(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def summed(self, usage: Usage) -> JSONObject:
         """The last attempt's usage (the gateway's terms) plus the earlier attempts'."""
         if not self.moves:
-            return usage
+            return dict(usage)
         own = count_of(usage, "prompt_tokens")
         prompt = own + self.before["prompt_tokens"] + own * self.unsaid_prompts
         completion = count_of(usage, "completion_tokens") + self.before["completion_tokens"]
         return {**usage, "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def summed_named(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def summed_named(self, usage: Usage) -> JSONObject:
         """A replay's usage as its API names it (`input_tokens`, `output_tokens`, `total_tokens`: Anthropic's and
         the Responses API's), each count it sent summed with the earlier attempts' as `summed` sums the record's,
         so the client reads what the record says."""
@@ -146,7 +146,7 @@ class Asked:
                 out[name] = summed[key]
         return out
 
-    def continuation(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def continuation(self, body: JSONObject) -> JSONObject | None:
         """The request again, as it came (the replay is cut as it streams)."""
         return body
 
@@ -173,7 +173,7 @@ class Replay(Asked):
         self.begun = 0  # content blocks the client has seen begin
         self.stopped: set[bytes] = set()  # the frames the client has that end something (a block's, the message's)
 
-    def _replayed(self, kind: bytes | None, data: Any, frame: bytes) -> bytes | None:
+    def _replayed(self, kind: bytes | None, data: JSON, frame: bytes) -> bytes | None:
         """One frame of a replay: dropped, cut, or passed as it came."""
         if not isinstance(data, dict):
             return frame
@@ -233,8 +233,9 @@ class Replay(Asked):
                 self.begun = max(self.begun, index + 1)
             elif kind == b"content_block_delta" and isinstance(index, int):
                 delta = data.get("delta")
-                if isinstance(delta, dict) and delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
-                    self.shown[index] = self.shown.get(index, "") + delta["text"]
+                text = delta.get("text") if isinstance(delta, dict) and delta.get("type") == "text_delta" else None
+                if isinstance(text, str):
+                    self.shown[index] = self.shown.get(index, "") + text
                     self.deltas += 1
                 else:
                     self.refused = "a tool call or thinking"
@@ -242,7 +243,7 @@ class Replay(Asked):
     def _restart(self) -> None:
         self.skip = dict(self.shown)
 
-def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
+def watch(route: Route, body: JSONObject, allowed: int) -> Replay | None:
     """A Messages stream's Replay, or None where it never moves (another route, or no migrations allowed);
     refused (so the metric counts it) where a replay would not give the same text."""
     if allowed <= 0 or route is not messages.MESSAGES:
@@ -250,7 +251,7 @@ def watch(route: Route, body: dict[str, Any], allowed: int) -> Replay | None:
     return Replay(allowed, unfaithful(body))
 
 
-def frames_in(frames: bytes) -> Iterator[tuple[int, int, bytes | None, Any]]:
+def frames_in(frames: bytes) -> Iterator[tuple[int, int, bytes | None, JSON]]:
     """(begin, end, type, JSON or None) of each frame in `frames` (see _parsed)."""
     at = 0
     while at < len(frames):  # bounded: each pass moves past one frame
@@ -260,7 +261,7 @@ def frames_in(frames: bytes) -> Iterator[tuple[int, int, bytes | None, Any]]:
         at = end
 
 
-def _parsed(frame: bytes) -> tuple[bytes | None, Any]:
+def _parsed(frame: bytes) -> tuple[bytes | None, JSON]:
     """(its type: the `event:` field, else its JSON's `type`; its JSON or None)."""
     kind, raw = event_fields(frame)
     try:
@@ -272,7 +273,7 @@ def _parsed(frame: bytes) -> tuple[bytes | None, Any]:
     return kind, data
 
 
-def frame_of(kind: bytes | None, data: dict[str, Any]) -> bytes:
+def frame_of(kind: bytes | None, data: JSONObject) -> bytes:
     return (b"event: " + kind + b"\n" if kind else b"") + b"data: " + orjson.dumps(data) + SEP
 
 
@@ -282,6 +283,6 @@ def _diverged() -> bytes:
     return b"event: error\ndata: " + orjson.dumps(body) + SEP
 
 
-def count_of(usage: dict[str, Any], name: str) -> int:
+def count_of(usage: Usage, name: str) -> int:
     value = usage.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -12,9 +12,10 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from backends.replicas import Replica
+from policies.json_types import JSON, JSONObject
 from policies.routing.request import Prompt, PromptReader, RoutingRequest
 from policies.tokens import FREE, Estimate
 
@@ -49,7 +50,7 @@ class Call:
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     prompt_of: PromptReader | None = None  # how its route reads the prompt of its body (prefix routing reads it)
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
-    body: dict[str, Any] = field(default_factory=dict)  # a JSON body, or the text fields read of a form
+    body: JSONObject = field(default_factory=dict)  # a JSON body, or the text fields read of a form
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
     asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
@@ -68,7 +69,7 @@ class Call:
     replica: Replica | None = None
     holds_replica: bool = False  # counted in replica.in_flight right now
     status: int = 0
-    usage: dict[str, Any] | None = None
+    usage: Mapping[str, JSON] | None = None  # as the backend reported it (or estimated), read only
     overhead: float = 0.0  # seconds the gateway itself spent on this call
     queue_wait: float = 0.0  # seconds it waited for a slot on an owned backend
     rent_allowed: bool = True  # False: this call stays on owned backends (e.g. its key's rented budget is spent)
@@ -77,7 +78,7 @@ class Call:
     entered: list[Step] = field(default_factory=list)
     # for the observers of the finished call (policies/finished.py): set by the proxy, read once it is finished
     first_token_at: float = 0.0  # perf_counter() of the first streamed chunk
-    response: dict[str, Any] | None = None  # the parsed JSON answer of a call that was not streamed
+    response: JSONObject | None = None  # the parsed JSON answer of a call that was not streamed
     tap: list[bytes] | deque[bytes] | None = None  # when a trace wants them, the streamed chunks are appended here
     batch: str | None = None  # the batch it is a line of (its key is set before it enters: policies/batches/)
     # what a layer above keeps on the call (its route, its upload, its trace: the HTTP shell's), by Slot

@@ -22,6 +22,8 @@ from gateway.relay import EventRelay, SSERelay
 from policies.config import Policy
 from policies.errors import BadRequest, GatewayError
 from policies.json_depth import json_too_deep, nests_past_bound
+from policies.json_types import JSON as JSONValue
+from policies.json_types import JSONObject
 from policies.keys import KeyRecord
 from policies.pipeline import NO_PARAMS, Call, Request, Slot
 from policies.routing.request import PromptReader
@@ -33,24 +35,24 @@ SEGMENT = r"[A-Za-z0-9_.\-]{1,200}"  # an id in a path: nothing that could bend 
 MODEL_PATH = r"[^\x00-\x20\x7f]{1,256}"  # a model name in a path may hold slashes ("org/model")
 
 
-def body_model(call: Call) -> Any:
+def body_model(call: Call) -> JSONValue:
     return call.body.get("model")
 
 
-def openai_usage(data: dict[str, Any]) -> dict[str, Any] | None:
+def openai_usage(data: JSONObject) -> JSONObject | None:
     """`usage` as chat, completions, embeddings and vLLM's pooling routes report it."""
     usage = data.get("usage")
     return usage if isinstance(usage, dict) else None
 
 
-def io_usage(usage: Any) -> dict[str, int] | None:
+def io_usage(usage: JSONValue) -> dict[str, int] | None:
     """Responses' and Anthropic's `usage` ({input_tokens, output_tokens}) in the gateway's terms."""
     if not isinstance(usage, dict):
         return None
     return {"prompt_tokens": _int(usage.get("input_tokens")), "completion_tokens": _int(usage.get("output_tokens"))}
 
 
-def no_usage(_data: dict[str, Any]) -> None:
+def no_usage(_data: JSONObject) -> None:
     return None
 
 
@@ -60,24 +62,24 @@ def openai_error_body(error: GatewayError) -> bytes:
 
 # The body fields that change what the gateway does (stream or not, how many tokens to reserve): checked for type
 # before forwarding, so the gateway and the backend never read one body two ways (vLLM coerces "yes" to true).
-def _bool(value: Any) -> bool:
+def _bool(value: JSONValue) -> bool:
     return isinstance(value, bool)
 
 
-def _count(value: Any) -> bool:
+def _count(value: JSONValue) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _positive(value: Any) -> bool:
-    return _count(value) and value >= 1
+def _positive(value: JSONValue) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _stream_options(value: Any) -> bool:
+def _stream_options(value: JSONValue) -> bool:
     return isinstance(value, dict) and all(
         v is None or isinstance(v, bool) for k, v in value.items() if k in ("include_usage", "continuous_usage_stats"))
 
 
-FIELD_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+FIELD_CHECKS: tuple[tuple[str, Callable[[JSONValue], bool], str], ...] = (
     ("stream", _bool, "a boolean"),
     ("stream_options", _stream_options, "an object whose include_usage is a boolean"),
     ("n", _positive, "an integer of at least 1"),
@@ -87,14 +89,14 @@ FIELD_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def check_fields(body: dict[str, Any]) -> None:
+def check_fields(body: JSONObject) -> None:
     for name, ok, what in FIELD_CHECKS:
         value = body.get(name)
         if value is not None and not ok(value):
             raise BadRequest(f"'{name}' must be {what}", param=name, code="invalid_type")
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_json(raw: bytes) -> JSONObject:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -192,12 +194,12 @@ class Route:
     upstream: str | None = None  # vLLM's path for it (`{id}` filled in), when it differs from `path`
     body: str = JSON
     tokens: Estimate = FREE  # the token estimate the rate limits reserve
-    model: Callable[[Call], Any] = body_model  # the model it names (before aliases are resolved)
-    usage: Callable[[dict[str, Any]], dict[str, Any] | None] = openai_usage  # from a whole JSON answer
+    model: Callable[[Call], JSONValue] = body_model  # the model it names (before aliases are resolved)
+    usage: Callable[[JSONObject], Mapping[str, JSONValue] | None] = openai_usage  # from a whole JSON answer
     relay: Callable[[Call, tuple[bytes, bytes] | None], SSERelay | EventRelay] | None = None  # None: never streams
     stream_usage: bool = False  # ask the backend for the usage chunk (stripped again when the client did not)
     pin: Callable[[Call, Iterable[Replica]], Replica | None] | None = None  # affinity: the replica it must go to (or None)
-    prepare: Callable[[Call, dict[str, Any], Replica], None] | None = None  # last touches for the chosen replica
+    prepare: Callable[[Call, JSONObject, Replica], None] | None = None  # last touches for the chosen replica
     rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
     errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
@@ -235,12 +237,12 @@ class Route:
     def upstream_path(self, params: Mapping[str, str]) -> str:
         return (self.upstream or self.path).format(**params)
 
-    def streams(self, body: dict[str, Any]) -> bool:
+    def streams(self, body: JSONObject) -> bool:
         return self.relay is not None and body.get("stream") is True
 
 
 ROUTE: Slot[Route] = Slot("route")  # the route a call is served by (Route.call fills it)
 
 
-def _int(value: Any) -> int:
+def _int(value: JSONValue) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -6,22 +6,22 @@ has Anthropic's shape ({"type": "error", "error": {"type", "message"}}) so that 
 
 from __future__ import annotations
 
-from typing import Any
 
 
 from gateway.endpoints.base import Route, io_usage, no_usage
 from gateway.http.error_shapes import anthropic_error
 from gateway.relay import EventRelay
+from policies.json_types import JSONObject
 from policies.pipeline import Call
 from policies.routing.prompt import messages_text
 from policies.tokens import Estimate, chat_prompt, max_output
 
-def start_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+def start_usage(frame: JSONObject) -> dict[str, int] | None:
     message = frame.get("message")
     return io_usage(message.get("usage")) if isinstance(message, dict) else None
 
 
-def delta_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+def delta_usage(frame: JSONObject) -> dict[str, int] | None:
     return io_usage(frame.get("usage"))
 
 
@@ -29,7 +29,7 @@ def relay(_call: Call, rename: tuple[bytes, bytes] | None) -> EventRelay:
     return EventRelay({b"message_start": start_usage, b"message_delta": delta_usage}, rename)
 
 
-def usage(data: dict[str, Any]) -> dict[str, int] | None:
+def usage(data: JSONObject) -> dict[str, int] | None:
     return io_usage(data.get("usage"))
 
 

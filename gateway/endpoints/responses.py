@@ -19,13 +19,13 @@ import hashlib
 import secrets
 from collections.abc import Callable, Iterable
 from functools import lru_cache
-from typing import Any
 
 from backends.replicas import Replica
 from gateway.endpoints.base import (NONE, Route, forward_query, io_usage, no_usage, query_count, query_flag,
                                     query_text)
 from gateway.relay import EventRelay, ReplayRelay
 from policies.errors import NotFound
+from policies.json_types import JSON, JSONObject
 from policies.ownership import TAG as OWNER_TAG
 from policies.ownership import TAG_OWNER, claims_of
 from policies.pipeline import Call
@@ -47,18 +47,18 @@ def new_id(replica: Replica, tag_owner: Callable[[str], str]) -> str:
     return f"{PREFIX}{replica_tag}{tag_owner(replica_tag + nonce)}{nonce}"
 
 
-def replica_of(response_id: Any, replicas: Iterable[Replica]) -> Replica | None:
+def replica_of(response_id: JSON, replicas: Iterable[Replica]) -> Replica | None:
     if not isinstance(response_id, str) or not response_id.startswith(PREFIX) or len(response_id) <= START:
         return None
     wanted = response_id[len(PREFIX):len(PREFIX) + TAG]
     return next((r for r in replicas if r.rented is None and tag(r.name) == wanted), None)
 
 
-def pinned(call: Call, response_id: Any, replicas: Iterable[Replica], unknown: NotFound) -> Replica:
+def pinned(call: Call, response_id: JSON, replicas: Iterable[Replica], unknown: NotFound) -> Replica:
     """The replica that holds `response_id`; that the id is the caller's own is checked once it is known who
     calls (policies/ownership.py), with the same refusal as an id no replica has."""
     replica = replica_of(response_id, replicas)
-    if replica is None:
+    if replica is None or not isinstance(response_id, str):  # (replica_of finds none for an id that is not text)
         raise unknown
     replica_tag = response_id[len(PREFIX):len(PREFIX) + TAG]
     claims_of(call).ids.append((replica_tag + response_id[START:], response_id[len(PREFIX) + TAG:START], unknown))
@@ -85,7 +85,7 @@ def pinned_model(call: Call) -> str | None:
     return call.pinned.model if call.pinned is not None else None
 
 
-def assign_id(call: Call, body: dict[str, Any], replica: Replica) -> None:
+def assign_id(call: Call, body: JSONObject, replica: Replica) -> None:
     if replica.rented is None:
         # set by the owners step: pin_previous marks the call as minting ids
         body["request_id"] = new_id(replica, TAG_OWNER.of(call))
@@ -93,7 +93,7 @@ def assign_id(call: Call, body: dict[str, Any], replica: Replica) -> None:
         body.pop("request_id", None)
 
 
-def final_usage(frame: dict[str, Any]) -> dict[str, int] | None:
+def final_usage(frame: JSONObject) -> dict[str, int] | None:
     response = frame.get("response")
     return io_usage(response.get("usage")) if isinstance(response, dict) else None
 
@@ -118,7 +118,7 @@ RETRIEVE_QUERY = forward_query({"stream": query_flag, "starting_after": query_co
                                repeated=("include", "include[]"))
 
 
-def usage(data: dict[str, Any]) -> dict[str, int] | None:
+def usage(data: JSONObject) -> dict[str, int] | None:
     return io_usage(data.get("usage"))
 
 

@@ -59,6 +59,17 @@ class Note:
         self.data: Any = None
 
 
+class RoutingMetrics(Protocol):
+    """What routing tells the metrics (policies/metrics.py GatewayMetrics is one): each scorer's outcome per pick,
+    each plugin's time per step, and how much of a prompt matched a cached prefix."""
+
+    def decision(self, model: str, scorer: str, outcome: str) -> None: ...
+
+    def plugin_timer(self, model: str, plugin: str, step: str) -> Callable[[float], None]: ...
+
+    def prefix_match(self, model: str, chars: int, ratio: float) -> None: ...
+
+
 class Filter(Protocol):
     name: str
 
@@ -90,7 +101,7 @@ class Plugin(Protocol[P]):
     @property
     def Params(self) -> type[BaseModel]: ...  # the class attribute every plugin declares
 
-    def __call__(self, params: Any, metrics: Any = None) -> P: ...
+    def __call__(self, params: Any, metrics: RoutingMetrics | None = None) -> P: ...
 
 
 class PickerClass(Protocol):
@@ -104,7 +115,7 @@ class Stateless:
     Params = Params
     learns = False
 
-    def __init__(self, params: BaseModel | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: BaseModel | None = None, metrics: RoutingMetrics | None = None) -> None:
         pass
 
     def picked(self, request: RoutingRequest, replica: Candidate, note: Note) -> None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import Field
 
-from policies.routing.base import Candidate, Stats
+from policies.routing.base import Candidate, RoutingMetrics, Stats
 from policies.routing.base import Params as BaseParams
 from policies.routing.request import RoutingRequest
 
@@ -23,7 +22,7 @@ class KVHeadroom:
     name = "kv-headroom"
     Params = KVHeadroomParams
 
-    def __init__(self, params: KVHeadroomParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: KVHeadroomParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         self.max_usage = (params or KVHeadroomParams()).max_usage
 
     def keep(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:
@@ -42,7 +41,7 @@ class NotEjected:
     name = "not-ejected"
     Params = BaseParams
 
-    def __init__(self, params: BaseParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: BaseParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         pass
 
     def keep(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats) -> list[Candidate]:

@@ -41,13 +41,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field, StringConstraints, field_validator
 
 from backends.kv_events import GPU, prefix_keys
 from backends.replicas import KVIndex
-from policies.routing.base import Candidate, Note, Stateless, Stats
+from policies.json_types import JSON, JSONObject
+from policies.routing.base import Candidate, Note, RoutingMetrics, Stateless, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
 from policies.routing.request import RoutingRequest
 
@@ -79,7 +80,7 @@ class PrecisePrefix(Stateless):
     name = "precise-prefix"
     Params = PrecisePrefixParams
 
-    def __init__(self, params: PrecisePrefixParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: PrecisePrefixParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         self.params = params or PrecisePrefixParams()
         weights = self.params.medium_weights
         self.unlisted = min(weights.values(), default=1.0)
@@ -153,7 +154,7 @@ class PromptTokenizer:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        config: dict[str, Any] = {}
+        config: JSONObject = {}
         if (directory / "tokenizer_config.json").exists():
             config = json.loads((directory / "tokenizer_config.json").read_text())
         template = config.get("chat_template")
@@ -166,7 +167,7 @@ class PromptTokenizer:
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if isinstance(template, str) else None
 
-    def tokens(self, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
+    def tokens(self, endpoint: str, body: Mapping[str, JSON]) -> list[int] | None:
         try:
             if endpoint == "chat/completions" and self.template is not None:
                 messages = body.get("messages")
@@ -191,7 +192,7 @@ def load_prompt_tokenizer(directory: str) -> PromptTokenizer | None:
         return None
 
 
-def _token_text(value: Any) -> str:
+def _token_text(value: JSON) -> str:
     if isinstance(value, dict):
         return str(value.get("content", ""))
     return value if isinstance(value, str) else ""

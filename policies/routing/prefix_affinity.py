@@ -37,12 +37,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import Field
 
 from backends.vllm_stats import VLLMStats
-from policies.routing.base import Candidate, Note, Stats
+from policies.routing.base import Candidate, Note, RoutingMetrics, Stats
 from policies.routing.prefix_guard import GuardParams, prefix_scores
 from policies.routing.request import RoutingRequest
 
@@ -63,12 +62,12 @@ class PrefixAffinity:
     Params = PrefixAffinityParams
     learns = True
 
-    def __init__(self, params: PrefixAffinityParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: PrefixAffinityParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         self.params = params or PrefixAffinityParams()
         self.metrics = metrics  # GatewayMetrics or None
         # by replica name (they survive a reload of the policy): block hash -> its mark (None: no continuation
         # seen yet; a hash: the one continuation seen; SHARED), least recent first
-        self.lrus: dict[str, OrderedDict[int, Any]] = {}
+        self.lrus: dict[str, OrderedDict[int, object]] = {}
         self._capacity: dict[str, int] = {}
         self._finished: dict[str, float] = {}  # by replica name: vLLM's finished-request count, last seen
 
@@ -116,7 +115,7 @@ class PrefixAffinity:
         return prefix_scores(self.params, seen, loads, matched, len(blocks) * per_token, per_token, shared, note)
 
     @staticmethod
-    def shared(lru: OrderedDict[int, Any] | None, blocks: list[int], matched: int) -> bool:
+    def shared(lru: OrderedDict[int, object] | None, blocks: list[int], matched: int) -> bool:
         """The match is the whole prompt (sent before) or ends in a block continued in more than one way."""
         return matched == len(blocks) or (lru is not None and lru.get(blocks[matched - 1]) is SHARED)
 

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import Field
 
 from backends.vllm_stats import VLLMStats
-from policies.routing.base import Candidate, Note, Stats
+from policies.routing.base import Candidate, Note, RoutingMetrics, Stats
 from policies.routing.prefix_affinity import CHARS_PER_TOKEN, PrefixAffinity, PrefixAffinityParams
 from policies.routing.request import RoutingRequest
 
@@ -78,7 +77,7 @@ class PrefixCost(PrefixAffinity):
     name = "prefix-cost"
     Params = PrefixCostParams
 
-    def __init__(self, params: PrefixCostParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: PrefixCostParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         self.cost_params = params or PrefixCostParams()
         super().__init__(self.cost_params, metrics)
         self.history: dict[str, deque[Figures]] = {}  # by replica name: its scrapes within the window, oldest first

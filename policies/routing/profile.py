@@ -17,7 +17,7 @@ from time import perf_counter
 from typing import Any
 
 from backends.replicas import Replica
-from policies.routing.base import Filter, Note, Picker, Scorer, Stats
+from policies.routing.base import Filter, Note, Picker, RoutingMetrics, Scorer, Stats
 from policies.routing.filters import NotEjected
 from policies.routing.registry import FILTERS, PICKERS, SCORERS
 from policies.routing.request import NO_REQUEST, Routable, RoutingRequest
@@ -25,7 +25,7 @@ from policies.routing.request import NO_REQUEST, Routable, RoutingRequest
 
 class Profile:
     def __init__(self, scorers: Sequence[tuple[Scorer, float]], filters: Sequence[Filter] = (),
-                 picker: Picker | None = None, stats: Stats | None = None, metrics: Any = None, model: str = "",
+                 picker: Picker | None = None, stats: Stats | None = None, metrics: RoutingMetrics | None = None, model: str = "",
                  name: str = "") -> None:
         self.name = name
         self.model = model
@@ -98,7 +98,7 @@ class Profile:
         return chosen
 
 
-def build_profile(config: Any, model: str = "", stats: Stats | None = None, metrics: Any = None,
+def build_profile(config: Any, model: str = "", stats: Stats | None = None, metrics: RoutingMetrics | None = None,
                   rng: random.Random | None = None, name: str = "") -> Profile:
     """A Profile from the policy file's `routing.profiles.<name>` (a RoutingProfile); plugins get their params."""
     filters = [NotEjected(), *(FILTERS[ref.name](FILTERS[ref.name].Params.model_validate(ref.params), metrics)

@@ -11,29 +11,30 @@ Responses: instructions, then the input.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import orjson
+
+from policies.json_types import JSON
 
 ROLE, END = "\x1e", "\x1f"  # separators that do not occur in ordinary text
 
 
-def completion_text(body: Mapping[str, Any]) -> str:
+def completion_text(body: Mapping[str, JSON]) -> str:
     return _text(body.get("prompt"))
 
 
-def responses_text(body: Mapping[str, Any]) -> str:
+def responses_text(body: Mapping[str, JSON]) -> str:
     return _text(body.get("instructions")) + END + _text(body.get("input"))
 
 
-def messages_text(body: Mapping[str, Any]) -> str:
+def messages_text(body: Mapping[str, JSON]) -> str:
     """Anthropic's Messages: its system prompt is a field of its own, read before the messages."""
     system = body.get("system")
     head = f"system{ROLE}{_text(system)}" if system else None
     return chat_text(body, head)
 
 
-def chat_text(body: Mapping[str, Any], head: str | None = None) -> str:
+def chat_text(body: Mapping[str, JSON], head: str | None = None) -> str:
     parts: list[str] = []
     tools = body.get("tools")
     if tools:
@@ -51,7 +52,7 @@ def chat_text(body: Mapping[str, Any], head: str | None = None) -> str:
     return END.join(parts)
 
 
-def _text(value: Any) -> str:
+def _text(value: JSON) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
@@ -61,7 +62,7 @@ def _text(value: Any) -> str:
     return _json(value)
 
 
-def _part(item: Any) -> str:
+def _part(item: JSON) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict):
@@ -73,7 +74,7 @@ def _part(item: Any) -> str:
     return _json(item)
 
 
-def _json(value: Any) -> str:
+def _json(value: JSON) -> str:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from backends.lora import AdapterTarget
+from policies.json_types import JSON
 
-
-PromptReader = Callable[[Mapping[str, Any]], str]  # a route's: the text a JSON body's prompt starts with
+PromptReader = Callable[[Mapping[str, JSON]], str]  # a route's: the text a JSON body's prompt starts with
 
 
 class Prompt:
@@ -31,7 +31,7 @@ class Prompt:
 
     __slots__ = ("body", "_read", "_text")
 
-    def __init__(self, body: Mapping[str, Any], read: PromptReader | None = None) -> None:
+    def __init__(self, body: Mapping[str, JSON], read: PromptReader | None = None) -> None:
         self.body = body
         self._read = read
         self._text: str | None = None

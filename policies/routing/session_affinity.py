@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import Field
 
-from policies.routing.base import Candidate, Note, Stateless, Stats
+from policies.routing.base import Candidate, Note, RoutingMetrics, Stateless, Stats
 from policies.routing.base import Params as BaseParams
 from policies.routing.request import RoutingRequest
 
@@ -28,7 +27,7 @@ class SessionAffinity(Stateless):
     name = "session-affinity"
     Params = SessionAffinityParams
 
-    def __init__(self, params: SessionAffinityParams | None = None, metrics: Any = None) -> None:
+    def __init__(self, params: SessionAffinityParams | None = None, metrics: RoutingMetrics | None = None) -> None:
         self.header = (params or SessionAffinityParams()).header.lower()
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:

@@ -263,6 +263,29 @@ def test_without_ids_from_every_chunk_the_stream_goes_on_from_its_text():
     assert body is not None and body["messages"][-1] == {"role": "assistant", "content": "a b"}
 
 
+@pytest.mark.parametrize("ids, prompt", [([5, "6"], [1]), ([5, True], [1]), ([5], [1, 2.5]), ([5], ["x"])])
+def test_token_ids_that_are_not_integers_make_the_stream_go_on_from_its_text(ids, prompt):
+    moving = watch(chat.ROUTE, {**CHAT, "return_token_ids": True}, 1, hide=True)
+    assert moving is not None
+    moving.feed(sse(with_ids(chat_chunk(role=True), [], prompt=prompt), with_ids(chat_chunk("a"), ids)))
+    assert not moving.token_exact()
+    body = moving.continuation(CHAT)
+    assert body is not None and body["messages"][-1] == {"role": "assistant", "content": "a"}
+
+
+@pytest.mark.parametrize("choices", [5, "abc", None, {"a": 1}, [3, None]])
+def test_a_continuation_chunk_whose_choices_are_not_a_list_of_objects_passes_without_a_crash(choices):
+    moving = watch(completions.ROUTE, {"model": "m", "stream": True, "prompt": "x", "max_tokens": 10}, 2, hide=True)
+    assert moving is not None
+    head = with_ids(cmpl_chunk("a"), [5])
+    head["choices"][0]["prompt_token_ids"] = [1]
+    moving.feed(sse(head))
+    moving.moved(None)
+    odd = {**cmpl_chunk(""), "choices": choices, "prompt_token_ids": [1, 5]}
+    out = events(moving.feed(sse(odd)))
+    assert out[0]["choices"] == choices and out[0]["prompt_token_ids"] is None
+
+
 def call_of(body: dict):
     from policies.pipeline import Call, Request
 
