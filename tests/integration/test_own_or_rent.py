@@ -242,9 +242,11 @@ def test_utilisation_with_three_replicas_counts_overlapping_calls_once(tmp_path)
         union_share = union([span for mine in spans.values() for span in mine]) / window
         summed = sum(union(mine) for mine in spans.values()) / window  # what adding each replica's busy time says
         assert m["owned"]["requests"] == 9 and summed > 2 * union_share
-        # the gateway times each call from sending it to its end, inside the client's span of it (which adds
-        # the gateway's own work on a busy 2-core machine): 0.46 against 0.48 on one run, where the sums said 1.44
-        assert 0.8 * union_share <= m["utilisation"] <= 1.03 * union_share, (m["utilisation"], union_share, summed)
+        # the gateway times each call from sending it to its end, inside the client's span of it, which adds the
+        # gateway's own work before sending (the key, the limits and the cap on one Redis for three replicas): 0.46
+        # against 0.48 on a quiet run, where the sums said 1.44; 0.37 against 0.60 on a 2-core machine running four
+        # test files beside it. Counted once: never above the union, and nowhere near the sum.
+        assert 0.5 * union_share <= m["utilisation"] <= 1.03 * union_share, (m["utilisation"], union_share, summed)
 
 
 async def cli(*args: str) -> tuple[int, str, str]:
