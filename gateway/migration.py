@@ -395,10 +395,10 @@ class Migration:
         before = self.before or {"prompt_tokens": 0, "completion_tokens": 0, "chunks": 0, "unknown": 0, "offsets": 0}
         since = before["chunks"]  # chunks relayed before the failed attempt began
         said = self.attempt_prompt is not None  # it said its tokens
-        before["completion_tokens"] += _count(usage, "completion_tokens") if usage else \
+        before["completion_tokens"] += count_of(usage, "completion_tokens") if usage else \
             self.attempt_ids if said else self.chunks - since
-        if usage and _count(usage, "prompt_tokens"):
-            before["prompt_tokens"] += _count(usage, "prompt_tokens")
+        if usage and count_of(usage, "prompt_tokens"):
+            before["prompt_tokens"] += count_of(usage, "prompt_tokens")
         elif self.attempt_prompt is not None:
             before["prompt_tokens"] += self.attempt_prompt
         else:
@@ -415,8 +415,8 @@ class Migration:
         before = self.before
         if not before:
             return dict(usage)
-        prompt = _count(usage, "prompt_tokens")
-        completion = _count(usage, "completion_tokens")
+        prompt = count_of(usage, "prompt_tokens")
+        completion = count_of(usage, "completion_tokens")
         first = max(0, prompt - before["chunks"])
         earlier = before["prompt_tokens"] + before["unknown"] * first + before["offsets"]
         total_prompt, total_completion = prompt + earlier, completion + before["completion_tokens"]
@@ -547,6 +547,8 @@ def _data(event: bytes) -> JSON:
     return value
 
 
-def _count(usage: Usage | None, name: str) -> int:
+def count_of(usage: Usage | None, name: str) -> int:
+    """One count of a usage as a backend reported it: a positive integer, else 0 (a hostile or missing count
+    is no count)."""
     value = usage.get(name) if usage else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -22,7 +22,7 @@ import orjson
 
 from gateway.endpoints import messages
 from gateway.endpoints.base import Route
-from gateway.migration import KEEP_BYTES, SEP, ErrorEvent, last_events
+from gateway.migration import KEEP_BYTES, SEP, ErrorEvent, count_of, last_events
 from gateway.relay import Usage, event_fields
 from policies.json_types import JSON, JSONObject
 
@@ -281,8 +281,3 @@ def _diverged() -> bytes:
     body = {"type": "error", "error": {"type": "api_error", "message": "the backend failed mid-stream and another "
                                        "replica's answer was not the same text: the stream ends here"}}
     return b"event: error\ndata: " + orjson.dumps(body) + SEP
-
-
-def count_of(usage: Usage, name: str) -> int:
-    value = usage.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
