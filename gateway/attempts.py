@@ -77,8 +77,8 @@ class Attempts:
         """May `call`, whose latest attempt failed for `reason`, go to another replica? Counts the retry (or the
         budget's refusal) when one was there to go to."""
         settings = self.settings.get(call.model, DEFAULT)
-        if len(tried) > settings.attempts:
-            return False
+        if len(tried) > settings.attempts or self.clock() >= call.request.deadline:
+            return False  # no attempt left, or its client no longer waits (policies/deadline.py)
         if reason != CONNECT and UPLOAD.get(call) is not None:
             return False  # an upload's body went out as it came: there is none to send again
         group = self.replicas.by_model.get(call.group or call.model, ())

@@ -25,7 +25,7 @@ from policies.auth import INVALID
 from policies.batches.runner import Answer, Preempted, TryLater
 from policies.errors import GatewayError
 from policies.ids import unique_id
-from policies.pipeline import Call
+from policies.pipeline import KEY, Call
 from policies.preemption import PREEMPTIBLE, stoppable
 from policies.store import StoreUnavailable
 
@@ -83,7 +83,7 @@ class BatchCalls:
                                           "code": "invalid_api_key"}}, request_id)
         route = ROUTES[line["url"]]
         call = route.call(request_id, {}, batch["_client"], time.perf_counter(), batch=batch["id"])
-        call.key = key
+        KEY.put(call, key)
         call.rent_allowed = gateway.policy.batch.allow_rented
         proxy = gateway.proxy
         if proxy is None:  # not serving yet

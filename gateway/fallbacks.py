@@ -133,13 +133,13 @@ class Fallbacks:
         chain = self.chains.get(call.model)
         if reason is None or chain is None or call.pinned is not None or UPLOAD.get(call) is not None:
             raise original
-        asked, group, adapter, variant = call.model, call.group, call.adapter, call.variant
+        asked, fallback, group, adapter, variant = call.model, call.fallback_model, call.group, call.adapter, call.variant
         for step in chain:  # bounded: a chain has at most 16 steps, each tried once
             if not self.may_take(call, step) or (step.target is not None and not await self.may_rent(proxy, call)):
                 break
             proxy.release(call)  # whatever the failed attempt held
             self.metrics.fallbacks.labels(asked, step.label, reason).inc()
-            call.model, call.group, call.adapter, call.variant = step.model, "", None, None
+            call.fallback_model, call.group, call.adapter, call.variant = step.model, "", None, None
             SHADOW.take(call)
             call.response_headers[SERVED_MODEL], call.response_headers[FALLBACK_FROM] = step.model, asked
             try:
@@ -159,7 +159,7 @@ class Fallbacks:
                 continue
             return response
         proxy.release(call)
-        call.model, call.group, call.adapter, call.variant = asked, group, adapter, variant
+        call.fallback_model, call.group, call.adapter, call.variant = fallback, group, adapter, variant
         call.response_headers.pop(SERVED_MODEL, None)
         call.response_headers.pop(FALLBACK_FROM, None)
         raise original

@@ -51,8 +51,9 @@ from backends.http1 import Broken, ReadTimedOut, UpstreamError
 from gateway.endpoints import chat, completions
 from gateway.endpoints.base import Route
 from gateway.relay import Usage
-from policies.json_types import JSON, JSONObject
+from policies.json_types import JSON, JSONObject, JSONView, is_int
 from policies.pipeline import Call, Slot
+from policies.tokens import count
 
 MIGRATIONS_HEADER = "x-gateway-migrations"  # kept on the call for its record (the stream's head went long ago)
 CONTINUED, UNFAITHFUL, EXHAUSTED, FAILED = "continued", "unfaithful", "exhausted", "failed"  # the metric's outcomes
@@ -95,7 +96,7 @@ class Shape:
     """How one route's stream is read and continued."""
 
     text_of: Callable[[JSONObject], str | None]  # the generated text in a choice (None: a delta of another kind)
-    continued: Callable[[JSONObject, str], JSONObject | None]  # the continuation body (None: cannot)
+    continued: Callable[[JSONView, str], JSONObject | None]  # the continuation body (None: cannot)
     budget_fields: tuple[str, ...]  # the fields that bound the output, lowered by what was generated
 
 
@@ -114,7 +115,7 @@ def completion_text(choice: JSONObject) -> str | None:
     return text if isinstance(text, str) else None
 
 
-def chat_continued(body: JSONObject, text: str) -> JSONObject | None:
+def chat_continued(body: JSONView, text: str) -> JSONObject | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
@@ -129,7 +130,7 @@ def chat_continued(body: JSONObject, text: str) -> JSONObject | None:
     return {**body, "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
 
 
-def completion_continued(body: JSONObject, text: str) -> JSONObject | None:
+def completion_continued(body: JSONView, text: str) -> JSONObject | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -146,7 +147,7 @@ NEVER = ("logprobs", "top_logprobs", "echo", "prompt_logprobs", "include_stop_st
          "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def unfaithful(body: JSONObject) -> str | None:
+def unfaithful(body: JSONView) -> str | None:
     """Why a stream asked for with `body` could not be continued faithfully elsewhere, or None: it can."""
     for name in ("n", "best_of"):
         value = body.get(name)
@@ -352,7 +353,7 @@ class Migration:
             self.read_relayed()
         return self.exact and self.prompt_ids is not None
 
-    def continuation(self, body: JSONObject) -> JSONObject | None:
+    def continuation(self, body: JSONView) -> JSONObject | None:
         """The request that goes on from what was relayed (None: there is nothing left to generate). Token-exact
         (`token_exact`): a completion whose prompt is the first prompt's token ids and the ids the client has the
         text of, with the budget lowered by those; for a chat, sent to /v1/completions (`as_chat`)."""
@@ -427,12 +428,12 @@ class Migration:
 
 
 def _lowered(continued: JSONObject, fields: tuple[str, ...], done: int,
-             source: JSONObject | None = None) -> JSONObject | None:
+             source: JSONView | None = None) -> JSONObject | None:
     """`continued` with each budget field of `source` (itself by default) lowered by the `done` tokens; None when
     nothing is left to generate."""
     for name in fields:
         value = (continued if source is None else source).get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             if name != "min_tokens" and value - done < 1:
                 return None
             continued[name] = max(0, value - done)
@@ -442,7 +443,7 @@ def _lowered(continued: JSONObject, fields: tuple[str, ...], done: int,
 def token_ids(ids: list[JSON]) -> list[int] | None:
     """A replica's token ids, or None where one of them is not an integer (no vLLM sends that): a stream is never
     continued from ids it could not read."""
-    kept = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    kept = [i for i in ids if is_int(i)]
     return kept if len(kept) == len(ids) else None
 
 
@@ -480,7 +481,7 @@ def _drop_ids(data: JSONObject) -> None:
                     choice[name] = None
 
 
-def watch(route: Route, body: JSONObject, allowed: int, hide: bool = False) -> Migration | None:
+def watch(route: Route, body: JSONView, allowed: int, hide: bool = False) -> Migration | None:
     """A stream's Migration, or None where it never moves: the model allows no migrations, the route has no
     continuation (only Chat Completions and Completions do), or the request cannot be continued faithfully
     (then one is still made, refused, so the metric counts it when its replica fails). `hide`: the gateway
@@ -550,5 +551,4 @@ def _data(event: bytes) -> JSON:
 def count_of(usage: Usage | None, name: str) -> int:
     """One count of a usage as a backend reported it: a positive integer, else 0 (a hostile or missing count
     is no count)."""
-    value = usage.get(name) if usage else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return count(usage.get(name) if usage else None)

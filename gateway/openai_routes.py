@@ -13,10 +13,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from gateway.http.asgi import App, Message, Receive, Scope, Send
-from gateway.endpoints import Answering, Registry
+from gateway.endpoints import Registry
+from gateway.needs import Answering
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, openai_error_body
 from gateway.proxy import Proxy, Reply, request_id_from
 from policies.auth import Authenticate, bearer_key, check_key_source
@@ -32,7 +33,7 @@ from policies.errors import (
 from policies.finished import answered
 from policies.keys import KeyRecord
 from policies.network import ClientNetwork
-from policies.pipeline import Call, Request
+from policies.pipeline import KEY, TEAM, Call, Request
 from policies.rate_limit import TICKET
 from policies.snapshot import Snapshot
 from policies.teams import effective_models
@@ -250,7 +251,10 @@ class OpenAIRoutes:
             check_key_source(key, host)
             team = await self.gateway.authenticate.team_of(key)
             if route.limited:
-                limits = Call(Request(request_id, route.name, headers, host, arrived), key=key, team=team)
+                limits = Call(Request(request_id, route.name, headers, host, arrived))
+                KEY.put(limits, key)
+                if team is not None:
+                    TEAM.put(limits, team)
                 await self.count_against_limits(limits)
             if team is not None:  # the models it lists are the key's inside its team's
                 key = key.model_copy(update={"models": effective_models(key, team)})
@@ -309,7 +313,7 @@ class OpenAIRoutes:
         assert task is not None  # this coroutine runs in a task
         raw: bytes | BodyStream
         try:
-            call.key = await self.caller(call)  # from the head: no body byte is read for a caller without a key
+            KEY.put(call, await self.caller(call))  # from the head: no body byte is read for a caller without a key
             if route.body == MULTIPART:  # streamed through: the client's connection is watched once it is in
                 watch = Watch(loop, task, receive, armed=False)
                 raw = BodyStream(receive, headers, limit, watch.arm)
@@ -386,7 +390,7 @@ class Watch:
 
     __slots__ = ("closing", "gone", "loop", "receive", "task", "timer", "watcher")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], receive: Receive,
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[object], receive: Receive,
                  armed: bool = True) -> None:
         self.loop, self.task, self.receive = loop, task, receive
         self.gone = False

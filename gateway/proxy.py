@@ -49,7 +49,7 @@ from policies.errors import (
 )
 from policies.finished import Observers, record_of
 from policies.ids import unique_id
-from policies.json_types import JSONObject
+from policies.json_types import JSONObject, JSONView
 from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Pipeline
 from policies.priority import CLIENT_PRIORITY
@@ -310,9 +310,10 @@ class Proxy:
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
         return response
 
-    async def send(self, call: Call, target: Replica, holds: bool) -> Response:
+    async def send(self, call: Call, target: Replica, holds: bool, body: JSONObject | None = None) -> Response:
         """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
-        raises UpstreamError. The response's status and headers are in when it returns."""
+        raises UpstreamError. The response's status and headers are in when it returns. `body`: a JSON body to
+        send instead of the call's (a moved stream's continuation)."""
         call.replica, call.holds_replica = target, holds
         route = ROUTE.of(call)
         path = route.upstream_path(call.request.params)
@@ -327,9 +328,9 @@ class Proxy:
             served = target.served_name if "model" in call.body else None
             return await upstream.open(path, b"", call.request.id, content_type=call.request.headers[
                 "content-type"], stream=UPLOAD.of(call).upload(served), extra=trace_headers)
-        body = self.upstream_body(call, target) if route.body == JSON else b""
+        raw = self.upstream_body(call, target, call.body if body is None else body) if route.body == JSON else b""
         method = "POST" if route.body != NONE else route.methods[0]
-        return await upstream.open(path, body, call.request.id, method, extra=trace_headers)
+        return await upstream.open(path, raw, call.request.id, method, extra=trace_headers)
 
     def rename(self, call: Call) -> tuple[bytes, bytes] | None:
         """How the served model name (the replica's, or the call's LoRA adapter's) is told back as the public
@@ -341,23 +342,26 @@ class Proxy:
             found = self.renames[names] = model_rename(*names)
             return found
 
-    def upstream_body(self, call: Call, target: Replica) -> bytes:
+    def upstream_body(self, call: Call, target: Replica, body: JSONView) -> bytes:
         """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the
         route adds for the chosen replica (a Responses id that leads back to it), and the priority class as
         vLLM's `priority` for a backend that schedules by it (the Classify step already dropped a `priority` the
-        key may not send; a rented API never gets one)."""
-        body = call.body
+        key may not send; a rented API never gets one). `body` is the call's, or what goes instead of it: it is
+        copied, never changed (each attempt starts from the client's)."""
+        body = dict(body)
         route = ROUTE.of(call)
         if "model" in body:
             body["model"] = call.adapter.lora_name if call.adapter is not None and not target.rented \
                 else target.served_name
+        own = CLIENT_PRIORITY.get(call)
         if target.rented:
             body.pop("priority", None)
-        elif not CLIENT_PRIORITY.get(call):  # ours to set (or to take back after a retry on another replica)
-            if target.priority_scheduling and call.priority is not None:
-                body["priority"] = call.priority.vllm_priority
-            else:
-                body.pop("priority", None)
+        elif own is not None:  # the client's own, which its key may send (clamped to its class)
+            body["priority"] = own
+        elif target.priority_scheduling and call.priority is not None:
+            body["priority"] = call.priority.vllm_priority
+        else:
+            body.pop("priority", None)
         if call.stream:  # a stream that may move token-exactly asks the replica for its token ids
             migration.ask_for_ids(call, body, route, self.attempts.migrations(call.model), bool(target.rented))
         if call.stream and route.stream_usage:
@@ -511,20 +515,18 @@ class Proxy:
         self.release(call)
         owner = call.key.id if call.key is not None else call.client_host
         response = None
-        original, route = call.body, ROUTE.of(call)
+        route = ROUTE.of(call)
         sent_as = moving.sent_as(route)  # a chat that goes on token-exactly: a completion of its tokens
         try:
             replica = await self.admission.acquire(call.group or call.model, owner, exclude=[failed], call=call)
             if call.adapter is not None and self.loras is not None:
                 await self.load_adapter(call, replica)  # the LoRA adapter, on the replica that goes on
-            call.body = body
             ROUTE.put(call, sent_as)
-            response = await self.send(call, replica, holds=True)
+            response = await self.send(call, replica, holds=True, body=body)
         except (GatewayError, UpstreamError) as exc:
             if isinstance(exc, UpstreamError):
                 self.upstream_failed(call.replica, exc, str(exc))
         finally:
-            call.body = original
             ROUTE.put(call, route)
         if response is None or response.status != 200:
             if response is not None:

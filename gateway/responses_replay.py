@@ -31,7 +31,7 @@ from gateway.endpoints import responses
 from gateway.endpoints.base import Route
 from gateway.migration import SEP
 from gateway.stream_replay import Asked, frame_of, frames_in
-from policies.json_types import JSON, JSONObject
+from policies.json_types import JSON, JSONObject, JSONView, is_int
 
 SKIPPED = (b"response.created", b"response.in_progress")  # the client has the first attempt's
 DONE = (b"response.output_text.done", b"response.content_part.done", b"response.output_item.done")
@@ -39,7 +39,7 @@ FINAL = (b"response.completed", b"response.incomplete", b"response.failed")
 TEXT_PARTS = ("output_text",)
 
 
-def unfaithful(body: JSONObject) -> str | None:
+def unfaithful(body: JSONView) -> str | None:
     """Why a Responses stream asked for with `body` would not replay to the same text elsewhere, or None."""
     if body.get("previous_response_id") is not None:
         return "previous_response_id"
@@ -170,7 +170,7 @@ class ResponsesReplay(Asked):
             if not isinstance(data, dict) or kind is None:
                 continue
             sequence = data.get("sequence_number")
-            if isinstance(sequence, int) and not isinstance(sequence, bool):
+            if is_int(sequence):
                 self.sequence = max(self.sequence, sequence)
             at = _at(data)
             if kind == b"response.created":
@@ -204,7 +204,7 @@ class ResponsesReplay(Asked):
 
 
 
-def watch(route: Route, body: JSONObject, allowed: int) -> ResponsesReplay | None:
+def watch(route: Route, body: JSONView, allowed: int) -> ResponsesReplay | None:
     """A Responses stream's replay record, or None where it never moves (another route, or no migrations
     allowed); refused (so the metric counts it) where a replay would not give the same text."""
     if allowed <= 0 or route is not responses.CREATE:

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import orjson
 
@@ -35,8 +34,9 @@ from gateway.endpoints.base import ROUTE
 from gateway.relay import SSERelay
 from policies.admission import Admission
 from policies.finished import Finished
+from policies.json_types import JSONObject
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call
+from policies.pipeline import MODEL, Call
 from policies.variant_signals import ANSWER, StreamAnswer, agreement, answer_of, compared, sample_of
 from policies.variants import SHADOW, Variants
 
@@ -91,14 +91,15 @@ class Shadow:
     def dropped(self, model: str, variant: str) -> None:
         self.metrics.variant_shadow_dropped.labels(model, variant).inc()
 
-    async def send(self, live: Call, name: str, group: str, body: dict[str, Any], done: asyncio.Future[None]) -> None:
+    async def send(self, live: Call, name: str, group: str, body: JSONObject, done: asyncio.Future[None]) -> None:
         queue = self.admission.queues.get(group)
         replica = None if queue is None else await queue.take_now(None, (), 0, will_wait=False)
         if replica is None:  # its cap is full (or it has no replica up): dropped, never queued
             self.dropped(live.model, name)
             return
         copy = ROUTE.of(live).call(f"{live.request.id}-shadow", {}, "", time.perf_counter())
-        copy.model, copy.stream, copy.replica, copy.load = live.model, live.stream, replica, replica.in_flight
+        MODEL.put(copy, live.model)
+        copy.stream, copy.replica, copy.load = live.stream, replica, replica.in_flight
         body["model"] = replica.served_name
         body.pop("priority", None)
         if live.stream:
@@ -125,7 +126,7 @@ class Shadow:
                     sample.exact, sample.agreed = agreement(answer_of(live), answer_of(copy))
         self.variants.record(live.model, name, sample, copy.status)
 
-    async def exchange(self, copy: Call, replica: Replica, body: dict[str, Any], params: Mapping[str, str]) -> None:
+    async def exchange(self, copy: Call, replica: Replica, body: JSONObject, params: Mapping[str, str]) -> None:
         upstream = replica.upstream
         if upstream is None:  # not connected yet: the app connects the live set before serving
             raise UpstreamError(f"replica {replica.name} has no connection yet")

@@ -24,12 +24,12 @@ from gateway.endpoints import messages
 from gateway.endpoints.base import Route
 from gateway.migration import KEEP_BYTES, SEP, ErrorEvent, count_of, last_events
 from gateway.relay import Usage, event_fields
-from policies.json_types import JSON, JSONObject
+from policies.json_types import JSON, JSONObject, JSONView
 
 ERROR_FRAME = b"event: error"
 
 
-def unfaithful(body: JSONObject) -> str | None:
+def unfaithful(body: JSONView) -> str | None:
     """Why a Messages stream asked for with `body` would not replay to the same text elsewhere, or None."""
     choice = body.get("tool_choice")
     if body.get("tools") and not (isinstance(choice, dict) and choice.get("type") == "none"):
@@ -146,9 +146,9 @@ class Asked:
                 out[name] = summed[key]
         return out
 
-    def continuation(self, body: JSONObject) -> JSONObject | None:
+    def continuation(self, body: JSONView) -> JSONObject | None:
         """The request again, as it came (the replay is cut as it streams)."""
-        return body
+        return dict(body)
 
     def sent_as(self, route: Route) -> Route:
         return route
@@ -243,7 +243,7 @@ class Replay(Asked):
     def _restart(self) -> None:
         self.skip = dict(self.shown)
 
-def watch(route: Route, body: JSONObject, allowed: int) -> Replay | None:
+def watch(route: Route, body: JSONView, allowed: int) -> Replay | None:
     """A Messages stream's Replay, or None where it never moves (another route, or no migrations allowed);
     refused (so the metric counts it) where a replay would not give the same text."""
     if allowed <= 0 or route is not messages.MESSAGES:

@@ -5,7 +5,8 @@ them). When none has room it waits: FIFO within each API key and round-robin acr
 cannot starve the others. A slot freed by a finished request goes straight to the next waiter. A request that
 finds the queue full, or waits past `queue.max_wait`, gets a 429 whose Retry-After is estimated from the rate
 at which the model's requests have been completing. A waiter whose client disconnects is cancelled and leaves
-the queue at once, so it never reaches a backend.
+the queue at once, so it never reaches a backend. A request whose client sent its timeout (policies/deadline.py)
+waits no longer than that, and is refused at once (`past_deadline`) when that rate says its slot comes after.
 
 Adaptive limits (per backend, optional) follow the live knee below the measured cap, AIMD style, from the time
 to first token of streamed requests: an answer slower than `target_ttft` cuts the limit by 10% (at most once
@@ -60,6 +61,7 @@ from policies.priority import default_class
 from policies.routing import Profile
 
 QUEUE_FULL, QUEUE_TIMEOUT, COLD_START_TIMEOUT = "queue_full", "queue_timeout", "cold_start_timeout"
+PAST_DEADLINE = "past_deadline"  # its client's timeout (policies/deadline.py) ends before a slot can be expected
 REPLICAS_DOWN = "replicas_down"  # a waiter none of whose replicas is routable any more (ModelQueue.fail_stranded)
 COLD_RETRY_AFTER = 30  # seconds: a model that started no replica within its bound is worth asking again after
 
@@ -327,6 +329,8 @@ class ModelQueue:
         max_wait = klass.max_wait or self.config.max_wait
         if cold and self.autoscaling is not None:  # cold: it has autoscaling (waits_for_a_replica)
             max_wait = max(max_wait, self.autoscaling.cold_start_wait)
+        if call is not None and call.request.deadline < math.inf:
+            max_wait = self.within_deadline(call, rank, max_wait)
         waiter = Waiter(owner, exclude, call, rank, time.monotonic(), spill_after)
         self.push(waiter)
         if rank < self.batch_rank and self.batch_held:
@@ -342,6 +346,9 @@ class ModelQueue:
                 waiter.future.cancel()
                 if cold and not any(r.routable for r in self.replicas):
                     self.none_started(max_wait)
+                if call is not None and time.perf_counter() >= call.request.deadline:
+                    self.refuse(PAST_DEADLINE, f"model {self.model} stayed at capacity until the client's timeout "
+                                               f"({max_wait:.1f} s)", waiter.rank)
                 self.refuse(QUEUE_TIMEOUT, f"model {self.model} stayed at capacity for {max_wait:g} s", waiter.rank)
         except asyncio.CancelledError:  # the client went away while waiting
             self.remove(waiter)
@@ -512,6 +519,19 @@ class ModelQueue:
     def remove(self, waiter: Waiter) -> None:
         if self.line.remove(waiter):
             self.depth_gauges[waiter.rank].set(self.line.depths[waiter.rank])
+
+    def within_deadline(self, call: Call, rank: int, max_wait: float) -> float:
+        """The wait a request of class `rank` may have before its client's deadline: refused at once when the
+        deadline is past, or when the queue's drain rate says its slot comes after it (a 429 the client can
+        retry on, rather than its own timeout)."""
+        left = call.request.deadline - time.perf_counter()
+        if left >= max_wait:
+            return max_wait
+        rate = self.drain.per_second(time.monotonic())
+        if left <= 0 or (rate is not None and (self.line.ahead_of(rank) + 1) / rate > left):
+            self.refuse(PAST_DEADLINE, f"model {self.model} is at capacity and no slot is expected within the "
+                                       f"client's timeout ({max(left, 0.0):.1f} s left)", rank)
+        return left
 
     def retry_after(self, rank: int | None = None) -> float:
         rate = self.drain.per_second(time.monotonic())

@@ -24,7 +24,7 @@ from backends.egress import inside, networks
 from policies.background import Background
 from policies.errors import AuthenticationFailed, PermissionDenied, StateUnavailable
 from policies.keys import KeyRecord, key_id_of
-from policies.pipeline import Call
+from policies.pipeline import KEY, TEAM, Call
 from policies.store import Store, StoreUnavailable
 from policies.teams import OWNER_PREFIX, TeamRecord
 
@@ -125,7 +125,7 @@ class KeyCache:
 
 class Authenticate:
     name = "authenticate"
-    writes = ()  # only the call's own fields
+    writes = (KEY, TEAM)
 
     def __init__(self, store: Store, cache_seconds: float, background: Background, stale_seconds: float = 0.0,
                  on_outage: Callable[[str], None] | None = None) -> None:
@@ -136,10 +136,14 @@ class Authenticate:
         self.touched: dict[str, float] = {}
 
     async def enter(self, call: Call) -> None:
-        if call.key is None:  # a batch's line comes with its key's record, checked as it was read; a request
-            call.key = await self.verify(call.request.headers.get("authorization"))  # with its head's (gateway/)
-        if call.key.team is not None:  # most keys have none: no coroutine made for them
-            call.team = await self.team_of(call.key)
+        key = call.key
+        if key is None:  # a batch's line comes with its key's record, checked as it was read; a request
+            key = await self.verify(call.request.headers.get("authorization"))  # with its head's (gateway/)
+            KEY.put(call, key)
+        if key.team is not None:  # most keys have none: no coroutine made for them
+            team = await self.team_of(key)
+            if team is not None:
+                TEAM.put(call, team)
 
     async def team_of(self, key: KeyRecord) -> TeamRecord | None:
         """The key's team (cached as keys are); 403 if it names a team that no longer exists."""

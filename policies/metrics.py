@@ -118,8 +118,9 @@ class GatewayMetrics:
         )
         self.admission_rejected = Counter(
             "llm_gateway_admission_rejected", "Requests refused while waiting for a backend slot, by reason:"
-            " queue_full, queue_timeout, cold_start_timeout, replicas_down (every replica that could serve it went"
-            " down while it waited).",
+            " queue_full, queue_timeout, past_deadline (the client's own timeout, which the openai and anthropic"
+            " SDKs send, ends before a slot), cold_start_timeout, replicas_down (every replica that could serve it"
+            " went down while it waited).",
             ["model", "reason"], registry=r,
         )
         self.batch_preemptions = Counter(

@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping
 from backends.lora import AdapterTarget
 from policies.config import Policy
 from policies.errors import BadRequest, NotFound
-from policies.pipeline import Call
+from policies.pipeline import MODEL, Call
 
 
 class ResolveModel:
     name = "resolve-model"
-    writes = ()  # only the call's own fields
+    writes = (MODEL,)
 
     def __init__(self, policy: Policy, found: Callable[[str], Mapping[str, AdapterTarget]] | None = None) -> None:
         self.public: dict[str, str] = {}
@@ -47,7 +47,7 @@ class ResolveModel:
                 param="model",
                 code="model_not_found",
             )
-        call.model = model
+        MODEL.put(call, model)
         adapter = self.adapters.get(model)
         if adapter is not None:
             call.group, call.adapter = adapter

@@ -9,13 +9,15 @@ did is not a step's business but its observers' (policies/finished.py: metrics, 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from backends.replicas import Replica
-from policies.json_types import JSON, JSONObject
+from policies.json_types import JSON, JSONObject, JSONView
 from policies.routing.request import Prompt, PromptReader, RoutingRequest
 from policies.tokens import FREE, Estimate
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:  # the steps' own types
 log = logging.getLogger("gateway.pipeline")
 
 
-NO_PARAMS: Mapping[str, str] = {}
+NO_PARAMS: Mapping[str, str] = MappingProxyType({})  # a request whose path has none (shared: read only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,8 @@ class Request:
     headers: Mapping[str, str]  # the client's request headers, names in lower case
     peer: str  # the address its connection came from (the network step finds the client behind a proxy)
     arrived: float  # perf_counter() when the request arrived
-    params: Mapping[str, str] = field(default_factory=dict)  # the parameters in its path ({id})
+    params: Mapping[str, str] = field(default_factory=lambda: NO_PARAMS)  # the parameters in its path ({id})
+    deadline: float = math.inf  # perf_counter() past which its client no longer waits (policies/deadline.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -50,16 +53,16 @@ class Call:
     sent_at: float = 0.0  # perf_counter() when it was sent upstream
     prompt_of: PromptReader | None = None  # how its route reads the prompt of its body (prefix routing reads it)
     query: str = ""  # the query string sent upstream ("?stream=true"), on a route that forwards the client's
-    body: JSONObject = field(default_factory=dict)  # a JSON body, or the text fields read of a form
+    # the client's JSON body (or the text fields read of a form), as the proxy read it, read only: what goes
+    # upstream is a copy made for each attempt (the served model name, vLLM's priority: gateway/proxy.py), and a
+    # moved stream's continuation is a body of its own
+    body: JSONView = field(default_factory=dict)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
     asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
-    key: KeyRecord | None = None  # the caller's key, once authenticated
-    team: TeamRecord | None = None  # its key's team, when it has one (policies/teams.py)
-    priority: PriorityClass | None = None  # its class (policies/priority.py); None: the default class
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     streamed_events: int = 0
-    model: str = ""  # the public model name, after alias resolution
+    fallback_model: str = ""  # the model a fallback chain serves it with instead (gateway/fallbacks.py)
     variant: str | None = None  # the model's variant that serves it, when the model has variants
     adapter: AdapterTarget | None = None  # the LoRA adapter that serves it, when its model is one
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
@@ -87,6 +90,29 @@ class Call:
     def __post_init__(self) -> None:
         if not self.client_host:
             self.client_host = self.request.peer
+
+    # What the steps settle once, read as fields, written through their Once slots (below): a second write
+    # raises, and the type checker refuses `call.key = ...` anywhere.
+    @property
+    def key(self) -> KeyRecord | None:
+        """The caller's key, once authenticated."""
+        return self.state.get(KEY)  # type: ignore[return-value]  # only KEY.put writes it
+
+    @property
+    def team(self) -> TeamRecord | None:
+        """Its key's team, when it has one (policies/teams.py)."""
+        return self.state.get(TEAM)  # type: ignore[return-value]  # only TEAM.put writes it
+
+    @property
+    def priority(self) -> PriorityClass | None:
+        """Its class (policies/priority.py); None: the default class."""
+        return self.state.get(CLASS)  # type: ignore[return-value]  # only CLASS.put writes it
+
+    @property
+    def model(self) -> str:
+        """The public model it is served as: the one it asked for after alias resolution ("" before
+        policies/models.py found it), or the one a fallback chain moved it to."""
+        return self.fallback_model or self.state.get(MODEL, "")  # type: ignore[return-value]  # MODEL.put only
 
     def routing(self) -> RoutingRequest:
         """The request as routing sees it, for one pick (nothing is copied: the call's own headers and body are
@@ -135,6 +161,28 @@ class Slot(StateKey, Generic[T]):
     def take(self, call: Call) -> T | None:
         """The value, removed from the call (what is settled once is not settled again)."""
         return call.state.pop(self, None)  # type: ignore[return-value]  # only `put` writes it, with a T
+
+
+class Once(Slot[T]):
+    """A slot written once in a call's life: what a step settles about the request (who calls, as which team and
+    class, for which model). A second write is a bug and raises."""
+
+    __slots__ = ()
+
+    def put(self, call: Call, value: T) -> None:
+        if self in call.state:
+            raise RuntimeError(f"the call's {self.name} is written once")
+        call.state[self] = value
+
+    def take(self, call: Call) -> T | None:
+        raise RuntimeError(f"the call's {self.name} is written once, never taken")
+
+
+# Written once each, read as the call's fields of the same names:
+KEY: Once[KeyRecord] = Once("key")  # the edge from the head, a batch's line from its batch, or Authenticate
+TEAM: Once[TeamRecord] = Once("team")  # Authenticate (policies/auth.py)
+CLASS: Once[PriorityClass] = Once("class")  # Classify (policies/priority.py)
+MODEL: Once[str] = Once("model")  # ResolveModel (policies/models.py)
 
 
 class Step(Protocol):

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from policies.config import Policy, Priorities, PriorityClass
 from policies.errors import BadRequest
-from policies.pipeline import Call, Slot
+from policies.json_types import JSON, is_int
+from policies.pipeline import CLASS, Call, Slot
 from policies.teams import ClassOrder, TeamRecord
 
 
@@ -43,13 +44,14 @@ def within_ceiling(chosen: PriorityClass, team: TeamRecord | None, priorities: P
     return priorities.classes[top] if priorities.classes.index(chosen) < top else chosen
 
 
-# the body's vLLM `priority` is the client's own (its key may set it): the proxy leaves it, clamped to its class
-CLIENT_PRIORITY: Slot[bool] = Slot("client's own priority")
+# the vLLM `priority` the client sent and its key lets it send, clamped to its class: the proxy sends it instead
+# of its class's (absent: the client's own, if any, is dropped)
+CLIENT_PRIORITY: Slot[JSON] = Slot("client's own priority")
 
 
 class Classify:
     name = "priority"
-    writes = (CLIENT_PRIORITY,)
+    writes = (CLIENT_PRIORITY, CLASS)
 
     def __init__(self, policy: Policy) -> None:
         self.config = policy.priorities
@@ -84,21 +86,18 @@ class Classify:
         return self.config.named(key.priority_class) or self.default
 
     async def enter(self, call: Call) -> None:
-        call.priority = self.of(call)
+        CLASS.put(call, self.of(call))
         assert call.key is not None  # the key step ran first (a batch's line comes with its key)
-        if call.key.client_priority and self.own_priority_fits(call):
-            if "priority" in call.body:
-                CLIENT_PRIORITY.put(call, True)
-                self.clamp(call)
-        else:
-            call.body.pop("priority", None)
+        own = call.body.get("priority")
+        if own is not None and call.key.client_priority and self.own_priority_fits(call):
+            CLIENT_PRIORITY.put(call, self.clamped(call, own))
 
-    def clamp(self, call: Call) -> None:
+    def clamped(self, call: Call, own: JSON) -> JSON:
         """A client's own vLLM `priority` no more urgent than its class's range allows (see the docstring)."""
         floor = self.floors.get(call.priority.name) if call.priority is not None else None
-        own = call.body["priority"]
-        if floor is not None and isinstance(own, int) and not isinstance(own, bool) and own < floor:
-            call.body["priority"] = floor
+        if floor is not None and is_int(own) and own < floor:
+            return floor
+        return own
 
     def own_priority_fits(self, call: Call) -> bool:
         """Whether a client's own vLLM `priority` stays within its team's ceiling (lower is more urgent)."""
@@ -107,7 +106,7 @@ class Classify:
         if top is None or own is None:
             return True
         floor = self.config.classes[top].vllm_priority
-        return isinstance(own, int) and not isinstance(own, bool) and own >= floor
+        return is_int(own) and own >= floor
 
     async def leave(self, call: Call) -> None:
         pass

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
+
+from policies.json_types import JSON, JSONView, is_int
 
 CHARS_PER_TOKEN = 4
 PER_MESSAGE = 4
@@ -32,7 +33,7 @@ PER_MESSAGE_BOUND = 8  # a chat template's tokens around one message (ChatML: 5;
 def count(value: object) -> int:
     """A token count a backend or provider reported: a positive int, anything else (negative, a float, a string,
     null) counts 0, so that no upstream value can lower a spend, a budget or a rate limit."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return value if is_int(value) and value > 0 else 0
 
 
 def used_tokens(usage: object) -> tuple[int, int]:
@@ -50,7 +51,7 @@ def _bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass")) + 1
 
 
-def _text_tokens(value: Any, per_text: Callable[[str], int] = _chars) -> int:
+def _text_tokens(value: JSON, per_text: Callable[[str], int] = _chars) -> int:
     if isinstance(value, str):
         return per_text(value)
     if isinstance(value, list):  # content parts, batched prompts, or token ids
@@ -66,17 +67,17 @@ class Prompt:
 
     __slots__ = ("count",)
 
-    def __init__(self, count: Callable[[dict[str, Any], Callable[[str], int]], int]) -> None:
+    def __init__(self, count: Callable[[JSONView, Callable[[str], int]], int]) -> None:
         self.count = count
 
-    def __call__(self, body: dict[str, Any]) -> int:
+    def __call__(self, body: JSONView) -> int:
         return self.count(body, _chars)
 
-    def bound(self, body: dict[str, Any]) -> int:
+    def bound(self, body: JSONView) -> int:
         return self.count(body, _bytes)
 
 
-def _json_bytes(value: Any) -> int:
+def _json_bytes(value: JSON) -> int:
     """The UTF-8 bytes of what the template renders as text besides the contents: tool definitions, a message's
     tool calls (0 when absent, so the common request pays nothing)."""
     if value is None:
@@ -87,7 +88,7 @@ def _json_bytes(value: Any) -> int:
         return 0
 
 
-def _chat(body: dict[str, Any], per_text: Callable[[str], int]) -> int:
+def _chat(body: JSONView, per_text: Callable[[str], int]) -> int:
     messages = body.get("messages")
     total = _text_tokens(body.get("system"), per_text)
     bound = per_text is _bytes
@@ -109,28 +110,28 @@ chat_prompt = Prompt(_chat)
 
 def fields_prompt(*fields: str) -> Prompt:
     """The text of the given body fields (a prompt, an input, a query and its documents...)."""
-    def count(body: dict[str, Any], per_text: Callable[[str], int]) -> int:
+    def count(body: JSONView, per_text: Callable[[str], int]) -> int:
         return sum(_text_tokens(body.get(f), per_text) for f in fields)
     return Prompt(count)
 
 
-def max_output(*fields: str) -> Callable[[dict[str, Any], int], int]:
+def max_output(*fields: str) -> Callable[[JSONView, int], int]:
     """The first of `fields` that is a positive integer, times `n`; else the configured default."""
-    def output(body: dict[str, Any], default: int) -> int:
+    def output(body: JSONView, default: int) -> int:
         for field in fields:
             value = body.get(field)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if is_int(value) and value > 0:
                 n = body.get("n")
                 return value * (n if isinstance(n, int) and n > 1 else 1)
         return default
     return output
 
 
-def no_output(_body: dict[str, Any], _default: int) -> int:
+def no_output(_body: JSONView, _default: int) -> int:
     return 0
 
 
-def no_prompt(_body: dict[str, Any]) -> int:
+def no_prompt(_body: JSONView) -> int:
     return 0
 
 
@@ -138,10 +139,10 @@ def no_prompt(_body: dict[str, Any]) -> int:
 class Estimate:
     """How a route's body is priced in tokens before it is sent: `prompt(body)` and `output(body, default)`."""
 
-    prompt: Callable[[dict[str, Any]], int]
-    output: Callable[[dict[str, Any], int], int]
+    prompt: Callable[[JSONView], int]
+    output: Callable[[JSONView, int], int]
 
-    def prompt_bound(self, body: dict[str, Any]) -> int:
+    def prompt_bound(self, body: JSONView) -> int:
         """At least the prompt's tokens in any tokenizer the bound knows of (the estimate where the prompt side
         has no bound of its own)."""
         bound = getattr(self.prompt, "bound", None)

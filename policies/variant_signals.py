@@ -24,15 +24,15 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError
 from jsonschema.protocols import Validator
 
+from policies.json_types import JSON, JSONObject, JSONView
 from policies.memo import Memo
 from policies.pipeline import Call, Slot
 
@@ -89,14 +89,18 @@ def _validator(schema_json: bytes) -> Validator | None:
 VALIDATORS = Memo(_validator, limit=256)
 
 
-def valid_against(value: Any, schema: Any) -> bool:
+ToolCall = dict[str, JSON]  # {"name": ..., "arguments": ...}: one tool call of an answer, as the signals compare it
+Answer = tuple[JSON, list[ToolCall]]  # an answer's content and tool calls
+
+
+def valid_against(value: JSON, schema: JSON) -> bool:
     if not isinstance(schema, dict) or not schema:
         return True
     validator = VALIDATORS(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
     return True if validator is None else validator.is_valid(value)  # a broken schema is the client's, not ours
 
 
-def json_object(text: Any) -> Any:
+def json_object(text: JSON) -> JSONObject | None:
     if not isinstance(text, str):
         return None
     try:
@@ -106,7 +110,7 @@ def json_object(text: Any) -> Any:
     return value if isinstance(value, dict) else None
 
 
-def structured_validity(body: dict[str, Any], content: Any, tool_calls: list[dict[str, Any]],
+def structured_validity(body: JSONView, content: JSON, tool_calls: list[ToolCall],
                         finish: str | None = None, refused: bool = False) -> bool | None:
     """Whether the structured parts of an answer are valid; None when it has none. Where JSON was required
     (response_format json_object or json_schema) every answer counts: empty or null content, an answer cut at
@@ -126,38 +130,42 @@ def structured_validity(body: dict[str, Any], content: Any, tool_calls: list[dic
             ok = valid_against(value, spec.get("schema") if isinstance(spec, dict) else None)
         verdicts.append(ok)
     if tool_calls:
-        declared: dict[str, Any] = {}
-        for tool in body.get("tools") or ():
+        declared: dict[str, JSON] = {}
+        tools = body.get("tools")
+        for tool in tools if isinstance(tools, list) else ():
             function = tool.get("function") if isinstance(tool, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("name"), str):
-                declared[function["name"]] = function.get("parameters")
+            tool_name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(function, dict) and isinstance(tool_name, str):
+                declared[tool_name] = function.get("parameters")
         for call in tool_calls:
             name, value = call.get("name"), json_object(call.get("arguments"))
-            verdicts.append(not cut and value is not None and name in declared
+            verdicts.append(not cut and value is not None and isinstance(name, str) and name in declared
                             and valid_against(value, declared[name]))
     return all(verdicts) if verdicts else None
 
 
-def whole_answer(response: Any) -> tuple[Any, list[dict[str, Any]], str | None, bool]:
+def whole_answer(response: JSONObject | None) -> tuple[JSON, list[ToolCall], str | None, bool]:
     """Content, tool calls, finish_reason and whether it is a refusal, of a chat completion not streamed."""
-    choices = response.get("choices") if isinstance(response, dict) else None
-    if not choices or not isinstance(choices[0], dict):
+    choices = response.get("choices") if response is not None else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None, [], None, False
     choice = choices[0]
-    message = choice.get("message") or {}
+    message = choice.get("message")
     content = message.get("content") if isinstance(message, dict) else None
     if content is None:
         content = choice.get("text")  # /v1/completions
-    calls: list[dict[str, Any]] = []
-    for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+    calls: list[ToolCall] = []
+    tool_calls = message.get("tool_calls") if isinstance(message, dict) else None
+    for call in tool_calls if isinstance(tool_calls, list) else ():
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             calls.append({"name": function.get("name"), "arguments": function.get("arguments")})
     refused = isinstance(message, dict) and bool(message.get("refusal"))
-    return content, calls, choice.get("finish_reason"), refused
+    finish = choice.get("finish_reason")
+    return content, calls, finish if isinstance(finish, str) else None, refused
 
 
-def sse_events(chunks: Any) -> Iterator[dict[str, Any]]:
+def sse_events(chunks: Iterable[bytes]) -> Iterator[JSONObject]:
     """The JSON `data:` events of a chat or completions stream's chunks (cut anywhere)."""
     for line in b"".join(chunks).split(b"\n"):
         if not line.startswith(b"data: {"):
@@ -183,7 +191,7 @@ class StreamAnswer:
         self.finish: str | None = None
         self.refused = False
         self.text: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: dict[int, tuple[list[str], list[str]]] = {}  # index -> (its name's parts, its arguments')
 
     def feed(self, events: bytes) -> None:
         if self.whole:
@@ -196,36 +204,56 @@ class StreamAnswer:
             if found:
                 self.finish = found.group(1).decode()
 
-    def take(self, event: dict[str, Any]) -> None:
-        for choice in event.get("choices") or ():
+    def take(self, event: JSONObject) -> None:
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            self.finish = choice.get("finish_reason") or self.finish
-            delta = choice.get("delta") or {}
+            finish = choice.get("finish_reason")
+            if isinstance(finish, str) and finish:
+                self.finish = finish
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = {}
             if delta.get("refusal"):
                 self.refused = True
-            if isinstance(delta.get("content"), str):
-                self.text.append(delta["content"])
-            elif isinstance(choice.get("text"), str):
-                self.text.append(choice["text"])
-            for part in delta.get("tool_calls") or ():
-                slot = self.calls.setdefault(part.get("index", 0), {"name": None, "arguments": ""})
-                function = part.get("function") or {}
-                if function.get("name"):
-                    slot["name"] = function["name"]
-                if isinstance(function.get("arguments"), str):
-                    slot["arguments"] += function["arguments"]
+            content, text = delta.get("content"), choice.get("text")
+            if isinstance(content, str):
+                self.text.append(content)
+            elif isinstance(text, str):
+                self.text.append(text)
+            parts = delta.get("tool_calls")
+            for part in parts if isinstance(parts, list) else ():
+                if isinstance(part, dict):
+                    self.take_call(part)
 
-    def answer(self) -> tuple[str, list[dict[str, Any]]]:
+    def take_call(self, part: JSONObject) -> None:
+        """One streamed piece of a tool call: its name (once) and a piece of its arguments."""
+        index = part.get("index", 0)
+        if not isinstance(index, int):
+            return
+        name, arguments = self.calls.setdefault(index, ([], []))
+        function = part.get("function")
+        if not isinstance(function, dict):
+            return
+        named, more = function.get("name"), function.get("arguments")
+        if isinstance(named, str) and named:
+            name[:] = [named]
+        if isinstance(more, str):
+            arguments.append(more)
+
+    def answer(self) -> Answer:
         """Content and tool calls (only gathered when `whole`)."""
-        return "".join(self.text), [self.calls[i] for i in sorted(self.calls)]
+        calls: list[ToolCall] = [{"name": name[0] if name else None, "arguments": "".join(arguments)}
+                                 for name, arguments in (self.calls[i] for i in sorted(self.calls))]
+        return "".join(self.text), calls
 
 
 # a streamed call's answer as its signals need it, fed the events as they pass (the variant step makes it)
 ANSWER: Slot[StreamAnswer] = Slot("stream answer")
 
 
-def answer_of(call: Call) -> tuple[Any, list[dict[str, Any]]]:
+def answer_of(call: Call) -> Answer:
     """The content and tool calls of a finished chat call, streamed (gathered whole) or not."""
     if call.stream:
         answer = ANSWER.get(call)
@@ -234,7 +262,7 @@ def answer_of(call: Call) -> tuple[Any, list[dict[str, Any]]]:
     return content, calls
 
 
-def agreement(live: tuple[Any, list[dict[str, Any]]], shadow: tuple[Any, list[dict[str, Any]]]) -> tuple[bool, bool]:
+def agreement(live: Answer, shadow: Answer) -> tuple[bool, bool]:
     """(exact, agreed): the same text and tool calls; or, where they differ, the same JSON values."""
     if live == shadow:
         return True, True
@@ -245,7 +273,7 @@ def agreement(live: tuple[Any, list[dict[str, Any]]], shadow: tuple[Any, list[di
                                                     for a, b in zip(calls_a, calls_b))
 
 
-def same_json(a: Any, b: Any) -> bool:
+def same_json(a: JSON, b: JSON) -> bool:
     if a == b:
         return True
     try:
@@ -254,17 +282,15 @@ def same_json(a: Any, b: Any) -> bool:
         return False
 
 
-def wants_structure(body: Any) -> bool:
+def wants_structure(body: JSONView) -> bool:
     """A request whose answer the signals must read whole: structured output or tools."""
-    if not isinstance(body, dict):
-        return False
     fmt = body.get("response_format")
     return bool(body.get("tools")) or (isinstance(fmt, dict) and fmt.get("type") in STRUCTURED)
 
 
-def compared(body: Any) -> bool:
+def compared(body: JSONView) -> bool:
     """A request whose shadow copy's answer is compared with its own: one at temperature 0 (else they differ)."""
-    temperature = body.get("temperature") if isinstance(body, dict) else None
+    temperature = body.get("temperature")
     return temperature == 0 and not isinstance(temperature, bool)
 
 
@@ -317,18 +343,19 @@ class Window:
         return [s for s in self.samples if s.at >= since]
 
 
-def summary(samples: list[Sample]) -> dict[str, Any]:
+def summary(samples: list[Sample]) -> JSONObject:
     """What a window says: rates, and latency medians per load level (the admin view, the CLI, the guard)."""
     n = len(samples)
-    errors: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for s in samples:
         if s.error is not None:
-            errors[s.error] = errors.get(s.error, 0) + 1
+            counts[s.error] = counts.get(s.error, 0) + 1
+    errors: JSONObject = dict(counts)
     served = [s for s in samples if s.error is None]
     structured = [s.structured for s in served if s.structured is not None]
     agreed = [s.agreed for s in served if s.agreed is not None]
     exact = [s.exact for s in served if s.exact is not None]
-    by_load: dict[str, dict[str, Any]] = {}
+    by_load: JSONObject = {}
     for level in sorted({s.load for s in served}, key=level_key):
         at = [s for s in served if s.load == level]
         by_load[level] = {"requests": len(at), "ttft_p50": median([s.ttft for s in at]),
@@ -336,7 +363,7 @@ def summary(samples: list[Sample]) -> dict[str, Any]:
     return {
         "requests": n,
         "errors": errors,
-        "error_rate": _rate(sum(v for k, v in errors.items() if k in FAULTS), n),
+        "error_rate": _rate(sum(v for k, v in counts.items() if k in FAULTS), n),
         "ttft_p50": median([s.ttft for s in served]),
         "itl_p50": median([s.itl for s in served]),
         "tokens_per_second_p50": median([s.tokens_per_second for s in served]),

@@ -1,19 +1,15 @@
 """The endpoint registry: every route of the OpenAI surface (and vLLM's extras), one line each.
 
 A new route is one module declaring its `Route` (gateway/endpoints/base.py says what a declaration holds)
-and one line here; a route the gateway answers itself declares what it asks of the gateway beside it, and that
-Protocol joins `Answering`.
+and one line here; a route the gateway answers itself declares what it asks of the gateway as a Protocol in
+gateway/needs.py, where it joins `Answering`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from gateway.endpoints import (audio, batches, chat, completions, embeddings, files, messages, models, pooling,
                                responses, tokenize)
 from gateway.endpoints.base import Route
-from gateway.endpoints.files import BatchGateway
-from gateway.endpoints.models import Models
 
 ROUTES: tuple[Route, ...] = (
     chat.ROUTE,
@@ -47,10 +43,6 @@ ROUTES: tuple[Route, ...] = (
     batches.RETRIEVE,
     batches.CANCEL,
 )
-
-
-class Answering(BatchGateway, Models, Protocol):
-    """What the routes the gateway answers itself (`Route.answer`: the model list, files, batches) ask of it."""
 
 
 class Registry:

@@ -12,22 +12,23 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import orjson
 
 from backends.replicas import Replica
+from gateway.needs import Answering
 from gateway.relay import EventRelay, SSERelay
 from policies.config import Policy
+from policies.deadline import deadline_of
 from policies.errors import BadRequest, GatewayError
 from policies.json_depth import json_too_deep, nests_past_bound
 from policies.json_types import JSON as JSONValue
-from policies.json_types import JSONObject
+from policies.json_types import JSONObject, JSONView, is_int
 from policies.keys import KeyRecord
 from policies.pipeline import NO_PARAMS, Call, Request, Slot
 from policies.routing.request import PromptReader
-from policies.tokens import FREE, Estimate
+from policies.tokens import FREE, Estimate, count
 
 JSON, MULTIPART, NONE = "json", "multipart", "none"
 PARAM = re.compile(r"\{(\w+)(:path)?\}")
@@ -49,7 +50,7 @@ def io_usage(usage: JSONValue) -> dict[str, int] | None:
     """Responses' and Anthropic's `usage` ({input_tokens, output_tokens}) in the gateway's terms."""
     if not isinstance(usage, dict):
         return None
-    return {"prompt_tokens": _int(usage.get("input_tokens")), "completion_tokens": _int(usage.get("output_tokens"))}
+    return {"prompt_tokens": count(usage.get("input_tokens")), "completion_tokens": count(usage.get("output_tokens"))}
 
 
 def no_usage(_data: JSONObject) -> None:
@@ -67,11 +68,11 @@ def _bool(value: JSONValue) -> bool:
 
 
 def _count(value: JSONValue) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _positive(value: JSONValue) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def _stream_options(value: JSONValue) -> bool:
@@ -203,9 +204,9 @@ class Route:
     rentable: bool = False  # OpenAI's API has it too, so it may overflow to a rented provider
     errors: Callable[[GatewayError], bytes] = openai_error_body  # the shape its errors take
     key_header: str | None = None  # a header that may carry the API key instead of Authorization
-    # answered by the gateway: (the gateway, as the route's own Protocol in gateway/endpoints/ names it; the key;
+    # answered by the gateway: (the gateway, as the route's own Protocol in gateway/needs.py names it; the key;
     # what was asked)
-    answer: Callable[[Any, KeyRecord, Asked], Awaitable[bytes | Download]] | None = None
+    answer: Callable[[Answering, KeyRecord, Asked], Awaitable[bytes | Download]] | None = None
     answer_type: str = "application/json"  # the content type of what `answer` returns
     limited: bool = True  # an answered route counts against its key's requests per minute and concurrency
     max_body: Callable[[Policy], int] | None = None  # its body limit from the policy (default: server.max_body_bytes)
@@ -223,8 +224,8 @@ class Route:
     def call(self, request_id: str, headers: Mapping[str, str], client_host: str, arrived: float,
              params: Mapping[str, str] | None = None, batch: str | None = None) -> Call:
         """A call of this route: its name, how it reads its prompt, and the route itself in the call's ROUTE slot."""
-        call = Call(Request(request_id, self.name, headers, client_host, arrived, params or NO_PARAMS), batch=batch,
-                    prompt_of=self.prompt)
+        call = Call(Request(request_id, self.name, headers, client_host, arrived, params or NO_PARAMS,
+                            deadline_of(headers, arrived)), batch=batch, prompt_of=self.prompt)
         ROUTE.put(call, self)
         return call
 
@@ -237,12 +238,9 @@ class Route:
     def upstream_path(self, params: Mapping[str, str]) -> str:
         return (self.upstream or self.path).format(**params)
 
-    def streams(self, body: JSONObject) -> bool:
+    def streams(self, body: JSONView) -> bool:
         return self.relay is not None and body.get("stream") is True
 
 
 ROUTE: Slot[Route] = Slot("route")  # the route a call is served by (Route.call fills it)
 
-
-def _int(value: JSONValue) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -7,7 +7,8 @@ from __future__ import annotations
 import orjson
 
 from gateway.endpoints.base import NONE, Asked, Route, parse_json
-from gateway.endpoints.files import BatchGateway, limit_of, query_of, service, stored
+from gateway.endpoints.files import limit_of, query_of, service, stored
+from gateway.needs import BatchGateway
 from policies.keys import KeyRecord
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
 import orjson
@@ -19,7 +19,7 @@ from multipart import (
 )
 
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route
-from gateway.needs import Configured
+from gateway.needs import BatchGateway
 from policies.batches.service import Batches, expires_after
 from policies.config import Policy
 from policies.errors import BadRequest, NotFound, StateUnavailable
@@ -29,15 +29,6 @@ from policies.store import StoreUnavailable
 T = TypeVar("T")
 MAX_QUERY = 1024
 FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")  # as the openai SDK sends them
-
-
-class BatchGateway(Configured, Protocol):
-    """What the Files and Batch routes ask of the gateway (gateway/wiring.py): the live policy, the Batch API's
-    service (None while the policy leaves it off) and the runner's wake-up."""
-
-    batches: Batches | None
-
-    def batch_runner_wake(self) -> None: ...
 
 
 def service(gateway: BatchGateway) -> Batches:

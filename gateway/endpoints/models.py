@@ -3,19 +3,10 @@ use (vLLM has no /v1/models/{id}, and its names are the served ones, not the pub
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from gateway.endpoints.base import NONE, Asked, Route
+from gateway.needs import Models
 from policies.errors import NotFound
 from policies.keys import KeyRecord
-
-
-class Models(Protocol):
-    """What these routes ask of the gateway (gateway/wiring.py)."""
-
-    def models_listing(self, key: KeyRecord) -> bytes: ...
-
-    def model_entry(self, key: KeyRecord, name: str) -> bytes | None: ...
 
 
 async def listing(gateway: Models, key: KeyRecord, _asked: Asked) -> bytes:

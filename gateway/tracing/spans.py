@@ -212,8 +212,11 @@ def streamed_text(chunks: list[bytes]) -> str:
     """The text of a streamed answer, from its SSE events (chat deltas or completion text)."""
     out = []
     for event in sse_events(chunks):
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta") or {}
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else None
             text = text if isinstance(text, str) else choice.get("text")
             if isinstance(text, str):

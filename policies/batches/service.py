@@ -15,6 +15,7 @@ from policies.batches.files import FileDir, Incoming
 from policies.batches.jsonl import ENDPOINTS, LineCheck, Summary
 from policies.batches.store import OPEN, BatchStore
 from policies.errors import BadRequest, NotFound
+from policies.json_types import is_int
 
 PURPOSES = ("batch",)  # what a client may upload; `batch_output` files are the gateway's own
 WINDOWS = {"24h": 86400}
@@ -48,7 +49,7 @@ def add_usage(total: dict[str, Any], answer: Any) -> None:
         value: Any = usage
         for name in path:
             value = value.get(name) if isinstance(value, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return value if is_int(value) else 0
 
     given = count("prompt_tokens") or count("input_tokens")
     made = count("completion_tokens") or count("output_tokens")
@@ -99,7 +100,7 @@ def output_expires_after(asked: Any) -> int | None:
     if not isinstance(asked, dict):
         raise BadRequest(f"{name} must be an object with anchor and seconds", param=name, code="invalid_expires_after")
     seconds = asked.get("seconds")
-    whole = isinstance(seconds, int) and not isinstance(seconds, bool)
+    whole = is_int(seconds)
     return expires_after(asked.get("anchor"), str(seconds) if whole else "not an integer", name)
 
 

@@ -4,7 +4,7 @@ call) and what they return."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import EllipsisType
 from typing import Any, Protocol, TypeVar
 
@@ -49,14 +49,15 @@ class Stats:
 
 class Note:
     """One scorer's scratch for one pick, made by the profile and handed to `score` and then `picked`: what the
-    scorer saw, for the metrics (`outcome`, e.g. "hit"; None: agreed/overruled by the pick), and anything it
-    keeps between the two calls (`data`). A scorer keeps nothing of one call on itself."""
+    scorer saw, for the metrics (`outcome`, e.g. "hit"; None: agreed/overruled by the pick), and what it keeps
+    between the two calls: a prefix scorer's prompt blocks (`blocks`), hashed once per pick. A scorer keeps
+    nothing of one call on itself."""
 
-    __slots__ = ("outcome", "data")
+    __slots__ = ("outcome", "blocks")
 
     def __init__(self) -> None:
         self.outcome: str | None = None
-        self.data: Any = None
+        self.blocks: list[int] | None = None
 
 
 class RoutingMetrics(Protocol):
@@ -102,6 +103,32 @@ class Plugin(Protocol[P]):
     def Params(self) -> type[BaseModel]: ...  # the class attribute every plugin declares
 
     def __call__(self, params: Any, metrics: RoutingMetrics | None = None) -> P: ...
+
+
+class PluginChoice(Protocol):
+    """One plugin as a profile names it (policies/config/routing_profile.py's PluginRef is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def params(self) -> Mapping[str, object]: ...
+
+
+class ProfileChoice(Protocol):
+    """A profile as the policy file writes it (policies/config/routing_profile.py's RoutingProfile is one)."""
+
+    @property
+    def filters(self) -> Sequence[PluginChoice]: ...
+
+    @property
+    def scorers(self) -> Sequence[PluginChoice]: ...
+
+    @property
+    def picker(self) -> str: ...
 
 
 class PickerClass(Protocol):

@@ -99,13 +99,13 @@ class PrefixAffinity:
         blocks = self.blocks(request)
         if not blocks:  # (what vLLM reports is looked at by the next call that has a prefix: nothing is lost)
             note.outcome = "no_prompt"
-            note.data = (blocks, [])
+            note.blocks = blocks
             return [0.0] * len(candidates)
         seen = [stats.vllm(r) for r in candidates]
         for replica, vllm in zip(candidates, seen):
             self._observe(replica, vllm)
         matched = [self.matched(r, blocks) for r in candidates]
-        note.data = (blocks, matched)
+        note.blocks = blocks
         per_token = self.params.block_chars / CHARS_PER_TOKEN
 
         def shared(i: int) -> bool:
@@ -120,7 +120,7 @@ class PrefixAffinity:
         return matched == len(blocks) or (lru is not None and lru.get(blocks[matched - 1]) is SHARED)
 
     def picked(self, request: RoutingRequest, replica: Candidate, note: Note) -> None:
-        blocks = note.data[0] if note.data is not None else self.blocks(request)  # no note: a single candidate
+        blocks = note.blocks if note.blocks is not None else self.blocks(request)  # none: a single candidate
         if not blocks:
             return
         if self.metrics is not None:

@@ -121,7 +121,7 @@ class PrefixCost(PrefixAffinity):
         for replica, vllm in zip(candidates, seen):
             self._observe(replica, vllm)
         matched = [self.matched(r, blocks) for r in candidates] if blocks else [0] * len(candidates)
-        note.data = (blocks, matched)
+        note.blocks = blocks
         figures = [None if s is None else self.figures(r, s) for r, s in zip(candidates, seen)]
         best, held = max(matched), min(matched)
         loads = [stats.load(r, s) for r, s in zip(candidates, seen)]

@@ -14,10 +14,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from time import perf_counter
-from typing import Any
 
 from backends.replicas import Replica
-from policies.routing.base import Filter, Note, Picker, RoutingMetrics, Scorer, Stats
+from policies.routing.base import Filter, Note, Picker, ProfileChoice, RoutingMetrics, Scorer, Stats
 from policies.routing.filters import NotEjected
 from policies.routing.registry import FILTERS, PICKERS, SCORERS
 from policies.routing.request import NO_REQUEST, Routable, RoutingRequest
@@ -98,7 +97,7 @@ class Profile:
         return chosen
 
 
-def build_profile(config: Any, model: str = "", stats: Stats | None = None, metrics: RoutingMetrics | None = None,
+def build_profile(config: ProfileChoice, model: str = "", stats: Stats | None = None, metrics: RoutingMetrics | None = None,
                   rng: random.Random | None = None, name: str = "") -> Profile:
     """A Profile from the policy file's `routing.profiles.<name>` (a RoutingProfile); plugins get their params."""
     filters = [NotEjected(), *(FILTERS[ref.name](FILTERS[ref.name].Params.model_validate(ref.params), metrics)

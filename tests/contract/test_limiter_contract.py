@@ -11,6 +11,7 @@ from policies.ratelimit import MemoryLimiter, Scope, Ticket
 from policies.ratelimit.redis import RedisLimiter
 from policies.store import open_store
 from tests.support.redis_fixtures import redis_prefix, redis_server  # noqa: F401
+from tests.support.calls import settled
 
 
 # These tests judge what the limiters decide, never how fast: a store call may take this long before it counts
@@ -217,7 +218,7 @@ async def test_requests_that_go_away_while_admitted_leave_no_slot(redis_server, 
 
     async def one(i: int) -> None:
         call = Call(Request(f"r{i}", "chat/completions", {}, "127.0.0.1", 0.0))
-        call.model, call.key = "m", key
+        settled(call, model="m", key=key)
         entered = asyncio.create_task(step.enter(call))
         await asyncio.sleep(rng.uniform(0, 0.003))  # often while the script's reply is on its way
         entered.cancel()

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 
+import httpx
 import openai
 import pytest
 
@@ -88,6 +89,33 @@ async def test_a_hung_replica_is_retried_on_another_after_the_read_timeout():
         assert hung.requests == 1
         assert await gw.metric("llm_gateway_retries_total", model="m", reason="timeout") == 1
         assert await gw.metric("llm_gateway_requests_total", model="m", status="504") == 0
+
+
+async def test_no_retry_once_the_clients_own_timeout_has_passed():
+    """A client that said it waits 0.5 s (the SDKs' x-stainless-read-timeout) is not retried on another replica
+    after the hung one's 1 s read timeout: nobody waits for that answer."""
+    async with replicas(2) as sims, running_gateway(policy([u for _, u in sims], timeouts={"read": 1.0})) as gw:
+        hung = sims[0][0]
+        hung.mode = "hang"
+        healthy = sims[1][0]
+        async with httpx.AsyncClient(timeout=10) as client:
+            statuses = []
+            for i in range(12):  # bounded: until a call was sent to the hung replica (half of them, at random)
+                before = healthy.requests
+                answer = await client.post(f"{gw.url}/v1/chat/completions", json={
+                    **CHAT, "messages": [{"role": "user", "content": f"q{i}"}]}, headers={
+                    "authorization": f"Bearer {TEST_KEY}", "x-stainless-read-timeout": "0.5"})
+                statuses.append(answer.status_code)
+                if hung.requests:
+                    assert answer.status_code == 504, answer.text  # the read timeout, not retried
+                    assert healthy.requests == before  # the healthy replica never heard of it
+                    break
+            assert hung.requests == 1, statuses
+            assert await gw.metric("llm_gateway_retries_total", model="m", reason="timeout") == 0
+            answer = await client.post(f"{gw.url}/v1/chat/completions", json={
+                **CHAT, "messages": [{"role": "user", "content": "again"}]}, headers={
+                "authorization": f"Bearer {TEST_KEY}", "x-stainless-read-timeout": "30"})
+            assert answer.status_code == 200
 
 
 async def test_the_budget_stops_retries_when_every_replica_fails(caplog):

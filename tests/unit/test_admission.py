@@ -13,6 +13,7 @@ from policies.metrics import GatewayMetrics
 from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
 from policies.routing.profile import Profile
+from tests.support.calls import settled
 
 
 def make(caps=(1,), **queue):
@@ -146,7 +147,7 @@ def classed(name: str):
     from policies.pipeline import Call, Request
 
     call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-    call.priority = Priorities().named(name)
+    settled(call, klass=Priorities().named(name))
     return call
 
 

@@ -20,6 +20,7 @@ from policies.routing.pickers import MaxScore
 from policies.routing.profile import Profile
 from policies.scaling import ScalingSignal
 from tests.support.gateway import default_key_record
+from tests.support.calls import call_of
 
 
 def make(cap: int = 4, metrics: GatewayMetrics | None = None, **queue) -> tuple[ModelQueue, Replica]:
@@ -30,9 +31,8 @@ def make(cap: int = 4, metrics: GatewayMetrics | None = None, **queue) -> tuple[
 
 
 def classed(name: str, priorities: Priorities | None = None) -> Call:
-    call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-    call.priority = (priorities or Priorities()).named(name)
-    return call
+    return call_of(Request("r", "chat/completions", {}, "127.0.0.1", 0.0),
+                   klass=(priorities or Priorities()).named(name))
 
 
 async def test_the_batch_class_leaves_an_eighth_of_the_cap_and_an_interactive_request_takes_it_at_once():
@@ -74,7 +74,7 @@ async def test_the_reserve_is_a_setting_never_the_whole_cap():
 async def classify(priorities: Priorities, klass: str, own, batch: bool = False) -> Call:
     policy = Policy.model_validate({"models": [{"name": "m", "backends": [{"url": "http://10.0.0.1:8000"}]}],
                                     "priorities": priorities.model_dump()})
-    call = Call(Request("r", "chat/completions", {"x-priority-class": klass}, "10.0.0.2", 0.0), model="m",
+    call = call_of(Request("r", "chat/completions", {"x-priority-class": klass}, "10.0.0.2", 0.0), model="m",
                 key=default_key_record(client_priority=True), body={"priority": own},
                 batch="batch_1" if batch else None)
     await Classify(policy).enter(call)
@@ -84,16 +84,16 @@ async def classify(priorities: Priorities, klass: str, own, batch: bool = False)
 async def test_a_clients_own_priority_is_never_ahead_of_a_better_class():
     default = Priorities()  # interactive (vllm_priority 0), batch (10)
     line = await classify(default, "interactive", -100, batch=True)  # a batch line: always the batch class
-    assert line.priority.name == "batch" and CLIENT_PRIORITY.get(line) and line.body["priority"] == 1
-    assert (await classify(default, "batch", 0)).body["priority"] == 1  # a tie with interactive: behind it
-    assert (await classify(default, "batch", 50)).body["priority"] == 50  # within its range: as sent
-    assert (await classify(default, "interactive", -100)).body["priority"] == -100  # the first class: any
+    assert line.priority.name == "batch" and CLIENT_PRIORITY.get(line) == 1 and line.body["priority"] == -100
+    assert CLIENT_PRIORITY.get(await classify(default, "batch", 0)) == 1  # a tie with interactive: behind it
+    assert CLIENT_PRIORITY.get(await classify(default, "batch", 50)) == 50  # within its range: as sent
+    assert CLIENT_PRIORITY.get(await classify(default, "interactive", -100)) == -100  # the first class: any
     three = Priorities.model_validate({"classes": [{"name": "urgent", "vllm_priority": -10},
                                                    {"name": "interactive"},
                                                    {"name": "batch", "vllm_priority": 10}]})
-    assert (await classify(three, "interactive", -100)).body["priority"] == -9
-    assert (await classify(three, "batch", -100, batch=True)).body["priority"] == 1
-    assert (await classify(three, "batch", "soon")).body["priority"] == "soon"  # not a number: vLLM's 400
+    assert CLIENT_PRIORITY.get(await classify(three, "interactive", -100)) == -9
+    assert CLIENT_PRIORITY.get(await classify(three, "batch", -100, batch=True)) == 1
+    assert CLIENT_PRIORITY.get(await classify(three, "batch", "soon")) == "soon"  # not a number: vLLM's 400
 
 
 def policy(**autoscaling) -> Policy:

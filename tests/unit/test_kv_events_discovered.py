@@ -26,6 +26,7 @@ from policies.routing.request import RoutingRequest
 from tests.unit.test_kv_events import _free_port as free_port
 from tests.unit.test_kv_events import keys, message, stored, wait_for
 from tests.unit.test_kv_events import tokenizer_dir  # noqa: F401 (the fixture: a tokenizer, a chat template)
+from tests.support.calls import call_of
 
 BS = 4
 PROMPT = list(range(100, 116))  # four blocks of 4
@@ -178,7 +179,7 @@ def test_offloaded_copies_are_forgotten_first_past_the_bound():
 
 
 def chat(user: str = "tell me about the sea") -> Call:
-    return Call(Request("r", "chat/completions", {}, "", 0.0), model="m",
+    return call_of(Request("r", "chat/completions", {}, "", 0.0), model="m",
                 body={"messages": [{"role": "system", "content": "you are a helpful agent"},
                                    {"role": "user", "content": user}]})
 

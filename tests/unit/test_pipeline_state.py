@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from policies.pipeline import Call, Pipeline, Request, Slot, StateKey
+from policies.pipeline import CLASS, KEY, MODEL, TEAM, Call, Pipeline, Request, Slot, StateKey
 
 COUNT: Slot[int] = Slot("count")
 NAME: Slot[str] = Slot("name")
@@ -56,12 +56,36 @@ def test_a_slot_reads_what_its_writer_put_and_is_taken_once() -> None:
 
 
 def test_the_real_steps_each_write_their_own_slots() -> None:
+    from policies.auth import Authenticate
     from policies.budget import BEFORE_RENT, HOLDS, Budget
+    from policies.models import ResolveModel
     from policies.ownership import TAG_OWNER, Owners
     from policies.priority import CLIENT_PRIORITY, Classify
     from policies.rate_limit import TICKET, RateLimit
     from policies.variant_signals import ANSWER
     from policies.variants import LOAD_MATCHED, SHADOW, AssignVariant
 
-    assert (Owners.writes, Classify.writes, RateLimit.writes, Budget.writes, AssignVariant.writes) == \
-        ((TAG_OWNER,), (CLIENT_PRIORITY,), (TICKET,), (HOLDS, BEFORE_RENT), (LOAD_MATCHED, SHADOW, ANSWER))
+    assert (Authenticate.writes, ResolveModel.writes, Owners.writes, Classify.writes, RateLimit.writes,
+            Budget.writes, AssignVariant.writes) == \
+        ((KEY, TEAM), (MODEL,), (TAG_OWNER,), (CLIENT_PRIORITY, CLASS), (TICKET,), (HOLDS, BEFORE_RENT),
+         (LOAD_MATCHED, SHADOW, ANSWER))
+
+
+def test_what_a_step_settles_is_written_once_and_read_as_the_calls_field() -> None:
+    from policies.config.admission import Priorities
+
+    call = new_call()
+    assert (call.model, call.key, call.team, call.priority) == ("", None, None, None)
+    MODEL.put(call, "m")
+    klass = Priorities().named("batch")
+    CLASS.put(call, klass)
+    assert call.model == "m" and call.priority is klass
+    with pytest.raises(RuntimeError, match="model is written once"):
+        MODEL.put(call, "other")
+    with pytest.raises(RuntimeError, match="class is written once"):
+        CLASS.take(call)
+    assert call.model == "m"
+    with pytest.raises(AttributeError):
+        call.model = "other"  # type: ignore[misc]  # read-only: only MODEL.put writes it
+    call.fallback_model = "small"  # a fallback chain serves it as another model; what it asked stays
+    assert call.model == "small" and MODEL.of(call) == "m"

@@ -25,6 +25,7 @@ from policies.preemption import PREEMPTIBLE, RUNNING, stoppable
 from policies.routing.least_in_flight import LeastInFlight
 from policies.routing.pickers import MaxScore
 from policies.routing.profile import Profile
+from tests.support.calls import settled
 
 THREE = Priorities(classes=[PriorityClass(name="interactive"), PriorityClass(name="standard"),
                             PriorityClass(name="batch", max_wait=300, vllm_priority=10)])
@@ -41,7 +42,7 @@ def make(cap: int = 2, replicas: int = 1) -> tuple[ModelQueue, list[Replica], Ga
 
 def classed(name: str) -> Call:
     call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-    call.priority = THREE.named(name)
+    settled(call, klass=THREE.named(name))
     return call
 
 

@@ -70,7 +70,7 @@ def test_the_replay_goes_on_where_the_client_text_ends_under_the_first_ids_and_s
     first, second = Stream("resp_a", "msg_a"), Stream("resp_b", "msg_b")
     relayed = first.head() + first.text("Once") + first.text(" upon")
     assert moving.feed(relayed) == relayed  # the first attempt goes on as it came
-    assert moving.may_move() and moving.continuation(BODY) is BODY
+    assert moving.may_move() and moving.continuation(BODY) == BODY
     moving.moved(None)  # a Responses stream says its usage only at its end
     out = parsed(moving.feed(second.head() + second.text("Once") + second.text(" up") + second.text("on a")
                              + second.text(" time") + second.end("Once upon a time", 9, 4)))

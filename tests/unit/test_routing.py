@@ -20,6 +20,7 @@ from policies.routing.prefix_affinity import PrefixAffinity
 from policies.routing.profile import Profile
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
+from tests.support.calls import call_of
 
 
 def replicas(*in_flight):
@@ -41,8 +42,8 @@ def chat(system, *turns, headers=None):
     messages = [{"role": "system", "content": system}]
     for i, text in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
-    return Call(Request("r", "chat/completions", headers or {}, "127.0.0.1", 0.0),
-                body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
+    return call_of(Request("r", "chat/completions", headers or {}, "127.0.0.1", 0.0),
+                   body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 
 routed = Call.routing  # what a pick hands its plugins: tests that call a plugin directly hand it the same
@@ -385,8 +386,8 @@ def test_the_prompt_is_read_as_the_route_declares_it():
     assert scorer.blocks(routed(call))
     call.request = replace(call.request, route="renamed")  # the route's name plays no part
     assert scorer.blocks(routed(call)) == scorer.blocks(routed(conversation(0)))
-    anthropic = Call(Request("r", "messages", {}, "127.0.0.1", 0.0),
-                     model="m", prompt_of=messages.MESSAGES.prompt,
+    anthropic = call_of(Request("r", "messages", {}, "127.0.0.1", 0.0),
+                        model="m", prompt_of=messages.MESSAGES.prompt,
                      body={"model": "m", "system": SYSTEM, "messages": [{"role": "user", "content": "hi"}]})
     assert len(scorer.blocks(routed(anthropic))) == len(SYSTEM) // 64
     call.prompt_of = embeddings.ROUTE.prompt  # a route that declares no prompt

@@ -10,7 +10,7 @@ from backends.vllm_stats import VLLMStats
 from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import RoutingProfile
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call, Request
+from policies.pipeline import Request
 from policies.routing import Stats
 from policies.routing.base import Note
 from policies.routing.least_in_flight import LeastInFlight
@@ -18,6 +18,7 @@ from policies.routing.pickers import MaxScore
 from policies.routing.prefix_cost import PrefixCost, PrefixCostParams
 from policies.routing.profile import Profile
 from policies.routing.vllm_queue import VLLMQueue
+from tests.support.calls import call_of
 
 SYSTEM = "You are a careful agent. " * 320  # ~8,000 characters: ~2,000 tokens at 4 characters a token
 
@@ -31,8 +32,8 @@ def conversation(n, turns=1):
     messages = [{"role": "system", "content": f"agent {n}. " + SYSTEM}]
     for t in range(2 * turns - 1):
         messages.append({"role": "user" if t % 2 == 0 else "assistant", "content": f"turn {t} " + "y" * 200})
-    return Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0),
-                body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
+    return call_of(Request("r", "chat/completions", {}, "127.0.0.1", 0.0),
+                   body={"model": "m", "messages": messages}, model="m", prompt_of=CHAT.prompt)
 
 
 def vllm(at=1.0, waiting=0, running=10, queue=(0.0, 0), prefill=(10.0, 100), computed=100_000.0, ttft=None):

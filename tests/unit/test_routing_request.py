@@ -8,7 +8,7 @@ import pytest
 from backends.lora import AdapterTarget
 from backends.replicas import Replica
 from backends.vllm_stats import VLLMStats
-from policies.pipeline import Call, Request
+from policies.pipeline import Request
 from policies.routing import Stats
 from policies.routing.pickers import MaxScore
 from policies.routing.prefix_affinity import PrefixAffinity
@@ -17,6 +17,7 @@ from policies.routing.prefix_cost import PrefixCost
 from policies.routing.profile import Profile
 from policies.routing.prompt import chat_text
 from policies.routing.request import NO_REQUEST, RoutingRequest
+from tests.support.calls import call_of
 
 
 class CountingRoute:
@@ -33,7 +34,7 @@ class CountingRoute:
 def call(route=None, **fields):
     body = {"model": "m", "messages": [{"role": "system", "content": "You are a careful agent. " * 40},
                                        {"role": "user", "content": "list the files"}]}
-    return Call(Request("r", "chat/completions", {"x-session-id": "s1"}, "127.0.0.1", 0.0), body=body, model="m",
+    return call_of(Request("r", "chat/completions", {"x-session-id": "s1"}, "127.0.0.1", 0.0), body=body, model="m",
                 prompt_of=(route or CountingRoute()).prompt, **fields)
 
 

@@ -55,7 +55,7 @@ def replay() -> Replay:
 def test_the_replay_is_cut_where_the_client_text_ends_and_goes_on_from_there():
     moving = replay()
     moving.feed(start() + block() + text("Once") + text(" upon"))
-    assert moving.may_move() and moving.continuation(BODY) is BODY
+    assert moving.may_move() and moving.continuation(BODY) == BODY
     moving.moved({"prompt_tokens": 9})
     out = moving.feed(start("msg-2") + block() + text("Once") + text(" up") + text("on a") + text(" time") + end(4))
     # no second start, the made-again text skipped (a delta cut where it straddles the client's end)

@@ -13,6 +13,7 @@ from policies.errors import AuthenticationFailed
 from policies.keys import KeyBudget, KeyLimits, KeyRecord, hash_key, new_key, new_key_id
 from policies.priority import class_order, within_ceiling
 from policies.teams import TeamRecord, effective_models, key_problems, keys_over
+from tests.support.calls import call_of
 
 SECRET = "t" * 40
 # most urgent first, as the policy lists them; the default is the middle one
@@ -120,7 +121,7 @@ async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_
     from policies.config import Policy
     from policies.finished import record_of
     from policies.ledger.sqlite import SQLiteLedger
-    from policies.pipeline import Call, Request
+    from policies.pipeline import Request
 
     ledger = SQLiteLedger(str(tmp_path / "ledger.db"))
     budgets = MemoryBudgets(ledger, members=lambda team: asyncio.sleep(0, []))
@@ -131,8 +132,8 @@ async def test_a_call_rents_only_while_both_its_keys_and_its_teams_budgets_have_
     member = key(data_policy="allow_rented", budget=KeyBudget(max_rented_spend=5.0))
     rented = []
     for i in range(3):
-        call = Call(Request(str(i), "chat/completions", {}, "10.0.0.2", 0.0),
-                    model="m", key=member, team=team)
+        call = call_of(Request(str(i), "chat/completions", {}, "10.0.0.2", 0.0),
+                       model="m", key=member, team=team)
         await step.enter(call)
         rented.append(await BEFORE_RENT.of(call)())
         call.usage = {"prompt_tokens": 1, "completion_tokens": 1}
@@ -159,8 +160,8 @@ async def test_the_classify_step_clamps_a_header_pick_and_a_clients_own_priority
     capped = TEAM.model_copy(update={"max_priority_class": "batch"})
 
     async def classified(team: TeamRecord | None, header: str | None, body: dict) -> Call:
-        call = Call(Request("r", "chat/completions", {"x-priority-class": header} if header
-                    else {}, "10.0.0.2", 0.0), model="m", key=picker, team=team, body=dict(body))
+        call = call_of(Request("r", "chat/completions", {"x-priority-class": header} if header
+                       else {}, "10.0.0.2", 0.0), model="m", key=picker, team=team, body=dict(body))
         await step.enter(call)
         return call
 
@@ -171,8 +172,8 @@ async def test_the_classify_step_clamps_a_header_pick_and_a_clients_own_priority
     assert (await classified(TEAM, "batch", {})).priority.name == "batch"  # below the ceiling: as asked
     # vLLM's own `priority` (lower is sooner): kept at or after the ceiling's, dropped when ahead of it
     kept = await classified(capped, None, {"priority": 10})
-    assert CLIENT_PRIORITY.get(kept) and kept.body["priority"] == 10
+    assert CLIENT_PRIORITY.get(kept) == 10
     for ahead in (9, -100, 9.5, True):
         dropped = await classified(capped, None, {"priority": ahead})
-        assert not CLIENT_PRIORITY.get(dropped) and "priority" not in dropped.body
-    assert (await classified(None, None, {"priority": -100})).body["priority"] == -100
+        assert CLIENT_PRIORITY.get(dropped) is None and dropped.body["priority"] == ahead  # the client's, not sent
+    assert CLIENT_PRIORITY.get(await classified(None, None, {"priority": -100})) == -100

@@ -19,6 +19,7 @@ from policies.pipeline import Call, Request
 from policies.variant_guard import ROLLED_BACK, WATCHING
 from policies.variant_signals import Sample, load_level
 from policies.variants import LOAD_MATCHED, AssignVariant, Variants
+from tests.support.calls import settled
 
 POLICY = """
 models:
@@ -84,7 +85,7 @@ def closed_loop(clock: Clock, guard: str, clients: int, calls: int, speed: float
     def send() -> None:
         nonlocal n
         call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-        call.model = "m"
+        settled(call, model="m")
         call.body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         run(step.enter(call))
         match = v.load_matches.get("m")
@@ -233,7 +234,8 @@ def test_a_load_matching_moves_only_requests_drawn_for_its_pair_and_ends_by_the_
 
     def pick() -> str:
         call = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-        call.model, call.body = "m", {"model": "m"}
+        settled(call, model="m")
+        call.body = {"model": "m"}
         run(step.enter(call))
         return call.variant
 

@@ -16,6 +16,7 @@ from policies.variant_signals import (
     structured_validity,
     summary,
 )
+from tests.support.calls import settled
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
           "required": ["city", "days"], "additionalProperties": False}
@@ -51,7 +52,8 @@ def test_a_broken_schema_is_the_clients_not_the_variants():
 
 def call(body: dict, stream: bool, **fields) -> Call:
     c = Call(Request("r", "chat/completions", {}, "127.0.0.1", 0.0))
-    c.model, c.variant, c.body, c.stream, c.status = "m", "a", body, stream, 200
+    settled(c, model="m")
+    c.variant, c.body, c.stream, c.status = "a", body, stream, 200
     answer = fields.pop("answer", None)
     if answer is not None:
         ANSWER.put(c, answer)

@@ -15,6 +15,7 @@ from policies.metrics import GatewayMetrics
 from policies.pipeline import Call, Request
 from policies.variant_signals import ANSWER
 from policies.variants import HEADER, SHADOW, AssignVariant, NoLiveWeight, UnknownVariant, Variants, plan_of, point_of
+from tests.support.calls import settled
 
 POLICY = """
 models:
@@ -43,7 +44,7 @@ def policy(text: str = POLICY):
 
 def call(model="chat", headers=None, key=None) -> Call:
     c = Call(Request("r", "chat/completions", headers or {}, "127.0.0.1", 0.0))
-    c.model, c.key = model, key
+    settled(c, model=model, key=key)
     return c
 
 
