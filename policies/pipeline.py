@@ -170,9 +170,8 @@ class Once(Slot[T]):
     __slots__ = ()
 
     def put(self, call: Call, value: T) -> None:
-        if self in call.state:
+        if call.state.setdefault(self, value) is not value:
             raise RuntimeError(f"the call's {self.name} is written once")
-        call.state[self] = value
 
     def take(self, call: Call) -> T | None:
         raise RuntimeError(f"the call's {self.name} is written once, never taken")

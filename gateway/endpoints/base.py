@@ -236,6 +236,8 @@ class Route:
         return self.relay(call, rename)
 
     def upstream_path(self, params: Mapping[str, str]) -> str:
+        if self.pattern is None:  # a path without parameters (most routes): nothing to fill in
+            return self.upstream or self.path
         return (self.upstream or self.path).format(**params)
 
     def streams(self, body: JSONView) -> bool:
