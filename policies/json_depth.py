@@ -8,7 +8,6 @@ deeper body could not be forwarded), and Python code walking a deeper value (pol
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import orjson
 
@@ -22,7 +21,7 @@ MAX_JSON_DEPTH = 128
 def _orjson_write_limit() -> int | None:
     """The most levels orjson.dumps writes (254 in orjson 3), or None if it writes all that loads reads."""
     def writes(levels: int) -> bool:
-        value: list[Any] = []
+        value: list[object] = []
         for _ in range(levels - 1):
             value = [value]
         try:
@@ -44,20 +43,21 @@ _WRITE_LIMIT = _orjson_write_limit()
 _PADDING = threading.local()  # per thread: the nested lists a value is checked inside
 
 
-def _padding() -> tuple[list[Any], list[Any]]:
+def _padding() -> tuple[list[object], list[object]]:
     """(outer, inner): `_WRITE_LIMIT - MAX_JSON_DEPTH` nested lists, `inner` the deepest, empty between uses."""
     found = getattr(_PADDING, "lists", None)
     if found is None:
-        outer: list[Any] = []
+        outer: list[object] = []
         inner = outer
         for _ in range((_WRITE_LIMIT or 0) - MAX_JSON_DEPTH - 1):
-            inner.append([])
-            inner = inner[0]
+            deeper: list[object] = []
+            inner.append(deeper)
+            inner = deeper
         found = _PADDING.lists = (outer, inner)
     return found
 
 
-def too_deep(value: Any) -> bool:
+def too_deep(value: object) -> bool:
     """Whether a parsed JSON `value` nests past MAX_JSON_DEPTH, without recursing in Python. Put inside the
     padding lists, it nests past orjson's write limit exactly when it nests past the bound, so orjson itself
     checks it (about a quarter of the time orjson took to read it, measured on bodies of 0.4-47 KB). An orjson
@@ -85,7 +85,7 @@ def json_too_deep(what: str) -> str:
     return f"{what} nests deeper than the {MAX_JSON_DEPTH} levels of JSON this gateway accepts"
 
 
-def nests_past_bound(raw: bytes | memoryview, value: Any) -> bool:
+def nests_past_bound(raw: bytes | memoryview, value: object) -> bool:
     """too_deep(value), for a `value` parsed from `raw`: skipped (cheap) when `raw` holds fewer brackets than the
     bound, as most bodies do."""
     data = bytes(raw) if isinstance(raw, memoryview) else raw

@@ -7,23 +7,24 @@ fed by the outside world (client addresses) is cleared when full instead of grow
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
-_MISSING = object()
+V = TypeVar("V")
 
 
-class Memo:
+class Memo(Generic[V]):
     __slots__ = ("factory", "limit", "table")
 
-    def __init__(self, factory: Callable[..., Any], limit: int | None = None) -> None:
+    def __init__(self, factory: Callable[..., V], limit: int | None = None) -> None:
         self.factory = factory
         self.limit = limit
-        self.table: dict[tuple[Any, ...], Any] = {}
+        self.table: dict[tuple[Hashable, ...], V] = {}
 
-    def __call__(self, *key: Any) -> Any:
-        value = self.table.get(key, _MISSING)
-        if value is _MISSING:
+    def __call__(self, *key: Hashable) -> V:
+        try:
+            return self.table[key]
+        except KeyError:
             value = self.factory(*key)
             if self.limit is not None and len(self.table) >= self.limit:
                 self.table.clear()

@@ -9,13 +9,18 @@ time.
 from __future__ import annotations
 
 import random
-from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
+from collections import deque
+
+from backends.replicas import Replica
 from gateway.tracing import wire
+from gateway.tracing.context import CallTrace
 from gateway.fallbacks import FALLBACK_FROM, SERVED_MODEL
+from policies.json_types import JSON, JSONObject, JSONView
+from policies.pipeline import Call
 from policies.variant_signals import FINISH_REASON, sse_events
 
 QUEUED = 0.001  # seconds of queue wait that earn the queue its own span (shorter: only the attribute)
@@ -34,15 +39,15 @@ class SpanWriter:
 
     def __init__(self, content_models: frozenset[str]) -> None:
         self.content_models = content_models
-        self.addresses: dict[Any, tuple[str, int]] = {}
-        self.upstream_parts: dict[tuple[Any, str], bytes] = {}  # (replica, operation) -> name, kind, attributes
-        self.shared_parts: dict[tuple[Any, ...], bytes] = {}  # what they are made of -> a server span's name, kind, attributes
+        self.addresses: dict[Replica, tuple[str, int]] = {}
+        self.upstream_parts: dict[tuple[Replica, str], bytes] = {}  # (replica, operation) -> name, kind, attributes
+        self.shared_parts: dict[tuple[object, ...], bytes] = {}  # what they are made of -> a server span's name, kind, attributes
 
-    def spans(self, call: Any, trace: Any, offset: int) -> bytes:
+    def spans(self, call: Call, trace: CallTrace, offset: int) -> bytes:
         """The call's spans (a CallTrace of gateway/tracing/tracer.py); `offset`: ns since the epoch at perf_counter 0."""
         end = int(trace.end * 1e9) + offset
         operation = OPERATIONS.get(call.request.route, call.request.route)
-        body = call.body if isinstance(call.body, dict) else {}
+        body = call.body
         given = body.get("model")
         model: str = call.model or (given if isinstance(given, str) else "")
         trace_id, root, attempts = trace.trace_id.to_bytes(16, "big"), trace.span_id, trace.attempts
@@ -63,8 +68,9 @@ class SpanWriter:
                 count = usage.get(theirs)
                 if count.__class__ is int:
                     parts.append(wire.pair(ours, count))
-        if response is not None and isinstance(response.get("id"), str):
-            parts.append(wire.string_attribute("gen_ai.response.id", response["id"]))
+        response_id = response.get("id") if response is not None else None
+        if isinstance(response_id, str):
+            parts.append(wire.string_attribute("gen_ai.response.id", response_id))
         variant = getattr(call, "variant", None)  # the model's variant that served it (policies/variants.py)
         if variant is not None:
             parts.append(wire.string_attribute("llm_gateway.variant", variant))
@@ -104,7 +110,7 @@ class SpanWriter:
         trace.count = len(spans)
         return b"".join(spans)
 
-    def upstream(self, replica: Any, operation: str) -> bytes:
+    def upstream(self, replica: Replica, operation: str) -> bytes:
         """The name, kind and fixed attributes of an upstream span to `replica`, encoded once."""
         found = self.upstream_parts.get((replica, operation))
         if found is None:
@@ -117,8 +123,8 @@ class SpanWriter:
                     "server.address": host, "server.port": port, "llm_gateway.backend": replica.name})
         return found
 
-    def shared(self, call: Any, trace: Any, operation: str, model: str, body: dict[str, Any],
-               response: dict[str, Any] | None) -> bytes:
+    def shared(self, call: Call, trace: CallTrace, operation: str, model: str, body: JSONView,
+               response: JSONObject | None) -> bytes:
         """The server span's name, kind and the attributes that repeat from call to call, encoded once for each
         combination of what they are made of."""
         params = tuple(v if v.__class__ is int or v.__class__ is float else None for v in map(body.get, PARAMS))
@@ -126,13 +132,14 @@ class SpanWriter:
         if call.status >= 400:
             error = getattr(call.error, "code", None) or getattr(call.error, "type", None) or str(call.status)
         attempts = trace.attempts
-        response_model, reasons = None, ()
+        response_model: JSON = None
+        reasons: tuple[str, ...] = ()
         if response is not None:
             response_model = response.get("model")
             choices = response.get("choices")
             if isinstance(choices, list):
-                reasons = tuple(c["finish_reason"] for c in choices
-                                if isinstance(c, dict) and isinstance(c.get("finish_reason"), str))
+                reasons = tuple(reason for reason in (c.get("finish_reason") for c in choices if isinstance(c, dict))
+                                if isinstance(reason, str))
         elif trace.tap:
             reasons = tuple(m.decode() for m in FINISH_REASON.findall(b"".join(trace.tap)))
             if call.status < 400 and model:
@@ -151,9 +158,9 @@ class SpanWriter:
         return found
 
     def encode_shared(self, operation: str, endpoint: str, model: str, status: int, stream: bool,
-                      key_id: str | None, error: Any, replica: Any, attempts: int, params: tuple[Any, ...],
-                      response_model: Any, reasons: tuple[Any, ...]) -> bytes:
-        attrs: dict[str, Any] = {
+                      key_id: str | None, error: object, replica: Replica | None, attempts: int,
+                      params: tuple[JSON, ...], response_model: JSON, reasons: tuple[str, ...]) -> bytes:
+        attrs: dict[str, object] = {
             "gen_ai.operation.name": operation,
             "http.request.method": "POST",
             "url.path": f"/v1/{endpoint}",
@@ -183,7 +190,7 @@ class SpanWriter:
             attrs["gen_ai.response.finish_reasons"] = reasons
         return wire.name_and_kind(f"{operation} {model}".strip(), wire.SERVER) + wire.attributes(b"\x4a", attrs)
 
-    def address(self, replica: Any) -> tuple[str, int]:
+    def address(self, replica: Replica) -> tuple[str, int]:
         found = self.addresses.get(replica)
         if found is None:
             if len(self.addresses) >= SHARED_MAX:
@@ -194,14 +201,15 @@ class SpanWriter:
         return found
 
 
-def content(body: dict[str, Any], response: dict[str, Any] | None, tap: Any) -> dict[str, str]:
+def content(body: JSONView, response: JSONObject | None, tap: list[bytes] | deque[bytes] | None) -> dict[str, str]:
     """Prompt and completion text, for the models the policy names (tracing.content_models) only."""
     attrs = {}
     prompt = body.get("messages", body.get("prompt", body.get("input")))
     if prompt is not None:
         attrs["gen_ai.input.messages"] = orjson.dumps(prompt).decode()
-    if response is not None and isinstance(response.get("choices"), list):
-        outputs = [c.get("message", c.get("text")) for c in response["choices"] if isinstance(c, dict)]
+    choices = response.get("choices") if response is not None else None
+    if isinstance(choices, list):
+        outputs = [c.get("message", c.get("text")) for c in choices if isinstance(c, dict)]
         attrs["gen_ai.output.messages"] = orjson.dumps(outputs).decode()
     elif isinstance(tap, list):
         attrs["gen_ai.output.messages"] = orjson.dumps([streamed_text(tap)]).decode()

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 _fixed64 = struct.Struct("<Q").pack
 _double = struct.Struct("<d").pack
 _SMALL = [bytes([n]) for n in range(128)]
 _KEYS: dict[str, bytes] = {}  # attribute key -> its encoded KeyValue.key field
-_PAIRS: dict[tuple[str, Any, type], bytes] = {}  # (key, value, its class) -> the encoded attribute
+_PAIRS: dict[tuple[str, object, type], bytes] = {}  # (key, value, its class) -> the encoded attribute
 _DOUBLES: dict[str, bytes] = {}  # attribute key -> everything of a double attribute before its 8 bytes
 _EVENTS: dict[str, bytes] = {}  # event name -> its encoded name field
 _times = struct.Struct("<BQBQ").pack
@@ -46,7 +45,7 @@ def field(tag: bytes, payload: bytes) -> bytes:
     return tag + varint(len(payload)) + payload
 
 
-def any_value(value: Any) -> bytes:
+def any_value(value: object) -> bytes:
     """AnyValue: string 1, bool 2, int 3, double 4, array 5 (ArrayValue.values 1)."""
     if isinstance(value, str):
         return field(b"\x0a", value.encode())
@@ -61,12 +60,12 @@ def any_value(value: Any) -> bytes:
     return field(b"\x0a", str(value).encode())
 
 
-def key_value(key: str, value: Any) -> bytes:
+def key_value(key: str, value: object) -> bytes:
     """A KeyValue message (key 1, value 2)."""
     return key_field(key) + field(b"\x12", any_value(value))
 
 
-def attributes(tag: bytes, attrs: Mapping[str, Any]) -> bytes:
+def attributes(tag: bytes, attrs: Mapping[str, object]) -> bytes:
     """Repeated KeyValue under `tag`."""
     return b"".join(field(tag, key_value(key, value)) for key, value in attrs.items())
 
@@ -84,7 +83,7 @@ def key_field(key: str) -> bytes:
     return encoded
 
 
-def pair(key: str, value: Any) -> bytes:
+def pair(key: str, value: object) -> bytes:
     """One span attribute (field 9) whose value repeats from call to call: encoded once, then looked up."""
     cached = (key, value, value.__class__)  # the class too: True == 1 == 1.0, but each is written differently
     found = _PAIRS.get(cached)
@@ -153,7 +152,7 @@ def wrap(parts: Iterable[bytes]) -> bytes:
 
 
 def span(trace_id: bytes, span_id: int, parent_id: int, name: str, kind: int, start: int, end: int,
-         attrs: Mapping[str, Any], events: Iterable[tuple[int, str]] = (), status_code: int = UNSET,
+         attrs: Mapping[str, object], events: Iterable[tuple[int, str]] = (), status_code: int = UNSET,
          message: str = "", trace_state: str = "") -> bytes:
     """One whole Span, as an entry of ScopeSpans.spans (field 2). Times in ns since the epoch; ids as ints."""
     parts = [span_head(trace_id, span_id, parent_id, trace_state), name_and_kind(name, kind), times(start, end),
@@ -164,7 +163,7 @@ def span(trace_id: bytes, span_id: int, parent_id: int, name: str, kind: int, st
     return wrap(parts)
 
 
-def resource(attrs: Mapping[str, Any]) -> bytes:
+def resource(attrs: Mapping[str, object]) -> bytes:
     """A Resource message (attributes 1)."""
     return attributes(b"\x0a", attrs)
 
