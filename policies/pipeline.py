@@ -58,7 +58,7 @@ class Call:
     # moved stream's continuation is a body of its own
     body: JSONView = field(default_factory=dict)
     tokens: Estimate = FREE  # how the route prices this body in tokens, for the rate limits
-    asked_model: object = None  # the model the request names (its body's `model`, or what its route found)
+    asked_model: JSON = None  # the model the request names (its body's `model`, or what its route found)
     pinned: Replica | None = None  # the one replica that can serve it (a stored Responses id lives there)
     response_headers: dict[str, str] = field(default_factory=dict)  # added to the reply, errors included
     streamed_events: int = 0

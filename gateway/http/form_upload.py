@@ -17,7 +17,6 @@ the (n+1)-th delimiter; the parser's own reading of the value is checked against
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from multipart import MultipartError, MultipartSegment, PushMultipartParser, parse_options_header
 
@@ -48,7 +47,7 @@ class FormUpload:
         self._current: MultipartSegment | None = None
         self._value: list[bytes] | None = None  # the value of a field being read
 
-    async def read_head(self) -> dict[str, Any]:
+    async def read_head(self) -> dict[str, str]:
         """Read until the `model` field is whole (or the body ends); the text fields read so far."""
         while not self.model_part:
             chunk = await anext(self.source, None)
