@@ -310,7 +310,7 @@ class Proxy:
             raise UpstreamFailed(f"the rented provider for model {call.model} refused the gateway's credentials")
         return response
 
-    async def send(self, call: Call, target: Replica, holds: bool, body: JSONObject | None = None) -> Response:
+    async def send(self, call: Call, target: Replica, holds: bool, body: JSONView | None = None) -> Response:
         """Open the request to `target`, an owned replica (whose slot the call `holds`) or the rented provider;
         raises UpstreamError. The response's status and headers are in when it returns. `body`: a JSON body to
         send instead of the call's (a moved stream's continuation)."""

@@ -527,18 +527,24 @@ class ModelQueue:
         left = call.request.deadline - time.perf_counter()
         if left >= max_wait:
             return max_wait
-        rate = self.drain.per_second(time.monotonic())
-        if left <= 0 or (rate is not None and (self.line.ahead_of(rank) + 1) / rate > left):
+        expected = self.expected_wait(rank)
+        if left <= 0 or (expected is not None and expected > left):
             self.refuse(PAST_DEADLINE, f"model {self.model} is at capacity and no slot is expected within the "
                                        f"client's timeout ({max(left, 0.0):.1f} s left)", rank)
         return left
 
-    def retry_after(self, rank: int | None = None) -> float:
+    def expected_wait(self, rank: int | None = None) -> float | None:
+        """Seconds until a slot for a request of class `rank` (None: behind the whole queue), at the rate the
+        model's requests have been completing; None with no recent rate to go by."""
         rate = self.drain.per_second(time.monotonic())
         if rate is None:
-            return self.config.max_wait
+            return None
         ahead = self.depth if rank is None else self.line.ahead_of(rank)
         return (ahead + 1) / rate
+
+    def retry_after(self, rank: int | None = None) -> float:
+        expected = self.expected_wait(rank)
+        return self.config.max_wait if expected is None else expected
 
     def starved_wait(self, rank: int) -> float:
         """What a request of class `rank` that just waited its max_wait in vain can expect to wait next: with a
