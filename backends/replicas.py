@@ -116,6 +116,9 @@ class Replica:
     outlier: Outlier | None = None  # what outlier ejection knows of it (policies/ejection.py); kept across reloads
     # its connection to the API, once the set has a client (ReplicaSet.connect); never copied with the settings
     upstream: Upstream | None = field(default=None, init=False, repr=False)
+    # the other replicas of the set at the same URL (another variant or adapter group served by the same vLLM),
+    # linked by ReplicaSet whenever its members change
+    peers: tuple[Replica, ...] = field(default=(), init=False, repr=False)
 
     @property
     def routable(self) -> bool:
@@ -132,6 +135,12 @@ class Replica:
         if self.upstream is None or self.upstream.client is not client:
             self.upstream = Upstream(client, f"{self.url}/v1")
         return self.upstream
+
+    @property
+    def server_in_flight(self) -> int:
+        """Requests of this gateway's in flight to its server: its own and its peers' at the same URL."""
+        peers = self.peers
+        return self.in_flight + sum(p.in_flight for p in peers) if peers else self.in_flight
 
     def end(self) -> None:
         """One request of this gateway's to it is over: out of `in_flight`, counted in `ended`."""
@@ -176,6 +185,16 @@ class ReplicaSet:
         self.on_drained: Callable[[Replica], None] = lambda replica: None
         self.probed_once = False  # the first full round of health checks since start has ended (see /ready)
         self.client: Client | None = None  # the shared upstream client, once serving (`connect`)
+        self.link_peers()
+
+    def link_peers(self) -> None:
+        """Give each replica the others at its URL (Replica.peers); after every change of the members."""
+        by_url: dict[str, list[Replica]] = {}
+        for replica in self:
+            by_url.setdefault(replica.url, []).append(replica)
+        for same in by_url.values():
+            for replica in same:
+                replica.peers = tuple(r for r in same if r is not replica)
 
     def connect(self, client: Client) -> None:
         """Serve through `client`: every replica, and each one that joins later, gets its upstream on it."""
@@ -214,6 +233,7 @@ class ReplicaSet:
                      new.name, new.url, model, new.source)
             self._on_change(new)
         current[:] = keep
+        self.link_peers()
 
     def _undrain(self, new: Replica) -> Replica | None:
         """The draining replica with `new`'s name and URL, back in service with `new`'s settings, or None.
@@ -235,6 +255,7 @@ class ReplicaSet:
         """Drain every replica of a model that is no longer served."""
         for replica in self.by_model.pop(model, []):
             self.drain(replica)
+        self.link_peers()
 
     def drain(self, replica: Replica) -> None:
         replica.draining = True

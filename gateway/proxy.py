@@ -221,7 +221,7 @@ class Proxy:
             if not tried and not call.sent_at:  # the gateway's own time before the first send, not the queue
                 call.overhead += before - call.request.arrived
             tried.append(replica)
-            call.load = replica.in_flight
+            call.load = replica.server_in_flight  # every group's calls to its server: variants may share one
             try:
                 if call.adapter is not None and self.loras is not None:
                     await self.load_adapter(call, replica)

@@ -99,7 +99,7 @@ class Shadow:
             return
         copy = ROUTE.of(live).call(f"{live.request.id}-shadow", {}, "", time.perf_counter())
         MODEL.put(copy, live.model)
-        copy.stream, copy.replica, copy.load = live.stream, replica, replica.in_flight
+        copy.stream, copy.replica, copy.load = live.stream, replica, replica.server_in_flight
         body["model"] = replica.served_name
         body.pop("priority", None)
         if live.stream:

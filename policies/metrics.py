@@ -138,7 +138,7 @@ class GatewayMetrics:
         )
         self.variant_ttft = TallyHistogram(
             "llm_gateway_variant_time_to_first_token_seconds", "A variant's backend time to first token (queue"
-            " excluded), by the load it met: requests in flight to its replica when sent, up to this many.",
+            " excluded), by the load it met: requests in flight to its server when sent, up to this many.",
             ("model", "variant", "load"), LATENCY_BUCKETS,
         )
         self.variant_itl = TallyHistogram(

@@ -66,7 +66,7 @@ class Call:
     variant: str | None = None  # the model's variant that serves it, when the model has variants
     adapter: AdapterTarget | None = None  # the LoRA adapter that serves it, when its model is one
     group: str = ""  # the replica set it is admitted to, when not the model's own: `model#variant`
-    load: int = 0  # requests in flight to its replica when it was sent (itself included)
+    load: int = 0  # requests in flight to its server when it was sent (itself and other groups' at the URL included)
     stream: bool = False
     wants_usage: bool = False  # the client asked for the usage chunk in its stream
     replica: Replica | None = None

@@ -8,7 +8,7 @@ both sides have `min_samples` of it:
 - structured-output validity no more than `max_validity_drop` below the baseline's;
 - the variant's own errors (upstream_error, timeout, no_backend) no more than `max_error_increase` above;
 - inter-token latency and time to first token p50 no more than `max_itl_ratio` / `max_ttft_ratio` times the
-  baseline's at comparable load (in flight to the replica when sent, in power-of-two levels): at one level both
+  baseline's at comparable load (in flight to the server when sent, in power-of-two levels): at one level both
   sides met `min_samples` times; the candidate at its level against the baseline's latency modelled at that
   level from the levels it met (so a slowdown smaller than the baseline's own load penalty is seen once the
   baseline met the candidate's load); or the candidate at level L or lighter against the baseline at L or

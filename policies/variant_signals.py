@@ -40,7 +40,7 @@ FINISH_REASON = re.compile(rb'"finish_reason":"([A-Za-z_]{1,32})"')
 FINISH_MARK = b'"finish_reason":"'  # a finish_reason that is not null
 FAULTS = frozenset({"upstream_error", "timeout", "no_backend"})  # held against the variant
 ERROR_KINDS = {502: "upstream_error", 504: "timeout", 503: "no_backend", 429: "at_capacity", 499: "client_closed"}
-LOAD_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # in flight to the replica when sent: up to this many
+LOAD_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # in flight to the server when sent: up to this many
 STRUCTURED = ("json_object", "json_schema")
 
 

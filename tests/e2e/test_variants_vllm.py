@@ -294,10 +294,12 @@ def test_a_default_guard_holds_an_identical_candidate_and_pulls_back_a_one_seq_o
 
 def test_a_steady_light_canary_is_load_matched_judged_and_an_identical_one_held(vllm_servers, tmp_path_factory):
     """`guard: {}` on real vLLM under a steady 16 clients at 80/20: the candidate (the baseline's own server
-    under another variant's name, identical by construction) runs near 3 in flight, the baseline near 13. Where
-    their loads never meet (a quick machine), the guard matches their load for a while and judges the calls sent
-    meanwhile; where they do meet often enough (a slow one: the baseline's calls pile up less evenly), it judges
-    them at the levels both met. Either way it is judged and held."""
+    under another variant's name, identical by construction) has near 3 calls in flight, the baseline near 13.
+    Both meet the same server, and a call's load level counts every call in flight to it (Replica.server_in_flight),
+    so the two are judged at the levels both met; were they counted by variant, the candidate's calls at "4"
+    (some 17 on the server) would be set against the baseline's at 4 (a quiet server) and an identical candidate
+    rolled back, as one was on a quick machine (ITL 1.30x). Where the levels still do not meet, the guard matches
+    their load for a while and judges the calls sent meanwhile. Either way it is judged and held."""
     a = vllm_servers["a"]
     policy = canary_policy({
         "guard": {},

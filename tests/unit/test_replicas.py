@@ -184,6 +184,26 @@ def test_backends_get_plain_settings_and_the_variant_naming_rule_is_one():
     assert group_name("chat", None) == "chat" and split_group("chat") == ("chat", None)
 
 
+def test_variants_at_one_url_count_each_others_requests_as_their_servers_load():
+    """Two variants (or adapter groups) served by one vLLM are two replica sets at one URL: a call's load level
+    (call.load, the variant guard's comparable load) is every request in flight to that server."""
+    url, other = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    base = Replica(name="m#a-0", model="m", url=url, served_name="m", variant="a")
+    same = Replica(name="m#b-0", model="m", url=url, served_name="m", variant="b")
+    alone = Replica(name="m#b-1", model="m", url=other, served_name="m", variant="b")
+    rs = ReplicaSet({"m#a": [base], "m#b": [same, alone]}, HealthTimings())
+    base.in_flight, same.in_flight, alone.in_flight = 13, 3, 5
+    assert base.peers == (same,) and same.peers == (base,) and alone.peers == ()
+    assert same.server_in_flight == base.server_in_flight == 16 and alone.server_in_flight == 5
+    rs.apply("m#b", [spec("m#b-1", other)])  # variant b leaves the shared server: its load is its own again
+    assert base.peers == () and base.server_in_flight == 13
+    rs.apply("m#b", [spec("m#b-1", other), spec("m#b-2", url)])
+    joined = {r.name: r for r in rs.by_model["m#b"]}["m#b-2"]
+    assert base.peers == (joined,) and joined.peers == (base,)
+    rs.remove_model("m#a")
+    assert joined.peers == ()
+
+
 def test_remove_model_drains_all_its_replicas():
     rs, _ = replica_set()
     replicas = list(rs.by_model["m"])
