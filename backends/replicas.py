@@ -139,8 +139,10 @@ class Replica:
     @property
     def server_in_flight(self) -> int:
         """Requests of this gateway's in flight to its server: its own and its peers' at the same URL."""
-        peers = self.peers
-        return self.in_flight + sum(p.in_flight for p in peers) if peers else self.in_flight
+        total = self.in_flight
+        for peer in self.peers:
+            total += peer.in_flight
+        return total
 
     def end(self) -> None:
         """One request of this gateway's to it is over: out of `in_flight`, counted in `ended`."""

@@ -132,9 +132,9 @@ class GatewayMetrics:
             "llm_gateway_variant_requests", "Requests of models with variants, by the variant that served them and"
             " HTTP status.", ("model", "variant", "status"),
         )
-        self.variant_errors = Counter(
+        self.variant_errors = TallyCounter(
             "llm_gateway_variant_errors", "Failed requests of a variant by kind: upstream_error, timeout, no_backend"
-            " (held against it), at_capacity, rejected, client_closed.", ["model", "variant", "kind"], registry=r,
+            " (held against it), at_capacity, rejected, client_closed.", ("model", "variant", "kind"),
         )
         self.variant_ttft = TallyHistogram(
             "llm_gateway_variant_time_to_first_token_seconds", "A variant's backend time to first token (queue"
@@ -150,16 +150,17 @@ class GatewayMetrics:
             "llm_gateway_variant_output_tokens_per_second", "A variant's output tokens per second of each stream.",
             ("model", "variant"), (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280),
         )
-        for tally in (self.variant_requests, self.variant_ttft, self.variant_itl, self.variant_tokens_per_second):
-            r.register(tally)
-        self.variant_structured = Counter(
+        self.variant_structured = TallyCounter(
             "llm_gateway_variant_structured_answers", "A variant's structured answers (response_format JSON, tool"
-            " call arguments), by whether they were valid.", ["model", "variant", "valid"], registry=r,
+            " call arguments), by whether they were valid.", ("model", "variant", "valid"),
         )
-        self.variant_length = Counter(
+        self.variant_length = TallyCounter(
             "llm_gateway_variant_length_finishes", "A variant's answers cut at the length limit"
-            " (finish_reason=length).", ["model", "variant"], registry=r,
+            " (finish_reason=length).", ("model", "variant"),
         )
+        for tally in (self.variant_requests, self.variant_errors, self.variant_ttft, self.variant_itl,
+                      self.variant_tokens_per_second, self.variant_structured, self.variant_length):
+            r.register(tally)
         self.variant_guard_actions = Counter(
             "llm_gateway_variant_guard_actions", "What a variant's guard did: rollback (with the signal that was"
             " worse than the baseline's), promote, or even_load (a load matching began, with the signal it could not judge otherwise).", ["model", "variant", "action", "signal"], registry=r,

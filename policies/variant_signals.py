@@ -44,11 +44,14 @@ LOAD_LEVELS = (1, 2, 4, 8, 16, 32, 64)  # in flight to the server when sent: up 
 STRUCTURED = ("json_object", "json_schema")
 
 
+# the level of each in-flight count up to the last level, worked out once: a call's finish looks its level up
+_LEVEL_OF = tuple(next(str(level) for level in LOAD_LEVELS if n <= level) for n in range(LOAD_LEVELS[-1] + 1))
+_ABOVE = f">{LOAD_LEVELS[-1]}"
+
+
 def load_level(in_flight: int) -> str:
-    for level in LOAD_LEVELS:
-        if in_flight <= level:
-            return str(level)
-    return f">{LOAD_LEVELS[-1]}"
+    """The power-of-two level of an in-flight count: the first of LOAD_LEVELS at or above it (">64" past them)."""
+    return _LEVEL_OF[max(0, in_flight)] if in_flight <= LOAD_LEVELS[-1] else _ABOVE
 
 
 def error_kind(status: int) -> str | None:
@@ -163,6 +166,14 @@ def whole_answer(response: JSONObject | None) -> tuple[JSON, list[ToolCall], str
     refused = isinstance(message, dict) and bool(message.get("refusal"))
     finish = choice.get("finish_reason")
     return content, calls, finish if isinstance(finish, str) else None, refused
+
+
+def finish_of(response: JSONObject | None) -> str | None:
+    """The finish_reason of choice 0 of an answer not streamed (all the signals read of one not checked whole)."""
+    choices = response.get("choices") if response is not None else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    return finish if isinstance(finish, str) else None
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[JSONObject]:
@@ -319,10 +330,12 @@ def sample_of(call: Call, now: float, load_matched: bool = False) -> Sample:
             content, tool_calls = answer.answer()
             sample.structured = structured_validity(call.body, content, tool_calls, finish, answer.refused)
     else:
-        content, tool_calls, finish, refused = whole_answer(call.response)
         answer = ANSWER.get(call)
         if answer.whole if answer is not None else wants_structure(call.body):  # decided as it came in
+            content, tool_calls, finish, refused = whole_answer(call.response)
             sample.structured = structured_validity(call.body, content, tool_calls, finish, refused)
+        else:
+            finish = finish_of(call.response)
     sample.length = finish == "length"
     return sample
 

@@ -124,7 +124,7 @@ def test_a_whole_answer_and_a_failed_call():
     assert sample_of(call({}, False, status=400), now=1.0).error == "rejected"
 
 
-@pytest.mark.parametrize("in_flight, level", [(0, "1"), (1, "1"), (2, "2"), (3, "4"), (9, "16"), (65, ">64")])
+@pytest.mark.parametrize("in_flight, level", [(-1, "1"), (0, "1"), (1, "1"), (2, "2"), (3, "4"), (9, "16"), (64, "64"), (65, ">64")])
 def test_load_levels(in_flight, level):
     assert load_level(in_flight) == level
 
