@@ -15,7 +15,9 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Protocol, cast
 
-from gateway.http.asgi import App, Message, Receive, Scope, Send
+from gateway.http.asgi import (
+    App, Message, Receive, Scope, Send, body_of, client_host, more_body, query_of, raw_headers, text_of,
+)
 from gateway.endpoints import Registry
 from gateway.needs import Answering
 from gateway.endpoints.base import MULTIPART, NONE, Asked, Download, Route, openai_error_body
@@ -68,11 +70,11 @@ class BodyStream:
             if message["type"] == "http.disconnect":
                 self.gone = True
                 raise asyncio.CancelledError  # as when the watch sees the client go: the call is dropped
-            chunk: bytes = message.get("body", b"")
+            chunk = body_of(message)
             self.size += len(chunk)
             if self.size > self.limit:
                 raise too_large(self.limit)
-            if not message.get("more_body", False):
+            if not more_body(message):
                 self.ended = True
                 self.on_end()
             if chunk:
@@ -104,7 +106,7 @@ class DuplicateCredential(AuthenticationFailed):
 
 def header_pairs(scope: Scope) -> Iterator[tuple[str, str]]:
     """(lower-case name, value) of each request header, as text."""
-    return ((key.decode("latin-1").lower(), value.decode("latin-1")) for key, value in scope["headers"])
+    return ((key.decode("latin-1").lower(), value.decode("latin-1")) for key, value in raw_headers(scope))
 
 
 def header_map(scope: Scope) -> dict[str, str]:
@@ -131,12 +133,12 @@ async def read_body(receive: Receive, headers: dict[str, str], limit: int) -> by
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
-        chunk = message.get("body", b"")
+        chunk = body_of(message)
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
-        if not message.get("more_body", False):
+        if not more_body(message):
             return b"".join(chunks)
 
 
@@ -199,7 +201,7 @@ class OpenAIRoutes:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = text_of(scope, "path")
         found = self.registry.match(path) if scope["type"] == "http" else None
         if found is None:
             if scope["type"] == "http" and path.startswith("/v1/"):
@@ -209,7 +211,7 @@ class OpenAIRoutes:
                 await self.fallback(scope, receive, send)
             return
         methods, params = found
-        method = scope["method"]
+        method = text_of(scope, "method")
         try:
             headers = header_map(scope)
         except DuplicateCredential as exc:
@@ -238,14 +240,13 @@ class OpenAIRoutes:
         checked, its body read whole within the route's limit, no more. Metered and logged as every route is,
         with no model or backend (it names no model it routes to)."""
         request_id = request_id_from(headers)
-        client = scope.get("client")
         arrived = time.perf_counter()
         status = 200
         stream: BodyStream | None = None
         limits: Call | None = None  # what the key's limits took, to give back
         try:
             network = self.gateway.client_network
-            host = network.client_address(client[0] if client else "", headers.get("x-forwarded-for"))
+            host = network.client_address(client_host(scope), headers.get("x-forwarded-for"))
             network.admit(host)
             key = await self.gateway.authenticate.verify(headers.get("authorization"))
             check_key_source(key, host)
@@ -266,7 +267,7 @@ class OpenAIRoutes:
                     stream = BodyStream(receive, headers, limit, lambda: None)
                 else:
                     raw = await read_body(receive, headers, limit)
-            asked = Asked(params, scope.get("query_string", b""), raw, headers, host, stream)
+            asked = Asked(params, query_of(scope), raw, headers, host, stream)
             assert route.answer is not None  # __call__ sends here only the routes that have one
             body = await route.answer(self.gateway, key, asked)
         except ClientGone:
@@ -304,8 +305,7 @@ class OpenAIRoutes:
                     receive: Receive, send: Send) -> None:
         proxy = self.gateway.proxy
         assert proxy is not None  # the lifespan builds it before the first request
-        client = scope.get("client")
-        call = route.call(request_id_from(headers), headers, client[0] if client else "", time.perf_counter(), params)
+        call = route.call(request_id_from(headers), headers, client_host(scope), time.perf_counter(), params)
         policy = self.gateway.policy
         limit = route.max_body(policy) if route.max_body is not None else policy.server.max_body_bytes
         loop = self.loop or self._bind_loop()
@@ -329,7 +329,7 @@ class OpenAIRoutes:
         reply: Reply | None = None
         error: BaseException | None = None
         try:
-            reply = await proxy.handle(call, raw, scope.get("query_string", b"") if route.query is not None else b"")
+            reply = await proxy.handle(call, raw, query_of(scope) if route.query is not None else b"")
             if reply.stream is None:
                 await send_bytes(send, reply.status, reply.headers, reply.body)
             else:

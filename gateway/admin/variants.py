@@ -21,7 +21,7 @@ from litestar.params import JSONBody, Parameter
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin.audit import Audited
-from gateway.http.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send
+from gateway.http.asgi import AnyConnection, AnyRequest, App, Receive, Scope, Send, text_of
 from gateway.openapi import errors
 from policies.audit import diff
 from policies.errors import Conflict, NotFound
@@ -111,7 +111,7 @@ def slashed_model_names(app: App) -> App:
 
     async def routed(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            path = scope["path"]
+            path = text_of(scope, "path")
             if path.startswith(PREFIX) and path.endswith(SUFFIX) and "/" in path[len(PREFIX):-len(SUFFIX)]:
                 scope = {**scope, "path": PREFIX + path[len(PREFIX):-len(SUFFIX)].replace("/", SLASH) + SUFFIX}
         await app(scope, receive, send)
