@@ -70,6 +70,7 @@ from policies.see_through import see_through
 from policies.routing import Profile
 from policies.store import StoreError, StoreUnavailable
 from policies.store.redis import RedisStore
+from policies.store.pipelined import integer, integers
 from policies.store.release_batch import ReleaseBatch
 
 log = logging.getLogger("gateway.caps")
@@ -292,16 +293,16 @@ class FleetSlots:
         process's other waiting classes as "<rank>:<waited>" (see ACQUIRE)."""
         member = member or self.new_member()
         async with self.guard("cap_acquire"):
-            granted, held, due, peers = await self._acquire(
+            granted, held, due, peers = integers(await self._acquire(
                 keys=[self.leases(backend), self.waiting(backend), self.share(backend)],
                 args=[limit, member, self.lease, self.process, rank, f"{waited:.6f}", int(register), self.stale,
-                      self.fair_within, shares, others, *give_back])
-        return Grant(member if int(granted) else None, int(held), None if int(due) < 0 else int(due), int(peers))
+                      self.fair_within, shares, others, *give_back]), 4)
+        return Grant(member if granted else None, held, None if due < 0 else due, peers)
 
     async def release(self, backend: str, limit: int, members: Sequence[str], shares: str = "0") -> int:
         async with self.guard("cap_release"):
-            return int(await self._release(keys=[self.leases(backend), self.waiting(backend), self.share(backend)],
-                                           args=[limit, self.process, self.stale, shares, *members]))
+            return integer(await self._release(keys=[self.leases(backend), self.waiting(backend), self.share(backend)],
+                                               args=[limit, self.process, self.stale, shares, *members]))
 
     async def woken(self, backend: str, timeout: float) -> bool:
         """Block up to `timeout` s until another process's script leaves room this process is first in line for."""
@@ -310,8 +311,8 @@ class FleetSlots:
 
     async def renew(self, backend: str, members: Sequence[str]) -> tuple[int, int]:
         async with self.guard("cap_renew"):
-            held, lost = await self._renew(keys=[self.leases(backend)], args=[self.lease, *members])
-        return int(held), int(lost)
+            held, lost = integers(await self._renew(keys=[self.leases(backend)], args=[self.lease, *members]), 2)
+        return held, lost
 
     async def withdraw(self, backend: str, ranks: int) -> None:
         """This process no longer waits for the backend: its claims (one per class) must not hold others back."""

@@ -27,6 +27,7 @@ import time
 from policies.ratelimit.base import Decision, Scope, Ticket
 from policies.store import StoreError
 from policies.store.redis import RedisStore
+from policies.store.pipelined import Arg, row
 from policies.store.release_batch import ReleaseBatch
 
 LEVEL = """
@@ -168,7 +169,7 @@ class RedisLimiter:
 
     async def run_acquire(self, scopes: tuple[Scope, ...], cost: int, member: str, lease: float) -> Reply:
         keys: list[str] = []
-        args: list[object] = [len(scopes), cost, member, lease]
+        args: list[Arg] = [len(scopes), cost, member, lease]
         for scope in scopes:
             keys.extend(self._keys(scope.name))
             args.extend(limits(scope))
@@ -177,7 +178,7 @@ class RedisLimiter:
             args.extend(x for m, refund, _ in pending for x in (m, refund))
         try:
             async with self.store.guard("rate_limit_acquire"):
-                reply: Reply = await self._acquire(keys=keys, args=args)
+                reply = row(await self._acquire(keys=keys, args=args))
         except BaseException as exc:
             self.settle(scopes, pending, exc)
             raise
@@ -238,7 +239,7 @@ class RedisLimiter:
 
     async def run_release(self, scopes: tuple[Scope, ...], pending: Pending) -> None:
         keys: list[str] = []
-        args: list[object] = [len(scopes)]
+        args: list[Arg] = [len(scopes)]
         for scope in scopes:
             _, tokens, inflight = self._keys(scope.name)
             keys.extend([tokens, inflight])

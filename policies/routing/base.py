@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 from types import EllipsisType
-from typing import Any, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -96,13 +96,32 @@ class Picker(Protocol):
         """One of the candidates, given their weighted total scores."""
 
 
-class Plugin(Protocol[P]):
-    """A filter's or scorer's class, as the registry holds it: the model of its params and its constructor."""
+Q = TypeVar("Q", bound=BaseModel)
+R = TypeVar("R")
 
-    @property
-    def Params(self) -> type[BaseModel]: ...  # the class attribute every plugin declares
 
-    def __call__(self, params: Any, metrics: RoutingMetrics | None = None) -> P: ...
+class PluginClass(Protocol[Q, P]):
+    """A filter's or scorer's class: its name, the model of its params and its constructor, which takes them."""
+
+    name: str
+    Params: type[Q]
+
+    def __call__(self, params: Q | None = None, metrics: RoutingMetrics | None = None) -> P: ...
+
+
+class Plugin(Generic[R]):
+    """A plugin as the registry holds it (policies/routing/registry.py): built from the policy file's raw
+    params, which its own Params model checks, so each constructor gets exactly the params type it declares."""
+
+    def __init__(self, cls: PluginClass[Q, R]) -> None:
+        self.name = cls.name
+        self.Params: type[BaseModel] = cls.Params
+        self.build: Callable[[Mapping[str, object], RoutingMetrics | None], R] = \
+            lambda raw, metrics: cls(cls.Params.model_validate(raw), metrics)
+
+    def __call__(self, params: Mapping[str, object] | None = None, metrics: RoutingMetrics | None = None) -> R:
+        """The plugin with these params (its defaults when none)."""
+        return self.build(params or {}, metrics)
 
 
 class PluginChoice(Protocol):

@@ -100,9 +100,7 @@ class Profile:
 def build_profile(config: ProfileChoice, model: str = "", stats: Stats | None = None, metrics: RoutingMetrics | None = None,
                   rng: random.Random | None = None, name: str = "") -> Profile:
     """A Profile from the policy file's `routing.profiles.<name>` (a RoutingProfile); plugins get their params."""
-    filters = [NotEjected(), *(FILTERS[ref.name](FILTERS[ref.name].Params.model_validate(ref.params), metrics)
-                               for ref in config.filters)]
-    scorers = [(SCORERS[ref.name](SCORERS[ref.name].Params.model_validate(ref.params), metrics), ref.weight)
-               for ref in config.scorers]
+    filters = [NotEjected(), *(FILTERS[ref.name](ref.params, metrics) for ref in config.filters)]
+    scorers = [(SCORERS[ref.name](ref.params, metrics), ref.weight) for ref in config.scorers]
     picker = PICKERS[config.picker](rng)
     return Profile(scorers, filters, picker, stats, metrics, model, name)

@@ -14,8 +14,10 @@ from policies.routing.prefix_cost import PrefixCost
 from policies.routing.session_affinity import SessionAffinity
 from policies.routing.vllm_queue import VLLMQueue
 
-FILTERS: dict[str, Plugin[Filter]] = {f.name: f for f in (KVHeadroom,)}
-SCORERS: dict[str, Plugin[Scorer]] = {s.name: s for s in (LeastInFlight, VLLMQueue, KVCache, PrefixAffinity,
-                                                          SessionAffinity, PrecisePrefix, LoraAffinity,
-                                                          PrefixCost)}
+FILTERS: dict[str, Plugin[Filter]] = {f.name: f for f in (Plugin[Filter](KVHeadroom),)}
+SCORERS: dict[str, Plugin[Scorer]] = {s.name: s for s in (
+    Plugin[Scorer](LeastInFlight), Plugin[Scorer](VLLMQueue), Plugin[Scorer](KVCache), Plugin[Scorer](PrefixAffinity),
+    Plugin[Scorer](SessionAffinity), Plugin[Scorer](PrecisePrefix), Plugin[Scorer](LoraAffinity),
+    Plugin[Scorer](PrefixCost),
+)}
 PICKERS: dict[str, PickerClass] = {p.name: p for p in (MaxScore, Random)}

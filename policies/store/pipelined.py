@@ -30,6 +30,35 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
 
+# a script's reply is Lua numbers, strings (decoded as UTF-8), arrays of them or nil: `object` until `row`,
+# `integers` or `integer` checked its shape (an error reply arrives as an exception, which evalsha raises)
+Arg = str | bytes | int | float  # what a command's arguments may be: each goes on the wire as its text
+
+
+def row(reply: object, size: int | None = None) -> list[int | str]:
+    """A script's reply of numbers and strings (`size` of them when given); a malformed one is redis-py's
+    InvalidResponse, a RedisError as any other the store maps."""
+    if not isinstance(reply, list) or (size is not None and len(reply) != size) \
+            or not all(isinstance(v, (int, str)) for v in reply):
+        raise redis_errors.InvalidResponse(f"a script answered a {type(reply).__name__} of the wrong shape")
+    return reply
+
+
+def integer(reply: object) -> int:
+    """A script's integer reply (a number, or a string of one)."""
+    if isinstance(reply, (int, str)) and not isinstance(reply, bool):
+        try:
+            return int(reply)
+        except ValueError:
+            pass
+    raise redis_errors.InvalidResponse(f"a script answered a {type(reply).__name__}, not an integer")
+
+
+def integers(reply: object, size: int) -> list[int]:
+    """A script's reply of `size` integers."""
+    return [integer(v) for v in row(reply, size)]
+
+
 class Wire(asyncio.Protocol):
     """One connection: commands queued in a loop turn are written together; replies resolve futures in order."""
 
@@ -37,7 +66,7 @@ class Wire(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", errors="replace",
                                      replyError=redis_errors.ResponseError,
                                      protocolError=redis_errors.InvalidResponse)
-        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.waiting: collections.deque[asyncio.Future[object]] = collections.deque()
         self.out: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -64,7 +93,7 @@ class Wire(asyncio.Protocol):
                 future.set_exception(redis_errors.ConnectionError("redis connection lost"))
         self.waiting.clear()
 
-    def send(self, *args: Any) -> asyncio.Future[Any]:
+    def send(self, *args: Arg) -> asyncio.Future[object]:
         loop = asyncio.get_running_loop()
         if self.closed:
             raise redis_errors.ConnectionError("redis connection closed")
@@ -73,7 +102,7 @@ class Wire(asyncio.Protocol):
         if not self.waiting:
             self.quiet_since = loop.time()
         self.out.append(pack(args))
-        future = loop.create_future()
+        future: asyncio.Future[object] = loop.create_future()
         self.waiting.append(future)
         return future
 
@@ -88,7 +117,7 @@ class Wire(asyncio.Protocol):
         self.closed = True
 
 
-def pack(args: tuple[Any, ...]) -> bytes:
+def pack(args: tuple[Arg, ...]) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         if isinstance(arg, str):
@@ -173,7 +202,7 @@ class Pipelined:
         self.wires[where] = wire
         return wire
 
-    async def evalsha(self, sha: str, source: str, keys: list[str], args: list[Any]) -> Any:
+    async def evalsha(self, sha: str, source: str, keys: list[str], args: list[Arg]) -> object:
         """The script's reply; redis-py's exception types for errors, so callers map them as before.
         Raises Redirected when the key's slot moved (the caller retries through redis-py)."""
         wire = await self.wire(keys)
@@ -185,7 +214,7 @@ class Pipelined:
             raise self.error(wire, str(reply))
         return reply
 
-    async def reply(self, wire: Wire, future: asyncio.Future[Any]) -> Any:
+    async def reply(self, wire: Wire, future: asyncio.Future[object]) -> object:
         try:
             return await future
         except asyncio.CancelledError:
@@ -228,7 +257,8 @@ class Script:
         self.sha = self.slow.sha
         self.script = source  # as redis-py's Script names it
 
-    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+    async def __call__(self, keys: list[str], args: list[Arg]) -> object:
+        """The script's reply, unchecked: read it with `row`, `integers` or `integer`."""
         if self.fast is None:
             return await self.slow(keys=keys, args=args)
         try:
