@@ -58,7 +58,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from backends.replicas import Replica
 from policies.admission import ModelQueue, Waiter
@@ -399,7 +399,7 @@ class FleetModelQueue(ModelQueue):
         self.fleet_count[replica] = held
         self.held_gauge(replica.name).set(held)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)

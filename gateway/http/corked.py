@@ -20,7 +20,7 @@ whole gain: the system calls saved were not what it was; answering a turn's requ
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Iterable
 
 
 class CorkedTransport(asyncio.Transport):
@@ -41,7 +41,7 @@ class CorkedTransport(asyncio.Transport):
             self._loop.call_soon(self.flush)
         self._held.append(data)
 
-    def writelines(self, list_of_data: Any) -> None:
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
         for data in list_of_data:
             self.write(data)
 
@@ -75,7 +75,7 @@ class CorkedTransport(asyncio.Transport):
     def is_closing(self) -> bool:
         return self._socket.is_closing()
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
+    def get_extra_info(self, name: str, default: object = None) -> object:
         return self._socket.get_extra_info(name, default)
 
     def pause_reading(self) -> None:

@@ -128,7 +128,7 @@ def _nothing_held() -> None:
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     bounds = Bounds()  # replaced per server by `bounded_protocol`
 
-    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, object],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._in_head = True  # no complete request head since the last request ended

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from typing import Any, cast
+from typing import cast
 
 import hiredis
 from redis import exceptions as redis_errors
@@ -140,7 +140,7 @@ class Pipelined:
         # without asking Sentinel where the primary is while its connection lasts
         self.wires: dict[tuple[str, int] | None, Wire] = {}
         self.connecting: dict[tuple[str, int] | None, asyncio.Future[Wire]] = {}
-        self.auth: dict[str, Any] = {}
+        self.auth: dict[str, str | int] = {}  # username, password and db, where the client has them
 
     @classmethod
     def for_client(cls, client: Redis | RedisCluster, timeout: float) -> Pipelined | None:
@@ -153,7 +153,7 @@ class Pipelined:
         if not isinstance(client, RedisCluster) and "connection_class" in kwargs:
             return None
         fast = cls(client, timeout)
-        fast.auth = {k: kwargs.get(k) for k in ("username", "password", "db")}
+        fast.auth = {k: v for k in ("username", "password", "db") if isinstance(v := kwargs.get(k), (str, int))}
         return fast
 
     async def address(self, keys: list[str]) -> tuple[str, int]:

@@ -33,6 +33,7 @@ class RedisServer:
         start_timeout: float = 10.0,
         stop_timeout: float = 10.0,
         extra_args: list[str] | tuple[str, ...] = (),
+        password: str | None = None,
     ) -> None:
         found = executable or shutil.which("redis-server")
         if not found:
@@ -44,7 +45,8 @@ class RedisServer:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="redis-test-"))
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
-        self.extra_args = list(extra_args)  # e.g. --replicaof, --cluster-enabled
+        self.password = password  # requirepass: clients must AUTH (the readiness probe does too)
+        self.extra_args = list(extra_args) + (["--requirepass", password] if password else [])  # e.g. --replicaof
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -103,6 +105,10 @@ class RedisServer:
     def _answers_ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                if self.password:
+                    conn.sendall(b"AUTH %s\r\n" % self.password.encode())
+                    if not conn.recv(64).startswith(b"+OK"):
+                        return False
                 conn.sendall(b"PING\r\n")
                 return conn.recv(64).startswith(b"+PONG")  # "-LOADING" while it reads the AOF
         except OSError:
