@@ -147,12 +147,24 @@ def structured_validity(body: JSONView, content: JSON, tool_calls: list[ToolCall
     return all(verdicts) if verdicts else None
 
 
+def first_choice(response: JSONObject | None) -> JSONObject | None:
+    """Choice 0 of an answer not streamed, when it has one."""
+    choices = response.get("choices") if response is not None else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    return choice if isinstance(choice, dict) else None
+
+
+def finish_of(choice: JSONObject | None) -> str | None:
+    """A choice's finish_reason (all the signals read of an answer not checked whole)."""
+    finish = choice.get("finish_reason") if choice is not None else None
+    return finish if isinstance(finish, str) else None
+
+
 def whole_answer(response: JSONObject | None) -> tuple[JSON, list[ToolCall], str | None, bool]:
     """Content, tool calls, finish_reason and whether it is a refusal, of a chat completion not streamed."""
-    choices = response.get("choices") if response is not None else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    choice = first_choice(response)
+    if choice is None:
         return None, [], None, False
-    choice = choices[0]
     message = choice.get("message")
     content = message.get("content") if isinstance(message, dict) else None
     if content is None:
@@ -164,16 +176,7 @@ def whole_answer(response: JSONObject | None) -> tuple[JSON, list[ToolCall], str
         if isinstance(function, dict):
             calls.append({"name": function.get("name"), "arguments": function.get("arguments")})
     refused = isinstance(message, dict) and bool(message.get("refusal"))
-    finish = choice.get("finish_reason")
-    return content, calls, finish if isinstance(finish, str) else None, refused
-
-
-def finish_of(response: JSONObject | None) -> str | None:
-    """The finish_reason of choice 0 of an answer not streamed (all the signals read of one not checked whole)."""
-    choices = response.get("choices") if response is not None else None
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-    return finish if isinstance(finish, str) else None
+    return content, calls, finish_of(choice), refused
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[JSONObject]:
@@ -335,7 +338,7 @@ def sample_of(call: Call, now: float, load_matched: bool = False) -> Sample:
             content, tool_calls, finish, refused = whole_answer(call.response)
             sample.structured = structured_validity(call.body, content, tool_calls, finish, refused)
         else:
-            finish = finish_of(call.response)
+            finish = finish_of(first_choice(call.response))
     sample.length = finish == "length"
     return sample
 

@@ -218,9 +218,7 @@ class Variants:
         if self.signals is not None:
             self.signals(model, variant).add(sample, status)
         self.window(model, variant).add(sample)
-        config = self.models.get(model)
-        if config is not None and config.guard is not None:
-            self.guard.after_call(model, variant)
+        self.guard.after_call(model, variant)
 
     def adopt(self, model: str, weights: dict[str, float], states: dict[str, dict[str, Any]], why: str) -> None:
         """Take weights and guard verdicts another gateway replica decided (policies/variant_share.py)."""
@@ -343,25 +341,22 @@ class Signals:
 
     def __init__(self, metrics: GatewayMetrics, model: str, variant: str) -> None:
         self.model, self.variant = model, variant
-        # tallies (policies/tally.py): plain dicts keyed by the label values, each key made once here
-        self.requests = metrics.variant_requests.counts
-        self.by_status = Memo(lambda status: (model, variant, str(status)))
-        self.errors = metrics.variant_errors.counts
+        self.requests = metrics.variant_requests  # tallies (policies/tally.py): keyed by the label values,
+        self.by_status = Memo(lambda status: (model, variant, str(status)))  # each key tuple made once here
+        self.errors = metrics.variant_errors
         self.by_error = Memo(lambda kind: (model, variant, kind))
         self.ttft = Memo(lambda load: metrics.variant_ttft.child((model, variant, load)))  # by load level
         self.itl = Memo(lambda load: metrics.variant_itl.child((model, variant, load)))
         self.tokens_per_second = metrics.variant_tokens_per_second.child((model, variant))
-        self.structured = metrics.variant_structured.counts
+        self.structured = metrics.variant_structured
         self.by_validity = {True: (model, variant, "true"), False: (model, variant, "false")}
-        self.length = metrics.variant_length.counts
+        self.length = metrics.variant_length
         self.one = (model, variant)
 
     def add(self, sample: Sample, status: int) -> None:
-        key = self.by_status(status)
-        self.requests[key] = self.requests.get(key, 0) + 1
+        self.requests.add(self.by_status(status))
         if sample.error is not None:
-            key = self.by_error(sample.error)
-            self.errors[key] = self.errors.get(key, 0) + 1
+            self.errors.add(self.by_error(sample.error))
         if sample.ttft is not None:
             self.ttft(sample.load)(sample.ttft)
         if sample.itl is not None:
@@ -369,7 +364,6 @@ class Signals:
         if sample.tokens_per_second is not None:
             self.tokens_per_second(sample.tokens_per_second)
         if sample.structured is not None:
-            key = self.by_validity[sample.structured]
-            self.structured[key] = self.structured.get(key, 0) + 1
+            self.structured.add(self.by_validity[sample.structured])
         if sample.length:
-            self.length[self.one] = self.length.get(self.one, 0) + 1
+            self.length.add(self.one)

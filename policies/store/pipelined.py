@@ -30,11 +30,11 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
 
-# a script's reply is Lua numbers, strings (decoded as UTF-8), arrays of them or nil: `object` until `row`,
-# `integers` or `integer` checked its shape (an error reply arrives as an exception, which evalsha raises)
 Arg = str | bytes | int | float  # what a command's arguments may be: each goes on the wire as its text
 
 
+# a script's reply is Lua numbers, strings (decoded as UTF-8), arrays of them or nil: `object` until `row`,
+# `integers` or `integer` checked its shape (an error reply arrives as an exception, which evalsha raises)
 def row(reply: object, size: int | None = None) -> list[int | str]:
     """A script's reply of numbers and strings (`size` of them when given); a malformed one is redis-py's
     InvalidResponse, a RedisError as any other the store maps."""
