@@ -121,6 +121,14 @@ class Call:
         return RoutingRequest(self.model, request.route, request.headers, self.adapter,
                               Prompt(self.body, self.prompt_of))
 
+    def routed(self, uncached: float | None) -> None:
+        """Routing's word on its last pick: the prompt tokens the chosen replica likely has to prefill (None: no
+        prefix scorer looked). A retry's pick replaces it."""
+        if uncached is None:
+            self.state.pop(UNCACHED, None)
+        else:
+            self.state[UNCACHED] = uncached
+
 
 T = TypeVar("T")
 
@@ -182,6 +190,8 @@ KEY: Once[KeyRecord] = Once("key")  # the edge from the head, a batch's line fro
 TEAM: Once[TeamRecord] = Once("team")  # Authenticate (policies/auth.py)
 CLASS: Once[PriorityClass] = Once("class")  # Classify (policies/priority.py)
 MODEL: Once[str] = Once("model")  # ResolveModel (policies/models.py)
+# Written by each pick (Call.routed): the prompt tokens the chosen replica likely has to prefill
+UNCACHED: Slot[float] = Slot("uncached prompt tokens")
 
 
 class Step(Protocol):

@@ -51,13 +51,15 @@ class Note:
     """One scorer's scratch for one pick, made by the profile and handed to `score` and then `picked`: what the
     scorer saw, for the metrics (`outcome`, e.g. "hit"; None: agreed/overruled by the pick), and what it keeps
     between the two calls: a prefix scorer's prompt blocks (`blocks`), hashed once per pick. A scorer keeps
-    nothing of one call on itself."""
+    nothing of one call on itself. A prefix scorer's `picked` also says how many of the prompt's tokens the
+    chosen replica likely has to prefill (`uncached`: what it did not find cached there)."""
 
-    __slots__ = ("outcome", "blocks")
+    __slots__ = ("outcome", "blocks", "uncached")
 
     def __init__(self) -> None:
         self.outcome: str | None = None
         self.blocks: list[int] | None = None
+        self.uncached: float | None = None
 
 
 class RoutingMetrics(Protocol):

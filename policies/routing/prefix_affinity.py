@@ -123,9 +123,10 @@ class PrefixAffinity:
         blocks = note.blocks if note.blocks is not None else self.blocks(request)  # none: a single candidate
         if not blocks:
             return
+        matched = self.matched(replica, blocks)
         if self.metrics is not None:
-            matched = self.matched(replica, blocks)
             self.metrics.prefix_match(request.model, matched * self.params.block_chars, matched / len(blocks))
+        note.uncached = max(0, len(request.prompt.text) - matched * self.params.block_chars) / CHARS_PER_TOKEN
         lru = self.lrus.get(replica.name)
         if lru is None:
             lru = self.lrus[replica.name] = OrderedDict()

@@ -62,11 +62,17 @@ class Profile:
             chosen = candidates[0]
         else:
             chosen = self.choose(request, candidates, notes)
+        uncached = None
         for scorer, timed in zip(self.learners, self.learn_timers):
             start = perf_counter()
-            scorer.picked(request, chosen, notes.get(id(scorer)) or Note())
+            note = notes.get(id(scorer)) or Note()
+            scorer.picked(request, chosen, note)
             if timed is not None:
                 timed(perf_counter() - start)
+            if note.uncached is not None:
+                uncached = note.uncached if uncached is None else min(uncached, note.uncached)
+        if call is not None:
+            call.routed(uncached)
         return chosen
 
     def choose(self, request: RoutingRequest, candidates: list[Replica], notes: dict[int, Note]) -> Replica:

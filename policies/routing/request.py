@@ -77,5 +77,9 @@ class Routable(Protocol):
     def routing(self) -> RoutingRequest:
         """The view of this request, for one pick."""
 
+    def routed(self, uncached: float | None) -> None:
+        """What the pick found: the prompt tokens the chosen replica likely has to prefill (None: no prefix
+        scorer looked)."""
+
 
 NO_REQUEST = RoutingRequest("", "", {}, None, Prompt({}))  # a pick made without a call (an admission that names none)

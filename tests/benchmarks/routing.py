@@ -101,6 +101,9 @@ from tests.support.probes import wait_http_ok  # noqa: E402
 
 # "ceiling": no gateway, the client sends each conversation to one server (i mod n): every turn where its prefix is
 PROFILES = ("ceiling", "default", "vllm-router", "least-in-flight", "session-affinity")
+# the default profile with its classes' prefill levels off (arrival order within a class): against "default" on
+# servers run with --scheduling-policy priority, what cheapest prefill first (policies/prefill_order.py) changes
+ARRIVAL = "default-arrival"
 # profiles the benchmark adds to the built-in ones: the default's scorers with prefix-affinity's load guard off
 BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": False}},
                                             {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight"}]}}
@@ -191,12 +194,14 @@ class BenchServer(VLLMServer):
         self.label = label  # both serve MODEL; this names the server in the results and in the gateway
         self.overrides = {"--max-model-len": str(max_model_len), "--kv-cache-memory-bytes": str(kv_bytes)}
 
+    scheduling = "fcfs"  # vLLM's --scheduling-policy (--scheduling-policy here sets it for the servers started)
+
     def command(self) -> list[str]:
         cmd = super().command()
         for i, arg in enumerate(cmd[:-1]):
             if arg in self.overrides and cmd[i + 1] in BASE_ARGS:
                 cmd[i + 1] = self.overrides[arg]
-        return cmd
+        return cmd + ["--scheduling-policy", self.scheduling]
 
 
 class ExternalServer:
@@ -401,13 +406,21 @@ def start_gateway(servers: list[VLLMServer], profile: str, work: Path, args,
                   alt: str = "") -> tuple[subprocess.Popen, str, str]:
     secret = secrets.token_urlsafe(32)
     port = free_port()
+    if profile == ARRIVAL:  # the default profile, each class in arrival order (no cheapest-prefill-first levels)
+        profile = "default"
+        extra = {"priorities": {"classes": [{"name": "interactive"},
+                                            {"name": "batch", "vllm_priority": 10, "max_wait": 300}]}}
+    else:
+        extra = {}
     policy = {
+        **extra,
         "listen": {"port": port},
         "store": {"kind": "sqlite", "path": str(work / f"keys-{profile}-{port}.db")},
         "timeouts": {"read": 300},
         "routing": {"default_profile": profile, "profiles": BENCH_PROFILES},
         "models": [{"name": args.served_model, "queue": {"max_depth": 10_000, "max_wait": 300},
-                    "backends": [{"url": s.base_url, "name": s.label} for s in servers]}],
+                    "backends": [{"url": s.base_url, "name": s.label, "scheduling_policy": args.scheduling_policy}
+                                 for s in servers]}],
     }
     if profile == "precise-prefix":  # the gateway binds each server's event address; the servers connect
         # blind_seconds 0: both caches were emptied just before this gateway subscribed (run_profile), so
@@ -775,6 +788,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--profile-timeout", type=float, default=300, help="seconds; the rest of a profile is cut")
     p.add_argument("--out", type=Path, help="JSON results (default .cache/bench/routing-<time>.json)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs", help="vLLM's: the servers "
+                   "run it (those started here get it; external ones must have been started with it) and the "
+                   "gateway's backends say it, so with priority the gateway sends cheapest prefill first "
+                   "(compare profiles default and default-arrival) (default: %(default)s)")
     ext = p.add_argument_group("external servers (started elsewhere, e.g. on a GPU)")
     ext.add_argument("--servers", help="comma-separated base URLs of running vLLM servers (loopback), e.g. "
                      "http://127.0.0.1:8000,http://127.0.0.1:8001; none are started or stopped")
@@ -897,6 +914,8 @@ def main(argv=None) -> int:
                                kv_bytes=kv_bytes, env={"VLLM_SERVER_DEV_MODE": "1"},
                                extra_args=kv_events_args(port))  # publishing costs nothing while nobody binds
                    for (name, core), port in zip((("vllm-a", 0), ("vllm-b", 1)), args.kv_events_ports)]
+        for server in servers:
+            server.scheduling = args.scheduling_policy
         start_many(servers, timeout=300)
 
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:

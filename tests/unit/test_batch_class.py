@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+from pydantic import ValidationError
+
 from prometheus_client import generate_latest
 
 from backends.replicas import Replica
@@ -82,10 +85,10 @@ async def classify(priorities: Priorities, klass: str, own, batch: bool = False)
 
 
 async def test_a_clients_own_priority_is_never_ahead_of_a_better_class():
-    default = Priorities()  # interactive (vllm_priority 0), batch (10)
+    default = Priorities()  # interactive (vllm_priority 0, prefill levels 0-3), batch (10)
     line = await classify(default, "interactive", -100, batch=True)  # a batch line: always the batch class
-    assert line.priority.name == "batch" and CLIENT_PRIORITY.get(line) == 1 and line.body["priority"] == -100
-    assert CLIENT_PRIORITY.get(await classify(default, "batch", 0)) == 1  # a tie with interactive: behind it
+    assert line.priority.name == "batch" and CLIENT_PRIORITY.get(line) == 4 and line.body["priority"] == -100
+    assert CLIENT_PRIORITY.get(await classify(default, "batch", 0)) == 4  # within interactive's levels: behind them
     assert CLIENT_PRIORITY.get(await classify(default, "batch", 50)) == 50  # within its range: as sent
     assert CLIENT_PRIORITY.get(await classify(default, "interactive", -100)) == -100  # the first class: any
     three = Priorities.model_validate({"classes": [{"name": "urgent", "vllm_priority": -10},
@@ -133,3 +136,14 @@ async def test_batch_demand_is_its_own_gauge_and_raises_replicas_needed_only_whe
         q.release(q.replicas[0], line)
     q.release(q.replicas[0], interactive)
     assert q.batch_demand() == (0, 0)
+
+
+def test_a_classs_prefill_levels_may_not_reach_a_later_classs_priority():
+    with pytest.raises(ValidationError, match="prefill_levels"):
+        Priorities.model_validate({"classes": [{"name": "interactive", "prefill_levels": 11},
+                                               {"name": "batch", "vllm_priority": 10}]})
+    fits = Priorities.model_validate({"classes": [{"name": "interactive", "prefill_levels": 10},
+                                                  {"name": "batch", "vllm_priority": 10}]})
+    assert fits.classes[0].prefill_levels == 10
+    # without levels, classes may share a vllm_priority, as they always could
+    assert Priorities.model_validate({"default": "a", "classes": [{"name": "a"}, {"name": "b"}]}).classes[1].vllm_priority == 0

@@ -18,17 +18,22 @@
 # up ~1 min sooner, but no CUDA graphs, so decode steps are slower and TTFT includes more queueing: not comparable with a
 # CUDA-graph run), KV_EVENTS=1 (the servers publish their KV cache events to 127.0.0.1:5557/5558 and the
 # precise-prefix profile runs too, whatever PROFILES says; the site needs msgpack, build_site.sh ships it; in
-# the dry run the simulators publish none, so it checks only the profile's command line and policy: load decides).
+# the dry run the simulators publish none, so it checks only the profile's command line and policy: load decides),
+# PRIORITY=1 (both servers run --scheduling-policy priority and the gateways' backends say so: the default
+# profile then sends cheapest prefill first, policies/prefill_order.py; profile default-arrival is the same
+# without it, arrival order; ceiling and vllm-router send no priority, so vLLM serves them in arrival order).
 set -u; D=$(cd "$(dirname "$0")" && pwd); OUT=$(cd "${OUT:?}" && pwd); SCRATCH=${SCRATCH:-/tmp/gpubench}; export SCRATCH
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 BUDGET=${STEP5_BUDGET:-560}
 DRY=${STEP5_DRY:-}
 [ -f tests/benchmarks/routing.py ] || { echo "run from the repository root"; exit 3; }
 if [ -n "$DRY" ]; then CONVS=${CONVS:-6}; ACTIVE=${ACTIVE:-3}; TURNS=${TURNS:-2}; TOOL=${TOOL:-0.01,0.05}; fi
+SCHEDULING=fcfs; [ -n "${PRIORITY:-}" ] && SCHEDULING=priority
 # The workloads (seeded; the same under every profile): ~2.3k-token prompts on average, 5 turns, 32 output tokens.
 W="--conversations ${CONVS:-320} --active ${ACTIVE:-160} --turns ${TURNS:-5} --system-tokens 1800,2400 --user-tokens 100
    --own-tokens 100 --max-tokens 32 --tool-time ${TOOL:-0.5,3} --max-model-len 4096 --overflow 1.6
-   --workloads ${WORKLOADS:-distinct,hot} --client-procs ${CLIENT_PROCS:-8} --repeat ${REPEAT:-1}"
+   --workloads ${WORKLOADS:-distinct,hot} --client-procs ${CLIENT_PROCS:-8} --repeat ${REPEAT:-1}
+   --scheduling-policy $SCHEDULING"
 PROFILES_GIVEN=${PROFILES:-}
 PROFILES=${PROFILES:-ceiling,default,${ROUTER_CMD:+vllm-router,}least-in-flight,session-affinity}
 with_events() { case ",$1," in *,precise-prefix,*) echo $1 ;; *) echo $1${KV_EVENTS:+,precise-prefix} ;; esac; }
@@ -90,9 +95,10 @@ export VLLM_SERVER_DEV_MODE=1  # POST /reset_prefix_cache between profiles
 # same torch.compile cache key, so :8001 compiles into a cache root of its own rather than race :8000 writing the
 # shared one (:8000 keeps the default root, where step 2's compile of this configuration may already be).
 kve() { [ -n "${KV_EVENTS:-}" ] && echo "--kv-events-config {\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://127.0.0.1:$1\",\"topic\":\"kv\"}"; }
-PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5557)
+SCHED=${PRIORITY:+--scheduling-policy priority}
+PORT=8000 GPU_UTIL=0.4 bash $D/serve.sh r8000 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5557) $SCHED
 PORT=8001 GPU_UTIL=0.4 VLLM_CACHE_ROOT=$SCRATCH/vllm-cache-8001 \
-  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5558)
+  bash $D/serve.sh r8001 --kv-cache-memory-bytes $KV --enable-log-requests ${EAGER:+--enforce-eager} $(kve 5558) $SCHED
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8000.log 8000 & H0=$!
 python3 $D/health.py 330 $SCRATCH/w/vllm-r8001.log 8001 & H1=$!
 wait $H0; R0=$?; wait $H1; R1=$?
