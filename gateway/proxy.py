@@ -33,6 +33,7 @@ from gateway.http.form_upload import UPLOAD, FormUpload
 from gateway.relay import EventRelay, SSERelay, model_rename
 from gateway.shadow import Shadow
 from gateway.tracing import Off, Tracing
+from policies import prefill_order
 from policies.admission import Admission, WouldWait
 from policies.budget import BEFORE_RENT
 from policies.config import Overflow
@@ -48,7 +49,6 @@ from policies.errors import (
     UpstreamTimeout,
 )
 from policies.finished import Observers, record_of
-from policies import prefill_order
 from policies.ids import unique_id
 from policies.json_types import JSONObject, JSONView
 from policies.metrics import GatewayMetrics
@@ -346,9 +346,9 @@ class Proxy:
     def upstream_body(self, call: Call, target: Replica, body: JSONView) -> bytes:
         """The client's body untouched but for `model`, on streams the usage the gateway needs, whatever the
         route adds for the chosen replica (a Responses id that leads back to it), and the priority class as
-        vLLM's `priority` for a backend that schedules by it (cheapest prefill first within the class:
-        policies/prefill_order.py) (the Classify step already dropped a `priority` the
-        key may not send; a rented API never gets one). `body` is the call's, or what goes instead of it: it is
+        vLLM's `priority` for a backend that schedules by it, cheapest prefill first within the class
+        (policies/prefill_order.py; the Classify step already dropped a `priority` the key may not send; a rented
+        API never gets one). `body` is the call's, or what goes instead of it: it is
         copied, never changed (each attempt starts from the client's)."""
         body = dict(body)
         route = ROUTE.of(call)
@@ -361,7 +361,7 @@ class Proxy:
         elif own is not None:  # the client's own, which its key may send (clamped to its class)
             body["priority"] = own
         elif target.priority_scheduling and call.priority is not None:
-            body["priority"] = prefill_order.vllm_priority(call)
+            body["priority"] = prefill_order.vllm_priority(call, call.priority)
         else:
             body.pop("priority", None)
         if call.stream:  # a stream that may move token-exactly asks the replica for its token ids

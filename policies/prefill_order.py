@@ -14,15 +14,13 @@ policy refuses it), so classes keep their order.
 
 from __future__ import annotations
 
+from policies.config import PriorityClass
 from policies.pipeline import UNCACHED, Call
 from policies.tokens import CHARS_PER_TOKEN
 
 
-def vllm_priority(call: Call) -> int | None:
-    """The `priority` to send for `call` to a backend that schedules by it (None: the call has no class)."""
-    cls = call.priority
-    if cls is None:
-        return None
+def vllm_priority(call: Call, cls: PriorityClass) -> int:
+    """The `priority` to send for `call`, of class `cls`, to a backend that schedules by it."""
     if cls.prefill_levels <= 1:
         return cls.vllm_priority
     uncached = UNCACHED.get(call)

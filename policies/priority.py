@@ -9,9 +9,9 @@ A batch's lines are always in the batch class (`batch.priority_class`), whatever
 A key of a team with `max_priority_class` is never served above it (policies/teams.py): the class is clamped
 down to the ceiling, and a client's own `priority` more urgent than the ceiling's `vllm_priority` is dropped.
 A client's own `priority` stays within its class's range: a class after the first is never served ahead of a
-better one, so a value at or below a better class's `vllm_priority` or its prefill levels (lower is served first
-in vLLM; at a tie the earlier arrival is) becomes one past the largest of them: a batch line sent with `priority: -100` still
-runs behind interactive work.
+better one, so a value at or below a better class's `vllm_priority` or its prefill levels (lower is served
+first in vLLM; at a tie the earlier arrival is) becomes one past the largest of them: a batch line sent with
+`priority: -100` still runs behind interactive work.
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ class Classify:
         self.batch = self.config.named(policy.batch.priority_class) or self.config.classes[-1]
         # by class name: the least vLLM priority a client may send in it (None: the first class, unbounded): one
         # past every better class's range (its vllm_priority and its prefill levels, policies/prefill_order.py)
-        self.floors = {c.name: (max(b.vllm_priority + b.prefill_levels - 1 for b in self.config.classes[:i]) + 1
-                                if i else None)
+        self.floors = {c.name: (max(b.last_priority for b in self.config.classes[:i]) + 1 if i else None)
                        for i, c in enumerate(self.config.classes)}
 
     def of(self, call: Call) -> PriorityClass:

@@ -3,9 +3,9 @@
 The gateway's own ASGI code (gateway/openai_routes.py, and the admin paths' wrapper in gateway/admin/variants.py)
 takes plain mappings, as a server sends them, their values read through the typed readers below (`text_of`,
 `body_of`, `raw_headers`, ...) so nothing untyped reaches the request path; Litestar declares its own, as
-TypedDicts per scope type, and the app factory (gateway/app.py) hands its ops/admin app over as an `App`. Litestar's requests and connections are
-generic in what its routes' user, auth and state are, which no route of the gateway uses: `AnyRequest` and
-`AnyConnection` are those of any route.
+TypedDicts per scope type, and the app factory (gateway/app.py) hands its ops/admin app over as an `App`.
+Litestar's requests and connections are generic in what its routes' user, auth and state are, which no route
+of the gateway uses: `AnyRequest` and `AnyConnection` are those of any route.
 """
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ class PriorityClass(Strict):
     prefill_levels: int = Field(1, ge=1, le=64)
     level_tokens: int = Field(1024, ge=16, le=1_000_000)
 
+    @property
+    def last_priority(self) -> int:
+        """The least urgent vLLM `priority` the class sends: its `vllm_priority` and its prefill levels."""
+        return self.vllm_priority + self.prefill_levels - 1
+
 
 class Priorities(Strict):
     default: str = Field("interactive", pattern=NAME)  # the class of a key that names none
@@ -59,7 +64,7 @@ class Priorities(Strict):
             raise ValueError(f"default {self.default!r} is not one of the classes: {', '.join(names)}")
         for i, c in enumerate(self.classes):
             later = [b.vllm_priority for b in self.classes[i + 1:]]
-            if c.prefill_levels > 1 and later and c.vllm_priority + c.prefill_levels - 1 >= min(later):
+            if c.prefill_levels > 1 and later and c.last_priority >= min(later):
                 raise ValueError(f"class {c.name!r}: vllm_priority {c.vllm_priority} + prefill_levels "
                                  f"{c.prefill_levels} - 1 reaches a later class's vllm_priority ({min(later)}): "
                                  "its levels would be served with or after that class")
