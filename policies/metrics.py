@@ -243,7 +243,7 @@ class GatewayMetrics:
         self.routing_decisions = TallyCounter(
             "llm_gateway_routing_decisions", "Routing decisions among several candidates, per scorer: whether the"
             " scorer's favourite was picked (agreed/overruled) or what it saw (prefix-affinity: hit, miss,"
-            " no_prompt, or which load guard tripped: guard_queue, guard_kv, guard_shared, load_guard;"
+            " evicted, no_prompt, or which load guard tripped: guard_queue, guard_kv, guard_shared, load_guard;"
             " session-affinity: pinned, no_session).", ("model", "scorer", "outcome"),
         )
         r.register(self.routing_decisions)

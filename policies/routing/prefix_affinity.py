@@ -11,6 +11,18 @@ or, once vLLM reports its KV cache size (vllm:cache_config_info), as many blocks
 replica cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its
 finished-request count went down) starts over with an empty LRU, as its prefix cache did.
 
+What the LRU evicts it keeps a while longer, in a second bounded LRU of the same size per replica (`evicted`).
+It is read only when no candidate's LRU matches the prompt at all, where load alone would decide: a candidate
+whose evicted blocks match the prompt's start is where this conversation last went (outcome `evicted`), and
+it is preferred as a match is, the load guard included, which counts the whole prompt as uncached everywhere:
+it stays unless vLLM queues there more than elsewhere. The record is an estimate that forgets sooner than
+vLLM does (it assumes 4 characters a token, ~4.2 on a Qwen3 tokenizer, and does not see the replies vLLM also
+caches); a conversation it forgot but vLLM still partly holds would otherwise go by load and recompute its whole
+prefix elsewhere (5-6% of later turns under cache pressure on an H100, docs/benchmarks.md), while the ceiling
+(every turn to one server) kept hitting its older blocks. Staying where the prefix was costs nothing if vLLM
+dropped all of it too: a full miss costs the same prefill anywhere. The evicted match does not count as cached
+for the prefill-order estimate (`uncached` is the whole prompt), only as where to go.
+
 Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
 has no threshold to tune per GPU: each rule compares like with like, or reads vLLM's own signal of trouble.
 The preferred replica is the best match (the least loaded among equals). It loses the request when
@@ -36,7 +48,7 @@ The preferred replica is the best match (the least loaded among equals). It lose
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pydantic import Field
 
@@ -55,6 +67,7 @@ class PrefixAffinityParams(GuardParams):
     block_chars: int = Field(64, ge=4, le=4096)  # characters per hashed block (~16 tokens)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks hashed per request (longer prompts: the start)
     lru_blocks: int = Field(65536, ge=16, le=100_000_000)  # per replica, until vLLM reports its cache size
+    evicted: bool = True  # false: no record of evicted blocks (a full miss everywhere goes by load)
 
 
 class PrefixAffinity:
@@ -68,6 +81,7 @@ class PrefixAffinity:
         # by replica name (they survive a reload of the policy): block hash -> its mark (None: no continuation
         # seen yet; a hash: the one continuation seen; SHARED), least recent first
         self.lrus: dict[str, OrderedDict[int, object]] = {}
+        self.evicted: dict[str, OrderedDict[int, None]] = {}  # by replica name: what its LRU let go, least recent first
         self._capacity: dict[str, int] = {}
         self._finished: dict[str, float] = {}  # by replica name: vLLM's finished-request count, last seen
 
@@ -85,15 +99,7 @@ class PrefixAffinity:
         return out
 
     def matched(self, replica: Candidate, blocks: list[int]) -> int:
-        lru = self.lrus.get(replica.name)
-        if not lru:
-            return 0
-        n = 0
-        for h in blocks:
-            if h not in lru:
-                break
-            n += 1
-        return n
+        return leading(self.lrus.get(replica.name), blocks)
 
     def score(self, request: RoutingRequest, candidates: Sequence[Candidate], stats: Stats, note: Note) -> list[float]:
         blocks = self.blocks(request)
@@ -112,6 +118,14 @@ class PrefixAffinity:
             return self.shared(self.lrus.get(candidates[i].name), blocks, matched[i])
 
         loads = [stats.load(r, s) for r, s in zip(candidates, seen)]
+        if not any(matched) and self.evicted:  # forgotten everywhere: where did this prefix go last?
+            faded = [leading(self.evicted.get(r.name), blocks) for r in candidates]
+            if any(faded):  # a preference only: the load guard counts the whole prompt as uncached (block 0)
+                scores = prefix_scores(self.params, seen, loads, faded, len(blocks) * per_token, 0.0,
+                                       lambda i: False, note)
+                if note.outcome == "hit":
+                    note.outcome = "evicted"
+                return scores
         return prefix_scores(self.params, seen, loads, matched, len(blocks) * per_token, per_token, shared, note)
 
     @staticmethod
@@ -146,6 +160,16 @@ class PrefixAffinity:
                     lru[h] = child if mark is None else SHARED
             child = h
         capacity = self._capacity.get(replica.name, self.params.lru_blocks)
+        if len(lru) > capacity and self.params.evicted:
+            evicted = self.evicted.get(replica.name)
+            if evicted is None:
+                evicted = self.evicted[replica.name] = OrderedDict()
+            while len(lru) > capacity:
+                h = lru.popitem(last=False)[0]
+                evicted[h] = None
+                evicted.move_to_end(h)
+            while len(evicted) > capacity:
+                evicted.popitem(last=False)
         while len(lru) > capacity:
             lru.popitem(last=False)
 
@@ -158,8 +182,20 @@ class PrefixAffinity:
         if finished is not None:
             if finished < self._finished.get(replica.name, 0.0):
                 self.lrus.pop(replica.name, None)
+                self.evicted.pop(replica.name, None)
             self._finished[replica.name] = finished
         tokens = vllm.cache_tokens
         if tokens:
             self._capacity[replica.name] = max(16, tokens * CHARS_PER_TOKEN // self.params.block_chars)
 
+
+def leading(record: Collection[int] | None, blocks: list[int]) -> int:
+    """How many of the prompt's blocks, from its start, the record holds."""
+    if not record:
+        return 0
+    n = 0
+    for h in blocks:
+        if h not in record:
+            break
+        n += 1
+    return n

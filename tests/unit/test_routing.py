@@ -8,7 +8,7 @@ from backends.vllm_stats import Scraper, VLLMStats
 from gateway.endpoints.chat import ROUTE as CHAT
 from policies.config import BUILTIN_PROFILES, RoutingProfile
 from policies.metrics import GatewayMetrics
-from policies.pipeline import Call, Request
+from policies.pipeline import UNCACHED, Call, Request
 from policies.routing import Stats, build_profile
 from policies.routing.base import Note
 from policies.routing.filters import KVHeadroom
@@ -408,3 +408,45 @@ def test_every_plugin_is_timed_per_pick():
         assert (f'llm_gateway_routing_plugin_duration_seconds_count{{model="m",plugin="{plugin}",step="{step}"}} 3.0'
                 in text), (plugin, step)
     assert 'llm_gateway_routing_plugin_duration_seconds_bucket{le="+Inf",model="m",plugin="max-score"' in text
+
+
+def test_a_conversation_its_record_let_go_goes_back_where_it_went_not_by_load():
+    # The record forgets sooner than vLLM (4 characters a token assumed; replies unseen), so a conversation it
+    # evicted whole may still be partly cached where it went: with no replica matching at all, the record of
+    # evicted blocks sends it back there; a prompt never sent anywhere still goes by load.
+    rs = replicas(0, 0)
+    seen = {r.name: VLLMStats(block_size=16, num_blocks=40) for r in rs}  # 640 tokens ~ 40 blocks of 64 chars
+    scorer = PrefixAffinity(PrefixParams(block_chars=64))
+    metrics = GatewayMetrics()
+    p = profile((scorer, 4.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)), metrics=metrics)
+    old = ["first question " * 40]  # ~16 blocks with the system prompt's
+    home = p.pick(chat(SYSTEM, *old), rs)
+    other = rs[1 - rs.index(home)]
+    home.in_flight, other.in_flight = 0, 9  # newer conversations go home too, until its LRU holds none of `old`
+    for i in range(3):
+        assert p.pick(chat(f"another agent {i} " * 60), rs) is home
+    assert scorer.matched(home, scorer.blocks(routed(chat(SYSTEM, *old)))) == 0
+    home.in_flight, other.in_flight = 9, 0  # now home is the busier one
+    later = chat(SYSTEM, *old, "an answer", "the next question")
+    assert p.pick(later, rs) is home
+    assert outcomes(metrics)["evicted"] == 1
+    # where to go, not what is cached: the prefill order counts the whole prompt as uncached
+    assert UNCACHED.get(later) == len(routed(later).prompt.text) / 4
+    assert p.pick(chat("a prompt sent nowhere before " * 30), rs) is other
+    assert outcomes(metrics)["miss"] >= 2  # the first prompt, and the new one (load decided)
+
+
+def test_without_its_record_of_evicted_blocks_a_forgotten_conversation_goes_by_load():
+    rs = replicas(0, 0)
+    seen = {r.name: VLLMStats(block_size=16, num_blocks=40) for r in rs}
+    scorer = PrefixAffinity(PrefixParams(block_chars=64, evicted=False))
+    p = profile((scorer, 4.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)))
+    old = ["first question " * 40]
+    home = p.pick(chat(SYSTEM, *old), rs)
+    other = rs[1 - rs.index(home)]
+    home.in_flight, other.in_flight = 0, 9
+    for i in range(3):
+        p.pick(chat(f"another agent {i} " * 60), rs)
+    home.in_flight, other.in_flight = 9, 0
+    assert p.pick(chat(SYSTEM, *old, "an answer", "the next question"), rs) is other
+    assert not scorer.evicted

@@ -43,13 +43,14 @@ class PrefixCache:
         self._blocks.clear()
 
     def match_and_insert(self, hashes: Sequence[int]) -> int:
-        """Return how many leading blocks were cached, then cache all of them."""
+        """Return how many leading blocks were cached, then cache all of them, the last first: vLLM frees a
+        request's blocks tail first, so when the cache is full a prefix loses its end and keeps its start."""
         hits = 0
         for h in hashes:
             if h not in self._blocks:
                 break
             hits += 1
-        for h in hashes:
+        for h in reversed(hashes):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self._capacity:
