@@ -11,7 +11,8 @@ or, once vLLM reports its KV cache size (vllm:cache_config_info), as many blocks
 replica cannot keep more prefix than its cache has room for. A replica whose vLLM restarted (its
 finished-request count went down) starts over with an empty LRU, as its prefix cache did.
 
-What the LRU evicts it keeps a while longer, in a second bounded LRU of the same size per replica (`evicted`).
+Opt-in (`evicted`, e.g. 0.125; 0 by default): what the LRU evicts it keeps a while longer, in a second LRU per
+replica of `evicted` times its size.
 It is read only when no candidate's LRU matches the prompt at all, where load alone would decide: a candidate
 whose evicted blocks match the prompt's start is where this conversation last went (outcome `evicted`), and
 it is preferred as a match is, the load guard included, which counts the whole prompt as uncached everywhere:
@@ -21,7 +22,11 @@ caches); a conversation it forgot but vLLM still partly holds would otherwise go
 prefix elsewhere (5-6% of later turns under cache pressure on an H100, docs/benchmarks.md), while the ceiling
 (every turn to one server) kept hitting its older blocks. Staying where the prefix was costs nothing if vLLM
 dropped all of it too: a full miss costs the same prefill anywhere. The evicted match does not count as cached
-for the prefill-order estimate (`uncached` is the whole prompt), only as where to go.
+for the prefill-order estimate (`uncached` is the whole prompt), only as where to go. It is off by default
+because it also gives up load balance for those prompts: on simulated servers under cache pressure (whose
+prefix cache is exactly the size the record assumes, so each such prompt was a full miss there) it piled load
+on one replica and its TTFT got it ejected in 6 of 9 runs, against 1 of 9 without; whether vLLM's larger
+holding pays for that on a GPU is for a GPU run to say (tests/benchmarks/routing.py profile `evicted`).
 
 Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
 has no threshold to tune per GPU: each rule compares like with like, or reads vLLM's own signal of trouble.
@@ -67,7 +72,10 @@ class PrefixAffinityParams(GuardParams):
     block_chars: int = Field(64, ge=4, le=4096)  # characters per hashed block (~16 tokens)
     max_blocks: int = Field(4096, ge=1, le=1_000_000)  # blocks hashed per request (longer prompts: the start)
     lru_blocks: int = Field(65536, ge=16, le=100_000_000)  # per replica, until vLLM reports its cache size
-    evicted: bool = True  # false: no record of evicted blocks (a full miss everywhere goes by load)
+    # what the LRU evicts is kept a while, as this share of its size (0, the default: not at all; a full miss
+    # everywhere goes by load): the record forgets ~6% sooner than vLLM (4 characters a token against ~4.2;
+    # replies unseen), so what it evicted last is what vLLM may still hold; 0.125 keeps twice that margin
+    evicted: float = Field(0.0, ge=0, le=1)
 
 
 class PrefixAffinity:
@@ -160,7 +168,8 @@ class PrefixAffinity:
                     lru[h] = child if mark is None else SHARED
             child = h
         capacity = self._capacity.get(replica.name, self.params.lru_blocks)
-        if len(lru) > capacity and self.params.evicted:
+        kept = int(capacity * self.params.evicted)
+        if len(lru) > capacity and kept:
             evicted = self.evicted.get(replica.name)
             if evicted is None:
                 evicted = self.evicted[replica.name] = OrderedDict()
@@ -168,7 +177,7 @@ class PrefixAffinity:
                 h = lru.popitem(last=False)[0]
                 evicted[h] = None
                 evicted.move_to_end(h)
-            while len(evicted) > capacity:
+            while len(evicted) > kept:
                 evicted.popitem(last=False)
         while len(lru) > capacity:
             lru.popitem(last=False)

@@ -108,10 +108,11 @@ ARRIVAL = "default-arrival"
 # profiles the benchmark adds to the built-in ones: the default's scorers with prefix-affinity's load guard off
 BENCH_PROFILES = {"unguarded": {"scorers": [{"name": "prefix-affinity", "weight": 4, "params": {"guard": False}},
                                             {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight"}]}}
-# the default without prefix-affinity's record of evicted blocks: a prompt no replica's LRU matches goes by load
-BENCH_PROFILES["no-evicted"] = {"scorers": [{"name": "lora-affinity", "weight": 8},
-                                            {"name": "prefix-affinity", "weight": 4, "params": {"evicted": False}},
-                                            {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight", "weight": 1}]}
+# the default with prefix-affinity's record of evicted blocks (opt-in): a prompt no replica's LRU matches goes
+# back where the record let it go, rather than by load
+BENCH_PROFILES["evicted"] = {"scorers": [{"name": "lora-affinity", "weight": 8},
+                                         {"name": "prefix-affinity", "weight": 4, "params": {"evicted": 0.125}},
+                                         {"name": "vllm-queue", "weight": 2}, {"name": "least-in-flight", "weight": 1}]}
 # Not built in either: the default's scorers with precise-prefix (fed by the servers' KV cache events) for
 # prefix-affinity; its tokenizer is the model's directory, known only at run time (start_gateway)
 PRECISE = {"scorers": [{"name": "precise-prefix", "weight": 4}, {"name": "vllm-queue", "weight": 2},
@@ -344,7 +345,8 @@ def reset_prefix_cache(server: VLLMServer, timeout: float = 30.0) -> None:
 
 def routing_decisions(gateway_url: str) -> dict[str, float]:
     """{"scorer:outcome": count} from the gateway's llm_gateway_routing_decisions_total (e.g. how often
-    prefix-affinity's load guard overrode the cache)."""
+    prefix-affinity's load guard overrode the cache), and {"ejected:backend:rule": count} from its outlier
+    ejections (a replica out of routing makes picks with one candidate, which no scorer counts)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text
@@ -353,6 +355,9 @@ def routing_decisions(gateway_url: str) -> dict[str, float]:
         for sample in family.samples:
             if sample.name == "llm_gateway_routing_decisions_total":
                 key = f"{sample.labels.get('scorer')}:{sample.labels.get('outcome')}"
+                out[key] = out.get(key, 0.0) + sample.value
+            elif sample.name == "llm_gateway_replica_ejections_total":
+                key = f"ejected:{sample.labels.get('backend')}:{sample.labels.get('rule')}"
                 out[key] = out.get(key, 0.0) + sample.value
     return out
 

@@ -415,16 +415,17 @@ def test_a_conversation_its_record_let_go_goes_back_where_it_went_not_by_load():
     # evicted whole may still be partly cached where it went: with no replica matching at all, the record of
     # evicted blocks sends it back there; a prompt never sent anywhere still goes by load.
     rs = replicas(0, 0)
-    seen = {r.name: VLLMStats(block_size=16, num_blocks=40) for r in rs}  # 640 tokens ~ 40 blocks of 64 chars
-    scorer = PrefixAffinity(PrefixParams(block_chars=64))
+    seen = {r.name: VLLMStats(block_size=16, num_blocks=80) for r in rs}  # 1280 tokens ~ 80 blocks of 64 chars
+    scorer = PrefixAffinity(PrefixParams(block_chars=64, evicted=0.125))  # the last 10 blocks evicted are kept
     metrics = GatewayMetrics()
     p = profile((scorer, 4.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)), metrics=metrics)
-    old = ["first question " * 40]  # ~16 blocks with the system prompt's
+    old = ["first question " * 40]  # ~25 blocks with the system prompt's
     home = p.pick(chat(SYSTEM, *old), rs)
     other = rs[1 - rs.index(home)]
-    home.in_flight, other.in_flight = 0, 9  # newer conversations go home too, until its LRU holds none of `old`
-    for i in range(3):
-        assert p.pick(chat(f"another agent {i} " * 60), rs) is home
+    home.in_flight, other.in_flight = 0, 9  # a newer conversation goes home too, and its 80 blocks evict `old`
+    filler = chat("another agent " * 366)
+    assert len(scorer.blocks(routed(filler))) == 80
+    assert p.pick(filler, rs) is home
     assert scorer.matched(home, scorer.blocks(routed(chat(SYSTEM, *old)))) == 0
     home.in_flight, other.in_flight = 9, 0  # now home is the busier one
     later = chat(SYSTEM, *old, "an answer", "the next question")
@@ -438,15 +439,14 @@ def test_a_conversation_its_record_let_go_goes_back_where_it_went_not_by_load():
 
 def test_without_its_record_of_evicted_blocks_a_forgotten_conversation_goes_by_load():
     rs = replicas(0, 0)
-    seen = {r.name: VLLMStats(block_size=16, num_blocks=40) for r in rs}
-    scorer = PrefixAffinity(PrefixParams(block_chars=64, evicted=False))
+    seen = {r.name: VLLMStats(block_size=16, num_blocks=80) for r in rs}
+    scorer = PrefixAffinity(PrefixParams(block_chars=64))  # the default: no record of evicted blocks
     p = profile((scorer, 4.0), (LeastInFlight(), 1.0), stats=Stats(lambda r: seen.get(r.name)))
     old = ["first question " * 40]
     home = p.pick(chat(SYSTEM, *old), rs)
     other = rs[1 - rs.index(home)]
     home.in_flight, other.in_flight = 0, 9
-    for i in range(3):
-        p.pick(chat(f"another agent {i} " * 60), rs)
+    p.pick(chat("another agent " * 366), rs)
     home.in_flight, other.in_flight = 9, 0
     assert p.pick(chat(SYSTEM, *old, "an answer", "the next question"), rs) is other
     assert not scorer.evicted
