@@ -20,12 +20,12 @@ it stays unless vLLM queues there more than elsewhere. The record is an estimate
 vLLM does (it assumes 4 characters a token, ~4.2 on a Qwen3 tokenizer, and does not see the replies vLLM also
 caches); a conversation it forgot but vLLM still partly holds would otherwise go by load and recompute its whole
 prefix elsewhere (5-6% of later turns under cache pressure on an H100, docs/benchmarks.md), while the ceiling
-(every turn to one server) kept hitting its older blocks. Staying where the prefix was costs nothing if vLLM
-dropped all of it too: a full miss costs the same prefill anywhere. The evicted match does not count as cached
+(every turn to one server) kept hitting its older blocks. Staying where the prefix was costs no more prefill if
+vLLM dropped all of it too: a full miss costs the same anywhere. The evicted match does not count as cached
 for the prefill-order estimate (`uncached` is the whole prompt), only as where to go. It is off by default
 because it also gives up load balance for those prompts: on simulated servers under cache pressure (whose
 prefix cache is exactly the size the record assumes, so each such prompt was a full miss there) it piled load
-on one replica and its TTFT got it ejected in 6 of 9 runs, against 1 of 9 without; whether vLLM's larger
+on one replica and its TTFT got it ejected in 5 of 9 runs, against 1 of 9 without; whether vLLM's larger
 holding pays for that on a GPU is for a GPU run to say (tests/benchmarks/routing.py profile `evicted`).
 
 Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
