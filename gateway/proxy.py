@@ -52,7 +52,7 @@ from policies.finished import Observers, record_of
 from policies.ids import unique_id
 from policies.json_types import JSONObject, JSONView
 from policies.metrics import GatewayMetrics
-from policies.pipeline import UNCACHED, Call, Pipeline
+from policies.pipeline import Call, Pipeline
 from policies.priority import CLIENT_PRIORITY
 from policies.tokens import CHARS_PER_TOKEN
 from policies.variant_signals import ANSWER
@@ -439,7 +439,7 @@ class Proxy:
                             if not relay.replay:  # stored events come at once: no measure of the backend's pace
                                 self.metrics.first_token(call.model, now - call.request.arrived)
                                 self.admission.observe(call.replica, now - call.sent_at)
-                                self.attempts.ejections.ttft(call.replica, now - call.sent_at, UNCACHED.get(call))
+                                self.attempts.ejections.ttft(call.replica, now - call.sent_at)
                             if self.shadow is not None and SHADOW.get(call) is not None:
                                 self.shadow.start(call)  # the live answer is under way: its copy may go now
                         if call.tap is not None and scrub is None:

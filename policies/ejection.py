@@ -2,9 +2,8 @@
 
 Two rules, per replica of a model (settings: policies/config/reliability.py `Ejection`):
 - `consecutive_failures`: that many 5xx answers or timeouts in a row;
-- `ttft`: its time to first token (a moving average over about `ttft_min_samples` streams, each stream's per
-  `PREFILL_UNIT` tokens routing expected it to prefill, when a prefix scorer said) above `ttft_ratio` times the
-  median of its peers' (those of the same replica set with as many samples).
+- `ttft`: its time to first token (a moving average over about `ttft_min_samples` streams) above `ttft_ratio`
+  times the median of its peers' (those of the same replica set with as many samples).
 An ejected replica gets no new request for a backoff that doubles with each ejection (`base_seconds` up to
 `max_seconds`) and starts again once it has served well for as long as its last ejection lasted. Never more
 than `max_ejected_share` of a replica set is out at once, and never its last replica (Envoy's outlier
@@ -28,11 +27,6 @@ from backends.replicas import Replica, ReplicaSet
 
 FAILURES, TTFT = "consecutive_failures", "ttft"
 CHECK_EVERY = 8  # TTFT samples between two comparisons with the peers
-# A stream's TTFT is judged per this many prompt tokens its replica likely had to prefill (at least one unit):
-# under prefix-cache routing one replica may take a run of cold prompts (first turns, conversations its cache
-# let go) while its peer serves cached turns, and a 2k-token prefill is not a sick replica. Found under cache
-# pressure: two healthy replicas took turns being ejected, and the one left took every request.
-PREFILL_UNIT = 512
 
 
 class Rules(Protocol):
@@ -88,13 +82,10 @@ class Ejections:
         if outlier.ejections and not outlier.ejected and self.clock() - outlier.returned_at >= outlier.lasted:
             outlier.ejections = 0  # it served well for as long as it was out: the backoff starts again
 
-    def ttft(self, replica: Replica, seconds: float, uncached: float | None = None) -> None:
-        """A stream's time to first token on `replica`; `uncached`: the prompt tokens routing expected it to
-        prefill there (None: unknown, the TTFT counts as it is)."""
+    def ttft(self, replica: Replica, seconds: float) -> None:
+        """A stream's time to first token on `replica`."""
         if replica.rented:
             return
-        if uncached is not None:
-            seconds /= max(1.0, uncached / PREFILL_UNIT)
         outlier = replica.outlier or self._state(replica)
         config = self.config(replica)
         if config.ttft_ratio is None:

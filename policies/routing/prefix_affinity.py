@@ -25,7 +25,7 @@ vLLM dropped all of it too: a full miss costs the same anywhere. The evicted mat
 for the prefill-order estimate (`uncached` is the whole prompt), only as where to go. It is off by default
 because it also gives up load balance for those prompts: on simulated servers under cache pressure (whose
 prefix cache is exactly the size the record assumes, so each such prompt was a full miss there) it piled load
-on one replica and its TTFT got it ejected in 5 of 9 runs, against 1 of 9 without; whether vLLM's larger
+on one replica and its TTFT got it ejected in 7 of 14 runs, against 3 of 14 without; whether vLLM's larger
 holding pays for that on a GPU is for a GPU run to say (tests/benchmarks/routing.py profile `evicted`).
 
 Load guard: the match decides unless there is evidence that following it costs more than a miss elsewhere. It
