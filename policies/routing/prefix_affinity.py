@@ -12,9 +12,8 @@ replica cannot keep more prefix than its cache has room for. A replica whose vLL
 finished-request count went down) starts over with an empty LRU, as its prefix cache did.
 
 Opt-in (`evicted`, e.g. 0.125; 0 by default): what the LRU evicts it keeps a while longer, in a second LRU per
-replica of `evicted` times its size.
-It is read only when no candidate's LRU matches the prompt at all, where load alone would decide: a candidate
-whose evicted blocks match the prompt's start is where this conversation last went (outcome `evicted`), and
+replica of `evicted` times its size. It is read only when no candidate's LRU matches the prompt at all, where
+load alone would decide: a candidate whose evicted blocks match the prompt's start is where this conversation last went (outcome `evicted`), and
 it is preferred as a match is, the load guard included, which counts the whole prompt as uncached everywhere:
 it stays unless vLLM queues there more than elsewhere. The record is an estimate that forgets sooner than
 vLLM does (it assumes 4 characters a token, ~4.2 on a Qwen3 tokenizer, and does not see the replies vLLM also
@@ -126,7 +125,7 @@ class PrefixAffinity:
             return self.shared(self.lrus.get(candidates[i].name), blocks, matched[i])
 
         loads = [stats.load(r, s) for r, s in zip(candidates, seen)]
-        if not any(matched) and self.evicted:  # forgotten everywhere: where did this prefix go last?
+        if not any(matched) and self.params.evicted and self.evicted:  # forgotten everywhere: where did it go?
             faded = [leading(self.evicted.get(r.name), blocks) for r in candidates]
             if any(faded):  # a preference only: the load guard counts the whole prompt as uncached (block 0)
                 scores = prefix_scores(self.params, seen, loads, faded, len(blocks) * per_token, 0.0,
