@@ -74,9 +74,21 @@ class KeyEvents:
             self.waiting.pop(token, None)
 
     async def run(self, drop: Callable[[str], None], doubt_all: Callable[[], None]) -> None:
-        """Listen for changes until cancelled, reconnecting after an outage."""
+        """Listen for changes until cancelled, reconnecting after an outage.
+
+        redis-py can swallow a cancel that lands inside its own read timeout (redis/redis-py#2551): the read
+        then returns, or fails as a lost connection, and a loop that waited for CancelledError listened on,
+        so a stopping gateway waited for it for ever (seen in CI: the process never exited after SIGTERM). The
+        task's pending cancel is asked after every read and every failure instead."""
         backoff = 0.1
+        me = asyncio.current_task()
+
+        def stop_if_cancelled() -> None:
+            if me is not None and me.cancelling():
+                raise asyncio.CancelledError
+
         while True:
+            stop_if_cancelled()
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.changed, self.dropped)
@@ -92,6 +104,7 @@ class KeyEvents:
                 heard = clock()
                 while True:
                     message = await pubsub.get_message(timeout=READ_WAIT)
+                    stop_if_cancelled()
                     if self.lost:
                         self.lost = False
                         doubt_all()
@@ -108,6 +121,7 @@ class KeyEvents:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any loss of the connection: reconnect
+                stop_if_cancelled()
                 if self.connected:
                     log.warning("key change listener lost Redis (%s); reconnecting, then reading every cached key again",
                                 type(exc).__name__)
