@@ -167,19 +167,17 @@ class PrefixAffinity:
                     lru[h] = child if mark is None else SHARED
             child = h
         capacity = self._capacity.get(replica.name, self.params.lru_blocks)
+        if len(lru) <= capacity:
+            return
         kept = int(capacity * self.params.evicted)
-        if len(lru) > capacity and kept:
-            evicted = self.evicted.get(replica.name)
-            if evicted is None:
-                evicted = self.evicted[replica.name] = OrderedDict()
-            while len(lru) > capacity:
-                h = lru.popitem(last=False)[0]
+        evicted = self.evicted.setdefault(replica.name, OrderedDict()) if kept else None
+        while len(lru) > capacity:
+            h = lru.popitem(last=False)[0]
+            if evicted is not None:
                 evicted[h] = None
                 evicted.move_to_end(h)
-            while len(evicted) > kept:
-                evicted.popitem(last=False)
-        while len(lru) > capacity:
-            lru.popitem(last=False)
+        while evicted is not None and len(evicted) > kept:
+            evicted.popitem(last=False)
 
     def _observe(self, replica: Candidate, vllm: VLLMStats | None) -> None:
         """Fit the replica's LRU to its cache size, and forget it when its vLLM restarted: a new server's
